@@ -1,0 +1,103 @@
+"""The planner's view of a canonical model: nodes in topological order and typed tensors.
+
+Built from an ONNX model whose shapes are all static (see ``load.canonicalize``).
+Weight data is never needed here: a parameter's size comes from its dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .errors import ModelError
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    is_param: bool = False
+
+    @property
+    def size(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op_type: str
+    domain: str
+    inputs: tuple[str, ...]   # "" marks an omitted optional input
+    outputs: tuple[str, ...]
+    attrs: dict = field(hash=False, compare=False)
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    tensors: dict[str, TensorInfo]
+    inputs: list[str]          # graph inputs that are not parameters
+    outputs: list[str]
+
+    def producers(self) -> dict[str, int]:
+        """Tensor name → index of the node that produces it."""
+        return {out: i for i, node in enumerate(self.nodes) for out in node.outputs if out}
+
+    def consumers(self) -> dict[str, list[int]]:
+        """Tensor name → indices of the nodes that read it (in order, no duplicates)."""
+        found: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            for name in dict.fromkeys(node.inputs):
+                if name:
+                    found.setdefault(name, []).append(i)
+        return found
+
+    def params_of(self, index: int) -> list[str]:
+        return [n for n in dict.fromkeys(self.nodes[index].inputs) if n and self.tensors[n].is_param]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values() if t.is_param)
+
+
+def _dtype(elem_type: int, name: str) -> np.dtype:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError) as exc:
+        raise ModelError(f"tensor '{name}' has an unsupported element type {elem_type}") from exc
+
+
+def _value_info(value: onnx.ValueInfoProto) -> TensorInfo:
+    tensor_type = value.type.tensor_type
+    shape = tuple(d.dim_value for d in tensor_type.shape.dim)
+    return TensorInfo(value.name, shape, _dtype(tensor_type.elem_type, value.name))
+
+
+def build_graph(model: onnx.ModelProto) -> Graph:
+    """Graph of a canonical model (static shapes everywhere, nodes topologically sorted)."""
+    g = model.graph
+    tensors: dict[str, TensorInfo] = {}
+    for init in g.initializer:
+        tensors[init.name] = TensorInfo(init.name, tuple(init.dims), _dtype(init.data_type, init.name), True)
+    for value in list(g.input) + list(g.value_info) + list(g.output):
+        if value.name not in tensors and value.type.HasField("tensor_type"):
+            tensors[value.name] = _value_info(value)
+    nodes = []
+    for node in g.node:
+        for out in node.output:
+            if out and out not in tensors:
+                raise ModelError(f"tensor '{out}' of node '{node.name}' has no inferred type")
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        nodes.append(Node(node.name, node.op_type, node.domain or "", tuple(node.input), tuple(node.output), attrs))
+    inputs = [v.name for v in g.input if not tensors[v.name].is_param]
+    return Graph(nodes=nodes, tensors=tensors, inputs=inputs, outputs=[v.name for v in g.output])
