@@ -1,0 +1,62 @@
+"""Write one ONNX program per device: each stage's subgraph, cut from the canonical model
+with onnx's own extractor, carrying only the weights that stage uses.
+
+Boundary tensors become the program's inputs and outputs. Programs whose weights exceed
+``external_threshold`` bytes keep them in an external data file beside the program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import onnx
+from onnx import external_data_helper
+
+from .load import set_ir_version
+from .plan import Plan, Program
+
+EXTERNAL_THRESHOLD = 256 * 1024 * 1024
+
+
+def program_name(rank: int) -> str:
+    return f"rank{rank}.onnx"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, external_threshold: int = EXTERNAL_THRESHOLD) -> None:
+    """Write every rank's program into ``out_dir`` and record them in ``plan.programs``."""
+    canonical = onnx.load(str(canonical_path), load_external_data=False)
+    extractor = onnx.utils.Extractor(canonical)
+    base_dir = str(canonical_path.parent)
+    programs = []
+    for stage in plan.stages:
+        program = extractor.extract_model(stage.inputs, stage.outputs)
+        program.graph.name = f"stage{stage.index}"
+        external_data_helper.load_external_data_for_model(program, base_dir)
+        set_ir_version(program)
+        weight_bytes = sum(len(t.raw_data) for t in program.graph.initializer)
+        for rank in stage.devices:
+            name = program_name(rank)
+            path = out_dir / name
+            data_files = []
+            if weight_bytes > external_threshold:
+                data_name = name + ".data"
+                copy = onnx.ModelProto()
+                copy.CopyFrom(program)
+                onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                                location=data_name, size_threshold=1024)
+                data_files.append({"file": data_name, "sha256": file_sha256(out_dir / data_name)})
+            else:
+                onnx.save_model(program, str(path))
+            onnx.checker.check_model(str(path))
+            programs.append(Program(rank=rank, stage=stage.index, file=name, sha256=file_sha256(path),
+                                    data_files=data_files))
+    plan.programs = sorted(programs, key=lambda p: p.rank)

@@ -1,0 +1,169 @@
+"""The plan: a versioned JSON document describing stages, devices, programs and estimates.
+
+``plan.json`` carries a checksum of its own content so that an edited plan is detected
+before anything runs. Reading a plan written by a newer meshplan is a clear error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import PlanError
+
+FORMAT_VERSION = 1
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
+class Stage:
+    index: int
+    operators: list[str]
+    layers: list[int]                 # [first, last + 1]
+    devices: list[int]                # ranks
+    submesh: list[int]                # physical [n, m]
+    logical_mesh: list[int]           # [n, m]
+    inputs: list[str]                 # tensors the stage receives (or reads from the inputs file)
+    outputs: list[str]                # tensors the stage sends on (or that are model outputs)
+    seconds: float
+    memory_bytes: float
+
+
+@dataclass
+class Transfer:
+    """One tensor sent from a stage to a later one, for every microbatch."""
+
+    tensor: str
+    src_stage: int
+    dst_stage: int
+    src_rank: int
+    dst_rank: int
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
+class Program:
+    rank: int
+    stage: int
+    file: str
+    sha256: str
+    data_files: list[dict] = field(default_factory=list)   # [{"file", "sha256"}] external weights
+
+
+@dataclass
+class Plan:
+    model: dict                       # {"path", "sha256", "dims"}
+    cluster: dict
+    microbatches: int
+    batch: dict                       # {"dim": name or None, "size": int, "microbatch_size": int}
+    inputs: list[TensorSpec]          # full-batch model inputs
+    outputs: list[TensorSpec]         # full-batch model outputs
+    stages: list[Stage]
+    transfers: list[Transfer]
+    programs: list[Program]
+    estimate: dict
+    solver: dict
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_ranks(self) -> int:
+        return sum(len(s.devices) for s in self.stages)
+
+    @property
+    def model_sha256(self) -> str:
+        return self.model["sha256"]
+
+    def stage_of_rank(self, rank: int) -> Stage:
+        for stage in self.stages:
+            if rank in stage.devices:
+                return stage
+        raise PlanError(f"rank {rank} has no stage in the plan")
+
+    def program_of_rank(self, rank: int) -> Program:
+        for program in self.programs:
+            if program.rank == rank:
+                return program
+        raise PlanError(f"rank {rank} has no program in the plan")
+
+    def to_dict(self) -> dict:
+        body = asdict(self)
+        body = {"format_version": body.pop("format_version"), "model_sha256": self.model_sha256, **body}
+        body["checksum"] = _checksum(body)
+        return body
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        version = data.get("format_version")
+        if not isinstance(version, int):
+            raise PlanError("plan.json has no format_version")
+        if version > FORMAT_VERSION:
+            raise PlanError(
+                f"plan format {version} is newer than this meshplan understands ({FORMAT_VERSION})",
+                hint="upgrade meshplan or re-plan",
+            )
+        if data.get("checksum") != _checksum({k: v for k, v in data.items() if k != "checksum"}):
+            raise PlanError("plan.json was changed after planning (checksum mismatch)", hint="re-run meshplan plan")
+        try:
+            return cls(
+                model=data["model"], cluster=data["cluster"], microbatches=data["microbatches"],
+                batch=data["batch"],
+                inputs=[TensorSpec(**t) for t in data["inputs"]],
+                outputs=[TensorSpec(**t) for t in data["outputs"]],
+                stages=[Stage(**s) for s in data["stages"]],
+                transfers=[Transfer(**t) for t in data["transfers"]],
+                programs=[Program(**p) for p in data["programs"]],
+                estimate=data["estimate"], solver=data["solver"], format_version=version,
+            )
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"plan.json is malformed ({exc})") from None
+
+
+def _checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file through a temporary sibling and a rename, so readers never see half of it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_plan(plan: Plan, directory: Path) -> Path:
+    path = Path(directory) / PLAN_FILE
+    atomic_write_bytes(path, (json.dumps(plan.to_dict(), indent=1) + "\n").encode())
+    return path
+
+
+def read_plan(directory: str | os.PathLike) -> Plan:
+    directory = Path(directory)
+    path = directory / PLAN_FILE
+    if not directory.is_dir():
+        raise PlanError(f"plan directory not found: {directory}")
+    if not path.is_file():
+        raise PlanError(f"no {PLAN_FILE} in {directory}", hint="create one with meshplan plan")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{path} is not a plan")
+    return Plan.from_dict(data)

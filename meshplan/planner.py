@@ -1,0 +1,182 @@
+"""The inter-operator pass: layers → stage DP → stages on physical devices.
+
+Produces a ``Plan`` (without its programs, which ``emit`` writes and fills in).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import Cluster
+from .costmodel import CostModel
+from .errors import PlanError
+from .graph import Graph
+from .layers import cluster_layers
+from .plan import Plan, Stage, TensorSpec, Transfer
+from .stage_cost import StageCosts, logical_meshes, submesh_shapes
+from .stage_dp import solve_stages
+
+OUTPUT_COLLECTOR = -1   # dst_stage of a transfer that brings a model output to rank 0
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    microbatches: int = 1
+    num_layers: int | None = None      # default: enough for every device, at most 32
+
+
+def default_num_layers(graph: Graph, cluster: Cluster) -> int:
+    return min(len(graph.nodes), max(32, 2 * cluster.num_devices))
+
+
+def plan_pipeline(
+    graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
+    full_inputs: list[TensorSpec], full_outputs: list[TensorSpec],
+) -> Plan:
+    started = time.perf_counter()
+    cost_model = CostModel(cluster)
+    node_seconds = cost_model.graph_seconds(graph)
+    num_layers = options.num_layers or default_num_layers(graph, cluster)
+    if num_layers < cluster.num_devices:
+        raise PlanError(
+            f"{num_layers} layers cannot fill {cluster.num_devices} devices with one device per stage",
+            hint="use a smaller --mesh or more --layers",
+        )
+    layering = cluster_layers(graph, node_seconds, num_layers)
+    if layering.num_layers < cluster.num_devices:
+        raise PlanError(
+            f"the model has only {layering.num_layers} operators to split, fewer than the "
+            f"{cluster.num_devices} devices of mesh {cluster.hosts}x{cluster.devices_per_host}",
+            hint="use a smaller --mesh",
+        )
+    costs = StageCosts(graph, layering, node_seconds, cost_model)
+    submeshes = submesh_shapes(cluster)
+    seconds, params, acts = costs.tables(submeshes)
+    sizes = np.array([n * m for n, m in submeshes])
+    dp_started = time.perf_counter()
+    solution = solve_stages(
+        seconds, params, acts, cluster.device.memory_bytes, sizes, cluster.num_devices, options.microbatches
+    )
+    dp_seconds = time.perf_counter() - dp_started
+
+    placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster)
+    stages = []
+    for index, (choice, devices) in enumerate(zip(solution.stages, placement)):
+        start, stop = layering.bounds[choice.start], layering.bounds[choice.stop]
+        cost = costs.stage_cost(choice.start, choice.stop, submeshes[choice.submesh],
+                                logical_meshes(submeshes[choice.submesh])[choice.logical])
+        stages.append(Stage(
+            index=index, operators=[graph.nodes[i].name for i in range(start, stop)],
+            layers=[choice.start, choice.stop], devices=devices,
+            submesh=list(submeshes[choice.submesh]),
+            logical_mesh=list(logical_meshes(submeshes[choice.submesh])[choice.logical]),
+            inputs=[], outputs=[], seconds=float(choice.seconds),
+            memory_bytes=float(cost.param_bytes + cost.act_bytes),
+        ))
+    node_stage = np.empty(len(graph.nodes), dtype=np.int64)
+    for stage in stages:
+        node_stage[layering.bounds[stage.layers[0]]:layering.bounds[stage.layers[1]]] = stage.index
+    transfers = _connect_stages(graph, stages, node_stage)
+
+    stage_seconds = [s.seconds for s in stages]
+    latency = sum(stage_seconds) + (options.microbatches - 1) * max(stage_seconds)
+    memory = [0.0] * cluster.num_devices
+    for stage in stages:
+        for rank in stage.devices:
+            memory[rank] = stage.memory_bytes
+    estimate = {
+        "stage_seconds": stage_seconds,
+        "latency_seconds": latency,
+        "throughput_per_second": batch["size"] / latency if latency > 0 else float("inf"),
+        "memory_bytes_per_device": memory,
+        "cost_model": "analytic",
+    }
+    solver = {
+        "seconds": time.perf_counter() - started,
+        "stage_dp_seconds": dp_seconds,
+        "nodes": len(graph.nodes),
+        "layers": layering.num_layers,
+        "submeshes": [list(s) for s in submeshes],
+        "tmax_candidates": solution.tmax_candidates,
+        "stages": len(stages),
+    }
+    return Plan(
+        model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
+        inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=transfers, programs=[],
+        estimate=estimate, solver=solver,
+    )
+
+
+def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster) -> list[list[int]]:
+    """Give each stage concrete ranks, in stage order, first fit: whole hosts for (n, M)
+    shapes, a contiguous run inside one host for (1, m) shapes."""
+    per_host = cluster.devices_per_host
+    free = [[True] * per_host for _ in range(cluster.hosts)]
+    placed = []
+    for n, m in shapes:
+        ranks = None
+        if n == 1:
+            for host in range(cluster.hosts):
+                for first in range(0, per_host - m + 1):
+                    if all(free[host][first:first + m]):
+                        ranks = [host * per_host + d for d in range(first, first + m)]
+                        break
+                if ranks:
+                    break
+        else:
+            for host in range(cluster.hosts - n + 1):
+                if all(all(free[h]) for h in range(host, host + n)):
+                    ranks = [h * per_host + d for h in range(host, host + n) for d in range(per_host)]
+                    break
+        if ranks is None:
+            raise PlanError(f"cannot place a {n}x{m} stage on the {cluster.hosts}x{per_host} mesh")
+        for rank in ranks:
+            free[rank // per_host][rank % per_host] = False
+        placed.append(ranks)
+    return placed
+
+
+def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray) -> list[Transfer]:
+    """Fill each stage's inputs and outputs, and list the tensors sent between stages."""
+    producers = graph.producers()
+    inputs = set(graph.inputs)
+    transfers: list[Transfer] = []
+    sent: set[tuple[str, int]] = set()
+    for stage in stages:
+        first, last = node_stage.searchsorted(stage.index), node_stage.searchsorted(stage.index, "right")
+        needed = []
+        for i in range(first, last):
+            for name in graph.nodes[i].inputs:
+                if not name or graph.tensors[name].is_param or name in needed:
+                    continue
+                if name in inputs:
+                    needed.append(name)
+                elif node_stage[producers[name]] != stage.index:
+                    needed.append(name)
+        stage.inputs = needed
+    for stage in stages:
+        for name in stage.inputs:
+            if name in inputs:
+                continue
+            src = stages[node_stage[producers[name]]]
+            if name not in src.outputs:
+                src.outputs.append(name)
+            if (name, stage.index) not in sent:
+                sent.add((name, stage.index))
+                transfers.append(_transfer(graph, name, src, stage.index, stage.devices[0]))
+    for name in graph.outputs:
+        if name not in producers:
+            raise PlanError(f"model output '{name}' is not computed by any operator")
+        src = stages[node_stage[producers[name]]]
+        if name not in src.outputs:
+            src.outputs.append(name)
+        transfers.append(_transfer(graph, name, src, OUTPUT_COLLECTOR, 0))
+    return transfers
+
+
+def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:
+    info = graph.tensors[name]
+    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, list(info.shape), info.dtype.name)

@@ -1,0 +1,106 @@
+"""Reports for people: a short text summary of a plan, and its pipeline timeline as SVG.
+
+The SVG is written by hand (no plotting dependency): one row per stage, one box per
+microbatch at its estimated start time under fill-drain scheduling, so the pipeline
+bubble shows as the empty space at the start and end of each row.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from .plan import Plan
+
+TIMELINE_FILE = "timeline.svg"
+
+_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def fill_drain_schedule(stage_seconds: list[float], microbatches: int) -> list[list[tuple[float, float]]]:
+    """(start, end) of every microbatch on every stage when each stage starts a microbatch
+    as soon as it has finished the previous one and the previous stage has finished this one."""
+    rows: list[list[tuple[float, float]]] = []
+    for s, seconds in enumerate(stage_seconds):
+        row = []
+        free = 0.0
+        for mb in range(microbatches):
+            ready = rows[s - 1][mb][1] if s else 0.0
+            start = max(free, ready)
+            row.append((start, start + seconds))
+            free = start + seconds
+        rows.append(row)
+    return rows
+
+
+def text_report(plan: Plan) -> str:
+    mesh = plan.cluster["mesh"]
+    est = plan.estimate
+    lines = [
+        f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}, "
+        f"{plan.microbatches} microbatch(es) of {plan.batch['microbatch_size']}",
+        f"{'stage':>5}  {'devices':<12} {'layers':<9} {'ops':>5}  {'time/mb':>11}  {'memory/dev':>11}",
+    ]
+    for stage in plan.stages:
+        devices = ",".join(str(d) for d in stage.devices)
+        layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
+        lines.append(
+            f"{stage.index:>5}  {devices:<12} {layers:<9} {len(stage.operators):>5}  "
+            f"{human_seconds(stage.seconds):>11}  {human_bytes(stage.memory_bytes):>11}"
+        )
+    lines.append(
+        f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
+        f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs); "
+        f"planned in {plan.solver['seconds']:.2f} s"
+    )
+    return "\n".join(lines)
+
+
+def render_timeline(plan: Plan) -> str:
+    rows = fill_drain_schedule([s.seconds for s in plan.stages], plan.microbatches)
+    total = max((row[-1][1] for row in rows), default=0.0) or 1.0
+    left, top, row_h, width = 120, 40, 34, 900
+    height = top + row_h * len(rows) + 50
+    scale = width / total
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="20" font-size="14">estimated pipeline: {len(rows)} stage(s), '
+        f'{plan.microbatches} microbatch(es), {escape(human_seconds(total))} per batch</text>',
+    ]
+    for s, row in enumerate(rows):
+        y = top + s * row_h
+        devices = ",".join(str(d) for d in plan.stages[s].devices)
+        parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{escape(devices)}]</text>')
+        parts.append(f'<rect x="{left}" y="{y + 3}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
+        for mb, (start, end) in enumerate(row):
+            x, w = left + start * scale, max((end - start) * scale, 0.5)
+            colour = _COLOURS[mb % len(_COLOURS)]
+            parts.append(
+                f'<rect x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" fill="{colour}" stroke="white">'
+                f'<title>stage {s}, microbatch {mb}: {escape(human_seconds(start))} – {escape(human_seconds(end))}</title></rect>'
+            )
+            if w > 18:
+                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h * 0.6:.1f}" text-anchor="middle" fill="white">{mb}</text>')
+    axis_y = top + row_h * len(rows) + 15
+    parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + width}" y2="{axis_y}" stroke="black"/>')
+    for tick in range(6):
+        x = left + width * tick / 5
+        parts.append(f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle">{escape(human_seconds(total * tick / 5))}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,123 @@
+"""Cost of one pipeline stage (a range of layers) on one submesh under one logical mesh.
+
+``StageCosts.stage_cost`` is the single question the stage DP asks. Today a stage runs
+on one device: its time is the sum of its operators' times plus sending its outputs on,
+and submeshes of more than one device are infeasible. The intra-operator pass (sharding
+a stage over its submesh) answers the same question for larger submeshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cluster import Cluster
+from .costmodel import CostModel
+from .graph import Graph
+from .layers import Layering
+
+
+@dataclass(frozen=True)
+class StageCost:
+    seconds: float          # one microbatch through the stage
+    param_bytes: float      # bytes per device held for the whole run
+    act_bytes: float        # activation bytes per device per microbatch in flight
+
+
+INFEASIBLE = StageCost(np.inf, np.inf, np.inf)
+
+
+def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
+    """(1,1), (1,2), (1,4) … (1,M), then (2,M) … (N,M): shapes that always tile the mesh."""
+    per_host = cluster.devices_per_host
+    shapes = []
+    width = 1
+    while width < per_host:
+        shapes.append((1, width))
+        width *= 2
+    shapes.append((1, per_host))
+    shapes.extend((hosts, per_host) for hosts in range(2, cluster.hosts + 1))
+    return shapes
+
+
+def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
+    """Views of a physical submesh: as itself, flattened to 1×n, and n×1."""
+    n, m = submesh
+    views = [(n, m), (1, n * m), (n * m, 1)]
+    return list(dict.fromkeys(views))
+
+
+class StageCosts:
+    """Per-layer statistics of a layered graph, and stage costs built from them."""
+
+    def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModel):
+        self.graph = graph
+        self.layering = layering
+        self.cost_model = cost_model
+        bounds = np.asarray(layering.bounds)
+        self.num_layers = layering.num_layers
+        seconds = np.asarray(node_seconds, dtype=np.float64)
+        self._seconds_prefix = np.concatenate([[0.0], np.cumsum(seconds)])[bounds]
+        self._cut_bytes = layering.cut_bytes[bounds]
+        owner = layering.layer_of_node()
+        # Parameter use per layer, so that a range's weights count each tensor once.
+        params = sorted({p for i in range(len(graph.nodes)) for p in graph.params_of(i)})
+        index = {p: k for k, p in enumerate(params)}
+        uses = np.zeros((len(params), self.num_layers + 1), dtype=np.int32)
+        for i in range(len(graph.nodes)):
+            for p in graph.params_of(i):
+                uses[index[p], owner[i] + 1] = 1
+        self._param_uses = np.cumsum(uses, axis=1)
+        self._param_sizes = np.array([graph.tensors[p].nbytes for p in params], dtype=np.float64)
+        self._layer_peak = self._peak_activation_per_layer(owner)
+
+    def _peak_activation_per_layer(self, owner: np.ndarray) -> np.ndarray:
+        """A simple liveness bound per layer: the largest sum of one node's inputs and outputs."""
+        peak = np.zeros(self.num_layers)
+        tensors = self.graph.tensors
+        for i, node in enumerate(self.graph.nodes):
+            live = sum(tensors[n].nbytes for n in set(node.inputs) | set(node.outputs) if n and not tensors[n].is_param)
+            peak[owner[i]] = max(peak[owner[i]], live)
+        return peak
+
+    def compute_seconds(self, start: int, stop: int) -> float:
+        """Seconds of layers start..stop-1 on one device."""
+        return float(self._seconds_prefix[stop] - self._seconds_prefix[start])
+
+    def param_bytes(self, start: int, stop: int) -> float:
+        used = (self._param_uses[:, stop] - self._param_uses[:, start]) > 0
+        return float(self._param_sizes[used].sum())
+
+    def boundary_bytes(self, stop: int) -> float:
+        """Activation bytes leaving a stage that ends before layer ``stop``."""
+        return float(self._cut_bytes[stop])
+
+    def stage_cost(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int]) -> StageCost:
+        if submesh != (1, 1):
+            return INFEASIBLE
+        send = self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop)) if stop < self.num_layers else 0.0
+        activations = float(self._layer_peak[start:stop].max()) + float(self._cut_bytes[start])
+        return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop), activations)
+
+    def tables(self, submeshes: list[tuple[int, int]]):
+        """Arrays (L, L, S, K) of seconds, parameter bytes and activation bytes for the DP.
+
+        Entry [i, j, s, k] is the stage of layers i..j inclusive on submesh s under its
+        k-th logical mesh; K is the largest number of views of any submesh (missing views
+        are infeasible).
+        """
+        views = [logical_meshes(s) for s in submeshes]
+        shape = (self.num_layers, self.num_layers, len(submeshes), max(len(v) for v in views))
+        seconds = np.full(shape, np.inf)
+        params = np.full(shape, np.inf)
+        acts = np.full(shape, np.inf)
+        for s, submesh in enumerate(submeshes):
+            for k, logical in enumerate(views[s]):
+                for i in range(self.num_layers):
+                    for j in range(i, self.num_layers):
+                        cost = self.stage_cost(i, j + 1, submesh, logical)
+                        seconds[i, j, s, k] = cost.seconds
+                        params[i, j, s, k] = cost.param_bytes
+                        acts[i, j, s, k] = cost.act_bytes
+        return seconds, params, acts

@@ -1,0 +1,36 @@
+"""Sample ONNX models for meshplan, generated with ``onnx.helper`` and numpy only.
+
+``python -m sample_models`` rewrites the committed files ``mlp.onnx``, ``gpt.onnx``
+and ``resnet.onnx`` next to this module; generation is deterministic, so the files
+are byte-identical to what :data:`SAMPLES` entries rebuild in memory.
+"""
+
+from .gpt import make_gpt
+from .inputs import gather_index_bound, random_inputs, resolve_shape
+from .mlp import make_mlp
+from .registry import (
+    SAMPLE_DIR,
+    SAMPLES,
+    SampleModel,
+    get_sample,
+    make_inputs,
+    stale_samples,
+    write_samples,
+)
+from .resnet import make_resnet
+
+__all__ = [
+    "SAMPLE_DIR",
+    "SAMPLES",
+    "SampleModel",
+    "gather_index_bound",
+    "get_sample",
+    "make_gpt",
+    "make_inputs",
+    "make_mlp",
+    "make_resnet",
+    "random_inputs",
+    "resolve_shape",
+    "stale_samples",
+    "write_samples",
+]
