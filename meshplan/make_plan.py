@@ -51,7 +51,7 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
                 "--microbatches needs a symbolic batch dimension at axis 0 of the model's inputs; this model has none",
                 hint="use --microbatches 1",
             )
-        return {"dim": None, "size": size, "microbatch_size": size}, dict(dims)
+        return {"dim": None, "size": size, "microbatch_size": size, "batched_inputs": []}, dict(dims)
     size = dims[batch_dim]
     if size % microbatches:
         raise PlanError(f"batch dimension {batch_dim!r} = {size} is not divisible by --microbatches {microbatches}")
@@ -69,7 +69,9 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
                 )
     program_dims = dict(dims)
     program_dims[batch_dim] = size // microbatches
-    return {"dim": batch_dim, "size": size, "microbatch_size": size // microbatches}, program_dims
+    batched = [v.name for v in inputs if v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_param == batch_dim]
+    layout = {"dim": batch_dim, "size": size, "microbatch_size": size // microbatches, "batched_inputs": batched}
+    return layout, program_dims
 
 
 def _full_specs(model: onnx.ModelProto, graph_tensors, names, batch: dict, microbatches: int) -> list[TensorSpec]:

@@ -1,0 +1,69 @@
+"""Run every rank's program in one process, with an in-memory stand-in for MPI, and
+compare with onnxruntime on the original, unpartitioned model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import PlanError
+from ..load import model_sha256
+from ..plan import Plan
+from .sessions import StageSession, check_program_files, providers_for
+from .tensors import join_microbatches, split_microbatches
+
+
+def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], provider: str = "cpu") -> dict[str, np.ndarray]:
+    """Execute the plan's stages in order for every microbatch; tensors pass through a dict."""
+    providers = providers_for(provider)
+    sessions = {}
+    for stage in plan.stages:
+        program = plan.program_of_rank(stage.devices[0])
+        sessions[stage.index] = StageSession(check_program_files(plan, plan_dir, program), providers)
+    outputs = []
+    for feeds in split_microbatches(inputs, plan):
+        values = dict(feeds)
+        for stage in plan.stages:
+            values.update(sessions[stage.index].run({name: values[name] for name in stage.inputs}))
+        outputs.append({spec.name: values[spec.name] for spec in plan.outputs})
+    return join_microbatches(outputs, plan)
+
+
+def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str | Path | None = None,
+                      provider: str = "cpu") -> dict[str, np.ndarray]:
+    """onnxruntime on the original model file (checked against the plan's model hash)."""
+    path = Path(model_path or plan.model["path"])
+    if not path.is_file():
+        raise PlanError(f"the planned model {path} is not there", hint="pass its new location with --model")
+    if model_sha256(path) != plan.model_sha256:
+        raise PlanError(f"model {path} was changed after planning (sha256 mismatch)", hint="re-run meshplan plan")
+    session = StageSession(path, providers_for(provider))
+    return session.run(inputs)
+
+
+@dataclass
+class Comparison:
+    name: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray],
+                    rtol: float = 1e-3, atol: float = 1e-4) -> list[Comparison]:
+    """Per output: worst absolute and relative error, and whether allclose(rtol, atol) holds."""
+    results = []
+    for name, want in expected.items():
+        got = actual.get(name)
+        if got is None or got.shape != want.shape:
+            results.append(Comparison(name, float("inf"), float("inf"), False))
+            continue
+        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        max_abs = float(diff.max()) if diff.size else 0.0
+        rel = diff / np.maximum(np.abs(want.astype(np.float64)), 1e-12)
+        max_rel = float(rel.max()) if rel.size else 0.0
+        ok = bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
+        results.append(Comparison(name, max_abs, max_rel, ok))
+    return results

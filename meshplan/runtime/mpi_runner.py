@@ -1,0 +1,223 @@
+"""The per-rank executor under mpiexec.
+
+Each rank loads its own program, receives its stage's boundary tensors for every
+microbatch, runs them in order (fill-drain) and sends its outputs on, all with
+mpi4py's buffer-based point-to-point calls (never pickled objects). Rank 0 also
+collects the model outputs and writes them once.
+
+Failure handling: start-up checks (plan, rank count, files, inputs) run on every rank
+and the ranks agree on the outcome with one Allreduce, so all of them exit 1 and the
+lowest failing rank reports; a failure after that aborts the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MeshplanError, RunError
+from ..plan import Plan, read_plan
+from ..planner import OUTPUT_COLLECTOR
+from .sessions import StageSession, check_program_files, providers_for
+from .tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
+
+
+class ReportedElsewhere(MeshplanError):
+    """Start-up failed on another rank, which reports it; this rank only exits 1."""
+
+
+class JobFailure(RunError):
+    """A rank failed after start-up: the whole job must be aborted."""
+
+
+@dataclass
+class RunReport:
+    ranks: int
+    provider: str
+    transfer_path: str
+    latencies: list[float]
+    estimate_seconds: float
+    batch_size: int
+    trace_events: list[dict] = field(default_factory=list)
+
+    @property
+    def median_latency(self) -> float:
+        return statistics.median(self.latencies)
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI, MPI.COMM_WORLD
+
+
+def abort_job(code: int = 1) -> None:
+    """End every rank of the job (after a rank has reported its failure)."""
+    MPI, comm = _world()
+    comm.Abort(code)
+
+
+def _agree(comm, MPI, error: MeshplanError | None) -> None:
+    """All ranks learn whether any failed; the lowest failing rank raises its own error."""
+    flag = np.array([comm.rank if error is not None else comm.size], dtype=np.int64)
+    first = np.empty_like(flag)
+    comm.Allreduce(flag, first, op=MPI.MIN)
+    if first[0] == comm.size:
+        return
+    if error is not None and first[0] == comm.rank:
+        raise error
+    raise ReportedElsewhere("start-up failed on another rank")
+
+
+def _wait(requests, MPI) -> None:
+    """Wait without spinning hard, so ranks that share cores leave them to the ones computing."""
+    if not requests:
+        return
+    pause = 2e-6
+    while not MPI.Request.Testall(requests):
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def _threads_per_rank(comm, MPI) -> int:
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    count = local.size
+    local.Free()
+    return max(1, (os.cpu_count() or 1) // count)
+
+
+def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider: str, comm, MPI):
+    plan = read_plan(plan_dir)
+    if comm.size != plan.num_ranks:
+        raise RunError(
+            f"the plan needs {plan.num_ranks} ranks but the job has {comm.size}",
+            hint=f"start it as mpiexec -n {plan.num_ranks} meshplan run ...",
+        )
+    program = plan.program_of_rank(comm.rank)
+    path = check_program_files(plan, plan_dir, program)
+    inputs = read_inputs(inputs_path, plan)
+    if comm.rank == 0 and output_path is not None:
+        if output_path.suffix != ".npz":
+            raise RunError(f"output file must end in .npz: {output_path}")
+        if not output_path.parent.is_dir():
+            raise RunError(f"output directory does not exist: {output_path.parent}")
+    session = StageSession(path, providers_for(provider), threads=_threads_per_rank(comm, MPI))
+    return plan, session, split_microbatches(inputs, plan)
+
+
+def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | Path | None,
+             repeat: int = 1, provider: str = "auto") -> RunReport | None:
+    """Run this rank's part of the plan; rank 0 returns the report, the others None."""
+    MPI, comm = _world()
+    plan_dir, inputs_path = Path(plan_dir), Path(inputs_path)
+    output_path = Path(output_path) if output_path else None
+    error = None
+    try:
+        if repeat < 1:
+            raise RunError(f"--repeat must be at least 1, got {repeat}")
+        plan, session, micro_inputs = _start(plan_dir, inputs_path, output_path, provider, comm, MPI)
+    except MeshplanError as exc:
+        error = exc
+    _agree(comm, MPI, error)
+    try:
+        return _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI)
+    except Exception as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise JobFailure(f"rank {comm.rank} failed: {text}") from exc
+
+
+def _run_started(plan: Plan, session: StageSession, micro_inputs, output_path, repeat, comm, MPI):
+    rank = comm.rank
+    stage = plan.stage_of_rank(rank)
+    B = plan.microbatches
+    incoming = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.src_rank != rank]
+    outgoing = [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank and t.dst_rank != rank]
+    local_outputs = [t for t in plan.transfers if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank]
+    trace: list[dict] = []
+    latencies = []
+    results: list[dict[str, np.ndarray]] = []
+    for iteration in range(repeat):
+        comm.Barrier()
+        origin = MPI.Wtime()
+        buffers = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming for mb in range(B)}
+        requests = {key: comm.Irecv(buf, source=plan.transfers[key[0]].src_rank, tag=key[0])
+                    for key, buf in buffers.items()}
+        sends = []
+        results = [dict() for _ in range(B)]
+        for mb in range(B):
+            feeds = {}
+            waited = MPI.Wtime()
+            mine = [requests[(i, mb)] for i, t in incoming if t.dst_stage == stage.index]
+            _wait(mine, MPI)
+            for i, t in incoming:
+                if t.dst_stage == stage.index:
+                    feeds[t.tensor] = buffers[(i, mb)]
+            for name in stage.inputs:
+                if name not in feeds:
+                    feeds[name] = micro_inputs[mb][name]
+            started = MPI.Wtime()
+            outs = session.run(feeds)
+            finished = MPI.Wtime()
+            if iteration == repeat - 1:
+                if started - waited > 1e-5:
+                    trace.append(_event("wait", rank, waited - origin, started - waited, mb))
+                trace.append(_event(f"stage {stage.index}", rank, started - origin, finished - started, mb))
+            for i, t in outgoing:
+                sends.append(comm.Isend(np.ascontiguousarray(outs[t.tensor]), dest=t.dst_rank, tag=i))
+            for t in local_outputs:
+                results[mb][t.tensor] = outs[t.tensor]
+        collected = [requests[(i, mb)] for i, t in incoming if t.dst_stage == OUTPUT_COLLECTOR for mb in range(B)]
+        _wait(collected + sends, MPI)
+        for i, t in incoming:
+            if t.dst_stage == OUTPUT_COLLECTOR:
+                for mb in range(B):
+                    results[mb][t.tensor] = buffers[(i, mb)]
+        comm.Barrier()
+        latencies.append(MPI.Wtime() - origin)
+    events = _gather_trace(trace, comm, MPI)
+    if rank != 0:
+        return None
+    if output_path is not None:
+        write_outputs(output_path, join_microbatches(results, plan))
+    return RunReport(
+        ranks=comm.size, provider=session.providers[0], transfer_path="host memory (mpi4py buffers)",
+        latencies=latencies, estimate_seconds=plan.estimate["latency_seconds"],
+        batch_size=plan.batch["size"], trace_events=events,
+    )
+
+
+def _event(name: str, rank: int, start: float, duration: float, mb: int) -> dict:
+    return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6,
+            "args": {"microbatch": mb}}
+
+
+def _gather_trace(events: list[dict], comm, MPI) -> list[dict]:
+    """Collect every rank's events on rank 0 as bytes (Gatherv on a byte buffer)."""
+    payload = np.frombuffer(json.dumps(events).encode(), dtype=np.uint8)
+    counts = np.zeros(comm.size, dtype=np.int64) if comm.rank == 0 else None
+    comm.Gather(np.array([len(payload)], dtype=np.int64), counts, root=0)
+    if comm.rank == 0:
+        received = np.empty(int(counts.sum()), dtype=np.uint8)
+        comm.Gatherv(payload, [received, counts, MPI.BYTE], root=0)
+        merged, offset = [], 0
+        for count in counts:
+            merged.extend(json.loads(received[offset:offset + count].tobytes() or b"[]"))
+            offset += count
+        return merged
+    comm.Gatherv(payload, None, root=0)
+    return []
+
+
+def write_trace(path: str | Path, events: list[dict], ranks: int) -> None:
+    """Chrome trace format (opens in Perfetto or chrome://tracing); one process per rank."""
+    from ..plan import atomic_write_bytes
+
+    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(ranks)]
+    body = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+    atomic_write_bytes(Path(path), json.dumps(body).encode())

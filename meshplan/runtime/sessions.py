@@ -1,0 +1,89 @@
+"""onnxruntime sessions for a plan's programs: provider choice and integrity checks."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from ..emit import file_sha256
+from ..errors import PlanError, RunError
+from ..plan import Plan, Program
+
+PROVIDERS = ("auto", "cuda", "cpu")
+
+
+@lru_cache(maxsize=None)
+def cuda_usable() -> bool:
+    """True when onnxruntime's CUDA provider actually loads (its libraries and a GPU exist)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    probe = helper.make_model(
+        helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
+        opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+    )
+    ort.set_default_logger_severity(4)  # the failed load of the CUDA library logs loudly
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), providers=["CUDAExecutionProvider"])
+        return "CUDAExecutionProvider" in session.get_providers()
+    except Exception:  # any failure to start the provider means: no CUDA here
+        return False
+    finally:
+        ort.set_default_logger_severity(3)
+    del onnx
+
+
+def providers_for(choice: str) -> list[str]:
+    if choice not in PROVIDERS:
+        raise RunError(f"unknown provider {choice!r} (choose from {', '.join(PROVIDERS)})")
+    if choice == "cpu":
+        return ["CPUExecutionProvider"]
+    if cuda_usable():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if choice == "cuda":
+        raise RunError("the CUDA execution provider is not usable here (no GPU or CUDA libraries)")
+    return ["CPUExecutionProvider"]
+
+
+def check_program_files(plan: Plan, plan_dir: Path, program: Program) -> Path:
+    """The program file and its weights exist and are the ones planned (sha256)."""
+    path = plan_dir / program.file
+    if not path.is_file():
+        raise PlanError(f"program {program.file} of rank {program.rank} is missing from {plan_dir}")
+    if file_sha256(path) != program.sha256:
+        raise PlanError(f"program {program.file} was changed after planning (sha256 mismatch)", hint="re-run meshplan plan")
+    for data in program.data_files:
+        data_path = plan_dir / data["file"]
+        if not data_path.is_file() or file_sha256(data_path) != data["sha256"]:
+            raise PlanError(f"weights file {data['file']} is missing or changed since planning", hint="re-run meshplan plan")
+    return path
+
+
+class StageSession:
+    """One rank's program in onnxruntime."""
+
+    def __init__(self, path: Path, providers: list[str], threads: int = 0):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:
+            raise RunError(f"onnxruntime cannot load {path.name}: {str(exc).splitlines()[0][:300]}") from exc
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.providers = self.session.get_providers()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names})
+        return dict(zip(self.output_names, values))

@@ -1,0 +1,65 @@
+"""Input and output files (.npz) of a run, checked against the plan, split into microbatches."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import RunError
+from ..plan import Plan, atomic_write_bytes
+
+
+def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
+    """Read an .npz of model inputs and check names, shapes and dtypes against the plan."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunError(f"inputs file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise RunError(f"cannot read inputs {path}: not a valid .npz file ({str(exc).splitlines()[0][:200]})") from None
+    for spec in plan.inputs:
+        if spec.name not in arrays:
+            raise RunError(f"inputs file {path} has no array '{spec.name}' (the model's inputs: "
+                           f"{', '.join(s.name for s in plan.inputs)})")
+        array = arrays[spec.name]
+        if list(array.shape) != list(spec.shape):
+            raise RunError(f"input '{spec.name}' has shape {list(array.shape)}, the plan expects {spec.shape}")
+        if array.dtype != np.dtype(spec.dtype):
+            raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
+    return {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in plan.inputs}
+
+
+def split_microbatches(inputs: dict[str, np.ndarray], plan: Plan) -> list[dict[str, np.ndarray]]:
+    """The inputs of each microbatch: batched inputs are cut along axis 0, others shared."""
+    count = plan.microbatches
+    if count == 1:
+        return [inputs]
+    size = plan.batch["microbatch_size"]
+    batched = set(plan.batch["batched_inputs"])
+    return [
+        {name: np.ascontiguousarray(a[mb * size:(mb + 1) * size]) if name in batched else a for name, a in inputs.items()}
+        for mb in range(count)
+    ]
+
+
+def join_microbatches(parts: list[dict[str, np.ndarray]], plan: Plan) -> dict[str, np.ndarray]:
+    if len(parts) == 1:
+        return parts[0]
+    return {spec.name: np.concatenate([p[spec.name] for p in parts], axis=0) for spec in plan.outputs}
+
+
+def write_outputs(path: str | Path, outputs: dict[str, np.ndarray]) -> None:
+    """Write the outputs once, atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    if path.suffix != ".npz":
+        raise RunError(f"output file must end in .npz: {path}")
+    if not path.parent.is_dir():
+        raise RunError(f"output directory does not exist: {path.parent}")
+    buffer = io.BytesIO()
+    np.savez(buffer, **outputs)
+    atomic_write_bytes(path, buffer.getvalue())
