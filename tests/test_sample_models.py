@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 
 import sample_models
+from meshplan.errors import ModelError
 from sample_models import SAMPLES, make_inputs, random_inputs, resolve_shape
 
 NAMES = list(SAMPLES)
@@ -97,7 +98,7 @@ def test_gpt_keeps_shape_subcomputations():
 
 
 def test_random_inputs_needs_every_symbolic_dim():
-    with pytest.raises(KeyError, match="seq"):
+    with pytest.raises(ModelError, match="seq"):
         random_inputs(_model("gpt"), {"batch": 2})
 
 

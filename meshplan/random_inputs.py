@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from .errors import ModelError
+
 DEFAULT_INT_HIGH = 10
 
 
@@ -20,10 +22,9 @@ def resolve_shape(value: onnx.ValueInfoProto, dims: Mapping[str, int]) -> tuple[
         elif dim.dim_param in dims:
             shape.append(int(dims[dim.dim_param]))
         elif dim.dim_param:
-            raise KeyError(f"input {value.name!r}: no size given for dimension "
-                           f"{dim.dim_param!r} (dims has {sorted(dims)})")
+            raise ModelError(f"dimension {dim.dim_param!r} of input '{value.name}' is unknown", hint=f"fix it with --dim {dim.dim_param}=INT")
         else:
-            raise KeyError(f"input {value.name!r}: axis {axis} has neither a size nor a name")
+            raise ModelError(f"input '{value.name}': axis {axis} has neither a size nor a name")
     return tuple(shape)
 
 
@@ -71,7 +72,7 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int], seed: int = 0
         elif dtype == np.bool_:
             array = rng.integers(0, 2, shape).astype(np.bool_)
         else:
-            raise TypeError(f"input {value.name!r}: no random generator for dtype {dtype}")
+            raise ModelError(f"input '{value.name}': no random generator for dtype {dtype}")
         feeds[value.name] = array
     return feeds
 
