@@ -1,0 +1,61 @@
+"""Shared helpers: planning a model into a temporary directory, running the CLI, mpiexec."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def meshplan_command() -> list[str]:
+    """The installed console script when there is one, else the module."""
+    script = BIN / "meshplan"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
+
+
+def mpiexec_path() -> str:
+    found = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if not found:
+        raise RuntimeError("mpiexec not found: install the project (make test does) or put an MPI on PATH")
+    return found
+
+
+def run_cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([*meshplan_command(), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def run_mpi(ranks: int, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [mpiexec_path(), "-n", str(ranks), *meshplan_command(), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def load_npz(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as archive:
+        return {k: archive[k] for k in archive.files}
+
+
+def assert_close(actual: dict, expected: dict, rtol: float = 1e-3, atol: float = 1e-4) -> None:
+    assert set(actual) == set(expected)
+    for name, want in expected.items():
+        np.testing.assert_allclose(actual[name], want, rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shared")
