@@ -24,6 +24,7 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, replace
@@ -156,24 +157,28 @@ def load_cluster_file(path: str | Path) -> Cluster:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ClusterError(f"cluster file not found: {path}") from None
+    except OSError as exc:
+        raise ClusterError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ClusterError(f"cluster file {path} is not valid TOML: {exc}") from None
     unknown = set(data) - {"hosts", "devices_per_host", "device", "intra_host", "inter_host"}
     if unknown:
         raise ClusterError(f"cluster file {path}: unknown key {sorted(unknown)[0]!r}")
-    try:
-        mesh = (int(data["hosts"]), int(data["devices_per_host"]))
-    except KeyError as exc:
-        raise ClusterError(f"cluster file {path}: missing key {exc.args[0]!r}") from None
-    except (TypeError, ValueError):
-        raise ClusterError(f"cluster file {path}: hosts and devices_per_host must be integers") from None
+    for key in ("hosts", "devices_per_host"):
+        if key not in data:
+            raise ClusterError(f"cluster file {path}: missing key {key!r}")
+        if type(data[key]) is not int:
+            raise ClusterError(f"cluster file {path}: hosts and devices_per_host must be integers, got {key} = {data[key]!r}")
+    mesh = (data["hosts"], data["devices_per_host"])
     if min(mesh) < 1:
         raise ClusterError(f"cluster file {path}: hosts and devices_per_host must be positive")
     device = data.get("device", "h100-80g")
     if isinstance(device, str):
         cluster = make_cluster(mesh, device)
+    elif isinstance(device, dict):
+        cluster = make_cluster(mesh, str(device.get("preset", "h100-80g")))
     else:
-        cluster = make_cluster(mesh, str(device.get("preset", "h100-80g")) if isinstance(device, dict) else "")
+        raise ClusterError(f"cluster file {path}: device must be a preset name or a [device] table, got {device!r}")
     if isinstance(device, dict):
         cluster = replace(cluster, device=_override(cluster.device, device, _DEVICE_KEYS | {"preset": (None, None)}, path, "device"))
     for section in ("intra_host", "inter_host"):
@@ -195,7 +200,7 @@ def _override(base, table: dict, keys: dict, path: Path, section: str):
         if scale is None:
             changes[field_name] = str(value)
             continue
-        if not isinstance(value, (int, float)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ClusterError(f"cluster file {path}: {section}.{key} must be a positive number, got {value!r}")
         changes[field_name] = float(value) * scale
     return replace(base, **changes)

@@ -70,6 +70,8 @@ def with_varied_weights(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProt
     del out.graph.initializer[:]
     out.graph.initializer.extend(kept_inits + new_inits)
     graph_inputs = [v for v in out.graph.input if v.name not in dropped or v.name in still_used]
+    if out.ir_version < 4:  # before IR 4 every initializer is also a graph input
+        graph_inputs += [helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in new_inits]
     del out.graph.input[:]
     out.graph.input.extend(graph_inputs)
     return out

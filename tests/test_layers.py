@@ -172,7 +172,7 @@ def test_cut_traffic_ignores_weights_and_counts_outputs():
 
 # --- cluster_layers --------------------------------------------------------------------
 
-@pytest.mark.parametrize("seed", range(80))
+@pytest.mark.parametrize("seed", range(120))
 def test_cluster_layers_is_optimal_on_small_graphs(seed):
     rng = random.Random(seed)
     n = rng.randint(2, 12)
@@ -181,14 +181,21 @@ def test_cluster_layers_is_optimal_on_small_graphs(seed):
     if sum(cost) == 0:
         cost[0] = 1.0
     num_layers = rng.randint(2, min(5, n))
-    slack = rng.choice([0.0, 0.1, 0.3, 1.0])
+    slack = rng.choice([0.0, 0.3, 0.5, 1.0])
     layering = cluster_layers(graph, cost, num_layers, slack)
     _check_valid(layering, n, num_layers)
     traffic = brute_traffic(graph)
     assert list(layering.cut_bytes) == pytest.approx(traffic)
     best, prefix, cap = brute_best(traffic, cost, num_layers, slack)
     if best is None:
-        return  # cap infeasible: the code relaxes it; validity checked above
+        # cap infeasible: the balance is relaxed, but stays within 1.5x of the best achievable
+        least_max = min(
+            max(prefix[b] - prefix[a] for a, b in zip((0, *cuts), (*cuts, n)))
+            for cuts in itertools.combinations(range(1, n), num_layers - 1)
+        )
+        got_max = max(prefix[b] - prefix[a] for a, b in zip(layering.bounds[:-1], layering.bounds[1:]))
+        assert got_max <= 1.5 * least_max + 1e-9
+        return
     assert _segments_ok(layering.bounds, prefix, cap), (layering.bounds, cost, cap)
     got = sum(traffic[c] for c in layering.bounds[1:-1])
     assert got == pytest.approx(best), (layering.bounds, traffic, cost, cap)

@@ -80,10 +80,11 @@ class StageSession:
             self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:
             raise RunError(f"onnxruntime cannot load {path.name}: {str(exc).splitlines()[0][:300]}") from exc
+        # Models before IR 4 list their weights as (optional) inputs too: feed only what is given.
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.providers = self.session.get_providers()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names})
+        values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds})
         return dict(zip(self.output_names, values))

@@ -1,0 +1,214 @@
+"""The stage DP against exhaustive enumeration (and its slow reference) on small instances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshplan.errors import PlanError
+from meshplan.stage_dp import (
+    StageSolution,
+    brute_force_stages,
+    plan_objective,
+    reference_stages,
+    solve_stages,
+)
+
+
+def make_instance(rng: np.random.Generator, L: int, sizes, K: int, ties: bool, inf_frac: float, tight: bool):
+    """Random cost/memory tables; ``ties`` uses small integers so equal latencies abound."""
+    S = len(sizes)
+    shape = (L, L, S, K)
+    if ties:
+        cost = rng.integers(1, 6, shape).astype(float)
+    else:
+        cost = rng.uniform(0.1, 5.0, shape)
+    cost[rng.random(shape) < inf_frac] = np.inf
+    # lower triangle (j < i) is ignored: fill it with tempting garbage
+    i, j = np.tril_indices(L, -1)
+    cost[i, j] = 0.0
+    smem = rng.uniform(0.0, 6.0, shape)
+    amem = rng.uniform(0.0, 3.0, shape)
+    limit = 8.0 if tight else 1e9
+    return cost, smem, amem, limit
+
+
+def check_plan(sol: StageSolution, cost, smem, amem, limit, sizes, D, B):
+    """The returned plan is valid and its objective is the reported total."""
+    L = cost.shape[0]
+    stages = sol.stages
+    assert stages[0].start == 0 and stages[-1].stop == L
+    for a, b in zip(stages, stages[1:]):
+        assert a.stop == b.start
+    assert all(s.start < s.stop for s in stages)
+    assert sum(int(sizes[s.submesh]) for s in stages) == D
+    n = len(stages)
+    for p, s in enumerate(stages):
+        i, j, m, c = s.start, s.stop - 1, s.submesh, s.logical
+        assert s.seconds == cost[i, j, m, c] and np.isfinite(s.seconds)
+        assert smem[i, j, m, c] + (n - p) * amem[i, j, m, c] <= limit
+    assert sol.max_stage_seconds == max(s.seconds for s in stages)
+    assert plan_objective([s.seconds for s in stages], B) == pytest.approx(sol.total_seconds, rel=1e-12)
+
+
+def compare(cost, smem, amem, limit, sizes, D, B, **kw):
+    """solve_stages and brute_force_stages agree (both raise, or equal totals)."""
+    try:
+        expected = brute_force_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+        with pytest.raises(PlanError):
+            reference_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+        return None
+    got = solve_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+    assert got.total_seconds == pytest.approx(expected.total_seconds, rel=1e-9)
+    check_plan(got, cost, smem, amem, limit, sizes, D, B)
+    check_plan(expected, cost, smem, amem, limit, sizes, D, B)
+    for full in (False, True):
+        ref = reference_stages(cost, smem, amem, limit, sizes, D, B, full=full, **kw)
+        assert ref.total_seconds == pytest.approx(expected.total_seconds, rel=1e-9)
+        check_plan(ref, cost, smem, amem, limit, sizes, D, B)
+    return got
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    L=st.integers(1, 6),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True),
+    D=st.integers(1, 6),
+    K=st.integers(1, 2),
+    B=st.integers(1, 8),
+    ties=st.booleans(),
+    inf_frac=st.sampled_from([0.0, 0.2, 0.5]),
+    tight=st.booleans(),
+)
+def test_matches_brute_force(seed, L, sizes, D, K, B, ties, inf_frac, tight):
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sizes)
+    cost, smem, amem, limit = make_instance(rng, L, sizes, K, ties, inf_frac, tight)
+    compare(cost, smem, amem, limit, sizes, D, B)
+
+
+def test_seeded_instances_with_binding_memory():
+    """Deterministic sweep that is sure to include binding memory and feasible plans."""
+    feasible = binding = 0
+    for seed in range(40):
+        rng = np.random.default_rng(1000 + seed)
+        L, sizes, D, B = 6, np.array([1, 2, 4]), 6, int(rng.integers(1, 9))
+        cost, smem, amem, limit = make_instance(rng, L, sizes, 2, seed % 2 == 0, 0.2, True)
+        got = compare(cost, smem, amem, limit, sizes, D, B)
+        if got is not None:
+            feasible += 1
+            loose = solve_stages(cost, smem, amem, np.inf, sizes, D, B)
+            binding += loose.total_seconds < got.total_seconds
+    assert feasible >= 20 and binding >= 5
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_max_stages(cap):
+    rng = np.random.default_rng(7)
+    sizes = np.array([1, 2])
+    cost, smem, amem, limit = make_instance(rng, 5, sizes, 2, False, 0.1, False)
+    got = compare(cost, smem, amem, limit, sizes, 4, 6, max_stages=cap)
+    if got is not None:
+        assert len(got.stages) <= cap
+
+
+def hand_case():
+    """Two layers, two devices, submesh sizes (1, 2), one logical choice.
+
+    Plans: both layers as one stage on 2 devices (2.5 s): T = 2.5 B.
+           layer 0 on 1 device (2 s) then layer 1 on 1 device (2 s): T = 4 + 2 (B - 1).
+    """
+    inf = np.inf
+    cost = np.full((2, 2, 2, 1), inf)
+    cost[0, 0, 0, 0] = 2.0  # layer 0 on 1 device
+    cost[1, 1, 0, 0] = 2.0  # layer 1 on 1 device
+    cost[0, 0, 1, 0] = 1.5  # layer 0 on 2 devices (leaves none for layer 1)
+    cost[1, 1, 1, 0] = 1.5
+    cost[0, 1, 1, 0] = 2.5  # both layers on 2 devices
+    cost[0, 1, 0, 0] = 4.5  # both on 1 device (leaves a device idle: invalid)
+    smem = np.zeros_like(cost)
+    amem = np.ones_like(cost)
+    return cost, smem, amem, np.array([1, 2])
+
+
+def test_hand_case_known_answers():
+    cost, smem, amem, sizes = hand_case()
+    # B = 1: one stage wins (2.5 < 4)
+    sol = solve_stages(cost, smem, amem, 10.0, sizes, 2, 1)
+    assert sol.total_seconds == 2.5
+    assert [(s.start, s.stop, s.submesh) for s in sol.stages] == [(0, 2, 1)]
+    # B = 8: the pipeline wins (4 + 14 = 18 < 20)
+    sol = solve_stages(cost, smem, amem, 10.0, sizes, 2, 8)
+    assert sol.total_seconds == 18.0 and sol.max_stage_seconds == 2.0
+    assert [(s.start, s.stop, s.submesh, s.logical) for s in sol.stages] == [(0, 1, 0, 0), (1, 2, 0, 0)]
+    # memory 1.5 per device: the first of two stages holds 2 microbatches (2 > 1.5), so
+    # only the single stage (1 microbatch) fits
+    sol = solve_stages(cost, smem, amem, 1.5, sizes, 2, 8)
+    assert sol.total_seconds == 20.0 and len(sol.stages) == 1
+    # memory below one microbatch: nothing fits
+    with pytest.raises(PlanError):
+        solve_stages(cost, smem, amem, 0.5, sizes, 2, 8)
+    for limit, B in [(10.0, 1), (10.0, 8), (1.5, 8)]:
+        compare(cost, smem, amem, limit, sizes, 2, B)
+
+
+def test_infeasible_cases_raise_plan_error():
+    rng = np.random.default_rng(3)
+    cost, smem, amem, limit = make_instance(rng, 3, np.array([2]), 1, False, 0.0, False)
+    # devices cannot be tiled by size-2 submeshes
+    compare(cost, smem, amem, limit, np.array([2]), 3, 4)
+    with pytest.raises(PlanError):
+        solve_stages(cost, smem, amem, limit, np.array([2]), 3, 4)
+    # every entry infeasible
+    inf = np.full_like(cost, np.inf)
+    with pytest.raises(PlanError):
+        solve_stages(inf, smem, amem, limit, np.array([2]), 2, 4)
+    with pytest.raises(PlanError):
+        brute_force_stages(inf, smem, amem, limit, np.array([2]), 2, 4)
+    # submesh larger than the cluster
+    with pytest.raises(PlanError):
+        solve_stages(cost, smem, amem, limit, np.array([8]), 4, 4)
+
+
+def test_bad_arguments():
+    cost, smem, amem, sizes = hand_case()
+    with pytest.raises(ValueError):
+        solve_stages(cost, smem, amem, 10.0, sizes, 2, 0)
+    with pytest.raises(ValueError):
+        solve_stages(cost, smem[:1], amem, 10.0, sizes, 2, 1)
+    with pytest.raises(ValueError):
+        solve_stages(cost, smem, amem, 10.0, np.array([1, 0]), 2, 1)
+    bad = cost.copy()
+    bad[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError):
+        solve_stages(bad, smem, amem, 10.0, sizes, 2, 1)
+
+
+def test_medium_instance_matches_reference():
+    """Larger than brute force can do: fast path against the unpruned reference."""
+    rng = np.random.default_rng(11)
+    sizes = np.array([1, 2, 4, 8])
+    L, D = 10, 8
+    w = rng.uniform(1, 3, L)
+    cw = np.concatenate([[0], np.cumsum(w)])
+    cost = np.full((L, L, 4, 2), np.inf)
+    smem = np.zeros_like(cost)
+    amem = np.zeros_like(cost)
+    for i in range(L):
+        for j in range(i, L):
+            for m, n in enumerate(sizes):
+                for c in range(2):
+                    cost[i, j, m, c] = (cw[j + 1] - cw[i]) / n**0.8 * rng.uniform(1.0, 1.3)
+                    smem[i, j, m, c] = (j - i + 1) * 4.0 / n * (1 + c)
+                    amem[i, j, m, c] = (j - i + 1) * 1.0 / n * (2 - c)
+    for B in (1, 2, 8, 32):
+        got = solve_stages(cost, smem, amem, 12.0, sizes, D, B)
+        ref = reference_stages(cost, smem, amem, 12.0, sizes, D, B, full=True)
+        assert got.total_seconds == pytest.approx(ref.total_seconds, rel=1e-9)
+        check_plan(got, cost, smem, amem, 12.0, sizes, D, B)
