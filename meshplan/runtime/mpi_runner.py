@@ -92,7 +92,9 @@ def _threads_per_rank(comm, MPI) -> int:
     return max(1, (os.cpu_count() or 1) // count)
 
 
-def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider: str, comm, MPI):
+def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider: str, threads: int, comm):
+    """This rank's start-up checks and session. No collective calls in here: a rank that
+    fails part-way must still reach the agreement in ``_agree``."""
     plan = read_plan(plan_dir)
     if comm.size != plan.num_ranks:
         raise RunError(
@@ -107,7 +109,7 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
             raise RunError(f"output file must end in .npz: {output_path}")
         if not output_path.parent.is_dir():
             raise RunError(f"output directory does not exist: {output_path.parent}")
-    session = StageSession(path, providers_for(provider), threads=_threads_per_rank(comm, MPI))
+    session = StageSession(path, providers_for(provider), threads=threads)
     return plan, session, split_microbatches(inputs, plan)
 
 
@@ -117,11 +119,12 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     MPI, comm = _world()
     plan_dir, inputs_path = Path(plan_dir), Path(inputs_path)
     output_path = Path(output_path) if output_path else None
+    threads = _threads_per_rank(comm, MPI)  # collective: every rank, before anything can fail
     error = None
     try:
         if repeat < 1:
             raise RunError(f"--repeat must be at least 1, got {repeat}")
-        plan, session, micro_inputs = _start(plan_dir, inputs_path, output_path, provider, comm, MPI)
+        plan, session, micro_inputs = _start(plan_dir, inputs_path, output_path, provider, threads, comm)
     except MeshplanError as exc:
         error = exc
     _agree(comm, MPI, error)
