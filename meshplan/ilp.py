@@ -1,0 +1,180 @@
+"""The intra-operator ILP (Alpa's formulation), solved with python-mip.
+
+Each node v picks one of k_v strategies (one-hot s_v); the objective is
+
+    Σ_v s_vᵀ c_v  +  Σ_(v,u) s_vᵀ R_vu s_u
+
+where c_v holds compute + communication seconds per strategy and R_vu the resharding
+seconds between v's output under strategy i and what u's strategy j needs. The quadratic
+term is linearised with one variable e_vu(i, j) per edge and strategy pair:
+Σ_ij e_vu(i, j) = 1, e_vu(i, j) ≤ s_v(i), e_vu(i, j) ≤ s_u(j). With s one-hot these
+force e_vu to the product, so e needs no integrality. A memory row bounds
+Σ_v s_vᵀ m_v (bytes per device). Infinite entries forbid a choice or a pair.
+
+The problem is shrunk before it reaches the solver: nodes with one feasible choice are
+fixed and their edges folded into the other end's costs, and parallel edges are merged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PlanError
+
+SOLVERS = ("cbc", "highs")
+
+
+@dataclass
+class IlpNode:
+    name: str
+    costs: np.ndarray                 # (k,) seconds per strategy; inf = not allowed
+    memory: np.ndarray | None = None  # (k,) bytes per device per strategy
+
+
+@dataclass
+class IlpEdge:
+    src: int
+    dst: int
+    costs: np.ndarray                 # (k_src, k_dst) seconds; inf = not allowed
+
+
+@dataclass
+class ShardingProblem:
+    nodes: list[IlpNode]
+    edges: list[IlpEdge] = field(default_factory=list)
+    memory_limit: float | None = None
+
+
+@dataclass
+class ShardingSolution:
+    choices: list[int]
+    objective: float
+    seconds: float = 0.0
+    variables: int = 0
+    constraints: int = 0
+    solver: str = ""
+
+
+def evaluate(problem: ShardingProblem, choices: list[int]) -> float:
+    """Objective of a full assignment (inf if it breaks a constraint)."""
+    total = sum(float(node.costs[c]) for node, c in zip(problem.nodes, choices))
+    total += sum(float(e.costs[choices[e.src], choices[e.dst]]) for e in problem.edges)
+    if problem.memory_limit is not None:
+        used = sum(float(n.memory[c]) for n, c in zip(problem.nodes, choices) if n.memory is not None)
+        if used > problem.memory_limit * (1 + 1e-9):
+            return float("inf")
+    return total
+
+
+def brute_force(problem: ShardingProblem) -> ShardingSolution:
+    """Exhaustive search, for tests on small problems."""
+    best, best_choices = float("inf"), None
+    for choices in itertools.product(*(range(len(n.costs)) for n in problem.nodes)):
+        value = evaluate(problem, list(choices))
+        if value < best:
+            best, best_choices = value, list(choices)
+    if best_choices is None:
+        raise PlanError("no feasible sharding (every assignment breaks a constraint)")
+    return ShardingSolution(best_choices, best, solver="brute-force")
+
+
+def solve(problem: ShardingProblem, solver: str = "cbc", time_limit: float = 60.0) -> ShardingSolution:
+    """Optimal strategy per node. Deterministic for the same problem."""
+    if solver not in SOLVERS:
+        raise PlanError(f"unknown ILP solver {solver!r} (choose from {', '.join(SOLVERS)})")
+    started = time.perf_counter()
+    nodes = problem.nodes
+    allowed = [np.isfinite(n.costs) for n in nodes]
+    for index, ok in enumerate(allowed):
+        if not ok.any():
+            raise PlanError(f"no strategy is allowed for node '{nodes[index].name}'")
+    # Fold edges touching a node with one allowed choice into the other end's costs.
+    linear = [np.where(ok, n.costs, 0.0).astype(np.float64) for n, ok in zip(nodes, allowed)]
+    fixed = {i: int(np.flatnonzero(ok)[0]) for i, ok in enumerate(allowed) if ok.sum() == 1}
+    constant = 0.0
+    merged: dict[tuple[int, int], np.ndarray] = {}
+    for edge in problem.edges:
+        if edge.src == edge.dst:
+            raise PlanError("an edge joins a node to itself")
+        costs = np.asarray(edge.costs, dtype=np.float64)
+        if edge.src in fixed and edge.dst in fixed:
+            constant += costs[fixed[edge.src], fixed[edge.dst]]
+        elif edge.src in fixed:
+            row = costs[fixed[edge.src], :]
+            allowed[edge.dst] &= np.isfinite(row)
+            linear[edge.dst] = linear[edge.dst] + np.where(np.isfinite(row), row, 0.0)
+        elif edge.dst in fixed:
+            col = costs[:, fixed[edge.dst]]
+            allowed[edge.src] &= np.isfinite(col)
+            linear[edge.src] = linear[edge.src] + np.where(np.isfinite(col), col, 0.0)
+        else:
+            key = (edge.src, edge.dst) if edge.src < edge.dst else (edge.dst, edge.src)
+            oriented = costs if edge.src < edge.dst else costs.T
+            merged[key] = merged.get(key, 0.0) + oriented
+    if np.isinf(constant) or any(not ok.any() for ok in allowed):
+        raise PlanError("no feasible sharding: fixed strategies conflict")
+
+    free = [i for i in range(len(nodes)) if i not in fixed]
+    if not free and problem.memory_limit is None:
+        choices = [fixed[i] for i in range(len(nodes))]
+        return ShardingSolution(choices, evaluate(problem, choices), time.perf_counter() - started, 0, 0, solver)
+
+    import mip
+
+    model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC if solver == "cbc" else mip.HIGHS)
+    model.verbose = 0
+    model.threads = 1
+    if solver == "cbc":
+        model.seed = 0
+    s = {}
+    objective = []
+    for i in range(len(nodes)):
+        if i in fixed:
+            continue
+        for k in np.flatnonzero(allowed[i]):
+            s[i, k] = model.add_var(var_type=mip.BINARY, name=f"s_{i}_{k}")
+            if linear[i][k]:
+                objective.append(float(linear[i][k]) * s[i, k])
+        model.add_constr(mip.xsum(s[i, k] for k in np.flatnonzero(allowed[i])) == 1, name=f"one_{i}")
+    for (a, b), costs in merged.items():
+        pairs = [(p, q) for p in np.flatnonzero(allowed[a]) for q in np.flatnonzero(allowed[b])]
+        finite = [(p, q) for p, q in pairs if np.isfinite(costs[p, q])]
+        if not finite:
+            raise PlanError(f"no compatible strategies between '{nodes[a].name}' and '{nodes[b].name}'")
+        e = {(p, q): model.add_var(lb=0.0, ub=1.0, name=f"e_{a}_{b}_{p}_{q}") for p, q in finite}
+        model.add_constr(mip.xsum(e.values()) == 1)
+        for p, q in finite:
+            model.add_constr(e[p, q] <= s[a, p])
+            model.add_constr(e[p, q] <= s[b, q])
+        # A choice with no finite partner on this edge is impossible.
+        for p in np.flatnonzero(allowed[a]):
+            if not any(pp == p for pp, _ in finite):
+                model.add_constr(s[a, p] == 0)
+        for q in np.flatnonzero(allowed[b]):
+            if not any(qq == q for _, qq in finite):
+                model.add_constr(s[b, q] == 0)
+        objective.extend(float(costs[p, q]) * e[p, q] for p, q in finite if costs[p, q])
+    if problem.memory_limit is not None:
+        fixed_memory = sum(float(nodes[i].memory[k]) for i, k in fixed.items() if nodes[i].memory is not None)
+        terms = [float(nodes[i].memory[k]) * var for (i, k), var in s.items() if nodes[i].memory is not None]
+        model.add_constr(mip.xsum(terms) <= problem.memory_limit - fixed_memory, name="memory")
+    model.objective = mip.xsum(objective) if objective else mip.LinExpr()
+    status = model.optimize(max_seconds=time_limit)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        raise PlanError("no sharding fits the device memory" if status == mip.OptimizationStatus.INFEASIBLE
+                        else f"the ILP solver stopped without a solution ({status.name})")
+    choices = []
+    for i in range(len(nodes)):
+        if i in fixed:
+            choices.append(fixed[i])
+        else:
+            choices.append(max(np.flatnonzero(allowed[i]), key=lambda k: s[i, k].x))
+    choices = [int(c) for c in choices]
+    return ShardingSolution(
+        choices, evaluate(problem, choices), time.perf_counter() - started,
+        model.num_cols, model.num_rows, solver,
+    )
