@@ -42,27 +42,28 @@ where it suffices to try ``t_max`` in the distinct feasible stage latencies: the
 plan's own slowest stage is one of them, and at that value ``G`` is at most that plan's
 sum.
 
-Making it fast (each step is exact; ``_solve`` documents the reasoning in full)
-------------------------------------------------------------------------------
+Making it fast (every step keeps the exact optimum)
+---------------------------------------------------
 1. *Collapse the logical choices and the memory test* (``_collapse``).  For a stage
-   ``(i, j, m)`` that is first of a suffix of ``s`` stages, only the cheapest
-   memory-feasible logical choice can be in an optimal plan: any other feasible choice
-   has a latency that is no smaller, so swapping it for the cheapest one lowers neither
-   the sum nor the max nor the feasibility of anything else.  We precompute
-   ``best[s, i, j, m]`` and its argmin once, removing the ``K`` axis and the memory test
-   from the DP.
+   ``(i, j, m)`` that is first of a suffix of ``s`` stages, replacing any feasible
+   logical choice by the cheapest memory-feasible one lowers neither the sum nor the max
+   and affects no other stage, so some optimal plan uses only cheapest choices.  We
+   precompute ``best[s, i, j, m]`` and its argmin once per instance, removing the ``K``
+   axis and the memory test from every DP solve.
 2. *Vectorise.*  For a fixed ``s`` the recurrence is a (min, +) product over ``j`` between
    the ``(k, j)`` latency table of each submesh and the previous level shifted by that
    submesh's size along ``d``; one numpy broadcast computes all ``(k, d)`` at once.  Level
-   ``s`` only needs starts ``k <= L - s`` (the other ``s - 1`` stages need a layer each).
-3. *Candidate set.*  Only distinct values of the collapsed table are candidates (the
-   feasible set changes nowhere else), and none below the bottleneck ``t_lo`` (the least
-   possible slowest stage, found by one (min, max) pass of the same recurrence), where no
-   plan exists.
-4. *Bounds and descent over t_max.*  ``G`` is non-increasing in ``t_max``.  We solve at
-   ``t_max = inf`` (giving ``G_inf``, a lower bound on every ``G``) and at ``t_lo``, then
-   walk the candidates downwards.  After solving at ``t`` and getting a plan with sum
-   ``G(t)`` and slowest stage ``m <= t``:
+   ``s`` only needs starts and ends ``<= L - s`` (the other ``s - 1`` stages need a layer
+   each), and once a level is entirely infeasible so are all deeper ones.  At most
+   ``min(L, num_devices // min(size))`` stages are possible.
+3. *Candidate set.*  Only distinct values of the collapsed table are candidates: the
+   feasible set changes nowhere else, and by 1. some optimal plan has its slowest stage
+   equal to one of them.  None below the bottleneck ``t_lo`` (the least possible slowest
+   stage, from one (min, max) pass of the same recurrence) admits a plan.
+4. *Bounds and descent over t_max* (``_solve``).  ``G`` is non-increasing in ``t_max``.
+   We solve at ``t_max = inf`` (giving ``G_inf``, a lower bound on every ``G``) and at
+   ``t_lo``, then walk the candidates downwards.  After solving at ``t`` and getting a
+   plan with sum ``G(t)`` and slowest stage ``m <= t``:
 
    * every ``t'`` in ``[m, t]`` has ``G(t') = G(t)`` (the plan is feasible there and ``G``
      cannot go lower than at the larger ``t``), so its objective is at least the plan's:
@@ -70,11 +71,14 @@ Making it fast (each step is exact; ``_solve`` documents the reasoning in full)
    * every ``t' < t`` has ``G(t') >= G(t)``, so it can only beat the best objective found
      so far, ``T_best``, if ``G(t) + (B - 1) t' < T_best``: skip to below
      ``(T_best - G(t)) / (B - 1)``.  Before the descent the same test with ``G_inf``
-     discards everything from ``(T_best - G_inf) / (B - 1)`` upwards.
+     discards everything from ``(T_best - G_inf) / (B - 1)`` upwards (a sharper form of
+     "stop once ``(B - 1) t_max >= T_best``").
 
-   The walk stops when the bound falls to ``t_lo``.  This visits only the values where
-   ``G`` actually changes and stops once ``(B - 1) t_max`` alone rules out improvement;
-   with one microbatch (``B = 1``) the single solve at ``inf`` is the answer.
+   The walk stops when the bound falls to ``t_lo``.  It solves at most one ``t_max`` per
+   distinct value of ``G`` in the range that can still win, typically a handful.  With
+   one microbatch (``B = 1``) the single solve at ``inf`` is the answer.
+5. *Shared work.*  The collapsed tables, their argmins and the candidate list are built
+   once and reused by every solve; each solve only masks the table by ``t_max``.
 
 ``brute_force_stages`` enumerates every plan and is the test oracle (small inputs only).
 """
@@ -88,7 +92,14 @@ import numpy as np
 
 from meshplan.errors import PlanError
 
-__all__ = ["StageChoice", "StageSolution", "solve_stages", "brute_force_stages", "plan_objective"]
+__all__ = [
+    "StageChoice",
+    "StageSolution",
+    "solve_stages",
+    "brute_force_stages",
+    "reference_stages",
+    "plan_objective",
+]
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,13 @@ def _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_
     L, _, S, K = cost.shape
     if L < 1 or S < 1 or K < 1:
         raise ValueError(f"stage_cost must be non-empty, got shape {cost.shape}")
-    if sizes.shape != (S,) or not np.issubdtype(sizes.dtype, np.integer) or np.any(sizes < 1):
+    if (
+        sizes.shape != (S,)
+        or not (np.issubdtype(sizes.dtype, np.integer) or np.issubdtype(sizes.dtype, np.floating))
+        or not np.all(np.isfinite(sizes))
+        or np.any(sizes != np.round(sizes))
+        or np.any(sizes < 1)
+    ):
         raise ValueError(f"submesh_sizes must be {S} positive integers, got {submesh_sizes!r}")
     if int(num_devices) != num_devices or num_devices < 1:
         raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
@@ -151,9 +168,14 @@ def _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_
     return cost, smem, amem, float(mem_limit), sizes.astype(np.int64), int(num_devices), int(microbatches)
 
 
-def _max_stages(L: int, sizes: np.ndarray, num_devices: int) -> int:
+def _max_stages(L: int, sizes: np.ndarray, num_devices: int, max_stages: int | None = None) -> int:
     """Upper bound on the number of stages: one layer and ``min(size)`` devices each."""
-    return min(L, num_devices // int(sizes.min()))
+    n = min(L, num_devices // int(sizes.min()))
+    if max_stages is not None:
+        if int(max_stages) != max_stages or max_stages < 1:
+            raise ValueError(f"max_stages must be a positive integer, got {max_stages!r}")
+        n = min(n, int(max_stages))
+    return n
 
 
 # --------------------------------------------------------------------------------------
@@ -243,11 +265,11 @@ def _reconstruct(F, table, sizes, num_devices, s):
 class _Problem:
     """Collapsed tables shared by all ``t_max`` solves of one instance."""
 
-    def __init__(self, cost, smem, amem, mem_limit, sizes, num_devices):
+    def __init__(self, cost, smem, amem, mem_limit, sizes, num_devices, max_stages=None):
         self.L = cost.shape[0]
         self.sizes = sizes
         self.D = num_devices
-        self.n_max = _max_stages(self.L, sizes, num_devices)
+        self.n_max = _max_stages(self.L, sizes, num_devices, max_stages)
         self.best, self.arg = _collapse(cost, smem, amem, mem_limit, self.n_max)
 
     def min_sum(self, t_max):
@@ -285,15 +307,24 @@ def _no_plan(L, num_devices):
 
 
 def solve_stages(
-    stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches
+    stage_cost,
+    stage_mem,
+    act_mem,
+    mem_limit,
+    submesh_sizes,
+    num_devices,
+    microbatches,
+    *,
+    max_stages: int | None = None,
 ) -> StageSolution:
     """Optimal pipeline slicing (see the module docstring for the recurrence and prunings).
 
-    Raises ``PlanError`` when no valid plan exists.
+    ``max_stages`` optionally caps the number of stages.  Raises ``PlanError`` when no
+    valid plan exists, ``ValueError`` for malformed arguments.
     """
     args = _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
-    prob = _Problem(cost, smem, amem, mem_limit, sizes, D)
+    prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages)
     return _solve(prob, B)
 
 
@@ -328,7 +359,7 @@ def _solve(prob: _Problem, B: int) -> StageSolution:
         # t >= m_inf gives G = G_inf and T >= the plan above; G(t) >= G_inf for all t.
         bound = min(m_inf, (best_T - G_inf) / (B - 1))
         if t_lo < bound:
-            G_lo, plan = prob.min_sum(t_lo)
+            _, plan = prob.min_sum(t_lo)
             examined += 1
             consider(plan)
             bound = min(bound, (best_T - G_inf) / (B - 1))
@@ -340,7 +371,7 @@ def _solve(prob: _Problem, B: int) -> StageSolution:
             t = float(cands[idx])
             G_t, plan = prob.min_sum(t)
             examined += 1
-            # t >= t_lo, so a plan exists (the bottleneck plan is feasible at t).
+            assert plan is not None, "internal error: no plan above the bottleneck"  # t > t_lo
             m_t = consider(plan)
             bound = min(m_t, (best_T - G_t) / (B - 1))
     stages = prob.choices(best_plan)
@@ -357,77 +388,112 @@ def _solve(prob: _Problem, B: int) -> StageSolution:
 
 
 def reference_stages(
-    stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches
+    stage_cost,
+    stage_mem,
+    act_mem,
+    mem_limit,
+    submesh_sizes,
+    num_devices,
+    microbatches,
+    *,
+    max_stages: int | None = None,
+    full: bool = False,
 ) -> StageSolution:
-    """The recurrence with none of the prunings 1, 3 and 4: an independent slow check.
+    """The recurrence without the prunings of ``solve_stages``: a slow independent check.
 
-    Tries every distinct finite value of ``stage_cost`` as ``t_max`` in increasing order,
-    keeping the ``K`` axis and the memory test inside the DP (no collapse), and stops only
-    when ``(B - 1) * t_max >= T_best`` (valid because latencies are non-negative, so
-    ``G >= 0``).  Per level it still uses the vectorised (min, +) product.
+    Written separately from the fast path (its own DP loop and path walk).  Candidates
+    are all distinct finite values of the raw ``stage_cost`` (not of the collapsed
+    table), tried in increasing order; each DP keeps the logical choices and the memory
+    test inside the recurrence (no precomputed collapse, no bottleneck pass, no descent).
+
+    ``full=True``: try every candidate, stopping only once ``(B - 1) * t_max >= T_best``
+    (valid because latencies are non-negative, so ``G >= 0``).  Minutes at 32 x 32.
+
+    ``full=False`` (default) adds two obviously safe shortcuts: a binary search for the
+    least candidate that admits any plan (feasibility is monotone in ``t_max``), and the
+    stop rule ``G(inf) + (B - 1) * t_max >= T_best`` (``G`` never drops below ``G(inf)``).
+    ``tmax_candidates`` counts the DP solves.
     """
     args = _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
-    n_max = _max_stages(L, sizes, D)
-    fits = np.stack(
-        [np.zeros(cost.shape, dtype=bool)] + [smem + s * amem <= mem_limit for s in range(1, n_max + 1)]
-    )  # (s, i, j, m, c)
-    best_T, best_plan, examined = np.inf, None, 0
-    values = np.unique(cost[np.isfinite(cost)])
-    if B == 1:
-        values = values[-1:]  # T = G(t_max); the largest latency admits every stage
-    for t in values:
-        if B > 1 and (B - 1) * t >= best_T:
-            break
-        examined += 1
-        ok = fits & (cost <= t)[None]
+    n_max = _max_stages(L, sizes, D, max_stages)
+    fits = [None] + [smem + s * amem <= mem_limit for s in range(1, n_max + 1)]  # (i, j, m, c) each
+    solves = 0
+
+    def dp(t):
+        """Least sum at ``t_max = t``: returns (G, plan as [(i, j, m, c)]) or (inf, None)."""
+        nonlocal solves
+        solves += 1
+        allowed = cost <= t
         F = np.full((n_max + 1, L + 1, D + 1), np.inf)
         F[0, L, 0] = 0.0
+        lats = [None]
         for s in range(1, n_max + 1):
+            lat = np.where(fits[s] & allowed, cost, np.inf).min(axis=-1)  # (k, j, m)
+            lats.append(lat)
+            # shifted[x, m, d] = F[s - 1, x, d - size[m]]
+            shifted = np.full((L + 1, S, D + 1), np.inf)
+            for m in range(S):
+                z = int(sizes[m])
+                if z <= D:
+                    shifted[:, m, z:] = F[s - 1, :, : D + 1 - z]
             for k in range(L - 1, -1, -1):
-                for m in range(S):
-                    z = int(sizes[m])
-                    if z > D:
-                        continue
-                    lat = np.where(ok[s, k, k:, m], cost[k, k:, m], np.inf).min(axis=-1)  # (j,)
-                    vals = lat[:, None] + F[s - 1, k + 1 :, : D + 1 - z]  # (j, d - z)
-                    F[s, k, z:] = np.minimum(F[s, k, z:], vals.min(axis=0))
+                vals = lat[k, k:, :, None] + shifted[k + 1 :]  # (j, m, d)
+                F[s, k] = vals.min(axis=(0, 1))
         ends = F[:, 0, D]
-        s = int(np.argmin(ends))
-        if not np.isfinite(ends[s]):
-            continue
-        # walk one argmin path
-        plan, k, d, ss = [], 0, D, s
-        while ss > 0:
+        n = int(np.argmin(ends))
+        if not np.isfinite(ends[n]):
+            return np.inf, None
+        plan, k, d = [], 0, D
+        for s in range(n, 0, -1):
             found = None
             for j in range(k, L):
                 for m in range(S):
                     z = int(sizes[m])
-                    if z > d:
-                        continue
-                    for c in range(K):
-                        if ok[ss, k, j, m, c] and cost[k, j, m, c] + F[ss - 1, j + 1, d - z] == F[ss, k, d]:
-                            found = (k, j, m, c)
-                            break
-                    if found:
+                    if z <= d and lats[s][k, j, m] + F[s - 1, j + 1, d - z] == F[s, k, d]:
+                        c = int(np.argmin(np.where(fits[s][k, j, m] & allowed[k, j, m], cost[k, j, m], np.inf)))
+                        found = (k, j, m, c)
                         break
                 if found:
                     break
             assert found is not None, "internal error: reference DP path not found"
             plan.append(found)
-            k, d, ss = found[1] + 1, d - int(sizes[found[2]]), ss - 1
-        T = plan_objective([cost[st] for st in plan], B)
-        if T < best_T:
-            best_T, best_plan = T, plan
-    if best_plan is None:
+            k, d = found[1] + 1, d - int(sizes[found[2]])
+        return float(ends[n]), plan
+
+    values = np.unique(cost[np.isfinite(cost)])
+    G_inf, plan = dp(np.inf)
+    if plan is None:
         raise _no_plan(L, D)
+    best_T, best_plan = plan_objective([cost[st] for st in plan], B), plan
+    if B > 1:
+        first = 0
+        if not full:
+            lo, hi = 0, len(values) - 1  # values[-1] admits every stage, so it is feasible
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if dp(values[mid])[1] is None:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            first = lo
+        floor = 0.0 if full else G_inf
+        for t in values[first:]:
+            if floor + (B - 1) * t >= best_T:
+                break
+            G, plan = dp(t)
+            if plan is None:
+                continue
+            T = plan_objective([cost[st] for st in plan], B)
+            if T < best_T:
+                best_T, best_plan = T, plan
     stages = tuple(StageChoice(i, j + 1, m, c, float(cost[i, j, m, c])) for i, j, m, c in best_plan)
     return StageSolution(
         stages=stages,
         total_seconds=float(best_T),
         max_stage_seconds=max(st.seconds for st in stages),
-        tmax_candidates=examined,
+        tmax_candidates=solves,
     )
 
 
@@ -436,7 +502,15 @@ def reference_stages(
 
 
 def brute_force_stages(
-    stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches
+    stage_cost,
+    stage_mem,
+    act_mem,
+    mem_limit,
+    submesh_sizes,
+    num_devices,
+    microbatches,
+    *,
+    max_stages: int | None = None,
 ) -> StageSolution:
     """Enumerate every valid plan and return the best (for tests; exponential).
 
@@ -448,6 +522,9 @@ def brute_force_stages(
     args = _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
+    if max_stages is not None:
+        _max_stages(L, sizes, D, max_stages)  # validates it
+    cap = L if max_stages is None else int(max_stages)
     best = [np.inf, None]
     count = [0]
 
@@ -465,6 +542,8 @@ def brute_force_stages(
         if i == L:
             if used == D:
                 finish(stages)
+            return
+        if len(stages) == cap:
             return
         for j in range(i, L):
             for m in range(S):
