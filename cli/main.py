@@ -87,9 +87,12 @@ def main(ctx, debug):
 @click.option("--microbatches", default=1, show_default=True, type=click.IntRange(min=1),
               help="Split the batch into this many pipelined microbatches.")
 @click.option("--layers", type=click.IntRange(min=1), help="Number of layers to cluster operators into.")
+@click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
+@click.option("--solver", default="cbc", show_default=True, type=click.Choice(["cbc", "highs"]),
+              help="MILP solver for the sharding ILP (python-mip's CBC or HiGHS).")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, out_dir):
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max_stages, solver, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cluster import load_cluster_file, make_cluster
     from meshplan.make_plan import make_plan
@@ -101,7 +104,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, out
             raise click.UsageError("give exactly one of --mesh and --cluster")
         cluster = load_cluster_file(cluster_file) if cluster_file else make_cluster(mesh, device)
         started = time.perf_counter()
-        result = make_plan(model, cluster, dims, out_dir, PlanOptions(microbatches=microbatches, num_layers=layers))
+        options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages)
+        result = make_plan(model, cluster, dims, out_dir, options)
         click.echo(text_report(result))
         click.echo(f"wrote {out_dir}/plan.json, {len(result.programs)} program(s), {out_dir}/{TIMELINE_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

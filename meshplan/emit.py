@@ -13,8 +13,12 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
+from .graph import Graph
 from .load import set_ir_version
 from .plan import Plan, Program
+from .shard_emit import shard_program
+from .sharding import LogicalMesh
+from .strategies import Strategy
 
 EXTERNAL_THRESHOLD = 256 * 1024 * 1024
 
@@ -31,8 +35,12 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, external_threshold: int = EXTERNAL_THRESHOLD) -> None:
-    """Write every rank's program into ``out_dir`` and record them in ``plan.programs``."""
+def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
+                  shardings: dict[int, dict[str, Strategy]], external_threshold: int = EXTERNAL_THRESHOLD) -> None:
+    """Write every rank's program into ``out_dir`` and record them in ``plan.programs``.
+
+    A one-device stage's program is its subgraph as cut; each device of a larger stage
+    gets that subgraph sharded for its coordinate (see ``shard_emit``)."""
     canonical = onnx.load(str(canonical_path), load_external_data=False)
     extractor = onnx.utils.Extractor(canonical)
     base_dir = str(canonical_path.parent)
@@ -42,20 +50,24 @@ def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, external_thre
         program.graph.name = f"stage{stage.index}"
         external_data_helper.load_external_data_for_model(program, base_dir)
         set_ir_version(program)
-        weight_bytes = sum(len(t.raw_data) for t in program.graph.initializer)
+        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
         for rank in stage.devices:
+            local = program
+            if len(stage.devices) > 1:
+                local = shard_program(program, graph, shardings.get(stage.index, {}), mesh, rank)
+            weight_bytes = sum(len(t.raw_data) for t in local.graph.initializer)
             name = program_name(rank)
             path = out_dir / name
             data_files = []
             if weight_bytes > external_threshold:
                 data_name = name + ".data"
                 copy = onnx.ModelProto()
-                copy.CopyFrom(program)
+                copy.CopyFrom(local)
                 onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                                 location=data_name, size_threshold=1024)
                 data_files.append({"file": data_name, "sha256": file_sha256(out_dir / data_name)})
             else:
-                onnx.save_model(program, str(path))
+                onnx.save_model(local, str(path))
             onnx.checker.check_model(str(path))
             programs.append(Program(rank=rank, stage=stage.index, file=name, sha256=file_sha256(path),
                                     data_files=data_files))

@@ -11,9 +11,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from .cluster import Cluster
+from .costmodel import CostModel
 from .emit import EXTERNAL_THRESHOLD, emit_programs
 from .errors import PlanError
 from .graph import build_graph
@@ -85,9 +88,19 @@ def _full_specs(model: onnx.ModelProto, graph_tensors, names, batch: dict, micro
     return specs
 
 
+def small_constants(model: onnx.ModelProto, limit: int = 64) -> dict[str, np.ndarray]:
+    """Values of the small initializers stored inline (shape targets, axes, scalars)."""
+    found = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and np.prod(tensor.dims) <= limit:
+            found[tensor.name] = numpy_helper.to_array(tensor)
+    return found
+
+
 def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
+    cost_model: CostModel | None = None,
 ) -> Plan:
     model_path = Path(model_path)
     out_dir = Path(out_dir)
@@ -105,12 +118,13 @@ def make_plan(
         canonical = canonicalize(model_path, program_dims, workdir)
         graph = build_graph(canonical.model)
         model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
-        plan = plan_pipeline(
+        plan, shardings = plan_pipeline(
             graph, cluster, options, model_info, batch,
             _full_specs(header, graph.tensors, graph.inputs, batch, options.microbatches),
             _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
+            small_constants(canonical.model), cost_model,
         )
-        emit_programs(plan, canonical.path, staging, external_threshold)
+        emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
         write_plan(plan, staging)

@@ -38,6 +38,7 @@ class Stage:
     outputs: list[str]                # tensors the stage sends on (or that are model outputs)
     seconds: float
     memory_bytes: float
+    strategies: dict = field(default_factory=dict)   # operator → sharding strategy (non-replicated ones)
 
 
 @dataclass

@@ -14,10 +14,12 @@ from .cluster import Cluster
 from .costmodel import CostModel
 from .errors import PlanError
 from .graph import Graph
+from .intra_op import IntraOpPass
 from .layers import cluster_layers
 from .plan import Plan, Stage, TensorSpec, Transfer
 from .stage_cost import StageCosts, logical_meshes, submesh_shapes
 from .stage_dp import solve_stages
+from .strategies import Strategy
 
 OUTPUT_COLLECTOR = -1   # dst_stage of a transfer that brings a model output to rank 0
 
@@ -25,7 +27,9 @@ OUTPUT_COLLECTOR = -1   # dst_stage of a transfer that brings a model output to 
 @dataclass(frozen=True)
 class PlanOptions:
     microbatches: int = 1
-    num_layers: int | None = None      # default: enough for every device, at most 32
+    num_layers: int | None = None      # default: max(32, 2 × devices), at most the node count
+    solver: str = "cbc"                # the intra-operator ILP's solver: cbc or highs
+    max_stages: int | None = None      # at most this many pipeline stages
 
 
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:
@@ -34,47 +38,48 @@ def default_num_layers(graph: Graph, cluster: Cluster) -> int:
 
 def plan_pipeline(
     graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
-    full_inputs: list[TensorSpec], full_outputs: list[TensorSpec],
-) -> Plan:
+    full_inputs: list[TensorSpec], full_outputs: list[TensorSpec], constants: dict[str, np.ndarray],
+    cost_model: CostModel | None = None,
+) -> tuple[Plan, dict[int, dict[str, Strategy]]]:
+    """The plan, and the chosen strategy of every operator of each multi-device stage."""
     started = time.perf_counter()
-    cost_model = CostModel(cluster)
+    cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
     num_layers = options.num_layers or default_num_layers(graph, cluster)
-    if num_layers < cluster.num_devices:
-        raise PlanError(
-            f"{num_layers} layers cannot fill {cluster.num_devices} devices with one device per stage",
-            hint="use a smaller --mesh or more --layers",
-        )
     layering = cluster_layers(graph, node_seconds, num_layers)
-    if layering.num_layers < cluster.num_devices:
-        raise PlanError(
-            f"the model has only {layering.num_layers} operators to split, fewer than the "
-            f"{cluster.num_devices} devices of mesh {cluster.hosts}x{cluster.devices_per_host}",
-            hint="use a smaller --mesh",
-        )
-    costs = StageCosts(graph, layering, node_seconds, cost_model)
+    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver)
+    costs = StageCosts(graph, layering, node_seconds, cost_model, intra_op)
     submeshes = submesh_shapes(cluster)
     seconds, params, acts = costs.tables(submeshes)
     sizes = np.array([n * m for n, m in submeshes])
     dp_started = time.perf_counter()
     solution = solve_stages(
-        seconds, params, acts, cluster.device.memory_bytes, sizes, cluster.num_devices, options.microbatches
+        seconds, params, acts, cluster.device.memory_bytes, sizes, cluster.num_devices, options.microbatches,
+        max_stages=options.max_stages,
     )
     dp_seconds = time.perf_counter() - dp_started
 
     placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster)
     stages = []
+    shardings: dict[int, dict[str, Strategy]] = {}
     for index, (choice, devices) in enumerate(zip(solution.stages, placement)):
         start, stop = layering.bounds[choice.start], layering.bounds[choice.stop]
-        cost = costs.stage_cost(choice.start, choice.stop, submeshes[choice.submesh],
-                                logical_meshes(submeshes[choice.submesh])[choice.logical])
+        submesh = submeshes[choice.submesh]
+        logical = logical_meshes(submesh)[choice.logical]
+        cost = costs.stage_cost(choice.start, choice.stop, submesh, logical)
+        strategies: dict[str, Strategy] = {}
+        if len(devices) > 1:
+            sharded = intra_op.stage(choice.start, choice.stop, submesh, logical)
+            chosen = intra_op.stage_strategies(choice.start, choice.stop, submesh, logical, sharded)
+            strategies = {graph.nodes[i].name: strategy for i, strategy in chosen.items()}
+            shardings[index] = strategies
         stages.append(Stage(
             index=index, operators=[graph.nodes[i].name for i in range(start, stop)],
             layers=[choice.start, choice.stop], devices=devices,
-            submesh=list(submeshes[choice.submesh]),
-            logical_mesh=list(logical_meshes(submeshes[choice.submesh])[choice.logical]),
+            submesh=list(submesh), logical_mesh=list(logical),
             inputs=[], outputs=[], seconds=float(choice.seconds),
             memory_bytes=float(cost.param_bytes + cost.act_bytes),
+            strategies={name: str(s) for name, s in strategies.items() if not _replicated(s)},
         ))
     node_stage = np.empty(len(graph.nodes), dtype=np.int64)
     for stage in stages:
@@ -94,6 +99,7 @@ def plan_pipeline(
         "memory_bytes_per_device": memory,
         "cost_model": "analytic",
     }
+    stats = intra_op.stats
     solver = {
         "seconds": time.perf_counter() - started,
         "stage_dp_seconds": dp_seconds,
@@ -102,12 +108,22 @@ def plan_pipeline(
         "submeshes": [list(s) for s in submeshes],
         "tmax_candidates": solution.tmax_candidates,
         "stages": len(stages),
+        "ilp": {
+            "solver": options.solver, "solved": stats.ilps, "reused": stats.cache_hits,
+            "seconds": stats.seconds, "variables": stats.variables, "constraints": stats.constraints,
+            "largest_variables": stats.largest,
+        },
     }
-    return Plan(
+    plan = Plan(
         model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=transfers, programs=[],
         estimate=estimate, solver=solver,
     )
+    return plan, shardings
+
+
+def _replicated(strategy: Strategy) -> bool:
+    return all(s is None or s.is_replicated for s in list(strategy.inputs) + list(strategy.outputs))
 
 
 def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster) -> list[list[int]]:
@@ -166,7 +182,11 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray) -
                 src.outputs.append(name)
             if (name, stage.index) not in sent:
                 sent.add((name, stage.index))
-                transfers.append(_transfer(graph, name, src, stage.index, stage.devices[0]))
+                # Every device of the next stage gets the whole (replicated) tensor; the
+                # senders take turns among the devices of the producing stage.
+                for position, rank in enumerate(stage.devices):
+                    sender = src.devices[position % len(src.devices)]
+                    transfers.append(_transfer(graph, name, src, stage.index, rank, sender))
     for name in graph.outputs:
         if name not in producers:
             raise PlanError(f"model output '{name}' is not computed by any operator")
@@ -177,6 +197,7 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray) -
     return transfers
 
 
-def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:
+def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int, sender: int | None = None) -> Transfer:
     info = graph.tensors[name]
-    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, list(info.shape), info.dtype.name)
+    sender = src.devices[0] if sender is None else sender
+    return Transfer(name, src.index, dst_stage, sender, dst_rank, list(info.shape), info.dtype.name)

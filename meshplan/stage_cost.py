@@ -15,6 +15,7 @@ import numpy as np
 from .cluster import Cluster
 from .costmodel import CostModel
 from .graph import Graph
+from .intra_op import IntraOpPass
 from .layers import Layering
 
 
@@ -42,17 +43,19 @@ def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
 
 
 def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
-    """Views of a physical submesh: as itself, flattened to 1×n, and n×1."""
+    """Views of a physical submesh: as itself and flattened to 1×(n·m). (The n·m×1 view
+    costs the same as 1×(n·m) with the axes renamed, so it is not tried separately.)"""
     n, m = submesh
-    views = [(n, m), (1, n * m), (n * m, 1)]
-    return list(dict.fromkeys(views))
+    return list(dict.fromkeys([(n, m), (1, n * m)]))
 
 
 class StageCosts:
     """Per-layer statistics of a layered graph, and stage costs built from them."""
 
-    def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModel):
+    def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModel,
+                 intra_op: IntraOpPass | None = None):
         self.graph = graph
+        self.intra_op = intra_op
         self.layering = layering
         self.cost_model = cost_model
         bounds = np.asarray(layering.bounds)
@@ -94,11 +97,18 @@ class StageCosts:
         return float(self._cut_bytes[stop])
 
     def stage_cost(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int]) -> StageCost:
-        if submesh != (1, 1):
-            return INFEASIBLE
+        """Seconds per microbatch, weights and activations per device, of layers [start, stop)
+        on ``submesh`` viewed as ``logical``: one device runs them whole; larger submeshes
+        shard them with the intra-operator ILP."""
         send = self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop)) if stop < self.num_layers else 0.0
         activations = float(self._layer_peak[start:stop].max()) + float(self._cut_bytes[start])
-        return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop), activations)
+        if submesh == (1, 1):
+            return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop), activations)
+        if self.intra_op is None:
+            return INFEASIBLE
+        sharded = self.intra_op.stage(start, stop, submesh, logical)
+        devices = submesh[0] * submesh[1]
+        return StageCost(sharded.seconds + send, sharded.param_bytes, activations / devices)
 
     def tables(self, submeshes: list[tuple[int, int]]):
         """Arrays (L, L, S, K) of seconds, parameter bytes and activation bytes for the DP.

@@ -72,8 +72,10 @@ def test_plan_dim_left_unknown(tmp_path):
     _one_error_line(result, "'seq'", "--dim seq=INT")
 
 
-def test_plan_too_many_devices_for_model(tmp_path):
-    result = run_cli("plan", GPT.path, "--mesh", "1x4", *DIMS, "--layers", "2", "-o", tmp_path / "out")
+def test_plan_model_that_fits_nowhere(tmp_path):
+    cluster = tmp_path / "tiny.toml"
+    cluster.write_text("hosts = 1\ndevices_per_host = 2\n[device]\npreset = 'cpu'\nmemory_gb = 0.0001\n")
+    result = run_cli("plan", GPT.path, "--cluster", cluster, *DIMS, "--layers", "4", "-o", tmp_path / "out")
     _one_error_line(result)
     assert not (tmp_path / "out").exists()
 

@@ -11,24 +11,48 @@ import numpy as np
 from ..errors import PlanError
 from ..load import model_sha256
 from ..plan import Plan
+from ..resharding import apply_steps
+from ..sharding import LogicalMesh
+from .program import ProgramRunner
 from .sessions import StageSession, check_program_files, providers_for
 from .tensors import join_microbatches, split_microbatches
 
 
 def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], provider: str = "cpu") -> dict[str, np.ndarray]:
-    """Execute the plan's stages in order for every microbatch; tensors pass through a dict."""
+    """Execute the plan's stages in order for every microbatch. Inside a stage every device
+    runs its program segment by segment in lockstep, and the collectives between segments
+    are done in memory with the same semantics as under MPI; between stages tensors pass
+    through a dict (each stage's outputs are replicated on its devices)."""
     providers = providers_for(provider)
-    sessions = {}
-    for stage in plan.stages:
-        program = plan.program_of_rank(stage.devices[0])
-        sessions[stage.index] = StageSession(check_program_files(plan, plan_dir, program), providers)
+    runners = {}
+    for program in plan.programs:
+        runners[program.rank] = ProgramRunner(check_program_files(plan, plan_dir, program), providers)
     outputs = []
     for feeds in split_microbatches(inputs, plan):
         values = dict(feeds)
         for stage in plan.stages:
-            values.update(sessions[stage.index].run({name: values[name] for name in stage.inputs}))
+            values.update(_run_stage(stage, runners, {name: values[name] for name in stage.inputs}))
         outputs.append({spec.name: values[spec.name] for spec in plan.outputs})
     return join_microbatches(outputs, plan)
+
+
+def _run_stage(stage, runners, feeds) -> dict[str, np.ndarray]:
+    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+    values = {rank: dict(feeds) for rank in stage.devices}
+    first = runners[stage.devices[0]]
+    for index, segment in enumerate(first.segments):
+        for rank in stage.devices:
+            part = runners[rank].segments[index]
+            if part.session is not None:
+                values[rank].update(part.session.run({n: values[rank][n] for n in part.inputs}))
+        if segment.collective is not None:
+            c = segment.collective
+            locals_ = {mesh.coord(rank): values[rank][c.input] for rank in stage.devices}
+            result = apply_steps(locals_, [c.step], mesh)
+            for rank in stage.devices:
+                values[rank][c.output] = result[mesh.coord(rank)]
+    lead = values[stage.devices[0]]
+    return {name: lead[name] for name in stage.outputs}
 
 
 def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str | Path | None = None,

@@ -24,7 +24,10 @@ import numpy as np
 from ..errors import MeshplanError, RunError
 from ..plan import Plan, read_plan
 from ..planner import OUTPUT_COLLECTOR
-from .sessions import StageSession, check_program_files, providers_for
+from ..resharding import Step
+from ..sharding import LogicalMesh
+from .program import ProgramRunner
+from .sessions import check_program_files, providers_for
 from .tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
 
 
@@ -109,8 +112,52 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
             raise RunError(f"output file must end in .npz: {output_path}")
         if not output_path.parent.is_dir():
             raise RunError(f"output directory does not exist: {output_path.parent}")
-    session = StageSession(path, providers_for(provider), threads=threads)
+    session = ProgramRunner(path, providers_for(provider), threads=threads)
     return plan, session, split_microbatches(inputs, plan)
+
+
+class MeshCommunicators:
+    """One communicator per mesh axis of every stage, built once; ranks ordered by coordinate.
+
+    Every rank takes part in every split (with MPI.UNDEFINED outside the stage), so all
+    ranks must build this object together."""
+
+    def __init__(self, plan: Plan, comm, MPI):
+        self.MPI = MPI
+        self.axes: dict[int, object] = {}
+        rank = comm.rank
+        for stage in plan.stages:
+            mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+            for axis in (0, 1, 2):
+                color, key = MPI.UNDEFINED, 0
+                if rank in stage.devices:
+                    i, j = mesh.coord(rank)
+                    n, m = mesh.shape
+                    color, key = {0: (j, i), 1: (i, j), 2: (0, i * m + j)}[axis]
+                split = comm.Split(color, key)
+                if rank in stage.devices:
+                    self.axes[axis] = split
+
+    def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
+        MPI = self.MPI
+        group = self.axes[step.axis]
+        size = group.Get_size()
+        x = np.ascontiguousarray(array)
+        if step.kind == "all_reduce":
+            out = np.empty_like(x)
+            group.Allreduce(x, out, op=MPI.SUM)
+            return out
+        moved = np.ascontiguousarray(np.moveaxis(x, step.dim, 0))
+        if step.kind == "all_gather":
+            out = np.empty((size,) + moved.shape, dtype=x.dtype)
+            group.Allgather(moved, out)
+            out = out.reshape((size * moved.shape[0],) + moved.shape[1:])
+        elif step.kind == "reduce_scatter":
+            out = np.empty((moved.shape[0] // size,) + moved.shape[1:], dtype=x.dtype)
+            group.Reduce_scatter_block(moved, out, op=MPI.SUM)
+        else:
+            raise RunError(f"unknown collective {step.kind}")
+        return np.ascontiguousarray(np.moveaxis(out, 0, step.dim))
 
 
 def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | Path | None,
@@ -129,13 +176,14 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         error = exc
     _agree(comm, MPI, error)
     try:
-        return _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI)
+        communicators = MeshCommunicators(plan, comm, MPI)
+        return _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators)
     except Exception as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise JobFailure(f"rank {comm.rank} failed: {text}") from exc
 
 
-def _run_started(plan: Plan, session: StageSession, micro_inputs, output_path, repeat, comm, MPI):
+def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, repeat, comm, MPI, communicators):
     rank = comm.rank
     stage = plan.stage_of_rank(rank)
     B = plan.microbatches
@@ -165,7 +213,7 @@ def _run_started(plan: Plan, session: StageSession, micro_inputs, output_path, r
                 if name not in feeds:
                     feeds[name] = micro_inputs[mb][name]
             started = MPI.Wtime()
-            outs = session.run(feeds)
+            outs = session.run(feeds, communicators)
             finished = MPI.Wtime()
             if iteration == repeat - 1:
                 if started - waited > 1e-5:

@@ -69,17 +69,19 @@ def check_program_files(plan: Plan, plan_dir: Path, program: Program) -> Path:
 class StageSession:
     """One rank's program in onnxruntime."""
 
-    def __init__(self, path: Path, providers: list[str], threads: int = 0):
+    def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
+        label = "a program segment" if isinstance(source, bytes) else Path(source).name
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
+            self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
+                                                providers=providers)
         except Exception as exc:
-            raise RunError(f"onnxruntime cannot load {path.name}: {str(exc).splitlines()[0][:300]}") from exc
+            raise RunError(f"onnxruntime cannot load {label}: {str(exc).splitlines()[0][:300]}") from exc
         # Models before IR 4 list their weights as (optional) inputs too: feed only what is given.
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]

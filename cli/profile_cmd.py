@@ -1,0 +1,193 @@
+"""``meshplan profile``: measure operator and communication costs for planning.
+
+Registered on the main group with ``main.add_command(profile)``; it can also be invoked
+on its own (``python -c "from cli.profile_cmd import profile; profile()"``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from meshplan.cluster import DEVICE_PRESETS
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
+          "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
+
+
+def _dims(ctx, param, values):
+    from cli.main import _parse_dims
+
+    return _parse_dims(ctx, param, values)
+
+
+def _mesh(ctx, param, value):
+    from cli.main import _parse_mesh
+
+    return _parse_mesh(ctx, param, value)
+
+
+def _bytes(ctx, param, value):
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise click.BadParameter(f"expected a size such as 4MiB, 256K or 1048576, got {value!r}", ctx, param)
+    size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size < 1024:
+        raise click.BadParameter(f"the largest message must be at least 1 KiB, got {value!r}", ctx, param)
+    return size
+
+
+class _Bar:
+    """A click progress bar on stderr per phase, with an estimate of the time left."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.phase = None
+        self.done = 0
+        self.operators_timed = 0
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase == "operators":
+            self.operators_timed = done
+        if not self.enabled or total <= 0:
+            return
+        if phase != self.phase:
+            self.close()
+            self.phase, self.done = phase, 0
+            label = "timing operators" if phase == "operators" else "timing collectives"
+            self.bar = click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True, show_pos=True)
+            self.bar.__enter__()
+        if done > self.done:
+            self.bar.update(done - self.done)
+            self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--mesh", callback=_mesh, metavar="HxD", help="Hosts x devices per host, e.g. 1x4.")
+@click.option("--device", type=click.Choice(sorted(DEVICE_PRESETS)),
+              help="Device preset the profile is for (link figures without mpiexec). "
+                   "Default: cpu with the CPU provider, h100-80g with CUDA.")
+@click.option("--cluster", "cluster_file", type=click.Path(path_type=Path),
+              help="Cluster description in TOML (instead of --mesh/--device).")
+@click.option("--dim", "dims", multiple=True, callback=_dims, metavar="NAME=INT",
+              help="Fix a symbolic dimension of the model's inputs (repeatable).")
+@click.option("--microbatches", "microbatch_counts", multiple=True, type=click.IntRange(min=2),
+              help="Also profile the shapes a plan with this many microbatches runs (repeatable).")
+@click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cuda", "cpu"]))
+@click.option("--threads", type=click.IntRange(min=1),
+              help="onnxruntime threads per operator [default: the host's cores divided among its ranks, as meshplan run].")
+@click.option("--cache", "cache_path", type=click.Path(path_type=Path),
+              help="Cache file [default: $XDG_CACHE_HOME/meshplan/profile.sqlite or ~/.cache/meshplan/profile.sqlite].")
+@click.option("--refresh", is_flag=True, help="Time everything again, ignoring (and overwriting) cached timings.")
+@click.option("--budget-ms", default=20.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Timed running per operator measurement, milliseconds.")
+@click.option("--comm-max", callback=_bytes, metavar="SIZE",
+              help="Largest message for the collectives under mpiexec [default: 64MiB with CUDA, 4MiB on CPU].")
+@click.option("--comm-budget-ms", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Timed running per collective and message size, milliseconds.")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="Rows of the costliest-operator table.")
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path), help="Profile file to write (JSON).")
+@click.pass_context
+def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, provider, threads, cache_path, refresh,
+            budget_ms, comm_max, comm_budget_ms, top, out_path):
+    """Measure what MODEL's operators and the mesh's collectives cost here, for `meshplan plan --profile`.
+
+    Under `mpiexec -n N meshplan profile ...` the ranks share the operator timings and
+    the collectives are timed along each mesh axis; alone, communication comes from the
+    cluster description's link figures. Timings are cached, so profiling a model again
+    costs only what is new.
+    """
+    from cli.main import _guard
+    from meshplan.cluster import load_cluster_file, make_cluster
+    from meshplan.load import read_model, symbolic_dims
+    from meshplan.make_plan import batch_layout
+    from meshplan.profile import ProfileOptions, profile_model, write_profile
+    from meshplan.profile.errors import FailedElsewhere
+    from meshplan.profile.timing import CPU, TimingConfig, resolve_provider
+    from meshplan.report import human_seconds
+
+    debug = bool((ctx.obj or {}).get("debug"))
+    with _guard(debug):
+        if (mesh is None) == (cluster_file is None):
+            raise click.UsageError("give exactly one of --mesh and --cluster")
+        if cluster_file:
+            if device:
+                raise click.UsageError("--device goes with --mesh; a cluster file names its device")
+            cluster = load_cluster_file(cluster_file)
+        else:
+            if device is None:
+                device = "cpu" if resolve_provider(provider) == CPU else "h100-80g"
+            cluster = make_cluster(mesh, device)
+        header = read_model(model, load_external_data=False)
+        symbolic_dims(header)
+        dims_sets = [("model", dict(dims))]
+        for count in dict.fromkeys(microbatch_counts):
+            _, program_dims = batch_layout(header, dict(dims), count)
+            dims_sets.append((f"microbatches={count}", program_dims))
+        options = ProfileOptions(
+            provider=provider, threads=threads, cache_path=cache_path, refresh=refresh,
+            timing=TimingConfig(budget_seconds=budget_ms / 1000), comm_max_bytes=comm_max,
+            comm_budget_seconds=comm_budget_ms / 1000,
+        )
+        started = time.perf_counter()
+        bar = _Bar(enabled=True)
+        try:
+            result = profile_model(model, dims_sets, cluster, options, progress=bar)
+        except FailedElsewhere:
+            sys.exit(1)             # the failing rank has reported it
+        except KeyboardInterrupt:
+            bar.close()
+            click.echo(f"meshplan: interrupted; the {bar.operators_timed} operator timing(s) made so far "
+                       "are kept in the cache", err=True)
+            sys.exit(130)
+        finally:
+            bar.close()
+        if result is None:          # another rank of an MPI job: rank 0 reports
+            return
+        write_profile(result.profile, out_path)
+        _report(result, out_path, top, human_seconds)
+        click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan profile")
+
+
+def _report(result, out_path: Path, top: int, human_seconds) -> None:
+    profile = result.profile
+    if result.cache_moved_aside:
+        click.echo(f"warning: the cache was unreadable; moved it to {result.cache_moved_aside} and started a new one",
+                   err=True)
+    rows = profile.costliest(top)
+    if rows:
+        total = profile.total_seconds()
+        click.echo(f"costliest operators ({profile.provider} on {profile.hardware}, {profile.threads} thread(s)):")
+        width = max(len(e.description) for e, _, _ in rows)
+        width = min(max(width, 9), 72)
+        click.echo(f"  {'operator':<{width}} {'count':>5} {'each':>10} {'total':>10} {'share':>6}")
+        for entry, seconds, share in rows:
+            text = entry.description
+            if len(text) > width:
+                text = text[:width - 1] + "…"
+            click.echo(f"  {text:<{width}} {entry.count:>5} {human_seconds(entry.seconds):>10} "
+                       f"{human_seconds(seconds):>10} {share:>6.1%}")
+        click.echo(f"  sum of measured operators per run of the model: {human_seconds(total)}")
+    comm = profile.communication_source
+    comm_text = {"measured": f"measured over {profile.ranks} ranks", "cached": f"from the cache ({profile.ranks} ranks)",
+                 "cluster": "the cluster description's link figures (run under mpiexec to measure)"}[comm]
+    aware = profile.cuda_aware_mpi.get("value")
+    aware_text = "unknown" if aware is None else ("yes" if aware else "no")
+    click.echo(
+        f"{profile.stats['signatures']} operator signature(s): {result.measured} timed, {result.cached} from the cache "
+        f"({result.cache_path}), {result.failed} analytic; communication: {comm_text}; CUDA-aware MPI: {aware_text}"
+    )
+    click.echo(f"wrote {out_path}")

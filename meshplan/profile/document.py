@@ -1,0 +1,195 @@
+"""The profile file: versioned JSON with measured operator times and communication fits.
+
+Written atomically (temporary sibling + rename). ``load_profile`` is what planning calls:
+it refuses, with one line, a profile of another model or for another mesh or device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..cluster import Cluster
+from ..errors import PlanError
+from .comm import CommFit
+from .errors import ProfileError
+
+FORMAT_VERSION = 1
+KIND = "meshplan-profile"
+
+
+@dataclass
+class OpEntry:
+    """One signature's time (None when it could not be timed: the analytic model answers)."""
+
+    key: str
+    signature: dict
+    seconds: float | None
+    count: int                       # occurrences in the profiled model (variants: in the sets given)
+    source: str                      # "measured" | "cache" | "failed"
+    sources: list[str] = field(default_factory=list)   # "model", "microbatches=2", "model:variant", …
+    input_key: str = ""
+    repeats: int = 0
+    spread: float = 0.0
+    copies: int = 1
+    error: str | None = None
+    nodes: list[str] = field(default_factory=list)
+
+    @property
+    def description(self) -> str:
+        from .signatures import OpSignature
+
+        return OpSignature.from_dict(self.signature).short()
+
+
+@dataclass
+class Profile:
+    model: dict                       # {"path", "sha256", "dims", "program_dims": [...]}
+    mesh: list[int]                   # [hosts, devices per host]
+    device: str                       # the cluster's device preset / name the profile was made for
+    hardware: str                     # CPU model or GPU name
+    provider: str
+    onnxruntime: str
+    threads: int
+    ranks: int                        # ranks of the job that measured it (1 without mpiexec)
+    operators: dict[str, OpEntry]
+    communication: list[CommFit]
+    communication_source: str         # "measured" | "cached" | "cluster"
+    cuda_aware_mpi: dict              # {"value": bool | None, "method": str}
+    stats: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    # --- queries ----------------------------------------------------------------------
+
+    def op_seconds(self, key: str) -> float | None:
+        entry = self.operators.get(key)
+        return entry.seconds if entry is not None else None
+
+    def op_seconds_by_inputs(self, input_key: str) -> float | None:
+        matches = [e.seconds for e in self.operators.values() if e.input_key == input_key and e.seconds is not None]
+        return max(matches) if matches else None
+
+    def comm_fit(self, collective: str, axis: int, group_size: int | None = None) -> CommFit | None:
+        """The fit for a collective along an axis; the group size nearest to the one asked."""
+        candidates = [f for f in self.communication if f.collective == collective and f.axis == axis]
+        if not candidates:
+            return None
+        if group_size is None:
+            return max(candidates, key=lambda f: f.group_size)
+        exact = [f for f in candidates if f.group_size == group_size]
+        if exact:
+            return exact[0]
+        return min(candidates, key=lambda f: (abs(f.group_size - group_size), -f.group_size))
+
+    def total_seconds(self, source: str = "model") -> float:
+        return sum(e.seconds * e.count for e in self.operators.values() if e.seconds is not None and source in e.sources)
+
+    def costliest(self, limit: int = 10, source: str = "model") -> list[tuple[OpEntry, float, float]]:
+        """(entry, seconds × count, share of the model's measured total), costliest first."""
+        total = self.total_seconds(source)
+        rows = [(e, e.seconds * e.count) for e in self.operators.values() if e.seconds is not None and source in e.sources]
+        rows.sort(key=lambda r: -r[1])
+        return [(e, t, t / total if total > 0 else 0.0) for e, t in rows[:limit]]
+
+    # --- (de)serialisation --------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format_version": self.format_version, "kind": KIND,
+            "model": self.model, "mesh": list(self.mesh), "device": self.device,
+            "hardware": self.hardware, "provider": self.provider, "onnxruntime": self.onnxruntime,
+            "threads": self.threads, "ranks": self.ranks,
+            "cuda_aware_mpi": self.cuda_aware_mpi,
+            "communication_source": self.communication_source,
+            "communication": [f.to_dict() for f in self.communication],
+            "operators": {k: _entry_dict(e) for k, e in self.operators.items()},
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            raise PlanError(f"{where} is not a meshplan profile")
+        version = data.get("format_version")
+        if not isinstance(version, int):
+            raise PlanError(f"{where} has no format_version")
+        if version > FORMAT_VERSION:
+            raise PlanError(f"profile format {version} of {where} is newer than this meshplan understands ({FORMAT_VERSION})",
+                            hint="upgrade meshplan or re-run meshplan profile")
+        try:
+            return cls(
+                model=data["model"], mesh=list(data["mesh"]), device=data["device"], hardware=data["hardware"],
+                provider=data["provider"], onnxruntime=data["onnxruntime"], threads=int(data["threads"]),
+                ranks=int(data["ranks"]),
+                operators={k: OpEntry(key=k, **v) for k, v in data["operators"].items()},
+                communication=[CommFit.from_dict(f) for f in data["communication"]],
+                communication_source=data["communication_source"], cuda_aware_mpi=data["cuda_aware_mpi"],
+                stats=data.get("stats", {}), format_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{where} is malformed ({exc})") from None
+
+
+def _entry_dict(entry: OpEntry) -> dict:
+    body = dict(entry.__dict__)
+    body.pop("key")
+    return body
+
+
+def write_profile(profile: Profile, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        raise ProfileError(f"output {path} is a directory", hint="give a file name with -o")
+    if not path.parent.is_dir():
+        raise ProfileError(f"output directory does not exist: {path.parent}")
+    data = (json.dumps(profile.to_dict(), indent=1) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_profile(path: str | os.PathLike) -> Profile:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"profile not found: {path}", hint="create one with meshplan profile")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"profile {path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise PlanError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    return Profile.from_dict(data, str(path))
+
+
+def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster) -> Profile:
+    """Read a profile for planning ``model_sha256`` on ``cluster``; PlanError if it is for something else."""
+    profile = read_profile(path)
+    theirs = profile.model.get("sha256", "")
+    if theirs != model_sha256:
+        raise PlanError(
+            f"profile {path} was measured for another model (sha256 {theirs[:12]}…, this model {model_sha256[:12]}…)",
+            hint="run meshplan profile on this model",
+        )
+    mesh = [cluster.hosts, cluster.devices_per_host]
+    if list(profile.mesh) != mesh:
+        raise PlanError(
+            f"profile {path} was measured for mesh {profile.mesh[0]}x{profile.mesh[1]}, the plan is for {mesh[0]}x{mesh[1]}",
+            hint="profile again with this --mesh",
+        )
+    if profile.device != cluster.device.name:
+        raise PlanError(
+            f"profile {path} was measured for device {profile.device!r} ({profile.hardware}, {profile.provider}), "
+            f"the plan is for {cluster.device.name!r}",
+            hint="plan with the profile's --device or profile again",
+        )
+    return profile

@@ -1,0 +1,111 @@
+"""A cost model that answers from a profile and falls back to the analytic model.
+
+``node_seconds`` returns the measured time of the node's signature when the profile has
+one, else the analytic estimate; ``measured_nodes`` and ``analytic_nodes`` count the
+distinct nodes answered each way. Transfers and collectives use the profile's
+communication fits (measured, or the cluster's figures when the profile was made
+without mpiexec) and the analytic link model where the profile has no fit.
+"""
+
+from __future__ import annotations
+
+from ..cluster import Cluster
+from ..costmodel import CostModel
+from ..graph import Graph, Node
+from .comm import COLLECTIVES, _ring
+from .document import Profile, load_profile
+from .signatures import signature_of
+
+__all__ = ["ProfiledCostModel", "load_profile"]
+
+
+class ProfiledCostModel(CostModel):
+    def __init__(self, cluster: Cluster, profile: Profile):
+        super().__init__(cluster)
+        self.profile = profile
+        self._measured: set[tuple[int, str]] = set()
+        self._analytic: set[tuple[int, str]] = set()
+        self._keys: dict[tuple[int, str], str | None] = {}
+
+    # --- operators ------------------------------------------------------------------
+
+    @property
+    def measured_nodes(self) -> int:
+        return len(self._measured)
+
+    @property
+    def analytic_nodes(self) -> int:
+        return len(self._analytic)
+
+    def node_seconds(self, node: Node, graph: Graph) -> float:
+        ident = (id(graph), node.name)
+        if ident not in self._keys:
+            signature = signature_of(node, graph)
+            self._keys[ident] = signature.key if signature is not None else None
+        key = self._keys[ident]
+        seconds = self.profile.op_seconds(key) if key is not None else None
+        if seconds is not None:
+            self._analytic.discard(ident)
+            self._measured.add(ident)
+            return seconds
+        self._analytic.add(ident)
+        return super().node_seconds(node, graph)
+
+    def shape_seconds(self, node: Node, graph: Graph, input_shapes, output_shapes=None) -> float | None:
+        """Measured seconds of ``node`` on other (e.g. sharded) input shapes, or None.
+
+        The profile has such entries when it was made with a ``variants`` source; without
+        ``output_shapes`` the entry is found by its inputs alone.
+        """
+        signature = signature_of(node, graph, input_shapes, output_shapes)
+        if signature is None:
+            return None
+        if output_shapes is not None:
+            return self.profile.op_seconds(signature.key)
+        return self.profile.op_seconds_by_inputs(signature.input_key)
+
+    # --- communication ------------------------------------------------------------
+
+    def collective_seconds(self, collective: str, nbytes: float, group_size: int, inter_host: bool) -> float:
+        """Seconds of a collective among ``group_size`` devices, within a host or across hosts.
+
+        ``nbytes`` is the full buffer each device holds: the array all-reduced, the
+        gathered result of an all-gather, the input of a reduce-scatter, the whole send
+        buffer of an all-to-all, the array broadcast or sent.
+        """
+        if collective not in COLLECTIVES:
+            raise ValueError(f"unknown collective {collective!r} (known: {', '.join(COLLECTIVES)})")
+        if nbytes <= 0 or group_size <= 1:
+            return 0.0
+        fit = self.profile.comm_fit(collective, 0 if inter_host else 1, group_size)
+        if fit is not None:
+            return fit.seconds(nbytes)
+        link = self.cluster.inter_host if inter_host else self.cluster.intra_host
+        latency, bandwidth = _ring(collective, group_size, link)
+        return latency + nbytes / bandwidth
+
+    def _send_fit(self, inter_host: bool):
+        return self.profile.comm_fit("send_recv", 0 if inter_host else 1)
+
+    def transfer_seconds(self, nbytes: float, src: int, dst: int) -> float:
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        fit = self._send_fit(self.cluster.host_of(src) != self.cluster.host_of(dst))
+        return fit.seconds(nbytes) if fit is not None else super().transfer_seconds(nbytes, src, dst)
+
+    def worst_transfer_seconds(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        fit = self._send_fit(self.cluster.hosts > 1)
+        return fit.seconds(nbytes) if fit is not None else super().worst_transfer_seconds(nbytes)
+
+    def summary(self) -> dict:
+        """For a plan's estimate: which cost model answered how many nodes."""
+        return {
+            "cost_model": "profiled",
+            "measured_nodes": self.measured_nodes,
+            "analytic_nodes": self.analytic_nodes,
+            "profile_hardware": self.profile.hardware,
+            "profile_provider": self.profile.provider,
+            "communication": self.profile.communication_source,
+        }

@@ -1,0 +1,368 @@
+"""Operator signatures: what an operator's cost depends on, so that each is timed once.
+
+A signature is the op type and domain, the attributes, and the dtype and shape of every
+input and output. Small integer (or tiny) initializers — Reshape targets, Slice starts,
+axes, scalar exponents — are *constants*: the signature marks them, and the one-node
+model that times the signature keeps them as initializers with their values (so that
+onnxruntime sees what it would see in the real program); every other input, weights
+included, becomes a graph input of the timing model so that nothing is folded away.
+
+Constant *values* are not part of the key: two Slices with the same input and output
+shapes and different offsets cost the same. The output shapes are, which captures what
+the constants do to the work (a Reshape target, a Pad amount, a TopK k).
+
+The key is computed from ``(node, graph)`` alone, which is all a cost model sees.
+Collecting signatures for timing also needs the constant values, read from the
+canonical ONNX model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..graph import Graph, Node, TensorInfo
+
+# Initializers kept as constants in timing models.
+CONSTANT_INT_ELEMENTS = 4096     # integer initializers up to this many elements (shapes, indices)
+CONSTANT_ANY_ELEMENTS = 16       # any dtype up to this many elements (scalars such as exponents)
+
+Shape = tuple[int, ...]
+Variants = Callable[[Node, Graph], Iterable[tuple]]
+
+
+def is_constant_input(info: TensorInfo) -> bool:
+    """Does this tensor stay an initializer (with its value) in a timing model?"""
+    if not info.is_param:
+        return False
+    if info.dtype.kind in "iub":
+        return info.size <= CONSTANT_INT_ELEMENTS
+    return info.size <= CONSTANT_ANY_ELEMENTS
+
+
+def _canonical_attr(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, (list, tuple)):
+        return [_canonical_attr(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "SerializeToString"):   # TensorProto, GraphProto, TypeProto, ...
+        digest = hashlib.sha256(value.SerializeToString(deterministic=True)).hexdigest()[:20]
+        return {type(value).__name__: digest}
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class OpSignature:
+    """The cost-relevant identity of one operator application."""
+
+    op_type: str
+    domain: str
+    attrs: str                                        # canonical JSON of the attributes
+    inputs: tuple[tuple[str, Shape, bool] | None, ...]   # (dtype, shape, constant) or None if omitted
+    outputs: tuple[tuple[str, Shape] | None, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "op": self.op_type, "domain": self.domain, "attrs": json.loads(self.attrs),
+            "inputs": [None if i is None else [i[0], list(i[1]), i[2]] for i in self.inputs],
+            "outputs": [None if o is None else [o[0], list(o[1])] for o in self.outputs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "OpSignature":
+        return cls(
+            data["op"], data.get("domain", ""), json.dumps(data.get("attrs", {}), sort_keys=True),
+            tuple(None if i is None else (str(i[0]), tuple(int(d) for d in i[1]), bool(i[2])) for i in data["inputs"]),
+            tuple(None if o is None else (str(o[0]), tuple(int(d) for d in o[1])) for o in data["outputs"]),
+        )
+
+    @property
+    def text(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:32]
+
+    @property
+    def input_key(self) -> str:
+        """The key without output shapes: finds a variant when only its inputs are known."""
+        body = self.to_dict()
+        body["outputs"] = [None if o is None else o[0] for o in body["outputs"]]
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+    def short(self) -> str:
+        """A one-line description: ``MatMul f32[4,32,128] x f32[128,512]``."""
+        parts = []
+        for spec in self.inputs:
+            if spec is None:
+                continue
+            dtype, shape, const = spec
+            parts.append(f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]{'c' if const else ''}")
+        return f"{self.op_type} " + " x ".join(parts)
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"float32": "f32", "float16": "f16", "float64": "f64", "int64": "i64", "int32": "i32",
+            "bool": "b", "uint8": "u8", "int8": "i8", "bfloat16": "bf16"}.get(dtype, dtype)
+
+
+def signature_of(node: Node, graph: Graph, input_shapes=None, output_shapes=None) -> OpSignature | None:
+    """The signature of ``node`` in ``graph`` (optionally with other input/output shapes).
+
+    None when the node cannot be described by tensor shapes (a non-tensor input or output,
+    or a subgraph attribute: such nodes are costed analytically).
+    """
+    tensors = graph.tensors
+    attrs = {}
+    for name, value in node.attrs.items():
+        if isinstance(value, onnx.GraphProto) or (isinstance(value, list) and value and isinstance(value[0], onnx.GraphProto)):
+            return None
+        attrs[name] = _canonical_attr(value)
+    inputs = []
+    for index, name in enumerate(node.inputs):
+        if not name:
+            inputs.append(None)
+            continue
+        info = tensors.get(name)
+        if info is None:
+            return None
+        shape = info.shape
+        if input_shapes is not None and input_shapes[index] is not None:
+            shape = tuple(int(d) for d in input_shapes[index])
+        inputs.append((info.dtype.name, tuple(shape), is_constant_input(info)))
+    outputs = []
+    for index, name in enumerate(node.outputs):
+        if not name:
+            outputs.append(None)
+            continue
+        info = tensors.get(name)
+        if info is None:
+            return None
+        shape = info.shape
+        if output_shapes is not None and output_shapes[index] is not None:
+            shape = tuple(int(d) for d in output_shapes[index])
+        outputs.append((info.dtype.name, tuple(shape)))
+    return OpSignature(node.op_type, node.domain, json.dumps(attrs, sort_keys=True), tuple(inputs), tuple(outputs))
+
+
+@dataclass
+class TimingSpec:
+    """Everything needed to build the one-node timing model of a signature."""
+
+    signature: OpSignature
+    attributes: list[bytes]                   # the node's serialized AttributeProtos
+    constants: dict[int, np.ndarray]          # input index → value, for constant inputs
+    opsets: dict[str, int]                    # the model's opset imports
+
+    def to_dict(self) -> dict:
+        return {
+            "signature": self.signature.to_dict(),
+            "attributes": [a.hex() for a in self.attributes],
+            "constants": {str(i): {"dtype": v.dtype.name, "shape": list(v.shape), "values": v.ravel().tolist()}
+                          for i, v in self.constants.items()},
+            "opsets": self.opsets,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TimingSpec":
+        constants = {int(i): np.array(c["values"], dtype=c["dtype"]).reshape(c["shape"])
+                     for i, c in data["constants"].items()}
+        return cls(OpSignature.from_dict(data["signature"]), [bytes.fromhex(a) for a in data["attributes"]],
+                   constants, {k: int(v) for k, v in data["opsets"].items()})
+
+
+@dataclass
+class Collected:
+    """One distinct signature, with how often it occurs and what it costs analytically."""
+
+    spec: TimingSpec
+    count: int = 0                          # occurrences in the graphs it was collected from
+    nodes: list[str] = field(default_factory=list)   # a few node names, for reports
+    sources: set[str] = field(default_factory=set)   # labels of the graphs / variant sets
+    estimate: float = 0.0                   # analytic seconds (orders work, sizes the progress)
+
+    @property
+    def signature(self) -> OpSignature:
+        return self.spec.signature
+
+
+def constant_values(model: onnx.ModelProto, graph: Graph, base_dir: str | Path | None = None) -> dict[str, np.ndarray]:
+    """Values of the initializers that timing models keep as constants."""
+    wanted = {name for name, info in graph.tensors.items() if is_constant_input(info)}
+    found = {}
+    for tensor in model.graph.initializer:
+        if tensor.name in wanted:
+            found[tensor.name] = numpy_helper.to_array(tensor, base_dir=str(base_dir) if base_dir else "")
+    return found
+
+
+def opset_map(model: onnx.ModelProto) -> dict[str, int]:
+    return {(op.domain or ""): op.version for op in model.opset_import}
+
+
+def collect_signatures(
+    graph: Graph, model: onnx.ModelProto, base_dir: str | Path | None = None, *,
+    label: str = "model", variants: Variants | None = None, into: dict[str, Collected] | None = None,
+    estimate: Callable[[Node, Graph], float] | None = None,
+) -> dict[str, Collected]:
+    """The distinct signatures of ``graph``'s nodes (key → Collected), adding to ``into``.
+
+    ``model`` is the canonical ONNX model the graph was built from (for attributes and
+    constant values; ``base_dir`` is where its external data lives). ``variants(node,
+    graph)`` may yield extra input-shape tuples per node (sharded shapes); their output
+    shapes are inferred, and a variant onnx cannot infer is skipped.
+    """
+    found = {} if into is None else into
+    protos = {n.name: n for n in model.graph.node}
+    constants = constant_values(model, graph, base_dir)
+    opsets = opset_map(model)
+    for node in graph.nodes:
+        signature = signature_of(node, graph)
+        if signature is None:
+            continue
+        proto = protos.get(node.name)
+        attributes = [a.SerializeToString() for a in proto.attribute] if proto is not None else []
+        const = {i: constants[name] for i, name in enumerate(node.inputs)
+                 if name and name in constants and signature.inputs[i] is not None and signature.inputs[i][2]}
+        if any(spec is not None and spec[2] and i not in const for i, spec in enumerate(signature.inputs)):
+            continue  # a constant whose value we cannot read: leave it to the analytic model
+        spec = TimingSpec(signature, attributes, const, opsets)
+        _add(found, spec, node, label, estimate(node, graph) if estimate else 0.0)
+        if variants is None:
+            continue
+        for shapes in variants(node, graph) or ():
+            shapes = tuple(None if s is None else tuple(int(d) for d in s) for s in shapes)
+            if len(shapes) != len(node.inputs) or shapes == tuple(s[1] if s else None for s in signature.inputs):
+                continue
+            outputs = infer_output_shapes(spec, shapes)
+            if outputs is None:
+                continue
+            variant = signature_of(node, graph, shapes, outputs)
+            if variant is not None:
+                scale = _size_ratio(signature, variant)
+                _add(found, TimingSpec(variant, attributes, const, opsets), node, f"{label}:variant",
+                     scale * (estimate(node, graph) if estimate else 0.0))
+    return found
+
+
+def _size_ratio(base: OpSignature, variant: OpSignature) -> float:
+    def total(sig):
+        return sum(int(np.prod(s[1])) for s in sig.inputs if s is not None) or 1
+    return total(variant) / total(base)
+
+
+def _add(found: dict[str, Collected], spec: TimingSpec, node: Node, label: str, estimate: float) -> None:
+    key = spec.signature.key
+    entry = found.get(key)
+    if entry is None:
+        entry = found[key] = Collected(spec, estimate=estimate)
+    entry.count += 1
+    entry.sources.add(label)
+    if len(entry.nodes) < 3:
+        entry.nodes.append(node.name)
+
+
+def infer_output_shapes(spec: TimingSpec, input_shapes) -> tuple | None:
+    """Output shapes of the signature's node for other input shapes (None if onnx rejects them)."""
+    signature = spec.signature
+    variant = OpSignature(signature.op_type, signature.domain, signature.attrs,
+                          tuple(None if s is None else (s[0], tuple(input_shapes[i]), s[2])
+                                for i, s in enumerate(signature.inputs)),
+                          tuple(None if o is None else (o[0], ()) for o in signature.outputs))
+    model = build_timing_model(TimingSpec(variant, spec.attributes, spec.constants, spec.opsets), copies=1,
+                               unknown_outputs=True)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception:  # onnx raises several types for shapes it cannot reconcile
+        return None
+    shapes = {}
+    for value in list(inferred.graph.output) + list(inferred.graph.value_info):
+        dims = value.type.tensor_type.shape.dim
+        if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            shapes[value.name] = tuple(d.dim_value for d in dims)
+    outputs = []
+    for index, out in enumerate(signature.outputs):
+        if out is None:
+            outputs.append(None)
+            continue
+        name = _output_name(index, 0)
+        if name not in shapes:
+            return None
+        outputs.append(shapes[name])
+    return tuple(outputs)
+
+
+def _input_name(index: int) -> str:
+    return f"in{index}"
+
+
+def _output_name(index: int, copy: int) -> str:
+    return f"out{index}_{copy}"
+
+
+def build_timing_model(spec: TimingSpec, copies: int = 1, unknown_outputs: bool = False) -> onnx.ModelProto:
+    """A model with ``copies`` independent applications of the node to the same inputs.
+
+    Constant inputs are initializers; every other input is a graph input; each copy's
+    outputs are graph outputs (so none is pruned). Timing K copies against one separates
+    the operator's own time from the fixed cost of a session run.
+    """
+    from ..load import set_ir_version
+
+    signature = spec.signature
+    inputs, initializers, names = [], [], []
+    for index, item in enumerate(signature.inputs):
+        if item is None:
+            names.append("")
+            continue
+        dtype, shape, const = item
+        name = _input_name(index)
+        names.append(name)
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        if const:
+            initializers.append(numpy_helper.from_array(np.asarray(spec.constants[index]), name))
+        else:
+            inputs.append(helper.make_tensor_value_info(name, elem, list(shape)))
+    # Trailing omitted inputs are dropped (onnx allows omitting them only by position).
+    while names and names[-1] == "":
+        names.pop()
+    attributes = []
+    for data in spec.attributes:
+        attr = onnx.AttributeProto()
+        attr.ParseFromString(data)
+        attributes.append(attr)
+    nodes, outputs = [], []
+    for copy in range(copies):
+        out_names = []
+        for index, item in enumerate(signature.outputs):
+            if item is None:
+                out_names.append("")
+                continue
+            name = _output_name(index, copy)
+            out_names.append(name)
+            elem = helper.np_dtype_to_tensor_dtype(np.dtype(item[0]))
+            outputs.append(helper.make_tensor_value_info(name, elem, None if unknown_outputs else list(item[1])))
+        while out_names and out_names[-1] == "":
+            out_names.pop()
+        node = helper.make_node(signature.op_type, names, out_names, name=f"op_{copy}", domain=signature.domain or None)
+        node.attribute.extend(attributes)
+        nodes.append(node)
+    graph = helper.make_graph(nodes, "timing", inputs, outputs, initializer=initializers)
+    opsets = dict(spec.opsets)
+    opsets.setdefault("", 17)
+    if signature.domain and signature.domain not in opsets:
+        opsets[signature.domain] = 1
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+    return set_ir_version(model)

@@ -1,0 +1,104 @@
+"""A device's program split at its collective nodes into segments that onnxruntime runs.
+
+A program without collectives is one segment loaded straight from its file (external
+weights included). Otherwise each run of standard nodes between two collectives becomes
+its own in-memory model; the collective that follows a segment is performed by the
+caller (mpi4py communicators under mpiexec, numpy in the in-process executor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..errors import RunError
+from ..resharding import Step
+from ..shard_emit import COLLECTIVE_DOMAIN
+from .sessions import StageSession
+
+_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    step: Step
+    input: str
+    output: str
+
+
+@dataclass
+class Segment:
+    session: StageSession | None          # None for an empty run between two collectives
+    inputs: list[str]
+    outputs: list[str]
+    collective: Collective | None          # performed after the segment
+
+
+def _collective(node: onnx.NodeProto) -> Collective:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type not in _KINDS:
+        raise RunError(f"unknown collective {node.op_type} in the program")
+    return Collective(Step(_KINDS[node.op_type], int(attrs["axis"]), attrs.get("dim")), node.input[0], node.output[0])
+
+
+class ProgramRunner:
+    def __init__(self, path: Path, providers: list[str], threads: int = 0):
+        header = onnx.load(str(path), load_external_data=False)
+        if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
+            session = StageSession(path, providers, threads)
+            self.segments = [Segment(session, session.input_names, session.output_names, None)]
+            self.providers = session.providers
+            return
+        model = onnx.load(str(path))
+        graph = model.graph
+        typed = {v.name: v for v in list(graph.input) + list(graph.output) + list(graph.value_info)}
+        weights = {t.name: t for t in graph.initializer}
+        runs: list[list[onnx.NodeProto]] = [[]]
+        collectives: list[Collective] = []
+        for node in graph.node:
+            if node.domain == COLLECTIVE_DOMAIN:
+                collectives.append(_collective(node))
+                runs.append([])
+            else:
+                runs[-1].append(node)
+        needed_later = [set() for _ in runs]
+        later = {o.name for o in graph.output}
+        for index in range(len(runs) - 1, -1, -1):
+            needed_later[index] = set(later)
+            if index > 0:
+                later.add(collectives[index - 1].input)
+            for node in runs[index]:
+                later.update(n for n in node.input if n)
+        self.segments = []
+        for index, nodes in enumerate(runs):
+            produced = [o for n in nodes for o in n.output if o]
+            consumed = list(dict.fromkeys(i for n in nodes for i in n.input if i))
+            inputs = [i for i in consumed if i not in weights and i not in produced]
+            outputs = [o for o in produced if o in needed_later[index]]
+            collective = collectives[index] if index < len(collectives) else None
+            session = None
+            if nodes:
+                sub = helper.make_graph(
+                    nodes, f"{graph.name}/segment{index}", [typed[i] for i in inputs], [typed[o] for o in outputs],
+                    [weights[i] for i in consumed if i in weights],
+                )
+                sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
+                sub_model.ir_version = model.ir_version
+                session = StageSession(sub_model.SerializeToString(), providers, threads)
+            self.segments.append(Segment(session, inputs, outputs, collective))
+        self.providers = next((s.session.providers for s in self.segments if s.session), providers)
+
+    def run(self, feeds: dict[str, np.ndarray], collective_fn) -> dict[str, np.ndarray]:
+        """Run every segment; ``collective_fn(step, array) -> array`` performs collectives."""
+        values = dict(feeds)
+        for segment in self.segments:
+            if segment.session is not None:
+                values.update(segment.session.run({n: values[n] for n in segment.inputs}))
+            if segment.collective is not None:
+                c = segment.collective
+                values[c.output] = collective_fn(c.step, values[c.input])
+        return values

@@ -1,0 +1,180 @@
+"""One device's program of a sharded stage.
+
+Starts from the stage's subgraph (cut with ``onnx.utils.Extractor``, weights loaded) and
+rewrites it for the device at one coordinate of the stage's logical mesh:
+
+- each weight is sliced to the shard the chosen strategy gives this device;
+- shape constants the split changes (a Reshape target, an Expand shape) are replaced by
+  the strategy's local values;
+- where a tensor's spec differs from what its consumer's strategy needs, the resharding
+  steps are inserted: communication as collective nodes of the ``meshplan`` domain
+  (``AllReduce``, ``AllGather``, ``ReduceScatter`` with ``axis`` and ``dim`` attributes),
+  local slicing as a standard ``Slice``;
+- the stage's inputs arrive replicated and its outputs leave replicated.
+
+A tensor held with spec X is named ``name@X`` in the program (just ``name`` when
+replicated), so one tensor may exist in several layouts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .graph import Graph
+from .resharding import Step, reshard_steps
+from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+from .strategies import Strategy
+
+COLLECTIVE_DOMAIN = "meshplan"
+COLLECTIVE_OPS = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter"}
+_ADD_AXIS = {(R, 0): S0, (R, 1): S1, (S0, 1): S01, (R, 2): S01}
+_REMOVE_AXIS = {(S0, 0): R, (S1, 1): R, (S01, 1): S0, (S01, 2): R}
+
+
+def local_name(tensor: str, spec: ShardingSpec) -> str:
+    return tensor if spec.is_replicated else f"{tensor}@{spec}"
+
+
+def spec_after(spec: ShardingSpec, step: Step) -> ShardingSpec:
+    """The layout a resharding step leaves behind."""
+    dims, partial = list(spec.dims), set(spec.partial)
+    axes = {0, 1} if step.axis == 2 else {step.axis}
+    if step.kind in ("all_reduce", "reduce_scatter"):
+        partial -= axes
+    if step.kind == "all_gather":
+        dims[step.dim] = _REMOVE_AXIS[(dims[step.dim], step.axis)]
+    if step.kind in ("reduce_scatter", "slice"):
+        dims[step.dim] = _ADD_AXIS[(dims[step.dim], step.axis)]
+    return ShardingSpec(tuple(dims), tuple(sorted(partial)))
+
+
+def replicated_strategy(node: onnx.NodeProto, graph: Graph) -> Strategy:
+    def spec(name):
+        return ShardingSpec.replicated(len(graph.tensors[name].shape)) if name else None
+
+    return Strategy(tuple(spec(n) for n in node.input), tuple(spec(n) for n in node.output))
+
+
+class _Builder:
+    def __init__(self, stage: onnx.ModelProto, graph: Graph, mesh: LogicalMesh, rank: int):
+        self.graph = graph
+        self.mesh = mesh
+        self.coord = mesh.coord(rank)
+        self.weights = {t.name: t for t in stage.graph.initializer}
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self.value_info: dict[str, onnx.ValueInfoProto] = {}
+        self.available: dict[str, dict[ShardingSpec, str]] = {}
+        self.opset = next((o.version for o in stage.opset_import if o.domain in ("", "ai.onnx")), 17)
+
+    def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:
+        info = self.graph.tensors[tensor]
+        elem = helper.np_dtype_to_tensor_dtype(info.dtype)
+        self.value_info[name] = helper.make_tensor_value_info(name, elem, spec.local_shape(info.shape, self.mesh))
+
+    def provide(self, tensor: str, spec: ShardingSpec) -> str:
+        name = local_name(tensor, spec)
+        self.available.setdefault(tensor, {})[spec] = name
+        self._describe(name, tensor, spec)
+        return name
+
+    def constant(self, name: str, value: np.ndarray) -> str:
+        if name not in self.initializers:
+            self.initializers[name] = numpy_helper.from_array(value, name)
+        return name
+
+    def weight(self, tensor: str, spec: ShardingSpec | None) -> str:
+        if spec is None or spec.is_replicated:
+            self.initializers.setdefault(tensor, self.weights[tensor])
+            return tensor
+        name = local_name(tensor, spec)
+        if name not in self.initializers:
+            full = numpy_helper.to_array(self.weights[tensor])
+            part = np.ascontiguousarray(full[spec.local_slices(full.shape, self.mesh, self.coord)])
+            if spec.partial and any(self.coord[a] != 0 for a in spec.partial):
+                part = np.zeros_like(part)  # one device of each partial group holds the value
+            self.initializers[name] = numpy_helper.from_array(part, name)
+        return name
+
+    def ensure(self, tensor: str, want: ShardingSpec) -> str:
+        """The local name of ``tensor`` in layout ``want``, inserting resharding steps."""
+        have = self.available[tensor]
+        if want in have:
+            return have[want]
+        source = min(have, key=lambda s: len(reshard_steps(s, want)))
+        spec, name = source, have[source]
+        for step in reshard_steps(source, want):
+            after = spec_after(spec, step)
+            out = local_name(tensor, after)
+            if step.kind == "slice":
+                self._slice(name, out, tensor, spec, step)
+            else:
+                attrs = {"axis": step.axis}
+                if step.dim is not None:
+                    attrs["dim"] = step.dim
+                self.nodes.append(helper.make_node(
+                    COLLECTIVE_OPS[step.kind], [name], [out], name=f"{out}/{step.kind}", domain=COLLECTIVE_DOMAIN, **attrs))
+            spec, name = after, self.provide(tensor, after)
+        return name
+
+    def _slice(self, source: str, out: str, tensor: str, spec: ShardingSpec, step: Step) -> None:
+        size = spec.local_shape(self.graph.tensors[tensor].shape, self.mesh)[step.dim]
+        parts = self.mesh.axis_size(step.axis)
+        i, j = self.coord
+        index = {0: i, 1: j, 2: i * self.mesh.shape[1] + j}[step.axis]
+        chunk = size // parts
+        base = f"{out}/slice"
+        if self.opset < 10:  # Slice took attributes before opset 10
+            self.nodes.append(helper.make_node("Slice", [source], [out], name=base, starts=[index * chunk],
+                                               ends=[(index + 1) * chunk], axes=[step.dim]))
+            return
+        starts = self.constant(f"{base}/starts", np.array([index * chunk], dtype=np.int64))
+        ends = self.constant(f"{base}/ends", np.array([(index + 1) * chunk], dtype=np.int64))
+        axes = self.constant(f"{base}/axes", np.array([step.dim], dtype=np.int64))
+        self.nodes.append(helper.make_node("Slice", [source, starts, ends, axes], [out], name=base))
+
+
+def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, Strategy],
+                  mesh: LogicalMesh, rank: int) -> onnx.ModelProto:
+    """The program of ``rank`` (a device of ``mesh``) for a stage cut from the canonical model."""
+    build = _Builder(stage, graph, mesh, rank)
+    weights = build.weights
+    for value in stage.graph.input:
+        if value.name not in weights:
+            build.provide(value.name, ShardingSpec.replicated(len(graph.tensors[value.name].shape)))
+    for node in stage.graph.node:
+        strategy = strategies.get(node.name) or replicated_strategy(node, graph)
+        rewrites = dict(strategy.rewrites)
+        inputs = []
+        for k, name in enumerate(node.input):
+            spec = strategy.inputs[k] if k < len(strategy.inputs) else None
+            if not name:
+                inputs.append("")
+            elif k in rewrites:
+                inputs.append(build.constant(f"{node.name}/input{k}/local", np.array(rewrites[k], dtype=np.int64)))
+            elif name in weights:
+                inputs.append(build.weight(name, spec))
+            else:
+                inputs.append(build.ensure(name, spec))
+        outputs = [build.provide(name, spec) if name else "" for name, spec in zip(node.output, strategy.outputs)]
+        local = onnx.NodeProto()
+        local.CopyFrom(node)
+        del local.input[:]
+        local.input.extend(inputs)
+        del local.output[:]
+        local.output.extend(outputs)
+        build.nodes.append(local)
+    for value in stage.graph.output:
+        build.ensure(value.name, ShardingSpec.replicated(len(graph.tensors[value.name].shape)))
+    inputs = [build.value_info[v.name] for v in stage.graph.input if v.name not in weights]
+    outputs = [build.value_info[v.name] for v in stage.graph.output]
+    boundary = {v.name for v in inputs + outputs}
+    program = helper.make_graph(
+        build.nodes, stage.graph.name, inputs, outputs, list(build.initializers.values()),
+        value_info=[v for name, v in build.value_info.items() if name not in boundary],
+    )
+    model = helper.make_model(program, opset_imports=list(stage.opset_import) + [helper.make_opsetid(COLLECTIVE_DOMAIN, 1)])
+    model.ir_version = stage.ir_version
+    return model
