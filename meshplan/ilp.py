@@ -6,9 +6,10 @@ Each node v picks one of k_v strategies (one-hot s_v); the objective is
 
 where c_v holds compute + communication seconds per strategy and R_vu the resharding
 seconds between v's output under strategy i and what u's strategy j needs. The quadratic
-term is linearised with one variable e_vu(i, j) per edge and strategy pair:
-Σ_ij e_vu(i, j) = 1, e_vu(i, j) ≤ s_v(i), e_vu(i, j) ≤ s_u(j). With s one-hot these
-force e_vu to the product, so e needs no integrality. A memory row bounds
+term is linearised with one variable e_vu(i, j) per edge and strategy pair, tied to
+the nodes by its marginals: Σ_j e_vu(i, j) = s_v(i) and Σ_i e_vu(i, j) = s_u(j). With s
+one-hot these force e_vu to the product, so e needs no integrality (and this form's LP
+relaxation is much tighter than the textbook e ≤ s_v, e ≤ s_u, Σ e = 1). A memory row bounds
 Σ_v s_vᵀ m_v (bytes per device). Infinite entries forbid a choice or a pair.
 
 The problem is shrunk before it reaches the solver: nodes with one feasible choice are
@@ -146,17 +147,12 @@ def solve(problem: ShardingProblem, solver: str = "cbc", time_limit: float = 60.
         if not finite:
             raise PlanError(f"no compatible strategies between '{nodes[a].name}' and '{nodes[b].name}'")
         e = {(p, q): model.add_var(lb=0.0, ub=1.0, name=f"e_{a}_{b}_{p}_{q}") for p, q in finite}
-        model.add_constr(mip.xsum(e.values()) == 1)
-        for p, q in finite:
-            model.add_constr(e[p, q] <= s[a, p])
-            model.add_constr(e[p, q] <= s[b, q])
-        # A choice with no finite partner on this edge is impossible.
+        # Marginals: the pair variables of row p sum to s_v(p), of column q to s_u(q). With
+        # one-hot s this makes e the product; a choice with no finite partner gets 0.
         for p in np.flatnonzero(allowed[a]):
-            if not any(pp == p for pp, _ in finite):
-                model.add_constr(s[a, p] == 0)
+            model.add_constr(mip.xsum(e[p, q] for q in np.flatnonzero(allowed[b]) if (p, q) in e) == s[a, p])
         for q in np.flatnonzero(allowed[b]):
-            if not any(qq == q for _, qq in finite):
-                model.add_constr(s[b, q] == 0)
+            model.add_constr(mip.xsum(e[p, q] for p in np.flatnonzero(allowed[a]) if (p, q) in e) == s[b, q])
         objective.extend(float(costs[p, q]) * e[p, q] for p, q in finite if costs[p, q])
     if problem.memory_limit is not None:
         fixed_memory = sum(float(nodes[i].memory[k]) for i, k in fixed.items() if nodes[i].memory is not None)

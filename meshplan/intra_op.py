@@ -77,6 +77,95 @@ class IntraOpStats:
     largest: int = 0
 
 
+# Operators that always get ILP variables of their own; any other operator with exactly one
+# producer inside its layer follows that producer's choice.
+HEAVY_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Gather", "Einsum", "MatMulInteger"}
+
+
+def fold_followers(problem: ShardingProblem, heavy: list[bool]):
+    """Shrink the ILP: a cheap node u with a single incoming edge v→u gets no variables;
+    for each strategy i of v it takes the strategy f(i) cheapest for it given i, its costs
+    (and memory) are added to v's, and its outgoing edges start from v with rows f(i).
+
+    Returns the smaller problem and a function mapping its solution back to every node."""
+    nodes = [IlpNode(n.name, np.array(n.costs, dtype=float), None if n.memory is None else np.array(n.memory, dtype=float))
+             for n in problem.nodes]
+    edges = [IlpEdge(e.src, e.dst, np.array(e.costs, dtype=float)) for e in problem.edges]
+    incoming: dict[int, list[int]] = {}
+    for k, e in enumerate(edges):
+        incoming.setdefault(e.dst, []).append(k)
+    leader = list(range(len(nodes)))          # node → the node whose variables decide it
+    mapping: list[np.ndarray | None] = [None] * len(nodes)  # leader's choice → this node's choice
+    removed = set()
+    for u in range(len(nodes)):
+        into = incoming.get(u, [])
+        if heavy[u] or len(into) != 1:
+            continue
+        edge = edges[into[0]]
+        v = edge.src
+        total = edge.costs + nodes[u].costs[None, :]          # (k_v, k_u)
+        f = np.argmin(total, axis=1)
+        rows = np.arange(len(f))
+        nodes[v].costs = nodes[v].costs + total[rows, f]
+        if nodes[u].memory is not None:
+            base = nodes[v].memory if nodes[v].memory is not None else np.zeros(len(f))
+            nodes[v].memory = base + nodes[u].memory[f]
+        for other in edges:
+            if other.src == u and other is not edge:
+                other.src, other.costs = v, other.costs[f, :]
+        removed.add(into[0])
+        leader[u], mapping[u] = v, f
+    kept = [u for u in range(len(nodes)) if leader[u] == u]
+    position = {u: k for k, u in enumerate(kept)}
+    small = ShardingProblem(
+        [nodes[u] for u in kept],
+        [IlpEdge(position[e.src], position[e.dst], e.costs) for k, e in enumerate(edges)
+         if k not in removed and e.src != e.dst],
+        problem.memory_limit,
+    )
+
+    def recover(choices: list[int]) -> list[int]:
+        full = [0] * len(nodes)
+        for u in range(len(nodes)):          # leaders come before their followers
+            full[u] = choices[position[u]] if leader[u] == u else int(mapping[u][full[leader[u]]])
+        return full
+
+    return small, recover
+
+
+def layer_fingerprints(graph: Graph, layering: Layering, constants: dict[str, np.ndarray]) -> list[str]:
+    """One structural fingerprint per layer: operators, attributes, shapes, small constants,
+    wiring inside the layer and which outputs leave it. Equal fingerprints, equal ILPs."""
+    producers, consumers = graph.producers(), graph.consumers()
+    owner = layering.layer_of_node()
+    outputs = set(graph.outputs)
+    keys = []
+    for layer in range(layering.num_layers):
+        start, stop = layering.bounds[layer], layering.bounds[layer + 1]
+        digest = hashlib.sha256()
+        for i in range(start, stop):
+            node = graph.nodes[i]
+            parts = [node.op_type, node.domain, repr(sorted((k, repr(v)) for k, v in node.attrs.items()))]
+            for name in node.inputs:
+                if not name:
+                    parts.append("-")
+                    continue
+                info = graph.tensors[name]
+                where = producers.get(name)
+                origin = f"n{where - start}" if where is not None and start <= where < stop else "in"
+                if info.is_param:
+                    value = constants.get(name)
+                    origin = "c" + (repr(value.tolist()) if value is not None and value.size <= 16 else "")
+                parts.append(f"{origin}:{info.shape}:{info.dtype}")
+            for name in node.outputs:
+                escapes = name in outputs or any(owner[c] != layer for c in consumers.get(name, []))
+                parts.append(f"o:{graph.tensors[name].shape}:{graph.tensors[name].dtype}:{escapes}")
+            digest.update("|".join(parts).encode())
+            digest.update(b";")
+        keys.append(digest.hexdigest())
+    return keys
+
+
 class IntraOpPass:
     """Answers "cost of layers [start, stop) on submesh S viewed as logical mesh M"."""
 
@@ -94,7 +183,9 @@ class IntraOpPass:
         self._owner = layering.layer_of_node()
         self._outputs = set(graph.outputs)
         self._cache: dict[tuple, LayerSolution] = {}
-        self._layer_keys: dict[int, str] = {}
+        self._splittable: dict[tuple, bool] = {}
+        self._graph_inputs = set(graph.inputs)
+        self._layer_keys: list[str] = []
 
     # --- costs of one operator under a strategy ----------------------------------------
 
@@ -125,31 +216,8 @@ class IntraOpPass:
 
     def _layer_key(self, layer: int) -> str:
         """Structural fingerprint: layers with equal keys have equal ILPs."""
-        if layer in self._layer_keys:
-            return self._layer_keys[layer]
-        start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
-        digest = hashlib.sha256()
-        tensors = self.graph.tensors
-        for i in range(start, stop):
-            node = self.graph.nodes[i]
-            parts = [node.op_type, node.domain, repr(sorted((k, repr(v)) for k, v in node.attrs.items()))]
-            for name in node.inputs:
-                if not name:
-                    parts.append("-")
-                    continue
-                info = tensors[name]
-                where = self._producers.get(name)
-                origin = f"n{where - start}" if where is not None and start <= where < stop else "in"
-                if info.is_param:
-                    value = self.constants.get(name)
-                    origin = "c" + (repr(value.tolist()) if value is not None and value.size <= 16 else "")
-                parts.append(f"{origin}:{info.shape}:{info.dtype}")
-            for name in node.outputs:
-                escapes = name in self._outputs or any(self._owner[c] != layer for c in self._consumers.get(name, []))
-                parts.append(f"o:{tensors[name].shape}:{tensors[name].dtype}:{escapes}")
-            digest.update("|".join(parts).encode())
-            digest.update(b";")
-        self._layer_keys[layer] = digest.hexdigest()
+        if not self._layer_keys:
+            self._layer_keys = layer_fingerprints(self.graph, self.layering, self.constants)
         return self._layer_keys[layer]
 
     def layer_solution(self, layer: int, submesh: tuple[int, int], logical: tuple[int, int],
@@ -158,6 +226,8 @@ class IntraOpPass:
 
         ``lean`` adds a memory row holding the layer's weights near an even split over the
         mesh, for stages whose fastest layout does not fit the devices."""
+        b_in = self._effective_kind(layer, b_in, logical, entering=True)
+        b_out = self._effective_kind(layer, b_out, logical, entering=False)
         key = (self._layer_key(layer), submesh, logical, b_in, b_out, lean)
         if key in self._cache:
             self.stats.cache_hits += 1
@@ -174,6 +244,26 @@ class IntraOpPass:
                     raise
                 self._cache[key] = self.layer_solution(layer, submesh, logical, b_in, b_out)
         return self._cache[key]
+
+    def _effective_kind(self, layer: int, kind: str, logical: tuple[int, int], entering: bool) -> str:
+        """``B`` is the same layout as ``R`` when no tensor crossing that side of the layer can
+        be batch-split on this mesh (batch 1, say): then both share one ILP."""
+        if kind == "R":
+            return kind
+        key = (layer, logical, entering)
+        if key not in self._splittable:
+            mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+            start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
+            if entering:
+                names = {n for i in range(start, stop) for n in self.graph.nodes[i].inputs
+                         if n and not self.graph.tensors[n].is_param and n not in self._graph_inputs
+                         and not (start <= self._producers.get(n, -1) < stop)}
+            else:
+                names = {n for i in range(start, stop) for n in self.graph.nodes[i].outputs
+                         if n and any(not (start <= c < stop) for c in self._consumers.get(n, []))}
+            self._splittable[key] = any(
+                not boundary_spec("B", self.graph.tensors[n].shape, mesh).is_replicated for n in names)
+        return kind if self._splittable[key] else "R"
 
     def _solve_layer(self, layer, submesh, logical, b_in, b_out, memory_limit=None) -> LayerSolution:
         started = time.perf_counter()
@@ -234,15 +324,17 @@ class IntraOpPass:
                 src, dst = choices[index_of[where]], choices[index_of[i]]
                 matrix = np.array([[reshard(a.outputs[out_index], b.inputs[k], name) for b in dst] for a in src])
                 edges.append(IlpEdge(index_of[where], index_of[i], matrix))
-        problem = ShardingProblem(nodes, edges, memory_limit)
+        heavy = [self.graph.nodes[i].op_type in HEAVY_OPS for i in range(start, stop)]
+        problem, recover = fold_followers(ShardingProblem(nodes, edges, memory_limit), heavy)
         result = solve(problem, self.solver)
+        full = recover(result.choices)
         self.stats.ilps += 1
         self.stats.seconds += time.perf_counter() - started
         self.stats.variables += result.variables
         self.stats.constraints += result.constraints
         self.stats.largest = max(self.stats.largest, result.variables)
-        picked = [choices[index_of[i]][result.choices[index_of[i]]] for i in range(start, stop)]
-        param_bytes = sum(float(nodes[index_of[i]].memory[result.choices[index_of[i]]]) for i in range(start, stop))
+        picked = [choices[index_of[i]][full[index_of[i]]] for i in range(start, stop)]
+        param_bytes = sum(float(nodes[index_of[i]].memory[full[index_of[i]]]) for i in range(start, stop))
         return LayerSolution(result.objective, picked, param_bytes, result.variables, result.constraints)
 
     # --- a stage: chain of layers --------------------------------------------------------

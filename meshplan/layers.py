@@ -118,3 +118,17 @@ def _best_cuts(positions, prefix, traffic, num_layers, cap):
     if cuts[0] != 0:
         return None
     return [positions[c] for c in cuts]
+
+
+def repeat_period(graph: Graph, tolerance: float = 0.05) -> int | None:
+    """The length of the block a model repeats (a transformer layer, a residual block), read
+    off the sequence of operator types: the least shift p under which at most ``tolerance``
+    of the sequence disagrees with itself. None when nothing repeats."""
+    kinds = {}
+    sequence = np.array([kinds.setdefault(n.op_type, len(kinds)) for n in graph.nodes])
+    n = len(sequence)
+    for period in range(2, n // 2 + 1):
+        overlap = n - period
+        if np.count_nonzero(sequence[:-period] != sequence[period:]) <= tolerance * overlap:
+            return period
+    return None

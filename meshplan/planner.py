@@ -14,8 +14,8 @@ from .cluster import Cluster
 from .costmodel import CostModel
 from .errors import PlanError
 from .graph import Graph
-from .intra_op import IntraOpPass
-from .layers import cluster_layers
+from .intra_op import IntraOpPass, layer_fingerprints
+from .layers import Layering, cluster_layers, repeat_period
 from .plan import Plan, Stage, TensorSpec, Transfer
 from .stage_cost import StageCosts, logical_meshes, submesh_shapes
 from .stage_dp import solve_stages
@@ -36,6 +36,27 @@ def default_num_layers(graph: Graph, cluster: Cluster) -> int:
     return min(len(graph.nodes), max(32, 2 * cluster.num_devices))
 
 
+def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, constants) -> Layering:
+    """Cluster into the default number of layers, unless a count that lines the cuts up with
+    the model's repeated block (see ``repeat_period``) gives fewer distinct layer structures:
+    identical layers share their sharding ILPs, which is what keeps planning fast."""
+    most = default_num_layers(graph, cluster)
+    candidates = [most]
+    period = repeat_period(graph)
+    if period:
+        blocks = len(graph.nodes) // period
+        for per_layer in (1, 2, 3, 4):
+            if blocks % per_layer == 0 and max(cluster.num_devices, most // 4) <= blocks // per_layer <= most:
+                candidates.append(blocks // per_layer)
+    best = None
+    for count in dict.fromkeys(candidates):
+        layering = cluster_layers(graph, node_seconds, count)
+        distinct = len(set(layer_fingerprints(graph, layering, constants)))
+        if best is None or distinct < best[0]:
+            best = (distinct, layering)
+    return best[1]
+
+
 def plan_pipeline(
     graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
     full_inputs: list[TensorSpec], full_outputs: list[TensorSpec], constants: dict[str, np.ndarray],
@@ -45,8 +66,10 @@ def plan_pipeline(
     started = time.perf_counter()
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
-    num_layers = options.num_layers or default_num_layers(graph, cluster)
-    layering = cluster_layers(graph, node_seconds, num_layers)
+    if options.num_layers:
+        layering = cluster_layers(graph, node_seconds, options.num_layers)
+    else:
+        layering = choose_layering(graph, node_seconds, cluster, constants)
     intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver)
     costs = StageCosts(graph, layering, node_seconds, cost_model, intra_op)
     submeshes = submesh_shapes(cluster)

@@ -2,7 +2,8 @@
 
 One file per user (``$XDG_CACHE_HOME/meshplan/profile.sqlite``, else
 ``~/.cache/meshplan/profile.sqlite``). Operator timings are keyed by hardware (CPU model
-or GPU name), execution provider, onnxruntime version, thread count and signature, so a
+or GPU name), execution provider, onnxruntime version, thread count, timing method and
+signature, so a
 second profile of the same or a similar model times only what is new. Communication
 fits are keyed by hardware, MPI library, the job's layout, the mesh axis and group size.
 
@@ -30,6 +31,7 @@ CREATE TABLE IF NOT EXISTS op_times (
     provider TEXT NOT NULL,
     ort_version TEXT NOT NULL,
     threads INTEGER NOT NULL,
+    method INTEGER NOT NULL,
     signature TEXT NOT NULL,
     op_type TEXT NOT NULL,
     description TEXT NOT NULL,
@@ -39,7 +41,7 @@ CREATE TABLE IF NOT EXISTS op_times (
     spread REAL NOT NULL DEFAULT 0,
     copies INTEGER NOT NULL DEFAULT 1,
     measured_at REAL NOT NULL,
-    PRIMARY KEY (hardware, provider, ort_version, threads, signature)
+    PRIMARY KEY (hardware, provider, ort_version, threads, method, signature)
 );
 CREATE TABLE IF NOT EXISTS comm_fits (
     hardware TEXT NOT NULL,
@@ -71,6 +73,7 @@ class OpKey:
     provider: str
     ort_version: str
     threads: int
+    method: int = 1             # timing.TIMING_METHOD: a change of method invalidates old timings
 
 
 @dataclass
@@ -178,11 +181,11 @@ class ProfileCache:
     def get_ops(self, key: OpKey, signatures: list[str]) -> dict[str, CachedTime]:
         found = {}
         query = ("SELECT signature, seconds, error, repeats, spread, copies FROM op_times "
-                 "WHERE hardware=? AND provider=? AND ort_version=? AND threads=? AND signature IN ({})")
+                 "WHERE hardware=? AND provider=? AND ort_version=? AND threads=? AND method=? AND signature IN ({})")
         for start in range(0, len(signatures), 500):
             chunk = signatures[start:start + 500]
             rows = self._query(query.format(",".join("?" * len(chunk))),
-                               (key.hardware, key.provider, key.ort_version, key.threads, *chunk))
+                               (key.hardware, key.provider, key.ort_version, key.threads, key.method, *chunk))
             for sig, seconds, error, repeats, spread, copies in rows:
                 found[sig] = CachedTime(seconds, error, repeats, spread, copies)
         return found
@@ -190,8 +193,8 @@ class ProfileCache:
     def put_op(self, key: OpKey, signature: str, op_type: str, description: str, seconds: float | None,
                error: str | None = None, repeats: int = 0, spread: float = 0.0, copies: int = 1) -> None:
         self._write(
-            "INSERT OR REPLACE INTO op_times VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (key.hardware, key.provider, key.ort_version, key.threads, signature, op_type, description,
+            "INSERT OR REPLACE INTO op_times VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (key.hardware, key.provider, key.ort_version, key.threads, key.method, signature, op_type, description,
              seconds, error, repeats, spread, copies, time.time()),
         )
 

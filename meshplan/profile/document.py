@@ -69,8 +69,13 @@ class Profile:
         return entry.seconds if entry is not None else None
 
     def op_seconds_by_inputs(self, input_key: str) -> float | None:
-        matches = [e.seconds for e in self.operators.values() if e.input_key == input_key and e.seconds is not None]
-        return max(matches) if matches else None
+        if getattr(self, "_by_inputs", None) is None:
+            index: dict[str, float] = {}
+            for entry in self.operators.values():
+                if entry.seconds is not None:
+                    index[entry.input_key] = max(index.get(entry.input_key, 0.0), entry.seconds)
+            self._by_inputs = index
+        return self._by_inputs.get(input_key)
 
     def comm_fit(self, collective: str, axis: int, group_size: int | None = None) -> CommFit | None:
         """The fit for a collective along an axis; the group size nearest to the one asked."""

@@ -23,9 +23,8 @@ class ProfiledCostModel(CostModel):
     def __init__(self, cluster: Cluster, profile: Profile):
         super().__init__(cluster)
         self.profile = profile
-        self._measured: set[tuple[int, str]] = set()
-        self._analytic: set[tuple[int, str]] = set()
-        self._keys: dict[tuple[int, str], str | None] = {}
+        self._measured: set[str] = set()       # node names
+        self._analytic: set[str] = set()
 
     # --- operators ------------------------------------------------------------------
 
@@ -38,17 +37,14 @@ class ProfiledCostModel(CostModel):
         return len(self._analytic)
 
     def node_seconds(self, node: Node, graph: Graph) -> float:
-        ident = (id(graph), node.name)
-        if ident not in self._keys:
-            signature = signature_of(node, graph)
-            self._keys[ident] = signature.key if signature is not None else None
-        key = self._keys[ident]
-        seconds = self.profile.op_seconds(key) if key is not None else None
+        signature = signature_of(node, graph)
+        seconds = self.profile.op_seconds(signature.key) if signature is not None else None
         if seconds is not None:
-            self._analytic.discard(ident)
-            self._measured.add(ident)
+            self._analytic.discard(node.name)
+            self._measured.add(node.name)
             return seconds
-        self._analytic.add(ident)
+        if node.name not in self._measured:
+            self._analytic.add(node.name)
         return super().node_seconds(node, graph)
 
     def shape_seconds(self, node: Node, graph: Graph, input_shapes, output_shapes=None) -> float | None:

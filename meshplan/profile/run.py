@@ -37,7 +37,7 @@ from .comm import (
 from .document import OpEntry, Profile
 from .errors import FailedElsewhere, ProfileError
 from .signatures import Collected, TimingSpec, Variants, collect_signatures
-from .timing import CPU, CUDA, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
+from .timing import CPU, CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total); phases "operators", "communication"
 
@@ -242,7 +242,7 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
                                variants=options.variants, into=found, estimate=estimate)
             program_dims.append({"label": label, "dims": dict(dims), "nodes": len(graph.nodes)})
     cache = ProfileCache(options.cache_path)
-    key = OpKey(hardware_name(provider, job.local_rank), provider, ort_version(), threads)
+    key = OpKey(hardware_name(provider, job.local_rank), provider, ort_version(), threads, TIMING_METHOD)
     cached = {} if options.refresh else cache.get_ops(key, list(found))
     missing = [k for k in found if k not in cached]
     workers = _workers(job, provider, threads)
@@ -305,7 +305,7 @@ def _time_share(payload: dict, job: _Job, options: ProfileOptions, progress, sta
         cache, key = state.cache, state.key
     else:
         cache = ProfileCache(options.cache_path, check=False)
-        key = OpKey(hardware_name(provider, device_id), provider, ort_version(), payload["threads"])
+        key = OpKey(hardware_name(provider, device_id), provider, ort_version(), payload["threads"], TIMING_METHOD)
     results = []
     try:
         if progress and job.rank == 0:

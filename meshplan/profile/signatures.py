@@ -1,11 +1,17 @@
 """Operator signatures: what an operator's cost depends on, so that each is timed once.
 
-A signature is the op type and domain, the attributes, and the dtype and shape of every
-input and output. Small integer (or tiny) initializers — Reshape targets, Slice starts,
-axes, scalar exponents — are *constants*: the signature marks them, and the one-node
-model that times the signature keeps them as initializers with their values (so that
-onnxruntime sees what it would see in the real program); every other input, weights
-included, becomes a graph input of the timing model so that nothing is folded away.
+A signature is the op type and domain, the attributes, and the dtype, shape and role of
+every input and output. An input's role is ``act`` (computed at run time), ``weight``
+(an initializer) or ``const``: a small integer (or tiny) initializer — a Reshape target,
+Slice starts, axes, a scalar exponent — whose *value* the timing model keeps, so that
+onnxruntime sees what it would see in the real program.
+
+Weights are initializers of the timing model (random values) when the node also has a
+run-time input, as in the real program: onnxruntime prepacks constant weights (MatMul,
+Gemm, and on CPU Conv's NCHWc layout) and a weight fed as a graph input would time the
+slower unpacked kernel (a ResNet's convolutions: twice as slow). Such a node cannot be
+folded away because its run-time input is a graph input. A node whose inputs are all
+initializers gets its weights as graph inputs instead, so that it is not folded either.
 
 Constant *values* are not part of the key: two Slices with the same input and output
 shapes and different offsets cost the same. The output shapes are, which captures what
@@ -34,6 +40,8 @@ from ..graph import Graph, Node, TensorInfo
 CONSTANT_INT_ELEMENTS = 4096     # integer initializers up to this many elements (shapes, indices)
 CONSTANT_ANY_ELEMENTS = 16       # any dtype up to this many elements (scalars such as exponents)
 
+ACT, WEIGHT, CONST = "act", "weight", "const"
+
 Shape = tuple[int, ...]
 Variants = Callable[[Node, Graph], Iterable[tuple]]
 
@@ -45,6 +53,12 @@ def is_constant_input(info: TensorInfo) -> bool:
     if info.dtype.kind in "iub":
         return info.size <= CONSTANT_INT_ELEMENTS
     return info.size <= CONSTANT_ANY_ELEMENTS
+
+
+def input_role(info: TensorInfo) -> str:
+    if is_constant_input(info):
+        return CONST
+    return WEIGHT if info.is_param else ACT
 
 
 def _canonical_attr(value):
@@ -69,7 +83,7 @@ class OpSignature:
     op_type: str
     domain: str
     attrs: str                                        # canonical JSON of the attributes
-    inputs: tuple[tuple[str, Shape, bool] | None, ...]   # (dtype, shape, constant) or None if omitted
+    inputs: tuple[tuple[str, Shape, str] | None, ...]   # (dtype, shape, role) or None if omitted
     outputs: tuple[tuple[str, Shape] | None, ...]
 
     def to_dict(self) -> dict:
@@ -83,7 +97,7 @@ class OpSignature:
     def from_dict(cls, data: dict) -> "OpSignature":
         return cls(
             data["op"], data.get("domain", ""), json.dumps(data.get("attrs", {}), sort_keys=True),
-            tuple(None if i is None else (str(i[0]), tuple(int(d) for d in i[1]), bool(i[2])) for i in data["inputs"]),
+            tuple(None if i is None else (str(i[0]), tuple(int(d) for d in i[1]), str(i[2])) for i in data["inputs"]),
             tuple(None if o is None else (str(o[0]), tuple(int(d) for d in o[1])) for o in data["outputs"]),
         )
 
@@ -108,8 +122,9 @@ class OpSignature:
         for spec in self.inputs:
             if spec is None:
                 continue
-            dtype, shape, const = spec
-            parts.append(f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]{'c' if const else ''}")
+            dtype, shape, role = spec
+            mark = {"const": "c", "weight": "w"}.get(role, "")
+            parts.append(f"{_short_dtype(dtype)}[{','.join(map(str, shape))}]{mark}")
         return f"{self.op_type} " + " x ".join(parts)
 
 
@@ -141,7 +156,7 @@ def signature_of(node: Node, graph: Graph, input_shapes=None, output_shapes=None
         shape = info.shape
         if input_shapes is not None and input_shapes[index] is not None:
             shape = tuple(int(d) for d in input_shapes[index])
-        inputs.append((info.dtype.name, tuple(shape), is_constant_input(info)))
+        inputs.append((info.dtype.name, tuple(shape), input_role(info)))
     outputs = []
     for index, name in enumerate(node.outputs):
         if not name:
@@ -235,8 +250,8 @@ def collect_signatures(
         proto = protos.get(node.name)
         attributes = [a.SerializeToString() for a in proto.attribute] if proto is not None else []
         const = {i: constants[name] for i, name in enumerate(node.inputs)
-                 if name and name in constants and signature.inputs[i] is not None and signature.inputs[i][2]}
-        if any(spec is not None and spec[2] and i not in const for i, spec in enumerate(signature.inputs)):
+                 if name and name in constants and signature.inputs[i] is not None and signature.inputs[i][2] == CONST}
+        if any(spec is not None and spec[2] == CONST and i not in const for i, spec in enumerate(signature.inputs)):
             continue  # a constant whose value we cannot read: leave it to the analytic model
         spec = TimingSpec(signature, attributes, const, opsets)
         _add(found, spec, node, label, estimate(node, graph) if estimate else 0.0)
@@ -312,27 +327,32 @@ def _output_name(index: int, copy: int) -> str:
     return f"out{index}_{copy}"
 
 
-def build_timing_model(spec: TimingSpec, copies: int = 1, unknown_outputs: bool = False) -> onnx.ModelProto:
+def build_timing_model(spec: TimingSpec, copies: int = 1, unknown_outputs: bool = False,
+                       weights: dict[int, np.ndarray] | None = None) -> onnx.ModelProto:
     """A model with ``copies`` independent applications of the node to the same inputs.
 
-    Constant inputs are initializers; every other input is a graph input; each copy's
-    outputs are graph outputs (so none is pruned). Timing K copies against one separates
-    the operator's own time from the fixed cost of a session run.
+    Constant inputs are initializers with their values; weights given in ``weights``
+    (input index → array) are initializers too; every other input is a graph input. Each
+    copy's outputs are graph outputs (so none is pruned). Timing K copies against one
+    separates the operator's own time from the fixed cost of a session run.
     """
     from ..load import set_ir_version
 
     signature = spec.signature
+    weights = weights or {}
     inputs, initializers, names = [], [], []
     for index, item in enumerate(signature.inputs):
         if item is None:
             names.append("")
             continue
-        dtype, shape, const = item
+        dtype, shape, role = item
         name = _input_name(index)
         names.append(name)
         elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        if const:
+        if role == CONST:
             initializers.append(numpy_helper.from_array(np.asarray(spec.constants[index]), name))
+        elif index in weights:
+            initializers.append(numpy_helper.from_array(np.asarray(weights[index]), name))
         else:
             inputs.append(helper.make_tensor_value_info(name, elem, list(shape)))
     # Trailing omitted inputs are dropped (onnx allows omitting them only by position).

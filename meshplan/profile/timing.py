@@ -1,7 +1,8 @@
 """Time one operator signature with onnxruntime.
 
-Each signature becomes a one-node model (``signatures.build_timing_model``) whose weights
-are graph inputs. Inputs and outputs are bound once through IOBinding on the provider's
+Each signature becomes a one-node model (``signatures.build_timing_model``): run-time
+inputs are graph inputs, weights random initializers (see ``signatures`` for why), shape
+constants initializers with their values. Inputs and outputs are bound once through IOBinding on the provider's
 device, so no copy is timed. A run of that model costs the operator plus a fixed cost
 of ``InferenceSession.run`` (a few µs on CPU), which would swamp small operators; so a
 small operator is also timed as K independent copies in one model, and its time is the
@@ -26,9 +27,10 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import ProfileError
-from .signatures import TimingSpec, build_timing_model
+from .signatures import ACT, CONST, WEIGHT, TimingSpec, build_timing_model
 
 PROVIDERS = ("auto", "cuda", "cpu")
+TIMING_METHOD = 1      # bump when a change to how operators are timed makes old cached timings wrong
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -190,14 +192,14 @@ class OpTimer:
         self.device = "cuda" if provider == CUDA else "cpu"
         self.rng = np.random.default_rng(0)
 
-    def _session(self, spec: TimingSpec, copies: int):
+    def _session(self, spec: TimingSpec, copies: int, weights: dict):
         ort = self.ort
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
         providers = [(CUDA, {"device_id": self.device_id}), CPU] if self.provider == CUDA else [CPU]
-        model = build_timing_model(spec, copies)
+        model = build_timing_model(spec, copies, weights=weights)
         # Identical copies must stay separate nodes: turn off common-subexpression elimination.
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers, enable_fallback=0,
                                     disabled_optimizers=["CommonSubexpressionElimination"])
@@ -246,17 +248,23 @@ class OpTimer:
     def time(self, spec: TimingSpec) -> Measurement:
         """Median seconds of one application of the signature's operator."""
         try:
-            feeds = {}
+            feeds, weights = {}, {}
+            roles = [item[2] for item in spec.signature.inputs if item is not None]
+            packed = ACT in roles       # weights are initializers when the node has a run-time input
             for index, item in enumerate(spec.signature.inputs):
-                if item is not None and not item[2]:
-                    feeds[f"in{index}"] = _random_input(spec.signature, index, self.rng)
-            one = self._measure(spec, 1, feeds)
-            t1, repeats, spread = one
+                if item is None or item[2] == CONST:
+                    continue
+                value = _random_input(spec.signature, index, self.rng)
+                if item[2] == WEIGHT and packed:
+                    weights[index] = value
+                else:
+                    feeds[f"in{index}"] = value
+            t1, repeats, spread = self._measure(spec, 1, feeds, weights)
             copies = 1
             seconds = t1
             if t1 < self.config.copies_below:
                 copies = int(min(self.config.max_copies, max(2, math.ceil(self.config.copies_below / max(t1, 1e-7)))))
-                tk, more, spread = self._measure(spec, copies, feeds)
+                tk, more, spread = self._measure(spec, copies, feeds, weights)
                 repeats += more
                 seconds = (tk - t1) / (copies - 1)
                 # Noise can make the difference vanish for the tiniest operators.
@@ -266,8 +274,8 @@ class OpTimer:
             text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             return Measurement(None, error=text)
 
-    def _measure(self, spec: TimingSpec, copies: int, feeds: dict) -> tuple[float, int, float]:
-        session = self._session(spec, copies)
+    def _measure(self, spec: TimingSpec, copies: int, feeds: dict, weights: dict) -> tuple[float, int, float]:
+        session = self._session(spec, copies, weights)
         binding, keep = self._bound(session, spec, feeds)
         times = self._run_times(session, binding)
         del keep
