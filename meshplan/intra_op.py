@@ -27,6 +27,7 @@ from .errors import PlanError
 from .graph import Graph, Node
 from .ilp import IlpEdge, IlpNode, ShardingProblem, solve
 from .layers import Layering
+from .policies import apply_policy
 from .resharding import CollectiveModel, axis_links, reshard_seconds
 from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 from .strategies import Strategy, node_strategies
@@ -170,13 +171,14 @@ class IntraOpPass:
     """Answers "cost of layers [start, stop) on submesh S viewed as logical mesh M"."""
 
     def __init__(self, graph: Graph, layering: Layering, cost_model: CostModel, cluster: Cluster,
-                 constants: dict[str, np.ndarray], solver: str = "cbc"):
+                 constants: dict[str, np.ndarray], solver: str = "cbc", policy: str = "auto"):
         self.graph = graph
         self.layering = layering
         self.cost_model = cost_model
         self.cluster = cluster
         self.constants = constants
         self.solver = solver
+        self.policy = policy
         self.stats = IntraOpStats()
         self._producers = graph.producers()
         self._consumers = graph.consumers()
@@ -287,7 +289,8 @@ class IntraOpPass:
 
         for i in range(start, stop):
             node = self.graph.nodes[i]
-            strategies = node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset)
+            strategies = apply_policy(self.policy, node, self.graph,
+                                      node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
             costs = np.array([self._compute_seconds(node, s, mesh) for s in strategies])
             memory = np.array([self._param_bytes(node, s, mesh) for s in strategies])
             # Inputs from outside the layer arrive in the boundary layout (model inputs replicated).

@@ -97,6 +97,26 @@ def small_constants(model: onnx.ModelProto, limit: int = 64) -> dict[str, np.nda
     return found
 
 
+def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], workdir: Path,
+               options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None):
+    """Load, canonicalise (into ``workdir``) and plan, without writing programs.
+
+    Returns the plan, the strategies of each sharded stage, the canonical model and its graph."""
+    model_path = Path(model_path)
+    header = read_model(model_path, load_external_data=False)
+    batch, program_dims = batch_layout(header, dims, options.microbatches)
+    canonical = canonicalize(model_path, program_dims, workdir)
+    graph = build_graph(canonical.model)
+    model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
+    plan, shardings = plan_pipeline(
+        graph, cluster, options, model_info, batch,
+        _full_specs(header, graph.tensors, graph.inputs, batch, options.microbatches),
+        _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
+        small_constants(canonical.model), cost_model,
+    )
+    return plan, shardings, canonical, graph
+
+
 def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
@@ -109,21 +129,13 @@ def make_plan(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     header = read_model(model_path, load_external_data=False)
     symbolic_dims(header)  # reject unnamed dynamic dims early
-    batch, program_dims = batch_layout(header, dims, options.microbatches)
+    batch_layout(header, dims, options.microbatches)  # reject bad batch options before any work
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(staging, 0o755)
     try:
         workdir = staging / ".work"
         workdir.mkdir()
-        canonical = canonicalize(model_path, program_dims, workdir)
-        graph = build_graph(canonical.model)
-        model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
-        plan, shardings = plan_pipeline(
-            graph, cluster, options, model_info, batch,
-            _full_specs(header, graph.tensors, graph.inputs, batch, options.microbatches),
-            _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
-            small_constants(canonical.model), cost_model,
-        )
+        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model)
         emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))

@@ -30,6 +30,8 @@ class PlanOptions:
     num_layers: int | None = None      # default: max(32, 2 × devices), at most the node count
     solver: str = "cbc"                # the intra-operator ILP's solver: cbc or highs
     max_stages: int | None = None      # at most this many pipeline stages
+    policy: str = "auto"               # strategy policy inside stages (see policies.py)
+    submeshes: tuple[tuple[int, int], ...] | None = None   # submesh shapes stages may use (default: all)
 
 
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:
@@ -70,9 +72,13 @@ def plan_pipeline(
         layering = cluster_layers(graph, node_seconds, options.num_layers)
     else:
         layering = choose_layering(graph, node_seconds, cluster, constants)
-    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver)
+    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver, options.policy)
     costs = StageCosts(graph, layering, node_seconds, cost_model, intra_op)
     submeshes = submesh_shapes(cluster)
+    if options.submeshes is not None:
+        submeshes = [s for s in submeshes if s in set(options.submeshes)]
+        if not submeshes:
+            raise PlanError(f"none of the submeshes {list(options.submeshes)} fits the mesh")
     seconds, params, acts = costs.tables(submeshes)
     sizes = np.array([n * m for n, m in submeshes])
     dp_started = time.perf_counter()

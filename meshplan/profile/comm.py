@@ -197,7 +197,7 @@ class CommMeasurer:
     """Times the collectives of one axis group size; every rank of the world calls each method."""
 
     def __init__(self, MPI, world, mesh: tuple[int, int], budget_seconds: float = 0.03,
-                 min_repeats: int = 15, max_repeats: int = 200):
+                 min_repeats: int = 7, max_repeats: int = 200):
         self.MPI = MPI
         self.world = world
         self.mesh = mesh
@@ -286,8 +286,8 @@ class CommMeasurer:
     def _time(self, group, collective: str, nbytes: int) -> tuple[float, int]:
         MPI = self.MPI
         full, out, part, used = self._buffers(group, collective, nbytes)
-        # Warm-up, then agree on a repeat count from the slowest rank's best warm-up time.
-        first = np.array([min(self._once(group, collective, full, out, part) for _ in range(3))])
+        # Warm-up, then agree on a repeat count from the slowest rank's median warm-up time.
+        first = np.array([sorted(self._once(group, collective, full, out, part) for _ in range(3))[1]])
         slowest = np.empty_like(first)
         wait(self.world.Iallreduce(first, slowest, op=MPI.MAX))
         repeats = int(min(self.max_repeats, max(self.min_repeats, self.budget / max(slowest[0], 1e-7))))

@@ -37,7 +37,7 @@ from .comm import (
 from .document import OpEntry, Profile
 from .errors import FailedElsewhere, ProfileError
 from .signatures import Collected, TimingSpec, Variants, collect_signatures
-from .timing import CPU, CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
+from .timing import CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total); phases "operators", "communication"
 

@@ -26,7 +26,7 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
     providers = providers_for(provider)
     runners = {}
     for program in plan.programs:
-        runners[program.rank] = ProgramRunner(check_program_files(plan, plan_dir, program), providers)
+        runners[program.rank] = ProgramRunner(check_program_files(plan, plan_dir, program), providers, threads=1)
     outputs = []
     for feeds in split_microbatches(inputs, plan):
         values = dict(feeds)

@@ -76,6 +76,8 @@ class StageSession:
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
+            if threads == 1:  # many small sessions share the cores: don't spin-wait
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         label = "a program segment" if isinstance(source, bytes) else Path(source).name
         try:
             self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,

@@ -1,0 +1,54 @@
+"""Hand-written parallelisation policies, as restrictions of the automatic search.
+
+``auto`` lets the ILP choose among every strategy. ``data`` keeps only strategies that
+split activations along their first (batch) dimension and replicate every weight: pure
+data parallelism. ``megatron`` fixes every weight-bearing matrix product to the
+Megatron-LM pattern — column-parallel when it widens the hidden size (QKV, first MLP
+layer), row-parallel with a partial result when it narrows it (output projection, second
+MLP layer) — and leaves the rest to the ILP. Together with the stage DP's choice of
+submeshes they give the baselines meshplan's plans are measured against.
+"""
+
+from __future__ import annotations
+
+from .graph import Graph, Node
+from .strategies import Strategy
+
+POLICIES = ("auto", "data", "megatron")
+_MATRIX_OPS = {"MatMul", "Gemm"}
+
+
+def _batch_only(node: Node, graph: Graph, strategy: Strategy) -> bool:
+    for name, spec in zip(node.inputs, strategy.inputs):
+        if spec is None or not name:
+            continue
+        if graph.tensors[name].is_param and not spec.is_replicated:
+            return False
+        if spec.partial or any(p != "R" for p in spec.dims[1:]):
+            return False
+    return all(spec is None or (not spec.partial and all(p == "R" for p in spec.dims[1:])) for spec in strategy.outputs)
+
+
+def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:
+    if node.op_type not in _MATRIX_OPS or len(node.inputs) < 2:
+        return True
+    weight = graph.tensors.get(node.inputs[1])
+    if weight is None or not weight.is_param or len(weight.shape) != 2:
+        return True
+    k, n = weight.shape if not (node.op_type == "Gemm" and node.attrs.get("transB", 0)) else weight.shape[::-1]
+    spec = strategy.inputs[1]
+    if spec is None:
+        return False
+    k_dim, n_dim = (0, 1) if not (node.op_type == "Gemm" and node.attrs.get("transB", 0)) else (1, 0)
+    if n >= k:   # widening: column-parallel
+        return spec.dims[n_dim] != "R" and spec.dims[k_dim] == "R"
+    return spec.dims[k_dim] != "R" and spec.dims[n_dim] == "R"   # narrowing: row-parallel
+
+
+def apply_policy(policy: str, node: Node, graph: Graph, strategies: list[Strategy]) -> list[Strategy]:
+    """The strategies a policy allows (the replicated one is kept when nothing else is)."""
+    if policy == "auto":
+        return strategies
+    keep = _batch_only if policy == "data" else _megatron
+    allowed = [s for s in strategies if keep(node, graph, s)]
+    return allowed or strategies[:1]

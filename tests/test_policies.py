@@ -1,0 +1,56 @@
+"""Hand-written policies restrict the strategies the ILP may pick."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from meshplan.graph import build_graph
+from meshplan.load import infer_shapes
+from meshplan.policies import apply_policy
+from meshplan.sharding import LogicalMesh
+from meshplan.strategies import node_strategies
+
+
+def _matmul_graph(k: int, n: int):
+    weight = numpy_helper.from_array(np.zeros((k, n), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, n])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return build_graph(infer_shapes(model))
+
+
+MESH = LogicalMesh((1, 2), (0, 1))
+
+
+def _allowed(policy, k, n):
+    graph = _matmul_graph(k, n)
+    node = graph.nodes[0]
+    return apply_policy(policy, node, graph, node_strategies(node, graph, MESH))
+
+
+def test_auto_keeps_everything():
+    graph = _matmul_graph(16, 64)
+    node = graph.nodes[0]
+    everything = node_strategies(node, graph, MESH)
+    assert apply_policy("auto", node, graph, everything) == everything and len(everything) > 3
+
+
+def test_data_parallel_replicates_weights_and_splits_batch():
+    allowed = _allowed("data", 16, 64)
+    assert allowed and all(s.inputs[1].is_replicated for s in allowed)
+    assert any(s.inputs[0].dims[0] != "R" for s in allowed)
+
+
+def test_megatron_widening_is_column_parallel():
+    allowed = _allowed("megatron", 16, 64)
+    assert allowed and all(str(s.inputs[1]) == "RS1" for s in allowed)
+
+
+def test_megatron_narrowing_is_row_parallel():
+    allowed = _allowed("megatron", 64, 16)
+    assert allowed and all(str(s.inputs[1]) == "S1R" for s in allowed)
+    assert all(s.outputs[0].partial for s in allowed)
