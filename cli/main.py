@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from meshplan.cluster import DEVICE_PRESETS, parse_mesh
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, ModelError
 
 
 def _parse_dims(ctx, param, values) -> dict[str, int]:
@@ -88,11 +88,20 @@ def main(ctx, debug):
               help="Split the batch into this many pipelined microbatches.")
 @click.option("--layers", type=click.IntRange(min=1), help="Number of layers to cluster operators into.")
 @click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
+@click.option("--policy", default="auto", show_default=True, type=click.Choice(["auto", "data", "megatron"]),
+              help="Sharding inside stages: automatic (ILP over every strategy), data parallel only, "
+                   "or Megatron-style tensor parallel matrix products.")
 @click.option("--solver", default="cbc", show_default=True, type=click.Choice(["cbc", "highs"]),
               help="MILP solver for the sharding ILP (python-mip's CBC or HiGHS).")
+@click.option("--reshard-scheduler", default="randomized_greedy", show_default=True,
+              type=click.Choice(["naive", "load_balance", "dfs", "randomized_greedy"]),
+              help="How cross-mesh resharding tasks are ordered and given senders.")
+@click.option("--profile", "profile_path", type=click.Path(path_type=Path),
+              help="Measured costs from meshplan profile (the analytic model fills the gaps).")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max_stages, solver, out_dir):
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max_stages, policy, solver,
+         reshard_scheduler, profile_path, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cluster import load_cluster_file, make_cluster
     from meshplan.make_plan import make_plan
@@ -104,9 +113,22 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
             raise click.UsageError("give exactly one of --mesh and --cluster")
         cluster = load_cluster_file(cluster_file) if cluster_file else make_cluster(mesh, device)
         started = time.perf_counter()
-        options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages)
-        result = make_plan(model, cluster, dims, out_dir, options)
+        options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
+                              policy=policy, reshard_scheduler=reshard_scheduler)
+        cost_model = None
+        if profile_path:
+            from meshplan.load import model_sha256
+            from meshplan.profile.document import load_profile
+            from meshplan.profile.measured import ProfiledCostModel
+
+            if not Path(model).is_file():
+                raise ModelError(f"model file not found: {model}")
+            cost_model = ProfiledCostModel(cluster, load_profile(profile_path, model_sha256(model), cluster))
+        result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model)
         click.echo(text_report(result))
+        if cost_model is not None:
+            click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
+                       f"{cost_model.analytic_nodes} from the analytic model")
         click.echo(f"wrote {out_dir}/plan.json, {len(result.programs)} program(s), {out_dir}/{TIMELINE_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")
 
@@ -233,6 +255,14 @@ def inputs(ctx, model, dims, seed, output_path):
         shapes = ", ".join(f"{n} {list(a.shape)} {a.dtype}" for n, a in feeds.items())
         click.echo(f"wrote {output_path}: {shapes}")
 
+
+def _register_profile() -> None:
+    from cli.profile_cmd import profile
+
+    main.add_command(profile)
+
+
+_register_profile()
 
 if __name__ == "__main__":
     main()

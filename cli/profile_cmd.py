@@ -19,6 +19,29 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb":
           "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
 
 
+def sharded_variants(cluster):
+    """Input shapes each operator has under every strategy on every logical mesh the planner
+    will try, so that sharded stages are costed from measurements too."""
+    from meshplan.sharding import LogicalMesh
+    from meshplan.stage_cost import logical_meshes, submesh_shapes
+    from meshplan.strategies import node_strategies
+
+    meshes = [LogicalMesh(view, tuple(range(view[0] * view[1])))
+              for shape in submesh_shapes(cluster) if shape != (1, 1) for view in logical_meshes(shape)]
+
+    def variants(node, graph):
+        seen = set()
+        for mesh in meshes:
+            for strategy in node_strategies(node, graph, mesh, opset=graph.opset):
+                shapes = tuple(spec.local_shape(graph.tensors[name].shape, mesh) if name and spec is not None else None
+                               for name, spec in zip(node.inputs, strategy.inputs))
+                if shapes not in seen:
+                    seen.add(shapes)
+                    yield shapes
+
+    return variants
+
+
 def _dims(ctx, param, values):
     from cli.main import _parse_dims
 
@@ -41,6 +64,30 @@ def _bytes(ctx, param, value):
     if size < 1024:
         raise click.BadParameter(f"the largest message must be at least 1 KiB, got {value!r}", ctx, param)
     return size
+
+
+def _launched_rank() -> int:
+    """This process's rank when an MPI launcher started it (from its environment), else 0."""
+    import os
+
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+class _quiet_unless_rank0:
+    """Under mpiexec every rank meets the same user error; only rank 0 reports it."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        from meshplan.errors import MeshplanError
+
+        if isinstance(exc, MeshplanError) and _launched_rank() != 0:
+            sys.exit(1)
+        return False
 
 
 class _Bar:
@@ -120,7 +167,7 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, pro
     from meshplan.report import human_seconds
 
     debug = bool((ctx.obj or {}).get("debug"))
-    with _guard(debug):
+    with _guard(debug), _quiet_unless_rank0():
         if (mesh is None) == (cluster_file is None):
             raise click.UsageError("give exactly one of --mesh and --cluster")
         if cluster_file:
@@ -138,6 +185,7 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, pro
             _, program_dims = batch_layout(header, dict(dims), count)
             dims_sets.append((f"microbatches={count}", program_dims))
         options = ProfileOptions(
+            variants=sharded_variants(cluster),
             provider=provider, threads=threads, cache_path=cache_path, refresh=refresh,
             timing=TimingConfig(budget_seconds=budget_ms / 1000), comm_max_bytes=comm_max,
             comm_budget_seconds=comm_budget_ms / 1000,

@@ -17,7 +17,7 @@ from .graph import Graph
 from .load import set_ir_version
 from .plan import Plan, Program
 from .shard_emit import shard_program
-from .sharding import LogicalMesh
+from .sharding import LogicalMesh, ShardingSpec
 from .strategies import Strategy
 
 EXTERNAL_THRESHOLD = 256 * 1024 * 1024
@@ -33,6 +33,10 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _specs(texts: dict[str, str]) -> dict[str, ShardingSpec]:
+    return {name: ShardingSpec.parse(text) for name, text in texts.items()}
 
 
 def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
@@ -54,7 +58,8 @@ def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
         for rank in stage.devices:
             local = program
             if len(stage.devices) > 1:
-                local = shard_program(program, graph, shardings.get(stage.index, {}), mesh, rank)
+                local = shard_program(program, graph, shardings.get(stage.index, {}), mesh, rank,
+                                      _specs(stage.input_specs), _specs(stage.output_specs))
             weight_bytes = sum(len(t.raw_data) for t in local.graph.initializer)
             name = program_name(rank)
             path = out_dir / name

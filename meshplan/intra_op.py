@@ -6,11 +6,12 @@ boundary layout on each side (``R``: tensors crossing the layer boundary replica
 ``B``: split along their first (batch) dimension over the whole mesh), one ILP picks every
 operator's strategy. Layers with the same structure share one solve (a transformer stack
 solves one layer per distinct cluster shape). A stage's cost is then a chain DP over its
-layers' boundary layouts; the stage hands its outputs on replicated.
+layers' boundary layouts.
 
 Operators without a sharding rule get the replicated strategy only, which is always
 correct; so is any plan this pass returns, because the emitter inserts whatever
-resharding the chosen specs need.
+resharding the chosen specs need. Tensors move between stages in their boundary layout,
+by cross-mesh resharding (see ``cross_mesh``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cluster import Cluster
-from .costmodel import CostModel, node_bytes, node_flops
+from .costmodel import CostModel
 from .errors import PlanError
 from .graph import Graph, Node
 from .ilp import IlpEdge, IlpNode, ShardingProblem, solve
@@ -201,10 +202,17 @@ class IntraOpPass:
         shards = 1
         for axis in axes:
             shards *= mesh.axis_size(axis)
-        device = self.cluster.device
-        flops = node_flops(node, self.graph) / shards
-        moved = node_bytes(node, self.graph) / shards
-        return max(flops / device.peak_flops, moved / device.memory_bandwidth) + device.kernel_overhead
+        measure = getattr(self.cost_model, "shape_seconds", None)
+        if measure is not None and shards > 1:
+            shapes = [spec.local_shape(self.graph.tensors[n].shape, mesh) if n and spec is not None else None
+                      for n, spec in zip(node.inputs, strategy.inputs)]
+            measured = measure(node, self.graph, shapes)
+            if measured is not None:
+                return measured
+        # The whole operator's time (measured when profiled), its work divided over the shards.
+        overhead = self.cluster.device.kernel_overhead
+        whole = self.cost_model.node_seconds(node, self.graph)
+        return max(whole - overhead, 0.0) / shards + overhead
 
     def _param_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         total = 0.0
@@ -343,8 +351,10 @@ class IntraOpPass:
     # --- a stage: chain of layers --------------------------------------------------------
 
     def stage(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int]) -> StageSharding:
-        """Best boundary layouts for layers [start, stop); the stage's outputs end replicated.
-        The fastest layout is used when its weights fit a device, else the memory-lean one."""
+        """Best boundary layouts for layers [start, stop): ``boundaries[0]`` is the layout the
+        stage's inputs arrive in, ``boundaries[-1]`` the one its outputs leave in (model
+        outputs always leave replicated). The fastest layout is used when its weights fit a
+        device, else the memory-lean one."""
         fast = self._chain(start, stop, submesh, logical, lean=False)
         if fast.param_bytes <= self.cluster.device.memory_bytes:
             return fast
@@ -353,17 +363,17 @@ class IntraOpPass:
     def _chain(self, start, stop, submesh, logical, lean: bool) -> StageSharding:
         best = {kind: (0.0, 0.0, []) for kind in BOUNDARY_KINDS}   # kind → (seconds, bytes, path)
         for layer in range(start, stop):
-            last = layer == stop - 1
             nxt = {}
-            for b_out in (("R",) if last else BOUNDARY_KINDS):
+            for b_out in BOUNDARY_KINDS:
                 options = []
                 for b_in, (seconds, memory, path) in best.items():
                     solution = self.layer_solution(layer, submesh, logical, b_in, b_out, lean)
                     options.append((seconds + solution.seconds, memory + solution.param_bytes, path + [b_in]))
                 nxt[b_out] = min(options, key=lambda o: o[0])
             best = nxt
-        seconds, memory, path = best["R"]
-        return StageSharding(seconds, memory, boundaries=path + ["R"], lean=lean)
+        end = min(BOUNDARY_KINDS, key=lambda kind: best[kind][0])
+        seconds, memory, path = best[end]
+        return StageSharding(seconds, memory, boundaries=path + [end], lean=lean)
 
     def stage_strategies(self, start: int, stop: int, submesh, logical, sharding: StageSharding) -> dict[int, Strategy]:
         chosen: dict[int, Strategy] = {}

@@ -39,11 +39,31 @@ class Stage:
     seconds: float
     memory_bytes: float
     strategies: dict = field(default_factory=dict)   # operator → sharding strategy (non-replicated ones)
+    input_specs: dict = field(default_factory=dict)  # stage input → sharding spec it arrives in
+    output_specs: dict = field(default_factory=dict)  # stage output → sharding spec it leaves in
+
+
+@dataclass
+class Resharding:
+    """One tensor moved from a stage's mesh to a later stage's mesh, for every microbatch:
+    the unit tasks (``transfer``, see ``cross_mesh.CrossMeshTransfer``) and their order and
+    senders (``schedule``), with the simulated seconds they take."""
+
+    tensor: str
+    src_stage: int
+    dst_stage: int
+    shape: list[int]
+    dtype: str
+    src_spec: str
+    dst_spec: str
+    transfer: dict
+    schedule: dict
+    seconds: float
 
 
 @dataclass
 class Transfer:
-    """One tensor sent from a stage to a later one, for every microbatch."""
+    """A model output sent from the stage that computes it to rank 0, for every microbatch."""
 
     tensor: str
     src_stage: int
@@ -74,6 +94,7 @@ class Plan:
     stages: list[Stage]
     transfers: list[Transfer]
     programs: list[Program]
+    reshardings: list[Resharding]
     estimate: dict
     solver: dict
     format_version: int = FORMAT_VERSION
@@ -124,6 +145,7 @@ class Plan:
                 outputs=[TensorSpec(**t) for t in data["outputs"]],
                 stages=[Stage(**s) for s in data["stages"]],
                 transfers=[Transfer(**t) for t in data["transfers"]],
+                reshardings=[Resharding(**r) for r in data["reshardings"]],
                 programs=[Program(**p) for p in data["programs"]],
                 estimate=data["estimate"], solver=data["solver"], format_version=version,
             )

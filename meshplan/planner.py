@@ -14,10 +14,12 @@ from .cluster import Cluster
 from .costmodel import CostModel
 from .errors import PlanError
 from .graph import Graph
-from .intra_op import IntraOpPass, layer_fingerprints
+from .cross_mesh import allgather_seconds, plan_resharding, schedule_tasks
+from .intra_op import IntraOpPass, boundary_spec, layer_fingerprints
 from .layers import Layering, cluster_layers, repeat_period
-from .plan import Plan, Stage, TensorSpec, Transfer
+from .plan import Plan, Resharding, Stage, TensorSpec, Transfer
 from .stage_cost import StageCosts, logical_meshes, submesh_shapes
+from .sharding import LogicalMesh, ShardingSpec
 from .stage_dp import solve_stages
 from .strategies import Strategy
 
@@ -32,6 +34,7 @@ class PlanOptions:
     max_stages: int | None = None      # at most this many pipeline stages
     policy: str = "auto"               # strategy policy inside stages (see policies.py)
     submeshes: tuple[tuple[int, int], ...] | None = None   # submesh shapes stages may use (default: all)
+    reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see cross_mesh.ALGORITHMS)
 
 
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:
@@ -91,29 +94,34 @@ def plan_pipeline(
     placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster)
     stages = []
     shardings: dict[int, dict[str, Strategy]] = {}
+    layouts: dict[int, tuple[str, str]] = {}   # stage → (layout of its inputs, of its outputs)
     for index, (choice, devices) in enumerate(zip(solution.stages, placement)):
         start, stop = layering.bounds[choice.start], layering.bounds[choice.stop]
         submesh = submeshes[choice.submesh]
         logical = logical_meshes(submesh)[choice.logical]
         cost = costs.stage_cost(choice.start, choice.stop, submesh, logical)
         strategies: dict[str, Strategy] = {}
+        layouts[index] = ("R", "R")
         if len(devices) > 1:
             sharded = intra_op.stage(choice.start, choice.stop, submesh, logical)
             chosen = intra_op.stage_strategies(choice.start, choice.stop, submesh, logical, sharded)
             strategies = {graph.nodes[i].name: strategy for i, strategy in chosen.items()}
             shardings[index] = strategies
+            layouts[index] = (sharded.boundaries[0], sharded.boundaries[-1])
         stages.append(Stage(
             index=index, operators=[graph.nodes[i].name for i in range(start, stop)],
             layers=[choice.start, choice.stop], devices=devices,
             submesh=list(submesh), logical_mesh=list(logical),
-            inputs=[], outputs=[], seconds=float(choice.seconds),
+            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop)),
             memory_bytes=float(cost.param_bytes + cost.act_bytes),
             strategies={name: str(s) for name, s in strategies.items() if not _replicated(s)},
         ))
     node_stage = np.empty(len(graph.nodes), dtype=np.int64)
     for stage in stages:
         node_stage[layering.bounds[stage.layers[0]]:layering.bounds[stage.layers[1]]] = stage.index
-    transfers = _connect_stages(graph, stages, node_stage)
+    transfers, reshardings = _connect_stages(graph, stages, node_stage, layouts, cluster, options.reshard_scheduler)
+    for resharding in reshardings:   # a stage's time includes handing its outputs on
+        stages[resharding.src_stage].seconds += resharding.seconds
 
     stage_seconds = [s.seconds for s in stages]
     latency = sum(stage_seconds) + (options.microbatches - 1) * max(stage_seconds)
@@ -126,7 +134,8 @@ def plan_pipeline(
         "latency_seconds": latency,
         "throughput_per_second": batch["size"] / latency if latency > 0 else float("inf"),
         "memory_bytes_per_device": memory,
-        "cost_model": "analytic",
+        "reshard_seconds": sum(r.seconds for r in reshardings),
+        **(cost_model.summary() if hasattr(cost_model, "summary") else {"cost_model": "analytic"}),
     }
     stats = intra_op.stats
     solver = {
@@ -146,7 +155,7 @@ def plan_pipeline(
     plan = Plan(
         model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=transfers, programs=[],
-        estimate=estimate, solver=solver,
+        reshardings=reshardings, estimate=estimate, solver=solver,
     )
     return plan, shardings
 
@@ -184,12 +193,14 @@ def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster) -> list[lis
     return placed
 
 
-def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray) -> list[Transfer]:
-    """Fill each stage's inputs and outputs, and list the tensors sent between stages."""
+def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, layouts: dict[int, tuple[str, str]],
+                    cluster: Cluster, scheduler: str) -> tuple[list[Transfer], list[Resharding]]:
+    """Fill each stage's inputs and outputs with their specs; plan the cross-mesh
+    resharding of every tensor that goes from one stage to another, and the transfers
+    that bring model outputs to rank 0."""
     producers = graph.producers()
     inputs = set(graph.inputs)
-    transfers: list[Transfer] = []
-    sent: set[tuple[str, int]] = set()
+    outputs = set(graph.outputs)
     for stage in stages:
         first, last = node_stage.searchsorted(stage.index), node_stage.searchsorted(stage.index, "right")
         needed = []
@@ -197,36 +208,54 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray) -
             for name in graph.nodes[i].inputs:
                 if not name or graph.tensors[name].is_param or name in needed:
                     continue
-                if name in inputs:
-                    needed.append(name)
-                elif node_stage[producers[name]] != stage.index:
+                if name in inputs or node_stage[producers[name]] != stage.index:
                     needed.append(name)
         stage.inputs = needed
+    reshardings: list[Resharding] = []
     for stage in stages:
         for name in stage.inputs:
             if name in inputs:
+                stage.input_specs[name] = str(_spec("R", graph, name, stage))   # read from the inputs file
                 continue
             src = stages[node_stage[producers[name]]]
             if name not in src.outputs:
                 src.outputs.append(name)
-            if (name, stage.index) not in sent:
-                sent.add((name, stage.index))
-                # Every device of the next stage gets the whole (replicated) tensor; the
-                # senders take turns among the devices of the producing stage.
-                for position, rank in enumerate(stage.devices):
-                    sender = src.devices[position % len(src.devices)]
-                    transfers.append(_transfer(graph, name, src, stage.index, rank, sender))
+            dst_spec = _spec(layouts[stage.index][0], graph, name, stage)
+            stage.input_specs[name] = str(dst_spec)
+            src_spec = _spec("R" if name in outputs else layouts[src.index][1], graph, name, src)
+            src.output_specs[name] = str(src_spec)
+            reshardings.append(_resharding(graph, name, src, src_spec, stage, dst_spec, cluster, scheduler))
+    transfers = []
     for name in graph.outputs:
         if name not in producers:
             raise PlanError(f"model output '{name}' is not computed by any operator")
         src = stages[node_stage[producers[name]]]
         if name not in src.outputs:
             src.outputs.append(name)
+        src.output_specs[name] = str(_spec("R", graph, name, src))
         transfers.append(_transfer(graph, name, src, OUTPUT_COLLECTOR, 0))
-    return transfers
+    return transfers, reshardings
 
 
-def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int, sender: int | None = None) -> Transfer:
+def _mesh(stage: Stage) -> LogicalMesh:
+    return LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+
+
+def _spec(kind: str, graph: Graph, name: str, stage: Stage) -> ShardingSpec:
+    return boundary_spec(kind, graph.tensors[name].shape, _mesh(stage))
+
+
+def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst: Stage, dst_spec: ShardingSpec,
+                cluster: Cluster, scheduler: str) -> Resharding:
     info = graph.tensors[name]
-    sender = src.devices[0] if sender is None else sender
-    return Transfer(name, src.index, dst_stage, sender, dst_rank, list(info.shape), info.dtype.name)
+    transfer = plan_resharding(info.shape, src_spec, _mesh(src), dst_spec, _mesh(dst), info.dtype.itemsize,
+                               allow_local_allgather=True)
+    schedule = schedule_tasks(transfer.tasks, cluster, scheduler)
+    seconds = schedule.makespan + allgather_seconds(transfer, cluster)
+    return Resharding(name, src.index, dst.index, list(info.shape), info.dtype.name, str(src_spec), str(dst_spec),
+                      transfer.to_dict(), schedule.to_dict(), seconds)
+
+
+def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:
+    info = graph.tensors[name]
+    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, list(info.shape), info.dtype.name)

@@ -1,8 +1,8 @@
 """Hand-written parallelisation policies, as restrictions of the automatic search.
 
 ``auto`` lets the ILP choose among every strategy. ``data`` keeps only strategies that
-split activations along their first (batch) dimension and replicate every weight: pure
-data parallelism. ``megatron`` fixes every weight-bearing matrix product to the
+split activations along their first (batch) dimension and replicate every weight (the
+replicated strategy only where nothing can be split): pure data parallelism. ``megatron`` fixes every weight-bearing matrix product to the
 Megatron-LM pattern — column-parallel when it widens the hidden size (QKV, first MLP
 layer), row-parallel with a partial result when it narrows it (output projection, second
 MLP layer) — and leaves the rest to the ILP. Together with the stage DP's choice of
@@ -26,7 +26,10 @@ def _batch_only(node: Node, graph: Graph, strategy: Strategy) -> bool:
             return False
         if spec.partial or any(p != "R" for p in spec.dims[1:]):
             return False
-    return all(spec is None or (not spec.partial and all(p == "R" for p in spec.dims[1:])) for spec in strategy.outputs)
+    outputs_ok = all(spec is None or (not spec.partial and all(p == "R" for p in spec.dims[1:]))
+                     for spec in strategy.outputs)
+    # Pure data parallelism: the batch is split wherever it can be.
+    return outputs_ok and any(spec is not None and spec.dims and spec.dims[0] != "R" for spec in strategy.outputs)
 
 
 def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:

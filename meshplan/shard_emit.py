@@ -10,7 +10,8 @@ rewrites it for the device at one coordinate of the stage's logical mesh:
   steps are inserted: communication as collective nodes of the ``meshplan`` domain
   (``AllReduce``, ``AllGather``, ``ReduceScatter`` with ``axis`` and ``dim`` attributes),
   local slicing as a standard ``Slice``;
-- the stage's inputs arrive replicated and its outputs leave replicated.
+- the stage's inputs arrive, and its outputs leave, in the specs the plan gives them
+  (cross-mesh resharding moves them between stages).
 
 A tensor held with spec X is named ``name@X`` in the program (just ``name`` when
 replicated), so one tensor may exist in several layouts.
@@ -137,13 +138,15 @@ class _Builder:
 
 
 def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, Strategy],
-                  mesh: LogicalMesh, rank: int) -> onnx.ModelProto:
-    """The program of ``rank`` (a device of ``mesh``) for a stage cut from the canonical model."""
+                  mesh: LogicalMesh, rank: int, input_specs: dict[str, ShardingSpec],
+                  output_specs: dict[str, ShardingSpec]) -> onnx.ModelProto:
+    """The program of ``rank`` (a device of ``mesh``) for a stage cut from the canonical
+    model; its inputs arrive in ``input_specs`` and its outputs leave in ``output_specs``."""
     build = _Builder(stage, graph, mesh, rank)
     weights = build.weights
     for value in stage.graph.input:
         if value.name not in weights:
-            build.provide(value.name, ShardingSpec.replicated(len(graph.tensors[value.name].shape)))
+            build.provide(value.name, input_specs[value.name])
     for node in stage.graph.node:
         strategy = strategies.get(node.name) or replicated_strategy(node, graph)
         rewrites = dict(strategy.rewrites)
@@ -166,10 +169,8 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
         del local.output[:]
         local.output.extend(outputs)
         build.nodes.append(local)
-    for value in stage.graph.output:
-        build.ensure(value.name, ShardingSpec.replicated(len(graph.tensors[value.name].shape)))
-    inputs = [build.value_info[v.name] for v in stage.graph.input if v.name not in weights]
-    outputs = [build.value_info[v.name] for v in stage.graph.output]
+    outputs = [build.value_info[build.ensure(v.name, output_specs[v.name])] for v in stage.graph.output]
+    inputs = [build.value_info[local_name(v.name, input_specs[v.name])] for v in stage.graph.input if v.name not in weights]
     boundary = {v.name for v in inputs + outputs}
     program = helper.make_graph(
         build.nodes, stage.graph.name, inputs, outputs, list(build.initializers.values()),

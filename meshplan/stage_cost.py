@@ -96,11 +96,15 @@ class StageCosts:
         """Activation bytes leaving a stage that ends before layer ``stop``."""
         return float(self._cut_bytes[stop])
 
+    def send_seconds(self, stop: int) -> float:
+        """The DP's estimate of handing on what crosses the cut before layer ``stop``."""
+        return self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop)) if stop < self.num_layers else 0.0
+
     def stage_cost(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int]) -> StageCost:
         """Seconds per microbatch, weights and activations per device, of layers [start, stop)
         on ``submesh`` viewed as ``logical``: one device runs them whole; larger submeshes
         shard them with the intra-operator ILP."""
-        send = self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop)) if stop < self.num_layers else 0.0
+        send = self.send_seconds(stop)
         activations = float(self._layer_peak[start:stop].max()) + float(self._cut_bytes[start])
         if submesh == (1, 1):
             return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop), activations)

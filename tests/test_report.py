@@ -152,7 +152,7 @@ def _plan(stage_seconds, microbatches, devices=None):
         cluster={"mesh": [1, 4], "device": {"name": "h100-80g"}},
         microbatches=microbatches,
         batch={"dim": "N", "size": 4 * microbatches, "microbatch_size": 4},
-        inputs=[], outputs=[], stages=stages, transfers=[], programs=[],
+        inputs=[], outputs=[], stages=stages, transfers=[], programs=[], reshardings=[],
         estimate={"latency_seconds": 0.01, "throughput_per_second": 400.0},
         solver={"seconds": 0.5},
     )

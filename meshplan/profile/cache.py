@@ -207,13 +207,18 @@ class ProfileCache:
         rows = self._query(
             "SELECT axis, group_size, collective, latency, bandwidth, points FROM comm_fits "
             "WHERE hardware=? AND mpi_library=? AND layout=?", (hardware, mpi_library, layout))
-        return [{"axis": a, "group_size": g, "collective": c, "latency": lat, "bandwidth": bw, "points": json.loads(p)}
-                for a, g, c, lat, bw, p in rows]
+        found = []
+        for axis, group, collective, latency, bandwidth, extra in rows:
+            extra = json.loads(extra)
+            found.append({"axis": axis, "group_size": group, "collective": collective, "latency": latency,
+                          "bandwidth": bandwidth, "points": extra["points"], "max_rel_error": extra["max_rel_error"]})
+        return found
 
     def put_comm(self, hardware: str, mpi_library: str, layout: str, fits: list[dict]) -> None:
         now = time.time()
         rows = [(hardware, mpi_library, layout, f["axis"], f["group_size"], f["collective"], f["latency"],
-                 f["bandwidth"], json.dumps(f["points"]), now) for f in fits]
+                 f["bandwidth"], json.dumps({"points": f["points"], "max_rel_error": f.get("max_rel_error", 0.0)}), now)
+                for f in fits]
         try:
             with self.conn:
                 self.conn.executemany("INSERT OR REPLACE INTO comm_fits VALUES (?,?,?,?,?,?,?,?,?,?)", rows)

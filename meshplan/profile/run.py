@@ -377,12 +377,11 @@ def _finish(state: _State, timed: list[dict], fits: list[CommFit], job: _Job, cl
         )
     if job.size > 1:
         if fits:
-            cache.put_comm(key.hardware, state.mpi_library, state.comm_layout,
-                           [{**f.to_dict(), "latency": f.latency, "bandwidth": f.bandwidth} for f in fits])
+            cache.put_comm(key.hardware, state.mpi_library, state.comm_layout, [f.to_dict() for f in fits])
             source = "measured"
         else:
             fits = [CommFit(f["collective"], f["axis"], f["group_size"], f["latency"], f["bandwidth"], "measured",
-                            f["points"]) for f in state.comm_cached]
+                            f["points"], f["max_rel_error"]) for f in state.comm_cached]
             source = "cached"
         awareness = cuda_aware(job.MPI)
     else:

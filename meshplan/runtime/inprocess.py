@@ -11,8 +11,11 @@ import numpy as np
 from ..errors import PlanError
 from ..load import model_sha256
 from ..plan import Plan
+from ..cross_mesh import CrossMeshTransfer, Schedule
 from ..resharding import apply_steps
-from ..sharding import LogicalMesh
+from ..shard_emit import local_name
+from ..sharding import LogicalMesh, ShardingSpec
+from .cross_mesh_mpi import reshard_in_memory
 from .program import ProgramRunner
 from .sessions import StageSession, check_program_files, providers_for
 from .tensors import join_microbatches, split_microbatches
@@ -21,24 +24,44 @@ from .tensors import join_microbatches, split_microbatches
 def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], provider: str = "cpu") -> dict[str, np.ndarray]:
     """Execute the plan's stages in order for every microbatch. Inside a stage every device
     runs its program segment by segment in lockstep, and the collectives between segments
-    are done in memory with the same semantics as under MPI; between stages tensors pass
-    through a dict (each stage's outputs are replicated on its devices)."""
+    are done in memory with the same semantics as under MPI; between stages each tensor
+    goes through its planned cross-mesh resharding, in memory."""
     providers = providers_for(provider)
     runners = {}
     for program in plan.programs:
         runners[program.rank] = ProgramRunner(check_program_files(plan, plan_dir, program), providers, threads=1)
+    transfers = [(r, CrossMeshTransfer.from_dict(r.transfer), Schedule.from_dict(r.schedule)) for r in plan.reshardings]
     outputs = []
     for feeds in split_microbatches(inputs, plan):
-        values = dict(feeds)
+        held: dict[int, dict[str, np.ndarray]] = {}   # rank → its local tensors
         for stage in plan.stages:
-            values.update(_run_stage(stage, runners, {name: values[name] for name in stage.inputs}))
-        outputs.append({spec.name: values[spec.name] for spec in plan.outputs})
+            local = {rank: {n: feeds[n] for n in stage.inputs if n in feeds} for rank in stage.devices}
+            for r, transfer, schedule in transfers:
+                if r.dst_stage != stage.index:
+                    continue
+                source = local_name(r.tensor, ShardingSpec.parse(r.src_spec))
+                src_ranks = plan.stages[r.src_stage].devices
+                moved = reshard_in_memory({rank: held[rank][source] for rank in src_ranks}, transfer, schedule)
+                target = local_name(r.tensor, ShardingSpec.parse(r.dst_spec))
+                for rank in stage.devices:
+                    local[rank][target] = moved[rank]
+            held.update(_run_stage(stage, runners, local))
+        lead = held[0]
+        outputs.append({spec.name: lead[spec.name] if spec.name in lead else _output_of(plan, held, spec.name)
+                        for spec in plan.outputs})
     return join_microbatches(outputs, plan)
 
 
-def _run_stage(stage, runners, feeds) -> dict[str, np.ndarray]:
+def _output_of(plan: Plan, held, name: str) -> np.ndarray:
+    for transfer in plan.transfers:
+        if transfer.tensor == name:
+            return held[transfer.src_rank][name]
+    raise PlanError(f"no stage of the plan computes model output '{name}'")
+
+
+def _run_stage(stage, runners, feeds: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
     mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-    values = {rank: dict(feeds) for rank in stage.devices}
+    values = {rank: dict(feeds[rank]) for rank in stage.devices}
     first = runners[stage.devices[0]]
     for index, segment in enumerate(first.segments):
         for rank in stage.devices:
@@ -51,8 +74,7 @@ def _run_stage(stage, runners, feeds) -> dict[str, np.ndarray]:
             result = apply_steps(locals_, [c.step], mesh)
             for rank in stage.devices:
                 values[rank][c.output] = result[mesh.coord(rank)]
-    lead = values[stage.devices[0]]
-    return {name: lead[name] for name in stage.outputs}
+    return values
 
 
 def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str | Path | None = None,

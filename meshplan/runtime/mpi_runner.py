@@ -1,9 +1,10 @@
 """The per-rank executor under mpiexec.
 
 Each rank loads its own program, receives its stage's boundary tensors for every
-microbatch, runs them in order (fill-drain) and sends its outputs on, all with
-mpi4py's buffer-based point-to-point calls (never pickled objects). Rank 0 also
-collects the model outputs and writes them once.
+microbatch by cross-mesh resharding (broadcasts and sends on group communicators),
+runs them in order (fill-drain), performs the collectives inside its stage's mesh, and
+hands its outputs on — all with mpi4py's buffer-based calls (never pickled objects).
+Rank 0 also collects the model outputs and writes them once.
 
 Failure handling: start-up checks (plan, rank count, files, inputs) run on every rank
 and the ranks agree on the outcome with one Allreduce, so all of them exit 1 and the
@@ -24,8 +25,11 @@ import numpy as np
 from ..errors import MeshplanError, RunError
 from ..plan import Plan, read_plan
 from ..planner import OUTPUT_COLLECTOR
+from ..cross_mesh import CrossMeshTransfer, Schedule
 from ..resharding import Step
-from ..sharding import LogicalMesh
+from ..shard_emit import local_name
+from ..sharding import LogicalMesh, ShardingSpec
+from .cross_mesh_mpi import CrossMeshResharder
 from .program import ProgramRunner
 from .sessions import check_program_files, providers_for
 from .tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
@@ -177,16 +181,33 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     _agree(comm, MPI, error)
     try:
         communicators = MeshCommunicators(plan, comm, MPI)
-        return _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators)
+        resharders = _resharders(plan, comm)
+        return _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators, resharders)
     except Exception as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise JobFailure(f"rank {comm.rank} failed: {text}") from exc
 
 
-def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, repeat, comm, MPI, communicators):
+def _resharders(plan: Plan, comm) -> list[CrossMeshResharder]:
+    """One executor per cross-mesh resharding, built by every rank in plan order (collective)."""
+    return [
+        CrossMeshResharder(CrossMeshTransfer.from_dict(r.transfer), Schedule.from_dict(r.schedule), comm,
+                           dtype=np.dtype(r.dtype))
+        for r in plan.reshardings
+    ]
+
+
+def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, repeat, comm, MPI, communicators,
+                 resharders):
+    """Fill-drain over microbatches. Per microbatch a rank takes part in the reshardings
+    that bring its stage's inputs (in plan order), runs its program, then in those that
+    hand its outputs on (in plan order): every rank follows the same global order, stages
+    only wait on earlier stages, so the blocking exchanges cannot deadlock."""
     rank = comm.rank
     stage = plan.stage_of_rank(rank)
     B = plan.microbatches
+    arriving = [(r, x) for r, x in zip(plan.reshardings, resharders) if r.dst_stage == stage.index]
+    leaving = [(r, x) for r, x in zip(plan.reshardings, resharders) if r.src_stage == stage.index]
     incoming = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.src_rank != rank]
     outgoing = [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank and t.dst_rank != rank]
     local_outputs = [t for t in plan.transfers if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank]
@@ -204,13 +225,10 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
         for mb in range(B):
             feeds = {}
             waited = MPI.Wtime()
-            mine = [requests[(i, mb)] for i, t in incoming if t.dst_stage == stage.index]
-            _wait(mine, MPI)
-            for i, t in incoming:
-                if t.dst_stage == stage.index:
-                    feeds[t.tensor] = buffers[(i, mb)]
+            for r, resharder in arriving:
+                feeds[local_name(r.tensor, ShardingSpec.parse(r.dst_spec))] = resharder.run(None)
             for name in stage.inputs:
-                if name not in feeds:
+                if name in micro_inputs[mb]:   # model inputs: every rank reads them (replicated)
                     feeds[name] = micro_inputs[mb][name]
             started = MPI.Wtime()
             outs = session.run(feeds, communicators)
@@ -219,6 +237,8 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
                 if started - waited > 1e-5:
                     trace.append(_event("wait", rank, waited - origin, started - waited, mb))
                 trace.append(_event(f"stage {stage.index}", rank, started - origin, finished - started, mb))
+            for r, resharder in leaving:
+                resharder.run(outs[local_name(r.tensor, ShardingSpec.parse(r.src_spec))])
             for i, t in outgoing:
                 sends.append(comm.Isend(np.ascontiguousarray(outs[t.tensor]), dest=t.dst_rank, tag=i))
             for t in local_outputs:
