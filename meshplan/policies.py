@@ -43,9 +43,11 @@ def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:
     if spec is None:
         return False
     k_dim, n_dim = (0, 1) if not (node.op_type == "Gemm" and node.attrs.get("transB", 0)) else (1, 0)
-    if n >= k:   # widening: column-parallel
-        return spec.dims[n_dim] != "R" and spec.dims[k_dim] == "R"
-    return spec.dims[k_dim] != "R" and spec.dims[n_dim] == "R"   # narrowing: row-parallel
+    column = spec.dims[n_dim] != "R" and spec.dims[k_dim] == "R"
+    row = spec.dims[k_dim] != "R" and spec.dims[n_dim] == "R"
+    if n == k:   # square (an attention output projection): either, the ILP picks
+        return column or row
+    return column if n > k else row   # widening: column-parallel; narrowing: row-parallel
 
 
 def apply_policy(policy: str, node: Node, graph: Graph, strategies: list[Strategy]) -> list[Strategy]:

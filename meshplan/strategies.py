@@ -263,12 +263,16 @@ def _matmul(op: OpView) -> list[Rule]:
 
 @_register("Gemm")
 def _gemm(op: OpView) -> list[Rule]:
-    """alpha·A'·B' + beta·C: M and N splits (C follows by broadcasting); K → partial only without C."""
+    """alpha·A'·B' + beta·C: M and N splits (C follows by broadcasting); K → partial, with
+    C partial too when there is a bias (Megatron's row-parallel linear layer)."""
     a = ["k", "m"] if op.attr("transA", 0) else ["m", "k"]
     b = ["n", "k"] if op.attr("transB", 0) else ["k", "n"]
     c = ["m", "n"][2 - len(op.shape(2)):] if op.has_input(2) else None
     no_bias = c is None or op.attr("beta", 1.0) == 0
-    return _einsum(op, [a, b, c], ["m", "n"], contract=no_bias, linear=(0, 1) if no_bias else ())
+    rules = _einsum(op, [a, b, c], ["m", "n"], contract=no_bias, linear=(0, 1) if no_bias else ())
+    if not no_bias:
+        rules.append(((a.index("k"), b.index("k"), P), (P,)))
+    return rules
 
 
 @_register("Conv")
@@ -549,9 +553,16 @@ def _normalize(op: OpView, rule: Rule) -> Rule:
 
 
 def _allowed(op: OpView, rule: Rule) -> bool:
-    """Partial only on floating tensors and never on parameters."""
-    for place, info in zip(rule[0] + rule[1], op.ins + op.outs):
-        if place == P and (info.is_param or not np.issubdtype(info.dtype, np.floating)):
+    """Partial only on floating tensors, and on a weight only as Gemm's bias: a partial
+    weight is stored whole on one device of each partial group and as zeros on the others
+    (see shard_emit), which lets the bias ride along with a partial product; any other
+    partial weight would be correct but never useful."""
+    for index, (place, info) in enumerate(zip(rule[0] + rule[1], op.ins + op.outs)):
+        if place != P:
+            continue
+        if not np.issubdtype(info.dtype, np.floating):
+            return False
+        if info.is_param and not (op.node.op_type == "Gemm" and index == 2):
             return False
     return True
 

@@ -83,13 +83,18 @@ def _agree(comm, MPI, error: MeshplanError | None) -> None:
 
 
 def _wait(requests, MPI) -> None:
-    """Wait without spinning hard, so ranks that share cores leave them to the ones computing."""
+    """Wait by yielding the core for a short while (prompt when the data is about to come),
+    then by sleeping with backoff, so ranks that share cores leave them to those computing."""
     if not requests:
         return
+    yield_until = time.perf_counter() + 5e-4
     pause = 2e-6
     while not MPI.Request.Testall(requests):
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        if time.perf_counter() < yield_until:
+            os.sched_yield()
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
 
 def _threads_per_rank(comm, MPI) -> int:
