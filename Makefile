@@ -40,6 +40,10 @@ bench: $(STAMP)
 	@mkdir -p bench-out
 	$(BIN)/python benchmarks/stage_dp.py --json bench-out/stage_dp.json
 	$(BIN)/python benchmarks/plan_time.py --json bench-out/plan_time.json
+	$(BIN)/python benchmarks/ilp_time.py --json bench-out/ilp_time.json
+	$(BIN)/python benchmarks/plan_quality.py --json bench-out/plan_quality.json
+	$(BIN)/python benchmarks/reshard.py --json bench-out/reshard.json
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/profile_accuracy.py --json bench-out/profile_accuracy.json
 
 samples: $(STAMP)
 	$(BIN)/python -m sample_models

@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import PlanError
+from .files import atomic_write_bytes
 
 FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -155,20 +155,6 @@ class Plan:
 
 def _checksum(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a file through a temporary sibling and a rename, so readers never see half of it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_plan(plan: Plan, directory: Path) -> Path:

@@ -415,7 +415,7 @@ def test_reshape(pair, minus_one):
 
 
 def test_reshape_maps_hidden_to_heads():
-    shape, target = [2, 4, 8], [2, 4, 4, 2]
+    shape = [2, 4, 8]   # → [2, 4, 4, 2]: hidden 8 = 4 heads × 2
     model = one_node("Reshape", [("X", FLOAT, shape)], ["Y"], initializers=[("shape", np.array([0, 0, 4, 2], np.int64))])
     seen = check_node_model(model, {"X": rand(shape)}, meshes=[(1, 2), (2, 2)])
     by_str = {str(s): s for s in seen}

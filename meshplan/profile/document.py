@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cluster import Cluster
+from ..files import atomic_write_bytes
 from ..errors import PlanError
 from .comm import CommFit
 from .errors import ProfileError
@@ -151,15 +151,7 @@ def write_profile(profile: Profile, path: str | os.PathLike) -> Path:
     if not path.parent.is_dir():
         raise ProfileError(f"output directory does not exist: {path.parent}")
     data = (json.dumps(profile.to_dict(), indent=1) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)
     return path
 
 

@@ -22,10 +22,10 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
+from ..providers import cuda_usable
 from .errors import ProfileError
 from .signatures import ACT, CONST, WEIGHT, TimingSpec, build_timing_model
 
@@ -52,30 +52,6 @@ class Measurement:
     spread: float = 0.0               # interquartile range / median of the timed runs
     copies: int = 1
     error: str | None = None
-
-
-@lru_cache(maxsize=None)
-def cuda_usable() -> bool:
-    """True when onnxruntime's CUDA provider actually loads (its libraries and a GPU exist)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    if CUDA not in ort.get_available_providers():
-        return False
-    probe = helper.make_model(
-        helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
-        opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
-    )
-    ort.set_default_logger_severity(4)  # a failed load of the CUDA library logs loudly
-    try:
-        session = ort.InferenceSession(probe.SerializeToString(), providers=[CUDA], enable_fallback=0)
-        return CUDA in session.get_providers()
-    except Exception:  # any failure to start the provider means: no CUDA here
-        return False
-    finally:
-        ort.set_default_logger_severity(3)
 
 
 def resolve_provider(choice: str) -> str:

@@ -292,7 +292,7 @@ def _gather_trace(events: list[dict], comm, MPI) -> list[dict]:
 
 def write_trace(path: str | Path, events: list[dict], ranks: int) -> None:
     """Chrome trace format (opens in Perfetto or chrome://tracing); one process per rank."""
-    from ..plan import atomic_write_bytes
+    from ..files import atomic_write_bytes
 
     meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(ranks)]
     body = {"traceEvents": meta + events, "displayTimeUnit": "ms"}

@@ -2,54 +2,28 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from ..emit import file_sha256
 from ..errors import PlanError, RunError
+from ..providers import CPU, CUDA, cuda_usable
 from ..plan import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
-
-
-@lru_cache(maxsize=None)
-def cuda_usable() -> bool:
-    """True when onnxruntime's CUDA provider actually loads (its libraries and a GPU exist)."""
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return False
-    probe = helper.make_model(
-        helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
-        opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
-    )
-    ort.set_default_logger_severity(4)  # the failed load of the CUDA library logs loudly
-    try:
-        session = ort.InferenceSession(probe.SerializeToString(), providers=["CUDAExecutionProvider"])
-        return "CUDAExecutionProvider" in session.get_providers()
-    except Exception:  # any failure to start the provider means: no CUDA here
-        return False
-    finally:
-        ort.set_default_logger_severity(3)
-    del onnx
 
 
 def providers_for(choice: str) -> list[str]:
     if choice not in PROVIDERS:
         raise RunError(f"unknown provider {choice!r} (choose from {', '.join(PROVIDERS)})")
     if choice == "cpu":
-        return ["CPUExecutionProvider"]
+        return [CPU]
     if cuda_usable():
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return [CUDA, CPU]
     if choice == "cuda":
         raise RunError("the CUDA execution provider is not usable here (no GPU or CUDA libraries)")
-    return ["CPUExecutionProvider"]
+    return [CPU]
 
 
 def check_program_files(plan: Plan, plan_dir: Path, program: Program) -> Path:

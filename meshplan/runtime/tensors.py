@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RunError
-from ..plan import Plan, atomic_write_bytes
+from ..files import atomic_write_bytes
+from ..plan import Plan
 
 
 def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
