@@ -58,8 +58,9 @@ def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
         for rank in stage.devices:
             local = program
             if len(stage.devices) > 1:
+                record = stage.collectives if rank == stage.devices[0] else None
                 local = shard_program(program, graph, shardings.get(stage.index, {}), mesh, rank,
-                                      _specs(stage.input_specs), _specs(stage.output_specs))
+                                      _specs(stage.input_specs), _specs(stage.output_specs), record)
             weight_bytes = sum(len(t.raw_data) for t in local.graph.initializer)
             name = program_name(rank)
             path = out_dir / name

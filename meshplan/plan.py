@@ -41,6 +41,7 @@ class Stage:
     strategies: dict = field(default_factory=dict)   # operator → sharding strategy (non-replicated ones)
     input_specs: dict = field(default_factory=dict)  # stage input → sharding spec it arrives in
     output_specs: dict = field(default_factory=dict)  # stage output → sharding spec it leaves in
+    collectives: list = field(default_factory=list)   # each segment boundary: tensor, op, specs before/after
 
 
 @dataclass

@@ -36,7 +36,8 @@ from .cluster import Cluster, LinkSpec
 from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE = "all_reduce", "all_gather", "reduce_scatter", "slice"
-KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE)
+ALL_TO_ALL = "all_to_all"
+KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE, ALL_TO_ALL)
 BOTH_AXES = 2
 
 Coord = tuple[int, int]
@@ -47,6 +48,7 @@ class Step:
     kind: str                 # one of KINDS
     axis: int                 # mesh axis 0, 1, or 2 for both axes (whole mesh)
     dim: int | None = None    # tensor dim (None for all_reduce)
+    to_dim: int | None = None  # all_to_all only: the dim the split moves to (from ``dim``)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -55,8 +57,12 @@ class Step:
             raise ValueError(f"step {self.kind} has mesh axis {self.axis}; expected 0, 1 or 2 (both)")
         if (self.dim is None) != (self.kind == ALL_REDUCE):
             raise ValueError(f"step {self.kind} {'needs' if self.dim is None else 'takes no'} tensor dim")
+        if (self.to_dim is None) != (self.kind != ALL_TO_ALL) or (self.to_dim is not None and self.to_dim == self.dim):
+            raise ValueError(f"step {self.kind}: to_dim is for all_to_all only, and differs from dim")
 
     def __str__(self) -> str:
+        if self.kind == ALL_TO_ALL:
+            return f"{self.kind}(axis={self.axis}, dim={self.dim}->{self.to_dim})"
         return f"{self.kind}(axis={self.axis})" if self.dim is None else f"{self.kind}(axis={self.axis}, dim={self.dim})"
 
 
@@ -76,8 +82,9 @@ def reshard_steps(src: ShardingSpec, dst: ShardingSpec) -> tuple[Step, ...]:
 
     Order: free slices first (they shrink what later steps move), then the partial axes
     dst does not keep (reduce-scatter when dst splits a dim along that axis and the dim
-    can take it, else all-reduce), then all-gathers of the splits dst does not share,
-    then the remaining slices. A partial axis in dst must already be partial in src.
+    can take it, else all-reduce), then the splits dst does not share — an all-to-all
+    when dst splits another dim along that axis next, else an all-gather — then the
+    remaining slices. A partial axis in dst must already be partial in src.
     """
     if len(src.dims) != len(dst.dims):
         raise ValueError(f"cannot reshard {src} to {dst}: ranks differ ({len(src.dims)} vs {len(dst.dims)})")
@@ -113,7 +120,15 @@ def reshard_steps(src: ShardingSpec, dst: ShardingSpec) -> tuple[Step, ...]:
         free_slices()
     for d in range(len(state)):
         while not _is_prefix(state[d], want[d]):
-            steps.append(Step(ALL_GATHER, state[d][-1], d))
+            axis = state[d][-1]
+            # The split moves to a dim that needs this axis next: one all-to-all, not a
+            # gather followed by a slice.
+            to = next((e for e in range(len(state)) if e != d and _is_prefix(state[e] + (axis,), want[e])), None)
+            if to is not None:
+                steps.append(Step(ALL_TO_ALL, axis, d, to))
+                state[to] = state[to] + (axis,)
+            else:
+                steps.append(Step(ALL_GATHER, axis, d))
             state[d] = state[d][:-1]
     free_slices()
     final = ShardingSpec(tuple(_PLACEMENT[axes] for axes in state), tuple(sorted(partial)))
@@ -179,6 +194,11 @@ def apply_steps(locals_: Mapping[Coord, np.ndarray], steps: tuple[Step, ...] | l
                 result.update((c, whole) for c in group)
             elif step.kind == REDUCE_SCATTER:
                 result.update(zip(group, _chunks(_sum(arrays), k, step.dim, step)))
+            elif step.kind == ALL_TO_ALL:
+                pieces = [_chunks(a, k, step.to_dim, step) for a in arrays]   # pieces[j][i]: from j to i
+                for index, c in enumerate(group):
+                    parts = [pieces[j][index] for j in range(k)]
+                    result[c] = np.concatenate(parts, axis=step.dim) if k > 1 else parts[0]
             else:  # SLICE
                 for index, c in enumerate(group):
                     result[c] = _chunk(arrays[index], k, index, step.dim, step)
@@ -327,6 +347,8 @@ class CollectiveModel:
             return self.all_gather_seconds(local_bytes * k, step.axis, mesh), local_bytes * k
         if step.kind == REDUCE_SCATTER:
             return self.reduce_scatter_seconds(local_bytes, step.axis, mesh), local_bytes / k
+        if step.kind == ALL_TO_ALL:
+            return self.all_to_all_seconds(local_bytes * k, step.axis, mesh), local_bytes
         return 0.0, local_bytes / k
 
 

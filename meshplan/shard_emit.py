@@ -8,7 +8,8 @@ rewrites it for the device at one coordinate of the stage's logical mesh:
   the strategy's local values;
 - where a tensor's spec differs from what its consumer's strategy needs, the resharding
   steps are inserted: communication as collective nodes of the ``meshplan`` domain
-  (``AllReduce``, ``AllGather``, ``ReduceScatter`` with ``axis`` and ``dim`` attributes),
+  (``AllReduce``, ``AllGather``, ``ReduceScatter``, ``AllToAll`` with ``axis``, ``dim``
+  and, for ``AllToAll``, ``to_dim`` attributes),
   local slicing as a standard ``Slice``;
 - the stage's inputs arrive, and its outputs leave, in the specs the plan gives them
   (cross-mesh resharding moves them between stages).
@@ -29,7 +30,8 @@ from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 from .strategies import Strategy
 
 COLLECTIVE_DOMAIN = "meshplan"
-COLLECTIVE_OPS = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter"}
+COLLECTIVE_OPS = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter",
+                  "all_to_all": "AllToAll"}
 _ADD_AXIS = {(R, 0): S0, (R, 1): S1, (S0, 1): S01, (R, 2): S01}
 _REMOVE_AXIS = {(S0, 0): R, (S1, 1): R, (S01, 1): S0, (S01, 2): R}
 
@@ -44,8 +46,10 @@ def spec_after(spec: ShardingSpec, step: Step) -> ShardingSpec:
     axes = {0, 1} if step.axis == 2 else {step.axis}
     if step.kind in ("all_reduce", "reduce_scatter"):
         partial -= axes
-    if step.kind == "all_gather":
+    if step.kind in ("all_gather", "all_to_all"):
         dims[step.dim] = _REMOVE_AXIS[(dims[step.dim], step.axis)]
+    if step.kind == "all_to_all":
+        dims[step.to_dim] = _ADD_AXIS[(dims[step.to_dim], step.axis)]
     if step.kind in ("reduce_scatter", "slice"):
         dims[step.dim] = _ADD_AXIS[(dims[step.dim], step.axis)]
     return ShardingSpec(tuple(dims), tuple(sorted(partial)))
@@ -69,6 +73,7 @@ class _Builder:
         self.value_info: dict[str, onnx.ValueInfoProto] = {}
         self.available: dict[str, dict[ShardingSpec, str]] = {}
         self.opset = next((o.version for o in stage.opset_import if o.domain in ("", "ai.onnx")), 17)
+        self.collectives: list[dict] = []   # what crosses each segment boundary, for plan.json
 
     def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:
         info = self.graph.tensors[tensor]
@@ -115,8 +120,12 @@ class _Builder:
                 attrs = {"axis": step.axis}
                 if step.dim is not None:
                     attrs["dim"] = step.dim
+                if step.to_dim is not None:
+                    attrs["to_dim"] = step.to_dim
                 self.nodes.append(helper.make_node(
                     COLLECTIVE_OPS[step.kind], [name], [out], name=f"{out}/{step.kind}", domain=COLLECTIVE_DOMAIN, **attrs))
+                self.collectives.append({"tensor": tensor, "op": COLLECTIVE_OPS[step.kind], **attrs,
+                                         "from_spec": str(spec), "to_spec": str(after)})
             spec, name = after, self.provide(tensor, after)
         return name
 
@@ -139,9 +148,11 @@ class _Builder:
 
 def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, Strategy],
                   mesh: LogicalMesh, rank: int, input_specs: dict[str, ShardingSpec],
-                  output_specs: dict[str, ShardingSpec]) -> onnx.ModelProto:
+                  output_specs: dict[str, ShardingSpec], collectives: list | None = None) -> onnx.ModelProto:
     """The program of ``rank`` (a device of ``mesh``) for a stage cut from the canonical
-    model; its inputs arrive in ``input_specs`` and its outputs leave in ``output_specs``."""
+    model; its inputs arrive in ``input_specs`` and its outputs leave in ``output_specs``.
+    ``collectives``, when given, receives one entry per collective node (the tensor, the
+    operation and its layout before and after: the specs at the segment boundaries)."""
     build = _Builder(stage, graph, mesh, rank)
     weights = build.weights
     for value in stage.graph.input:
@@ -176,6 +187,8 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
         build.nodes, stage.graph.name, inputs, outputs, list(build.initializers.values()),
         value_info=[v for name, v in build.value_info.items() if name not in boundary],
     )
+    if collectives is not None:
+        collectives.extend(build.collectives)
     model = helper.make_model(program, opset_imports=list(stage.opset_import) + [helper.make_opsetid(COLLECTIVE_DOMAIN, 1)])
     model.ir_version = stage.ir_version
     return model

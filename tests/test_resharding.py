@@ -91,6 +91,9 @@ def test_plans_use_the_expected_collectives():
     assert plan("RR+P1", "S0R") == ["slice(axis=0, dim=0)", "all_reduce(axis=1)"]
     assert plan("S01R", "RR") == ["all_gather(axis=1, dim=0)", "all_gather(axis=0, dim=0)"]
     assert plan("S1R", "S0R") == ["all_gather(axis=1, dim=0)", "slice(axis=0, dim=0)"]
+    # a split that moves to another dim along the same axis is one all-to-all
+    assert plan("S0R", "RS0") == ["all_to_all(axis=0, dim=0->1)"]
+    assert plan("S1RR", "RRS1") == ["all_to_all(axis=1, dim=0->2)"]
 
 
 def test_partial_destination_needs_partial_source():

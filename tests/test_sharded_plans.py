@@ -56,6 +56,11 @@ def test_tensor_parallel_1x4(wide_gpt, tmp_path):
     assert len(plan.stages) == 1 and plan.stages[0].devices == [0, 1, 2, 3]
     sharded = plan.stages[0].strategies
     assert any("MatMul" in op or "matmul" in op for op in sharded), sharded
+    # plan.json names the spec of every tensor at each segment boundary (collective).
+    collectives = plan.stages[0].collectives
+    assert collectives and all({"tensor", "op", "axis", "from_spec", "to_spec"} <= set(c) for c in collectives)
+    program = onnx.load(str(plan_dir / "rank0.onnx"), load_external_data=False)
+    assert len(collectives) == sum(1 for node in program.graph.node if node.domain == "meshplan")
     total = _param_bytes(wide_gpt)
     for program in plan.programs:
         size = (plan_dir / program.file).stat().st_size

@@ -156,6 +156,11 @@ class MeshCommunicators:
             out = np.empty_like(x)
             group.Allreduce(x, out, op=MPI.SUM)
             return out
+        if step.kind == "all_to_all":   # piece i of the to_dim split goes to member i
+            send = np.ascontiguousarray(np.stack(np.split(x, size, axis=step.to_dim)))
+            received = np.empty_like(send)
+            group.Alltoall(send, received)
+            return np.ascontiguousarray(np.concatenate(list(received), axis=step.dim))
         moved = np.ascontiguousarray(np.moveaxis(x, step.dim, 0))
         if step.kind == "all_gather":
             out = np.empty((size,) + moved.shape, dtype=x.dtype)

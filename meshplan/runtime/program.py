@@ -20,7 +20,8 @@ from ..resharding import Step
 from ..shard_emit import COLLECTIVE_DOMAIN
 from .sessions import StageSession
 
-_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter"}
+_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
+          "AllToAll": "all_to_all"}
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ def _collective(node: onnx.NodeProto) -> Collective:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if node.op_type not in _KINDS:
         raise RunError(f"unknown collective {node.op_type} in the program")
-    return Collective(Step(_KINDS[node.op_type], int(attrs["axis"]), attrs.get("dim")), node.input[0], node.output[0])
+    step = Step(_KINDS[node.op_type], int(attrs["axis"]), attrs.get("dim"), attrs.get("to_dim"))
+    return Collective(step, node.input[0], node.output[0])
 
 
 class ProgramRunner:
