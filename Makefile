@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	@mkdir -p $(DEMO)
 	$(BIN)/meshplan inputs $(DEMO_MODEL) $(DEMO_DIMS) -o $(DEMO)/inputs.npz
-	$(BIN)/meshplan plan $(DEMO_MODEL) --mesh $(MESH) --device cpu $(DEMO_DIMS) --microbatches 4 -o $(DEMO)/plan
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n $(NP) $(BIN)/meshplan profile $(DEMO_MODEL) --mesh $(MESH) --device cpu $(DEMO_DIMS) --microbatches 4 --cache $(DEMO)/profile-cache.sqlite -o $(DEMO)/profile.json
+	$(BIN)/meshplan plan $(DEMO_MODEL) --mesh $(MESH) --device cpu $(DEMO_DIMS) --microbatches 4 --profile $(DEMO)/profile.json -o $(DEMO)/plan
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n $(NP) $(BIN)/meshplan run $(DEMO)/plan --inputs $(DEMO)/inputs.npz --output $(DEMO)/outputs.npz --repeat 5 --trace $(DEMO)/trace.json
 	$(BIN)/meshplan verify $(DEMO)/plan --inputs $(DEMO)/inputs.npz --outputs $(DEMO)/outputs.npz
 

@@ -23,6 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from ..cross_mesh import AllGatherStep, CrossMeshTransfer, Schedule, box_slices
+from .waiting import wait_all
 
 _TAG = 7701
 
@@ -89,6 +90,9 @@ class CrossMeshResharder:
     """
 
     def __init__(self, transfer: CrossMeshTransfer, schedule: Schedule | None, comm, dtype=np.float32):
+        from mpi4py import MPI
+
+        self._MPI = MPI
         self.transfer = transfer
         self.dtype = np.dtype(dtype)
         if self.dtype.itemsize != transfer.itemsize:
@@ -160,11 +164,12 @@ class CrossMeshResharder:
                 buf = np.empty(task.shape, dtype=self.dtype)
             if len(task.receivers) == 1:
                 if rank == sender:
-                    self._p2p.Send(buf, dest=task.receivers[0], tag=_TAG)
+                    request = self._p2p.Isend(buf, dest=task.receivers[0], tag=_TAG)
                 else:
-                    self._p2p.Recv(buf, source=sender, tag=_TAG)
+                    request = self._p2p.Irecv(buf, source=sender, tag=_TAG)
             else:
-                self._groups[(sender, *task.receivers)].Bcast(buf, root=0)
+                request = self._groups[(sender, *task.receivers)].Ibcast(buf, root=0)
+            wait_all([request], self._MPI)
             if rank != sender:
                 out[box_slices(task.slice, dst_box)] = buf
         if out is not None:
@@ -176,7 +181,9 @@ class CrossMeshResharder:
     def _allgather(local: np.ndarray, step: AllGatherStep, comm) -> np.ndarray:
         moved = np.ascontiguousarray(np.moveaxis(local, step.dim, 0))
         gathered = np.empty((comm.Get_size(),) + moved.shape, dtype=local.dtype)
-        comm.Allgather(moved, gathered)
+        from mpi4py import MPI
+
+        wait_all([comm.Iallgather(moved, gathered)], MPI)
         whole = gathered.reshape((-1,) + moved.shape[1:])
         return np.ascontiguousarray(np.moveaxis(whole, 0, step.dim))
 

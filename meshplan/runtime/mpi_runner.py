@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from ..sharding import LogicalMesh, ShardingSpec
 from .cross_mesh_mpi import CrossMeshResharder
 from .program import ProgramRunner
 from .sessions import check_program_files, providers_for
+from .waiting import wait_all
 from .tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
 
 
@@ -80,21 +80,6 @@ def _agree(comm, MPI, error: MeshplanError | None) -> None:
     if error is not None and first[0] == comm.rank:
         raise error
     raise ReportedElsewhere("start-up failed on another rank")
-
-
-def _wait(requests, MPI) -> None:
-    """Wait by yielding the core for a short while (prompt when the data is about to come),
-    then by sleeping with backoff, so ranks that share cores leave them to those computing."""
-    if not requests:
-        return
-    yield_until = time.perf_counter() + 5e-4
-    pause = 2e-6
-    while not MPI.Request.Testall(requests):
-        if time.perf_counter() < yield_until:
-            os.sched_yield()
-        else:
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
 
 
 def _threads_per_rank(comm, MPI) -> int:
@@ -154,21 +139,21 @@ class MeshCommunicators:
         x = np.ascontiguousarray(array)
         if step.kind == "all_reduce":
             out = np.empty_like(x)
-            group.Allreduce(x, out, op=MPI.SUM)
+            wait_all([group.Iallreduce(x, out, op=MPI.SUM)], MPI)
             return out
         if step.kind == "all_to_all":   # piece i of the to_dim split goes to member i
             send = np.ascontiguousarray(np.stack(np.split(x, size, axis=step.to_dim)))
             received = np.empty_like(send)
-            group.Alltoall(send, received)
+            wait_all([group.Ialltoall(send, received)], MPI)
             return np.ascontiguousarray(np.concatenate(list(received), axis=step.dim))
         moved = np.ascontiguousarray(np.moveaxis(x, step.dim, 0))
         if step.kind == "all_gather":
             out = np.empty((size,) + moved.shape, dtype=x.dtype)
-            group.Allgather(moved, out)
+            wait_all([group.Iallgather(moved, out)], MPI)
             out = out.reshape((size * moved.shape[0],) + moved.shape[1:])
         elif step.kind == "reduce_scatter":
             out = np.empty((moved.shape[0] // size,) + moved.shape[1:], dtype=x.dtype)
-            group.Reduce_scatter_block(moved, out, op=MPI.SUM)
+            wait_all([group.Ireduce_scatter_block(moved, out, op=MPI.SUM)], MPI)
         else:
             raise RunError(f"unknown collective {step.kind}")
         return np.ascontiguousarray(np.moveaxis(out, 0, step.dim))
@@ -225,7 +210,7 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
     latencies = []
     results: list[dict[str, np.ndarray]] = []
     for iteration in range(repeat):
-        comm.Barrier()
+        wait_all([comm.Ibarrier()], MPI)
         origin = MPI.Wtime()
         buffers = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming for mb in range(B)}
         requests = {key: comm.Irecv(buf, source=plan.transfers[key[0]].src_rank, tag=key[0])
@@ -254,12 +239,12 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
             for t in local_outputs:
                 results[mb][t.tensor] = outs[t.tensor]
         collected = [requests[(i, mb)] for i, t in incoming if t.dst_stage == OUTPUT_COLLECTOR for mb in range(B)]
-        _wait(collected + sends, MPI)
+        wait_all(collected + sends, MPI)
         for i, t in incoming:
             if t.dst_stage == OUTPUT_COLLECTOR:
                 for mb in range(B):
                     results[mb][t.tensor] = buffers[(i, mb)]
-        comm.Barrier()
+        wait_all([comm.Ibarrier()], MPI)
         latencies.append(MPI.Wtime() - origin)
     events = _gather_trace(trace, comm, MPI)
     if rank != 0:
