@@ -139,7 +139,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
 @click.option("--output", "output_path", type=click.Path(path_type=Path), help="Write model outputs here (.npz).")
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1), help="Run the batch this many times.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), help="Write a Chrome trace of the last run.")
-@click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cuda", "cpu"]))
+@click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
+              help="Execution provider for the programs (an unknown one is an error).")
 @click.pass_context
 def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider):
     """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""

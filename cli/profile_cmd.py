@@ -133,7 +133,8 @@ class _Bar:
               help="Fix a symbolic dimension of the model's inputs (repeatable).")
 @click.option("--microbatches", "microbatch_counts", multiple=True, type=click.IntRange(min=2),
               help="Also profile the shapes a plan with this many microbatches runs (repeatable).")
-@click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cuda", "cpu"]))
+@click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
+              help="Execution provider to time on (an unknown one is an error).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="onnxruntime threads per operator [default: the host's cores divided among its ranks, as meshplan run].")
 @click.option("--cache", "cache_path", type=click.Path(path_type=Path),

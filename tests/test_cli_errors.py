@@ -210,3 +210,22 @@ def test_inputs_command_writes_valid_inputs(tmp_path):
     with np.load(out) as archive:
         ids = archive["input_ids"]
     assert ids.shape == (4, 16) and ids.dtype == np.int64 and 0 <= ids.min() and ids.max() < 512
+
+
+def test_profile_unknown_provider(tmp_path):
+    out = tmp_path / "profile.json"
+    result = run_cli("profile", GPT.path, "--mesh", "1x2", *DIMS, "--provider", "tpu",
+                     "--cache", tmp_path / "cache.sqlite", "-o", out)
+    _one_error_line(result, "unknown provider 'tpu'")
+    assert not out.exists()
+
+
+def test_plan_with_profile_of_another_model(tmp_path):
+    profile = tmp_path / "mlp.json"
+    made = run_cli("profile", SAMPLES["mlp"].path, "--mesh", "1x2", "--device", "cpu", "--dim", "batch=8",
+                   "--cache", tmp_path / "cache.sqlite", "-o", profile)
+    assert made.returncode == 0, made.stderr
+    result = run_cli("plan", GPT.path, "--mesh", "1x2", "--device", "cpu", *DIMS, "--profile", profile,
+                     "-o", tmp_path / "plan")
+    _one_error_line(result, "another model")
+    assert not (tmp_path / "plan").exists()
