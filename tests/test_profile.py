@@ -327,7 +327,7 @@ def test_cli_errors(mlp_path, tmp_path):
     runner = CliRunner()
     base = [str(mlp_path), "--dim", "batch=8", "-o", str(tmp_path / "p.json"), "--cache", str(tmp_path / "c.sqlite")]
     result = runner.invoke(profile_command, [*base, "--mesh", "1x2", "--provider", "tpu"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1 and "unknown provider" in result.output
     result = runner.invoke(profile_command, [*base])
     assert result.exit_code == 2 and "exactly one of --mesh and --cluster" in result.output
     result = runner.invoke(profile_command, [str(tmp_path / "missing.onnx"), "--mesh", "1x2", "-o", str(tmp_path / "p.json")])
