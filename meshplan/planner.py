@@ -12,14 +12,15 @@ import numpy as np
 
 from .cluster import Cluster
 from .costmodel import CostModel
+from .cross_mesh import ALGORITHMS, allgather_seconds, plan_resharding, schedule_tasks
 from .errors import PlanError
 from .graph import Graph
-from .cross_mesh import allgather_seconds, plan_resharding, schedule_tasks
 from .intra_op import IntraOpPass, boundary_spec, layer_fingerprints
 from .layers import Layering, cluster_layers, repeat_period
 from .plan import Plan, Resharding, Stage, TensorSpec, Transfer
-from .stage_cost import StageCosts, logical_meshes, submesh_shapes
+from .policies import POLICIES
 from .sharding import LogicalMesh, ShardingSpec
+from .stage_cost import StageCosts, logical_meshes, submesh_shapes
 from .stage_dp import solve_stages
 from .strategies import Strategy
 
@@ -69,6 +70,11 @@ def plan_pipeline(
 ) -> tuple[Plan, dict[int, dict[str, Strategy]]]:
     """The plan, and the chosen strategy of every operator of each multi-device stage."""
     started = time.perf_counter()
+    if options.policy not in POLICIES:
+        raise PlanError(f"unknown policy {options.policy!r} (choose from {', '.join(POLICIES)})")
+    if options.reshard_scheduler not in ALGORITHMS:
+        raise PlanError(f"unknown resharding scheduler {options.reshard_scheduler!r} "
+                        f"(choose from {', '.join(ALGORITHMS)})")
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
     if options.num_layers:

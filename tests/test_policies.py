@@ -7,9 +7,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from meshplan.graph import build_graph
 from meshplan.load import infer_shapes
+from meshplan.make_plan import make_plan
+from meshplan.planner import PlanOptions
 from meshplan.policies import apply_policy
 from meshplan.sharding import LogicalMesh
 from meshplan.strategies import node_strategies
+from sample_models import SAMPLES
 
 
 def _matmul_graph(k: int, n: int):
@@ -53,3 +56,12 @@ def test_megatron_narrowing_is_row_parallel():
     allowed = _allowed("megatron", 64, 16)
     assert allowed and all(str(s.inputs[1]) == "S1R" for s in allowed)
     assert all(s.outputs[0].partial for s in allowed)
+
+
+def test_unknown_policy_or_scheduler_is_a_plan_error(tmp_path):
+    sample = SAMPLES["mlp"]
+    for options, message in ((PlanOptions(policy="fsdp"), "unknown policy"),
+                             (PlanOptions(reshard_scheduler="fifo"), "unknown resharding scheduler")):
+        with pytest.raises(PlanError, match=message):
+            make_plan(sample.path, make_cluster((1, 2), "cpu"), dict(sample.dims), tmp_path / "plan", options)
+        assert not (tmp_path / "plan").exists()
