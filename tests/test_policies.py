@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from meshplan.cluster import make_cluster
+from meshplan.errors import PlanError
 from meshplan.graph import build_graph
 from meshplan.load import infer_shapes
 from meshplan.make_plan import make_plan
