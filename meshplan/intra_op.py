@@ -29,7 +29,7 @@ from .graph import Graph, Node
 from .ilp import IlpEdge, IlpNode, ShardingProblem, solve
 from .layers import Layering
 from .policies import apply_policy
-from .resharding import CollectiveModel, axis_links, reshard_seconds
+from .resharding import CollectiveModel, MeasuredCollectiveModel, axis_links, reshard_seconds
 from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 from .strategies import Strategy, node_strategies
 
@@ -275,10 +275,20 @@ class IntraOpPass:
                 not boundary_spec("B", self.graph.tensors[n].shape, mesh).is_replicated for n in names)
         return kind if self._splittable[key] else "R"
 
+    def _collectives(self, submesh, logical) -> CollectiveModel:
+        """Collective costs on this view: measured fits when the cost model has a profile's,
+        else the alpha-beta model on the cluster's links."""
+        links = axis_links(self.cluster, submesh, logical)
+        measured = getattr(self.cost_model, "collective_seconds", None)
+        if measured is None:
+            return CollectiveModel(links)
+        crosses = {axis: links[axis] == self.cluster.inter_host and self.cluster.hosts > 1 for axis in (0, 1)}
+        return MeasuredCollectiveModel(links, measured, crosses)
+
     def _solve_layer(self, layer, submesh, logical, b_in, b_out, memory_limit=None) -> LayerSolution:
         started = time.perf_counter()
         mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
-        collectives = CollectiveModel(axis_links(self.cluster, submesh, logical))
+        collectives = self._collectives(submesh, logical)
         start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
         tensors = self.graph.tensors
         index_of = {}

@@ -352,6 +352,33 @@ class CollectiveModel:
         return 0.0, local_bytes / k
 
 
+class MeasuredCollectiveModel(CollectiveModel):
+    """Collective costs from measurements: ``measured(collective, nbytes, group_size,
+    inter_host)`` (a profiled cost model's ``collective_seconds``, with the byte
+    conventions above, except that an all-to-all's bytes are one device's send buffer)."""
+
+    def __init__(self, links: Mapping[int, LinkSpec], measured, inter_host: Mapping[int, bool]):
+        super().__init__(links)
+        self.measured = measured
+        self.inter_host = {0: inter_host[0], 1: inter_host[1], BOTH_AXES: inter_host[0] or inter_host[1]}
+
+    def _ask(self, collective: str, nbytes: float, axis: int, mesh: LogicalMesh) -> float:
+        k = mesh.axis_size(axis)
+        return 0.0 if k == 1 else self.measured(collective, nbytes, k, self.inter_host[axis])
+
+    def all_reduce_seconds(self, nbytes, axis, mesh):
+        return self._ask("all_reduce", nbytes, axis, mesh)
+
+    def all_gather_seconds(self, nbytes, axis, mesh):
+        return self._ask("all_gather", nbytes, axis, mesh)
+
+    def reduce_scatter_seconds(self, nbytes, axis, mesh):
+        return self._ask("reduce_scatter", nbytes, axis, mesh)
+
+    def all_to_all_seconds(self, nbytes, axis, mesh):
+        return self._ask("all_to_all", nbytes / mesh.axis_size(axis), axis, mesh)
+
+
 def reshard_seconds(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int,
                     mesh: LogicalMesh, model: CollectiveModel) -> float:
     """Estimated time to reshard a tensor of ``shape`` from ``src`` to ``dst``: the sum of its steps.

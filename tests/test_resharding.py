@@ -194,3 +194,27 @@ def test_inter_host_axis_is_slower():
     within = reshard_seconds(ShardingSpec.parse("RR+P1"), ShardingSpec.parse("RR"), shape, 4, mesh, model)
     assert across > within > 0
     assert reshard_seconds(src, ShardingSpec.parse("RR"), shape, 4, mesh, model) > across
+
+
+def test_measured_collective_model_asks_the_profile():
+    """With measured fits, each step's cost comes from them, with the profile's byte
+    conventions (all-to-all: one device's send buffer) and the axis's host crossing."""
+    from meshplan.cluster import make_cluster
+    from meshplan.resharding import MeasuredCollectiveModel
+
+    cluster = make_cluster((2, 2), "cpu")
+    asked = []
+
+    def measured(collective, nbytes, group, inter_host):
+        asked.append((collective, nbytes, group, inter_host))
+        return 1e-3
+
+    model = MeasuredCollectiveModel({0: cluster.inter_host, 1: cluster.intra_host}, measured, {0: True, 1: False})
+    mesh = LogicalMesh((2, 2), (0, 1, 2, 3))
+    full = (8, 8)
+    assert reshard_seconds(ShardingSpec.parse("RR+P0"), ShardingSpec.parse("RR"), full, 4, mesh, model) == 1e-3
+    assert asked[-1] == ("all_reduce", 256.0, 2, True)
+    assert reshard_seconds(ShardingSpec.parse("S1R"), ShardingSpec.parse("RS1"), full, 4, mesh, model) == 1e-3
+    assert asked[-1] == ("all_to_all", 128.0, 2, False)   # each device holds 8x4 floats
+    assert reshard_seconds(ShardingSpec.parse("S0R"), ShardingSpec.parse("RR"), full, 4, mesh, model) == 1e-3
+    assert asked[-1] == ("all_gather", 256.0, 2, True)

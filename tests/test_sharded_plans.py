@@ -98,3 +98,15 @@ def test_sample_models_sharded_in_process(name, mesh, policy, tmp_path):
     assert_close(run_in_process(plan, plan_dir, inputs), reference_outputs(plan, inputs))
     data = json.loads((plan_dir / "plan.json").read_text())
     assert data["solver"]["ilp"]["solved"] > 0
+
+
+def test_sharded_programs_with_external_weights(wide_gpt, tmp_path):
+    """Programs split into segments keep their weights in external files (the path that
+    lets programs over 2 GB run)."""
+    plan_dir = tmp_path / "plan"
+    plan = make_plan(wide_gpt, _cluster(tmp_path, 1, 4), DIMS, plan_dir, PlanOptions(max_stages=1),
+                     external_threshold=0)
+    assert all(p.data_files for p in plan.programs)
+    assert plan.stages[0].collectives
+    inputs = make_inputs(onnx.load(str(wide_gpt)), DIMS, seed=4)
+    assert_close(run_in_process(plan, plan_dir, inputs), reference_outputs(plan, inputs))

@@ -2,8 +2,10 @@
 
 A program without collectives is one segment loaded straight from its file (external
 weights included). Otherwise each run of standard nodes between two collectives becomes
-its own in-memory model; the collective that follows a segment is performed by the
-caller (mpi4py communicators under mpiexec, numpy in the in-process executor).
+its own in-memory model, whose external weights are read from their file and handed to
+onnxruntime as arrays (so no protobuf ever holds them: programs over 2 GB work); the
+collective that follows a segment is performed by the caller (mpi4py communicators under
+mpiexec, numpy in the in-process executor).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..errors import RunError
 from ..resharding import Step
@@ -55,7 +57,7 @@ class ProgramRunner:
             self.segments = [Segment(session, session.input_names, session.output_names, None)]
             self.providers = session.providers
             return
-        model = onnx.load(str(path))
+        model = header   # weights stay in their files; segments get them as arrays
         graph = model.graph
         typed = {v.name: v for v in list(graph.input) + list(graph.output) + list(graph.value_info)}
         weights = {t.name: t for t in graph.initializer}
@@ -84,13 +86,15 @@ class ProgramRunner:
             collective = collectives[index] if index < len(collectives) else None
             session = None
             if nodes:
+                used = [weights[i] for i in consumed if i in weights]
                 sub = helper.make_graph(
-                    nodes, f"{graph.name}/segment{index}", [typed[i] for i in inputs], [typed[o] for o in outputs],
-                    [weights[i] for i in consumed if i in weights],
+                    nodes, f"{graph.name}/segment{index}", [typed[i] for i in inputs], [typed[o] for o in outputs], used,
                 )
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
                 sub_model.ir_version = model.ir_version
-                session = StageSession(sub_model.SerializeToString(), providers, threads)
+                external = {t.name: numpy_helper.to_array(t, str(path.parent)) for t in used
+                            if t.data_location == onnx.TensorProto.EXTERNAL}
+                session = StageSession(sub_model.SerializeToString(), providers, threads, external)
             self.segments.append(Segment(session, inputs, outputs, collective))
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 

@@ -43,10 +43,16 @@ def check_program_files(plan: Plan, plan_dir: Path, program: Program) -> Path:
 class StageSession:
     """One rank's program in onnxruntime."""
 
-    def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0):
+    def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
+                 external: dict[str, np.ndarray] | None = None):
+        """``external``: values of initializers the model stores as external data (given
+        in memory, so a model built in memory needs no file and no 2 GB protobuf)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
+        if external:
+            self._external = [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()]  # kept alive
+            options.add_external_initializers(list(external), self._external)
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
