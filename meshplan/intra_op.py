@@ -64,7 +64,6 @@ class StageSharding:
 
     seconds: float
     param_bytes: float
-    strategies: dict[int, Strategy] = field(default_factory=dict)
     boundaries: list[str] = field(default_factory=list)
     lean: bool = False
 
