@@ -60,10 +60,7 @@ def _data_input(model: onnx.ModelProto):
 
 
 def _zoo_cases():
-    big = {"vgg19", "bvlc_alexnet", "zfnet512"}   # hundreds of MB of weights once varied
-    for name in light_models():
-        marks = [pytest.mark.slow] if name in big else []
-        yield pytest.param(name, marks=marks, id=name)
+    return [pytest.param(name, id=name) for name in light_models()]
 
 
 @pytest.fixture(scope="module")
