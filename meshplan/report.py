@@ -54,15 +54,20 @@ def text_report(plan: Plan) -> str:
     lines = [
         f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}, "
         f"{plan.microbatches} microbatch(es) of {plan.batch['microbatch_size']}",
-        f"{'stage':>5}  {'devices':<12} {'layers':<9} {'ops':>5}  {'time/mb':>11}  {'memory/dev':>11}",
+        f"{'stage':>5}  {'devices':<12} {'layers':<9} {'ops':>5}  {'mesh':>5} {'sharded':>7}  {'time/mb':>11}  "
+        f"{'memory/dev':>11}",
     ]
     for stage in plan.stages:
         devices = ",".join(str(d) for d in stage.devices)
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
+        mesh = "x".join(str(n) for n in stage.logical_mesh)
         lines.append(
-            f"{stage.index:>5}  {devices:<12} {layers:<9} {len(stage.operators):>5}  "
-            f"{human_seconds(stage.seconds):>11}  {human_bytes(stage.memory_bytes):>11}"
+            f"{stage.index:>5}  {devices:<12} {layers:<9} {len(stage.operators):>5}  {mesh:>5} "
+            f"{len(stage.strategies):>7}  {human_seconds(stage.seconds):>11}  {human_bytes(stage.memory_bytes):>11}"
         )
+    if plan.reshardings:
+        moved = sum(r.seconds for r in plan.reshardings)
+        lines.append(f"between stages: {len(plan.reshardings)} tensor(s) resharded, {human_seconds(moved)} per microbatch")
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs); "

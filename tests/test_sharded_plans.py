@@ -12,6 +12,7 @@ import pytest
 from meshplan.cluster import load_cluster_file
 from meshplan.make_plan import make_plan
 from meshplan.planner import PlanOptions
+from meshplan.report import text_report
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from sample_models import SAMPLES, make_gpt, make_inputs
 from tests.conftest import assert_close, load_npz, run_mpi, save_npz
@@ -74,6 +75,7 @@ def test_two_stages_each_sharded_2x2(wide_gpt, tmp_path):
     plan = make_plan(wide_gpt, _cluster(tmp_path, 2, 2), DIMS, plan_dir, PlanOptions(max_stages=2))
     assert [len(s.devices) for s in plan.stages] == [2, 2]
     assert all(s.strategies for s in plan.stages), "each stage should be sharded"
+    assert plan.reshardings and "tensor(s) resharded" in text_report(plan)
     _check(plan, plan_dir, make_inputs(onnx.load(str(wide_gpt)), DIMS, seed=2), tmp_path)
 
 
