@@ -83,7 +83,7 @@ def render_timeline(plan: Plan) -> str:
     height = top + row_h * len(rows) + 50
     scale = width / total
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" '
         f'font-family="sans-serif" font-size="12">',
         f'<text x="{left}" y="20" font-size="14">estimated pipeline: {len(rows)} stage(s), '
         f'{plan.microbatches} microbatch(es), {escape(human_seconds(total))} per batch</text>',
