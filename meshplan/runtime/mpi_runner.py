@@ -173,6 +173,9 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         plan, session, micro_inputs = _start(plan_dir, inputs_path, output_path, provider, threads, comm)
     except MeshplanError as exc:
         error = exc
+    except Exception as exc:  # anything else must still reach the agreement, or the others wait forever
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        error = RunError(f"rank {comm.rank} could not start: {text}")
     _agree(comm, MPI, error)
     try:
         communicators = MeshCommunicators(plan, comm, MPI)
