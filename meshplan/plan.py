@@ -175,6 +175,8 @@ def read_plan(directory: str | os.PathLike) -> Plan:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PlanError(f"{path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise PlanError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{path} is not a plan")
     return Plan.from_dict(data)

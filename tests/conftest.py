@@ -56,6 +56,21 @@ def assert_close(actual: dict, expected: dict, rtol: float = 1e-3, atol: float =
         np.testing.assert_allclose(actual[name], want, rtol=rtol, atol=atol, err_msg=name)
 
 
+def check_against_onnxruntime(plan, plan_dir: Path, inputs: dict, tmp_path: Path) -> None:
+    """The plan's outputs equal onnxruntime on the original model: in-process, then under
+    mpiexec with the plan's number of ranks."""
+    from meshplan.runtime.inprocess import reference_outputs, run_in_process
+
+    expected = reference_outputs(plan, inputs)
+    assert_close(run_in_process(plan, plan_dir, inputs), expected)
+    in_path = save_npz(tmp_path / "in.npz", inputs)
+    out_path = tmp_path / "out.npz"
+    result = run_mpi(plan.num_ranks, "run", plan_dir, "--inputs", in_path, "--output", out_path)
+    assert result.returncode == 0, result.stderr
+    assert "measured: latency" in result.stdout and "estimate: latency" in result.stdout
+    assert_close(load_npz(out_path), expected)
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("shared")

@@ -15,7 +15,7 @@ from meshplan.planner import PlanOptions
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from sample_models import SAMPLES, make_inputs
 from sample_models.zoo import light_models, with_varied_weights
-from tests.conftest import assert_close, load_npz, run_mpi, save_npz
+from tests.conftest import assert_close, check_against_onnxruntime, run_mpi
 
 MESHES = [(1, 2), (1, 4)]
 
@@ -27,15 +27,7 @@ def _plan_and_check(model_path, dims, mesh, microbatches, inputs, tmp_path, **pl
                      PlanOptions(microbatches=microbatches), **plan_kwargs)
     assert plan.num_ranks == mesh[0] * mesh[1]
     assert sorted(r for s in plan.stages for r in s.devices) == list(range(plan.num_ranks))
-    expected = reference_outputs(plan, inputs)
-    assert_close(run_in_process(plan, plan_dir, inputs), expected)
-
-    in_path = save_npz(tmp_path / "in.npz", inputs)
-    out_path = tmp_path / "out.npz"
-    result = run_mpi(plan.num_ranks, "run", plan_dir, "--inputs", in_path, "--output", out_path)
-    assert result.returncode == 0, result.stderr
-    assert "measured: latency" in result.stdout and "estimate: latency" in result.stdout
-    assert_close(load_npz(out_path), expected)
+    check_against_onnxruntime(plan, plan_dir, inputs, tmp_path)
     return plan
 
 

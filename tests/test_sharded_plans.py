@@ -15,7 +15,7 @@ from meshplan.planner import PlanOptions
 from meshplan.report import text_report
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from sample_models import SAMPLES, make_gpt, make_inputs
-from tests.conftest import assert_close, load_npz, run_mpi, save_npz
+from tests.conftest import assert_close, check_against_onnxruntime
 
 DIMS = {"batch": 2, "seq": 32}
 
@@ -33,16 +33,6 @@ def _cluster(tmp_path, hosts, per_host, memory_gb=0.004):
     path.write_text(f"hosts = {hosts}\ndevices_per_host = {per_host}\n[device]\npreset = 'h100-80g'\n"
                     f"memory_gb = {memory_gb}\n")
     return load_cluster_file(path)
-
-
-def _check(plan, plan_dir, inputs, tmp_path):
-    expected = reference_outputs(plan, inputs)
-    assert_close(run_in_process(plan, plan_dir, inputs), expected)
-    in_path = save_npz(tmp_path / "in.npz", inputs)
-    out_path = tmp_path / "out.npz"
-    result = run_mpi(plan.num_ranks, "run", plan_dir, "--inputs", in_path, "--output", out_path)
-    assert result.returncode == 0, result.stderr
-    assert_close(load_npz(out_path), expected)
 
 
 def _param_bytes(path) -> int:
@@ -66,7 +56,7 @@ def test_tensor_parallel_1x4(wide_gpt, tmp_path):
     for program in plan.programs:
         size = (plan_dir / program.file).stat().st_size
         assert size <= 0.30 * total, (program.file, size, total)
-    _check(plan, plan_dir, make_inputs(onnx.load(str(wide_gpt)), DIMS, seed=1), tmp_path)
+    check_against_onnxruntime(plan, plan_dir, make_inputs(onnx.load(str(wide_gpt)), DIMS, seed=1), tmp_path)
 
 
 @pytest.mark.mpi
@@ -76,7 +66,7 @@ def test_two_stages_each_sharded_2x2(wide_gpt, tmp_path):
     assert [len(s.devices) for s in plan.stages] == [2, 2]
     assert all(s.strategies for s in plan.stages), "each stage should be sharded"
     assert plan.reshardings and "tensor(s) resharded" in text_report(plan)
-    _check(plan, plan_dir, make_inputs(onnx.load(str(wide_gpt)), DIMS, seed=2), tmp_path)
+    check_against_onnxruntime(plan, plan_dir, make_inputs(onnx.load(str(wide_gpt)), DIMS, seed=2), tmp_path)
 
 
 CASES = [(name, policy) for name in ("mlp", "resnet", "gpt") for policy in ("data", "megatron")

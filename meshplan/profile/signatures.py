@@ -133,6 +133,23 @@ def _short_dtype(dtype: str) -> str:
             "bool": "b", "uint8": "u8", "int8": "i8", "bfloat16": "bf16"}.get(dtype, dtype)
 
 
+def _operands(names, tensors, shapes, with_role: bool):
+    """(dtype, shape[, role]) per operand, ``shapes`` overriding the graph's; None for an
+    omitted operand; None overall when an operand has no type."""
+    found = []
+    for index, name in enumerate(names):
+        if not name:
+            found.append(None)
+            continue
+        info = tensors.get(name)
+        if info is None:
+            return None
+        shape = info.shape if shapes is None or shapes[index] is None else tuple(int(d) for d in shapes[index])
+        entry = (info.dtype.name, tuple(shape))
+        found.append(entry + (input_role(info),) if with_role else entry)
+    return found
+
+
 def signature_of(node: Node, graph: Graph, input_shapes=None, output_shapes=None) -> OpSignature | None:
     """The signature of ``node`` in ``graph`` (optionally with other input/output shapes).
 
@@ -145,30 +162,10 @@ def signature_of(node: Node, graph: Graph, input_shapes=None, output_shapes=None
         if isinstance(value, onnx.GraphProto) or (isinstance(value, list) and value and isinstance(value[0], onnx.GraphProto)):
             return None
         attrs[name] = _canonical_attr(value)
-    inputs = []
-    for index, name in enumerate(node.inputs):
-        if not name:
-            inputs.append(None)
-            continue
-        info = tensors.get(name)
-        if info is None:
-            return None
-        shape = info.shape
-        if input_shapes is not None and input_shapes[index] is not None:
-            shape = tuple(int(d) for d in input_shapes[index])
-        inputs.append((info.dtype.name, tuple(shape), input_role(info)))
-    outputs = []
-    for index, name in enumerate(node.outputs):
-        if not name:
-            outputs.append(None)
-            continue
-        info = tensors.get(name)
-        if info is None:
-            return None
-        shape = info.shape
-        if output_shapes is not None and output_shapes[index] is not None:
-            shape = tuple(int(d) for d in output_shapes[index])
-        outputs.append((info.dtype.name, tuple(shape)))
+    inputs = _operands(node.inputs, tensors, input_shapes, with_role=True)
+    outputs = _operands(node.outputs, tensors, output_shapes, with_role=False)
+    if inputs is None or outputs is None:
+        return None
     return OpSignature(node.op_type, node.domain, json.dumps(attrs, sort_keys=True), tuple(inputs), tuple(outputs))
 
 
