@@ -28,6 +28,7 @@ from ..cross_mesh import CrossMeshTransfer, Schedule
 from ..resharding import Step
 from ..shard_emit import local_name
 from ..sharding import LogicalMesh, ShardingSpec
+from .collectives import perform
 from .cross_mesh_mpi import CrossMeshResharder
 from .program import ProgramRunner
 from .sessions import check_program_files, providers_for
@@ -133,30 +134,7 @@ class MeshCommunicators:
                     self.axes[axis] = split
 
     def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
-        MPI = self.MPI
-        group = self.axes[step.axis]
-        size = group.Get_size()
-        x = np.ascontiguousarray(array)
-        if step.kind == "all_reduce":
-            out = np.empty_like(x)
-            wait_all([group.Iallreduce(x, out, op=MPI.SUM)], MPI)
-            return out
-        if step.kind == "all_to_all":   # piece i of the to_dim split goes to member i
-            send = np.ascontiguousarray(np.stack(np.split(x, size, axis=step.to_dim)))
-            received = np.empty_like(send)
-            wait_all([group.Ialltoall(send, received)], MPI)
-            return np.ascontiguousarray(np.concatenate(list(received), axis=step.dim))
-        moved = np.ascontiguousarray(np.moveaxis(x, step.dim, 0))
-        if step.kind == "all_gather":
-            out = np.empty((size,) + moved.shape, dtype=x.dtype)
-            wait_all([group.Iallgather(moved, out)], MPI)
-            out = out.reshape((size * moved.shape[0],) + moved.shape[1:])
-        elif step.kind == "reduce_scatter":
-            out = np.empty((moved.shape[0] // size,) + moved.shape[1:], dtype=x.dtype)
-            wait_all([group.Ireduce_scatter_block(moved, out, op=MPI.SUM)], MPI)
-        else:
-            raise RunError(f"unknown collective {step.kind}")
-        return np.ascontiguousarray(np.moveaxis(out, 0, step.dim))
+        return perform(step, array, self.axes[step.axis], self.MPI)
 
 
 def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | Path | None,
