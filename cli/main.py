@@ -141,15 +141,18 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), help="Write a Chrome trace of the last run.")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
               help="Execution provider for the programs (an unknown one is an error).")
+@click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
+              help="Where tensors travel between ranks: device memory when the programs run on CUDA and MPI "
+                   "is CUDA-aware (auto), always through host memory (host), or as OrtValue buffers (device).")
 @click.pass_context
-def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider):
+def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer):
     """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""
     from meshplan.report import human_seconds
     from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job, run_rank, write_trace
 
     debug = ctx.obj["debug"]
     try:
-        report = run_rank(plan_dir, inputs_path, output_path, repeat, provider)
+        report = run_rank(plan_dir, inputs_path, output_path, repeat, provider, transfer)
     except ReportedElsewhere:
         sys.exit(1)
     except JobFailure as exc:
@@ -171,7 +174,7 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider):
     if trace_path:
         write_trace(trace_path, report.trace_events, report.ranks)
     latency = report.median_latency
-    click.echo(f"ran {report.ranks} rank(s) on {report.provider}; boundary tensors through {report.transfer_path}")
+    click.echo(f"ran {report.ranks} rank(s) on {report.provider}; transfer path: {report.transfer_path}")
     click.echo(
         f"measured: latency {human_seconds(latency)} per batch of {report.batch_size} "
         f"(median of {len(report.latencies)}), throughput {report.batch_size / latency:.1f} samples/s"

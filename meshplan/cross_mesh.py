@@ -22,6 +22,13 @@ Zhuang et al., "On Optimizing the Communication of Model Parallelism" (MLSys 202
    pays its latency, then streams its bytes at the rate of the slowest link it crosses;
    tasks that leave or enter a host share that host's inter-host bandwidth (max-min
    fair). :func:`lower_bound` bounds every schedule's makespan from below.
+5. **Rearranging inside A first.** With a ``send_spec`` the source ranks first reshard
+   the tensor among themselves (``CrossMeshTransfer.prepare``: intra-mesh collectives
+   from ``resharding.reshard_steps``, typically over fast intra-host links) into a
+   layout whose pieces line up better with B, e.g. fewer, larger slices per receiver;
+   the tasks then send slices of ``send_spec`` shards. :func:`best_resharding` picks
+   the send spec and whether to use the local all-gather, minimising prepare +
+   makespan + all-gathers.
 
 Everything here is pure planning (no MPI); ``meshplan.runtime.cross_mesh_mpi`` executes
 a :class:`CrossMeshTransfer` with its :class:`Schedule`.
@@ -35,10 +42,12 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 from typing import Sequence
 
 from .cluster import Cluster
+from .resharding import CollectiveModel, Step, reshard_seconds, reshard_steps
 from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
 SCHEDULE_VERSION = 1
@@ -101,7 +110,13 @@ class AllGatherStep:
 
 @dataclass(frozen=True)
 class CrossMeshTransfer:
-    """The whole transfer: the problem, the spec the tasks deliver on B, the all-gathers."""
+    """The whole transfer: the problem, the rearrangement inside A, the spec the tasks
+    deliver on B, the all-gathers.
+
+    Before the tasks, the source ranks may run ``prepare`` (intra-A resharding steps,
+    ``src_spec`` → ``send_spec``); the tasks send slices of ``send_spec`` shards. With no
+    rearrangement ``send_spec`` is ``src_spec`` and ``prepare`` is empty.
+    """
 
     shape: tuple[int, ...]
     itemsize: int
@@ -112,9 +127,20 @@ class CrossMeshTransfer:
     sent_spec: ShardingSpec                 # what the tasks deliver (dst_spec, or finer)
     allgathers: tuple[AllGatherStep, ...]   # in execution order, sent_spec → dst_spec
     tasks: tuple[UnitTask, ...]
+    send_spec: ShardingSpec | None = None   # what the senders hold (None: src_spec)
+    prepare: tuple[Step, ...] = ()          # intra-A steps, src_spec → send_spec
+
+    def __post_init__(self):
+        if self.send_spec is None:
+            object.__setattr__(self, "send_spec", self.src_spec)
+        object.__setattr__(self, "prepare", tuple(self.prepare))
 
     def src_box(self, rank: int) -> Box:
         return device_box(self.src_spec, self.shape, self.src_mesh, rank)
+
+    def send_box(self, rank: int) -> Box:
+        """What source ``rank`` holds after ``prepare``: the box its tasks slice from."""
+        return device_box(self.send_spec, self.shape, self.src_mesh, rank)
 
     def sent_box(self, rank: int) -> Box:
         return device_box(self.sent_spec, self.shape, self.dst_mesh, rank)
@@ -129,17 +155,35 @@ class CrossMeshTransfer:
             "dst_spec": str(self.dst_spec), "dst_mesh": _mesh_dict(self.dst_mesh),
             "sent_spec": str(self.sent_spec), "allgathers": [s.to_dict() for s in self.allgathers],
             "tasks": [t.to_dict() for t in self.tasks],
+            "send_spec": str(self.send_spec), "prepare": [_step_dict(s) for s in self.prepare],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "CrossMeshTransfer":
+        """The inverse of :meth:`to_dict`; a dict without ``send_spec`` / ``prepare`` (an
+        older plan) is a transfer without rearrangement."""
+        src_spec = ShardingSpec.parse(data["src_spec"])
+        send_spec = ShardingSpec.parse(data["send_spec"]) if "send_spec" in data else src_spec
         return cls(
             tuple(data["shape"]), int(data["itemsize"]),
-            ShardingSpec.parse(data["src_spec"]), _mesh_from(data["src_mesh"]),
+            src_spec, _mesh_from(data["src_mesh"]),
             ShardingSpec.parse(data["dst_spec"]), _mesh_from(data["dst_mesh"]),
             ShardingSpec.parse(data["sent_spec"]), tuple(AllGatherStep.from_dict(s) for s in data["allgathers"]),
             tuple(UnitTask.from_dict(t) for t in data["tasks"]),
+            send_spec, tuple(_step_from(s) for s in data.get("prepare", ())),
         )
+
+
+def _step_dict(step: Step) -> dict:
+    return {"kind": step.kind, "axis": step.axis, "dim": step.dim, "to_dim": step.to_dim}
+
+
+def _step_from(data: dict) -> Step:
+    def number(key):
+        value = data.get(key)
+        return None if value is None else int(value)
+
+    return Step(str(data["kind"]), int(data["axis"]), number("dim"), number("to_dim"))
 
 
 def _mesh_dict(mesh: LogicalMesh) -> dict:
@@ -169,16 +213,22 @@ def _as_spec(spec: ShardingSpec | str) -> ShardingSpec:
 def plan_resharding(shape: Sequence[int], src_spec: ShardingSpec | str, src_mesh: LogicalMesh,
                     dst_spec: ShardingSpec | str, dst_mesh: LogicalMesh, itemsize: int = 4, *,
                     allow_local_allgather: bool = False,
-                    allgather_axes: Sequence[int] | None = None) -> CrossMeshTransfer:
+                    allgather_axes: Sequence[int] | None = None,
+                    send_spec: ShardingSpec | str | None = None) -> CrossMeshTransfer:
     """Unit tasks (and, with ``allow_local_allgather``, the intra-B all-gathers) for moving
     a tensor from ``src_spec`` on ``src_mesh`` to ``dst_spec`` on ``dst_mesh``.
 
     ``allgather_axes`` limits which B mesh axes may be gathered over (default: every
     replicated axis of size > 1; pass ``(1,)`` to gather only inside hosts).
+    ``send_spec`` (default ``src_spec``) rearranges the tensor inside A first: the
+    transfer records the intra-A steps ``src_spec`` → ``send_spec`` as ``prepare`` and
+    its tasks send slices of ``send_spec`` shards (see :func:`best_resharding`).
     """
     shape = tuple(int(s) for s in shape)
     src_spec, dst_spec = _as_spec(src_spec), _as_spec(dst_spec)
-    for name, spec, mesh in (("source", src_spec, src_mesh), ("destination", dst_spec, dst_mesh)):
+    send_spec = src_spec if send_spec is None else _as_spec(send_spec)
+    for name, spec, mesh in (("source", src_spec, src_mesh), ("destination", dst_spec, dst_mesh),
+                             ("send", send_spec, src_mesh)):
         if spec.partial:
             raise ValueError(f"cross-mesh resharding needs a non-partial {name} spec, got {spec}")
         if not spec.is_valid_for(shape, mesh):
@@ -188,11 +238,18 @@ def plan_resharding(shape: Sequence[int], src_spec: ShardingSpec | str, src_mesh
         raise ValueError(f"source and destination meshes share ranks {sorted(common)}")
     if itemsize < 1:
         raise ValueError(f"itemsize must be positive, got {itemsize}")
+    prepare: tuple[Step, ...] = ()
+    if send_spec != src_spec:
+        try:
+            prepare = reshard_steps(src_spec, send_spec)
+        except ValueError as exc:
+            raise ValueError(f"cannot rearrange {src_spec} into send spec {send_spec} inside the source mesh: {exc}") from exc
     sent_spec, steps = dst_spec, ()
     if allow_local_allgather:
         sent_spec, steps = _gather_plan(shape, dst_spec, dst_mesh, allgather_axes)
-    tasks = _unit_tasks(shape, itemsize, src_spec, src_mesh, sent_spec, dst_mesh)
-    return CrossMeshTransfer(shape, itemsize, src_spec, src_mesh, dst_spec, dst_mesh, sent_spec, steps, tuple(tasks))
+    tasks = _unit_tasks(shape, itemsize, send_spec, src_mesh, sent_spec, dst_mesh)
+    return CrossMeshTransfer(shape, itemsize, src_spec, src_mesh, dst_spec, dst_mesh, sent_spec, steps, tuple(tasks),
+                             send_spec, prepare)
 
 
 def cross_mesh_tasks(shape: Sequence[int], src_spec: ShardingSpec | str, src_mesh: LogicalMesh,
@@ -767,3 +824,155 @@ def allgather_seconds(transfer: CrossMeshTransfer, cluster: Cluster) -> float:
             bandwidth, latency = cluster.intra_host.bandwidth, cluster.intra_host.latency
         total += (k - 1) * (latency + piece / bandwidth)
     return total
+
+
+# --- rearranging inside A first -------------------------------------------------------
+
+
+def source_links(mesh: LogicalMesh, cluster: Cluster) -> dict:
+    """The link each axis of ``mesh`` uses on ``cluster``: ``inter_host`` when one of the
+    axis's groups spans hosts (from the mesh's actual ranks), else ``intra_host``."""
+    links = {}
+    for axis in (0, 1):
+        crosses = any(len({cluster.host_of(r) for r in group}) > 1 for group in mesh.axis_groups(axis))
+        links[axis] = cluster.inter_host if crosses else cluster.intra_host
+    return links
+
+
+def prepare_seconds(transfer: CrossMeshTransfer, cluster: Cluster) -> float:
+    """Time of the transfer's rearrangement inside A (``resharding.reshard_seconds``,
+    alpha-beta per mesh axis with the links of :func:`source_links`)."""
+    if not transfer.prepare:
+        return 0.0
+    model = CollectiveModel(source_links(transfer.src_mesh, cluster))
+    return reshard_seconds(transfer.src_spec, transfer.send_spec, transfer.shape, transfer.itemsize,
+                           transfer.src_mesh, model)
+
+
+def _normalised(spec: ShardingSpec, mesh: LogicalMesh) -> ShardingSpec:
+    """The same layout without splits along mesh axes of size 1."""
+    n, m = mesh.shape
+
+    def placement(p: str) -> str:
+        axes = [a for a, q in ((0, S0), (1, S1)) if (p == q or p == S01) and mesh.shape[a] > 1]
+        return {(): R, (0,): S0, (1,): S1, (0, 1): S01}[tuple(axes)]
+
+    if n > 1 and m > 1:
+        return spec
+    return ShardingSpec(tuple(placement(p) for p in spec.dims), spec.partial)
+
+
+def send_spec_candidates(shape: Sequence[int], src_spec: ShardingSpec | str, mesh: LogicalMesh) -> list[ShardingSpec]:
+    """``src_spec`` first, then every other layout a tensor of ``shape`` can take on
+    ``mesh`` without partial sums: each mesh axis of size > 1 splits one dimension or
+    none (both axes on one dimension: S01), every split dividing evenly. Layouts equal
+    to ``src_spec`` (it may split along an axis of size 1) are left out."""
+    shape = tuple(int(s) for s in shape)
+    src_spec = _as_spec(src_spec)
+    ndim = len(shape)
+    out = [src_spec]
+    seen = {_normalised(src_spec, mesh)}
+    choices = [[None, *range(ndim)] if mesh.shape[axis] > 1 else [None] for axis in (0, 1)]
+    for d0, d1 in itertools.product(*choices):
+        dims = [R] * ndim
+        if d0 is not None:
+            dims[d0] = S0
+        if d1 is not None:
+            dims[d1] = S01 if d1 == d0 else S1
+        spec = ShardingSpec(tuple(dims))
+        if spec not in seen and spec.is_valid_for(shape, mesh):
+            seen.add(spec)
+            out.append(spec)
+    return out
+
+
+@dataclass(frozen=True)
+class ReshardChoice:
+    """What :func:`best_resharding` chose: the transfer (with its ``send_spec`` and
+    ``prepare``), its schedule, and the estimated time of each part."""
+
+    transfer: CrossMeshTransfer
+    schedule: Schedule
+    prepare_seconds: float
+    allgather_seconds: float
+    stats: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def makespan(self) -> float:
+        return self.schedule.makespan
+
+    @property
+    def seconds(self) -> float:
+        """Rearrangement in A, then the tasks, then the all-gathers in B."""
+        return self.prepare_seconds + self.schedule.makespan + self.allgather_seconds
+
+
+def best_resharding(shape: Sequence[int], src_spec: ShardingSpec | str, src_mesh: LogicalMesh,
+                    dst_spec: ShardingSpec | str, dst_mesh: LogicalMesh, itemsize: int, cluster: Cluster,
+                    algorithm: str = DEFAULT_ALGORITHM, *, allgather_axes: Sequence[int] | None = None,
+                    local_allgather: bool | None = None, rearrange: bool = True, finalists: int = 2,
+                    **schedule_options) -> ReshardChoice:
+    """The send spec (and use of the local all-gather in B) that moves the tensor fastest.
+
+    Candidates: every send spec of :func:`send_spec_candidates` (only ``src_spec`` with
+    ``rearrange=False``), each with and without the local all-gather
+    (``local_allgather=None``; ``True`` / ``False`` fixes it). Every candidate is timed
+    as prepare seconds + a ``load_balance`` schedule's makespan + all-gather seconds.
+    The candidates without rearrangement, then the ``finalists`` best of the others,
+    are scheduled with ``algorithm`` (``schedule_options`` go to
+    :func:`schedule_tasks`), each unless its :func:`lower_bound` plus its fixed costs
+    cannot beat the best so far; the fastest wins (ties: the earlier one, so no
+    rearrangement first). Never slower than the transfer without rearrangement under
+    the same scheduler; deterministic whenever the scheduler is. Results are cached:
+    treat them as read-only.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown cross-mesh scheduling algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+    key = (tuple(int(s) for s in shape), _as_spec(src_spec), src_mesh, _as_spec(dst_spec), dst_mesh, int(itemsize),
+           cluster, algorithm, None if allgather_axes is None else tuple(allgather_axes), local_allgather,
+           bool(rearrange), int(finalists), tuple(sorted(schedule_options.items())))
+    return _best_resharding(*key)
+
+
+@lru_cache(maxsize=1024)
+def _best_resharding(shape, src_spec, src_mesh, dst_spec, dst_mesh, itemsize, cluster, algorithm, allgather_axes,
+                     local_allgather, rearrange, finalists, options) -> ReshardChoice:
+    started = time.perf_counter()
+    specs = send_spec_candidates(shape, src_spec, src_mesh) if rearrange else [src_spec]
+    gathers = (False, True) if local_allgather is None else (bool(local_allgather),)
+    candidates: list[CrossMeshTransfer] = []
+    seen = set()
+    for spec in specs:
+        for gather in gathers:
+            transfer = plan_resharding(shape, src_spec, src_mesh, dst_spec, dst_mesh, itemsize,
+                                       allow_local_allgather=gather, allgather_axes=allgather_axes, send_spec=spec)
+            signature = (transfer.send_spec, transfer.sent_spec)
+            if signature not in seen:      # the all-gather plan may find nothing to split
+                seen.add(signature)
+                candidates.append(transfer)
+    fixed = [prepare_seconds(t, cluster) + allgather_seconds(t, cluster) for t in candidates]
+    finals = [k for k, t in enumerate(candidates) if t.send_spec == src_spec]   # always scheduled in full
+    screened = 0
+    quick = []
+    for k, t in enumerate(candidates):
+        if k not in finals:
+            quick.append((fixed[k] + schedule_tasks(t.tasks, cluster, "load_balance").makespan, k))
+            screened += 1
+    finals += [k for _, k in sorted(quick)[:max(0, finalists)]]
+    best: tuple[float, int, Schedule] | None = None
+    scheduled = 0
+    for k in finals:
+        tasks = candidates[k].tasks
+        if best is not None and fixed[k] + lower_bound(tasks, cluster) >= best[0]:
+            continue                   # cannot beat the best so far
+        schedule = schedule_tasks(tasks, cluster, algorithm, **dict(options))
+        scheduled += 1
+        total = fixed[k] + schedule.makespan
+        if best is None or total < best[0]:
+            best = (total, k, schedule)
+    assert best is not None
+    _, k, schedule = best
+    stats = {"candidates": len(candidates), "screened": screened, "scheduled": scheduled,
+             "seconds": time.perf_counter() - started}
+    return ReshardChoice(candidates[k], schedule, prepare_seconds(candidates[k], cluster),
+                         allgather_seconds(candidates[k], cluster), stats)

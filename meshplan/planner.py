@@ -12,7 +12,7 @@ import numpy as np
 
 from .cluster import Cluster
 from .costmodel import CostModel
-from .cross_mesh import ALGORITHMS, allgather_seconds, plan_resharding, schedule_tasks
+from .cross_mesh import ALGORITHMS, best_resharding
 from .errors import PlanError
 from .graph import Graph
 from .intra_op import IntraOpPass, boundary_spec, layer_fingerprints
@@ -253,13 +253,14 @@ def _spec(kind: str, graph: Graph, name: str, stage: Stage) -> ShardingSpec:
 
 def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst: Stage, dst_spec: ShardingSpec,
                 cluster: Cluster, scheduler: str) -> Resharding:
+    """The fastest way found to move ``name`` between the stages: possibly rearranged
+    inside the source mesh first, possibly with the local all-gather in the destination
+    (``cross_mesh.best_resharding``); its seconds are prepare + tasks + all-gathers."""
     info = graph.tensors[name]
-    transfer = plan_resharding(info.shape, src_spec, _mesh(src), dst_spec, _mesh(dst), info.dtype.itemsize,
-                               allow_local_allgather=True)
-    schedule = schedule_tasks(transfer.tasks, cluster, scheduler)
-    seconds = schedule.makespan + allgather_seconds(transfer, cluster)
+    choice = best_resharding(info.shape, src_spec, _mesh(src), dst_spec, _mesh(dst), info.dtype.itemsize, cluster,
+                             scheduler)
     return Resharding(name, src.index, dst.index, list(info.shape), info.dtype.name, str(src_spec), str(dst_spec),
-                      transfer.to_dict(), schedule.to_dict(), seconds)
+                      choice.transfer.to_dict(), choice.schedule.to_dict(), choice.seconds)
 
 
 def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 from functools import lru_cache
 
 CUDA = "CUDAExecutionProvider"
@@ -32,3 +34,19 @@ def cuda_usable() -> bool:
         return False
     finally:
         ort.set_default_logger_severity(3)
+
+
+@lru_cache(maxsize=None)
+def cuda_device_count() -> int:
+    """GPUs this process can see (the CUDA runtime's count; with none loadable, the
+    entries of CUDA_VISIBLE_DEVICES, else 1)."""
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+        try:
+            runtime = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if runtime.cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0:
+            return count.value
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return max(1, len(visible))

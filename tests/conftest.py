@@ -56,19 +56,21 @@ def assert_close(actual: dict, expected: dict, rtol: float = 1e-3, atol: float =
         np.testing.assert_allclose(actual[name], want, rtol=rtol, atol=atol, err_msg=name)
 
 
-def check_against_onnxruntime(plan, plan_dir: Path, inputs: dict, tmp_path: Path) -> None:
+def check_against_onnxruntime(plan, plan_dir: Path, inputs: dict, tmp_path: Path, *run_options: str) -> str:
     """The plan's outputs equal onnxruntime on the original model: in-process, then under
-    mpiexec with the plan's number of ranks."""
+    mpiexec with the plan's number of ranks (``meshplan run`` given ``run_options``).
+    Returns what the run printed."""
     from meshplan.runtime.inprocess import reference_outputs, run_in_process
 
     expected = reference_outputs(plan, inputs)
     assert_close(run_in_process(plan, plan_dir, inputs), expected)
     in_path = save_npz(tmp_path / "in.npz", inputs)
     out_path = tmp_path / "out.npz"
-    result = run_mpi(plan.num_ranks, "run", plan_dir, "--inputs", in_path, "--output", out_path)
+    result = run_mpi(plan.num_ranks, "run", plan_dir, "--inputs", in_path, "--output", out_path, *run_options)
     assert result.returncode == 0, result.stderr
     assert "measured: latency" in result.stdout and "estimate: latency" in result.stdout
     assert_close(load_npz(out_path), expected)
+    return result.stdout
 
 
 @pytest.fixture(scope="session")

@@ -17,16 +17,22 @@ from meshplan.cross_mesh import (
     CrossMeshTransfer,
     Schedule,
     UnitTask,
+    _best_resharding,
     _Model,
     allgather_seconds,
     as_send_recv,
+    best_resharding,
     box_slices,
     cross_mesh_tasks,
     lower_bound,
     plan_resharding,
+    prepare_seconds,
     schedule_tasks,
+    send_spec_candidates,
     simulate,
+    source_links,
 )
+from meshplan.resharding import CollectiveModel, reshard_seconds, reshard_steps
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
 from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
@@ -314,3 +320,150 @@ def test_randomized_greedy_is_deterministic_and_not_worse_than_naive():
     assert one == two
     assert one.makespan <= schedule_tasks(rs.tasks, cluster, "naive").makespan * (1 + 1e-9)
     assert schedule_tasks([], cluster).makespan == 0.0
+
+
+# --- rearranging inside the source mesh ------------------------------------------------
+
+
+@st.composite
+def problems_with_send_spec(draw, max_factor: int = 2):
+    """(shape, src spec, src mesh, send spec, dst spec, dst mesh): every split of the
+    three specs divides evenly (the send spec lives on the source mesh)."""
+    ndim = draw(st.integers(1, 3))
+    shape_a, shape_b = draw(st.sampled_from(MESH_SHAPES)), draw(st.sampled_from(MESH_SHAPES))
+    mesh_a, mesh_b = meshes(shape_a, shape_b, draw(st.integers(0, 2)))
+    spec_a, send, spec_b = draw(spec_for(ndim)), draw(spec_for(ndim)), draw(spec_for(ndim))
+    shape = []
+    for d in range(ndim):
+        unit = math.lcm(spec_a.shards(d, mesh_a), send.shards(d, mesh_a), spec_b.shards(d, mesh_b))
+        shape.append(unit * draw(st.integers(1, max_factor)))
+    assume(math.prod(shape) <= 4096)
+    return tuple(shape), spec_a, mesh_a, send, spec_b, mesh_b
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(problems_with_send_spec(), st.booleans(), st.sampled_from([None, "naive", "randomized_greedy"]))
+def test_in_memory_with_a_send_spec_gives_every_device_its_slice(problem, allgather, algorithm):
+    shape, spec_a, mesh_a, send, spec_b, mesh_b = problem
+    rs = plan_resharding(shape, spec_a, mesh_a, spec_b, mesh_b, 4, allow_local_allgather=allgather, send_spec=send)
+    assert rs.send_spec == send and (rs.prepare == ()) == (send == spec_a)
+    assert rs.prepare == reshard_steps(spec_a, send) or send == spec_a
+    for t in rs.tasks:               # senders hold the slice after the rearrangement
+        for s in t.senders:
+            assert all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(t.slice, rs.send_box(s)))
+    full = full_tensor(shape)
+    schedule = None if algorithm is None else schedule_tasks(rs.tasks, make_cluster(2), algorithm, **FAST)
+    out = reshard_in_memory(source_locals(rs, full), rs, schedule)
+    assert set(out) == set(mesh_b.ranks)
+    for r in mesh_b.ranks:
+        np.testing.assert_array_equal(out[r], full[spec_b.local_slices(shape, mesh_b, mesh_b.coord(r))])
+
+
+def test_send_spec_serialization_and_older_dicts():
+    a, b = meshes((2, 2), (1, 3))
+    rs = plan_resharding((4, 6), "S0S1", a, "RR", b, allow_local_allgather=True, send_spec="S01R")
+    assert [s.kind for s in rs.prepare] == ["all_to_all"]
+    data = json.loads(json.dumps(rs.to_dict()))
+    assert data["send_spec"] == "S01R" and data["prepare"][0]["to_dim"] == 0
+    assert CrossMeshTransfer.from_dict(data) == rs
+    older = {k: v for k, v in plan_resharding((4, 6), "S0S1", a, "RR", b).to_dict().items()
+             if k not in ("send_spec", "prepare")}
+    again = CrossMeshTransfer.from_dict(older)
+    assert again.send_spec == again.src_spec and again.prepare == ()
+    assert again == plan_resharding((4, 6), "S0S1", a, "RR", b)
+    gather = plan_resharding((4, 6), "S0S1", a, "RR", b, send_spec="RR")
+    assert [(s.kind, s.axis, s.dim) for s in gather.prepare] == [("all_gather", 0, 0), ("all_gather", 1, 1)]
+    assert CrossMeshTransfer.from_dict(json.loads(json.dumps(gather.to_dict()))) == gather
+
+
+def test_bad_send_specs():
+    a, b = meshes((2, 2), (1, 2))
+    with pytest.raises(ValueError, match="non-partial send spec"):
+        plan_resharding((4, 4), "S0R", a, "RR", b, send_spec="RR+P1")
+    with pytest.raises(ValueError, match="send spec S01R does not divide"):
+        plan_resharding((6, 4), "RS0", a, "RR", b, send_spec="S01R")
+    with pytest.raises(ValueError, match="send spec S0 does not divide"):   # wrong rank
+        plan_resharding((4, 4), "S0R", a, "RR", b, send_spec="S0")
+    rs = plan_resharding((4, 4), "S0R", a, "RR", b, send_spec="RS1")
+    with pytest.raises(ValueError, match="shape"):   # the shard must still be the src_spec one
+        reshard_in_memory({r: np.zeros((4, 2), np.float32) for r in a.ranks}, rs)
+
+
+def test_send_spec_candidates():
+    a = LogicalMesh((2, 4), tuple(range(8)))
+    found = send_spec_candidates((8, 8), "S0R", a)
+    assert found[0] == ShardingSpec.parse("S0R")
+    assert len(found) == len(set(found)) == 9          # each axis: dim 0, dim 1 or none
+    assert all(not s.partial and s.is_valid_for((8, 8), a) for s in found)
+    assert ShardingSpec.parse("S01R") in found and ShardingSpec.parse("S1S0") in found
+    odd = send_spec_candidates((6, 8), "RR", a)          # 6 does not split in 4 or 8
+    assert all(s.is_valid_for((6, 8), a) for s in odd) and ShardingSpec.parse("S1R") not in odd
+    assert ShardingSpec.parse("S0R") in odd
+    row = LogicalMesh((1, 4), (4, 5, 6, 7))               # axis 0 has size 1: no S0 layouts again
+    found = send_spec_candidates((8, 8), "S0S1", row)
+    assert found[0] == ShardingSpec.parse("S0S1") and [str(s) for s in found[1:]] == ["RR", "S1R"]
+    assert send_spec_candidates((), "", a) == [ShardingSpec(())]
+
+
+def test_prepare_seconds_use_the_links_of_the_actual_ranks():
+    cluster = make_cluster(4)
+    inside = LogicalMesh((1, 4), (4, 5, 6, 7))             # one host
+    across = LogicalMesh((1, 4), (2, 3, 4, 5))             # two hosts
+    assert source_links(inside, cluster)[1] == cluster.intra_host
+    assert source_links(across, cluster)[1] == cluster.inter_host
+    b = LogicalMesh((1, 2), (8, 9))
+    slow = plan_resharding((64, 64), "S1R", across, "RR", b, send_spec="RS1")
+    fast = plan_resharding((64, 64), "S1R", inside, "RR", b, send_spec="RS1")
+    model = CollectiveModel({0: cluster.intra_host, 1: cluster.inter_host})
+    assert prepare_seconds(slow, cluster) == pytest.approx(
+        reshard_seconds(slow.src_spec, slow.send_spec, (64, 64), 4, across, model))
+    assert prepare_seconds(slow, cluster) > prepare_seconds(fast, cluster) > 0
+    assert prepare_seconds(plan_resharding((64, 64), "S1R", inside, "RR", b), cluster) == 0.0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(problems(), st.sampled_from([False, True]), st.sampled_from(["naive", "load_balance", "randomized_greedy"]),
+       st.sampled_from([1, 2, 4]))
+def test_best_resharding_is_never_worse_than_no_rearrangement(problem, allgather, algorithm, per_host):
+    shape, spec_a, mesh_a, spec_b, mesh_b = problem
+    cluster = make_cluster(per_host)
+    choice = best_resharding(shape, spec_a, mesh_a, spec_b, mesh_b, 4, cluster, algorithm,
+                             local_allgather=allgather, **FAST)
+    direct = plan_resharding(shape, spec_a, mesh_a, spec_b, mesh_b, 4, allow_local_allgather=allgather)
+    plain = schedule_tasks(direct.tasks, cluster, algorithm, **FAST).makespan + allgather_seconds(direct, cluster)
+    assert choice.seconds <= plain * (1 + 1e-12)
+    rs = choice.transfer
+    assert choice.seconds == pytest.approx(prepare_seconds(rs, cluster) + choice.schedule.makespan
+                                           + allgather_seconds(rs, cluster))
+    assert choice.schedule.tasks == rs.tasks and choice.schedule.algorithm == algorithm
+    full = full_tensor(shape)
+    out = reshard_in_memory(source_locals(rs, full), rs, choice.schedule)
+    for r in mesh_b.ranks:
+        np.testing.assert_array_equal(out[r], full[spec_b.local_slices(shape, mesh_b, mesh_b.coord(r))])
+    _best_resharding.cache_clear()   # deterministic: recomputed, the same choice
+    again = best_resharding(shape, spec_a, mesh_a, spec_b, mesh_b, 4, cluster, algorithm,
+                            local_allgather=allgather, **FAST)
+    assert again is not choice and again == choice
+
+
+def test_best_resharding_fixes_the_many_small_slices_case():
+    """2x8 S01R -> 4x8 RS1 (hosts of 8): sent directly, every B device receives 16 small
+    slices from 16 devices, one after another, each paying its latency; an all-to-all
+    inside A's hosts first leaves 2 large slices per B device."""
+    cluster = make_cluster(8)
+    a = LogicalMesh((2, 8), tuple(range(16)))
+    b = LogicalMesh((4, 8), tuple(range(16, 48)))
+    shape = (8192, 2048)
+    direct = plan_resharding(shape, "S01R", a, "RS1", b)
+    plain = schedule_tasks(direct.tasks, cluster, **FAST)
+    choice = best_resharding(shape, "S01R", a, "RS1", b, 4, cluster, local_allgather=False, **FAST)
+    rs = choice.transfer
+    assert rs.send_spec != rs.src_spec and rs.prepare and choice.prepare_seconds > 0
+    assert all(s.axis == 1 for s in rs.prepare)            # only inside A's hosts
+    assert choice.seconds < plain.makespan
+    per_device = max(sum(r in t.receivers for t in rs.tasks) for r in b.ranks)
+    assert per_device < max(sum(r in t.receivers for t in direct.tasks) for r in b.ranks)
+    assert choice.schedule.makespan <= lower_bound(rs.tasks, cluster) * 1.15
+    # without rearrangement allowed, it is the direct transfer
+    same = best_resharding(shape, "S01R", a, "RS1", b, 4, cluster, local_allgather=False, rearrange=False, **FAST)
+    assert same.transfer == direct and same.seconds == pytest.approx(plain.makespan)

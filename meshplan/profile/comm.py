@@ -21,7 +21,6 @@ share cores (more ranks than cores) leave them to the ranks with work.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import time
@@ -161,36 +160,6 @@ def yield_barrier(comm) -> None:
 
 def mpi_library_version(MPI) -> str:
     return MPI.Get_library_version().strip().splitlines()[0].strip()
-
-
-def cuda_aware(MPI) -> dict:
-    """Is the MPI library CUDA-aware? {"value": bool | None, "method": how it was found}."""
-    try:
-        info = MPI.COMM_WORLD.Get_info()
-        kinds = info.Get("mpi_memory_alloc_kinds")
-        info.Free()
-        if kinds:
-            return {"value": "cuda" in kinds.lower(), "method": f"mpi_memory_alloc_kinds = {kinds}"}
-    except Exception:  # an MPI before 4.1 has no such key
-        pass
-    for path in _loaded_mpi_libraries():
-        try:
-            library = ctypes.CDLL(path)
-            query = library.MPIX_Query_cuda_support
-        except (OSError, AttributeError):
-            continue
-        query.restype = ctypes.c_int
-        return {"value": bool(query()), "method": f"MPIX_Query_cuda_support in {os.path.basename(path)}"}
-    return {"value": None, "method": "unknown: no mpi_memory_alloc_kinds key and no MPIX_Query_cuda_support"}
-
-
-def _loaded_mpi_libraries() -> list[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libmpi" in line and "/" in line}
-    except OSError:
-        return []
-    return sorted(paths)
 
 
 class CommMeasurer:

@@ -31,9 +31,10 @@ from ..graph import build_graph
 from ..load import canonicalize
 from .cache import OpKey, ProfileCache
 from .comm import (
-    COLLECTIVES, MIB, CommFit, CommMeasurer, axis_group_sizes, cluster_fits, cuda_aware, message_sizes,
+    COLLECTIVES, MIB, CommFit, CommMeasurer, axis_group_sizes, cluster_fits, message_sizes,
     mpi_library_version, yield_barrier,
 )
+from ..mpi_support import cuda_aware
 from .document import OpEntry, Profile
 from .errors import FailedElsewhere, ProfileError
 from .signatures import Collected, TimingSpec, Variants, collect_signatures

@@ -1,12 +1,14 @@
 """Executing a cross-mesh resharding (a ``CrossMeshTransfer``): with mpi4py across ranks, or in memory.
 
 :class:`CrossMeshResharder` moves one tensor from mesh A to mesh B following a
-:class:`~meshplan.cross_mesh.CrossMeshTransfer` and its :class:`~meshplan.cross_mesh.Schedule`:
-every rank walks the schedule's entries in order and takes part in the ones that name
+:class:`~meshplan.cross_mesh.CrossMeshTransfer` and its :class:`~meshplan.cross_mesh.Schedule`.
+First the source ranks run the transfer's ``prepare`` steps (intra-A collectives on
+per-axis communicators of A, rearranging ``src_spec`` into ``send_spec``); then every rank walks the schedule's entries in order and takes part in the ones that name
 it; a task with one receiver is a ``Send``/``Recv``, a task with more is a ``Bcast`` from
 the chosen sender over the group communicator {sender} ∪ receivers. Then the recorded
 all-gathers run inside B (``Allgather`` over each mesh-axis group). Only buffer-based
-calls on numpy arrays are used, never pickled objects.
+calls are used, never pickled objects: on numpy arrays on the host path, on device
+memory through ``buffers.MpiView`` on the device path (see ``buffers``).
 
 Every rank runs its part of the tasks in the one global order, and each call blocks only
 ranks of its own task, so the earliest unfinished task always has all its ranks waiting
@@ -22,7 +24,10 @@ from typing import Mapping
 
 import numpy as np
 
-from ..cross_mesh import AllGatherStep, CrossMeshTransfer, Schedule, box_slices
+from ..cross_mesh import CrossMeshTransfer, Schedule, box_slices
+from ..resharding import Step, apply_steps
+from .buffers import HOST
+from .collectives import perform
 from .waiting import wait_all
 
 _TAG = 7701
@@ -52,19 +57,25 @@ def reshard_in_memory(src_locals: Mapping[int, np.ndarray], transfer: CrossMeshT
                       schedule: Schedule | None = None) -> dict[int, np.ndarray]:
     """Every B rank's shard under ``dst_spec`` from every A rank's shard under ``src_spec``.
 
-    ``src_locals`` maps each rank of the source mesh to its local array; without a
-    schedule every task is sent by its first sender.
+    ``src_locals`` maps each rank of the source mesh to its local array; the transfer's
+    ``prepare`` steps rearrange them into ``send_spec`` first. Without a schedule every
+    task is sent by its first sender.
     """
     for rank in transfer.src_mesh.ranks:
         _check_source(transfer, rank, src_locals.get(rank))
     dtype = np.asarray(src_locals[transfer.src_mesh.ranks[0]]).dtype
+    held = {rank: np.asarray(src_locals[rank]) for rank in transfer.src_mesh.ranks}
+    if transfer.prepare:   # rearrange inside A: src_spec → send_spec
+        mesh = transfer.src_mesh
+        moved = apply_steps({mesh.coord(r): held[r] for r in mesh.ranks}, transfer.prepare, mesh)
+        held = {r: moved[mesh.coord(r)] for r in mesh.ranks}
     out = {}
     for rank in transfer.dst_mesh.ranks:
         box = transfer.sent_box(rank)
         out[rank] = np.empty(tuple(b - a for a, b in box), dtype=dtype)
     for index, sender in _entries(transfer, schedule):
         task = transfer.tasks[index]
-        piece = src_locals[sender][box_slices(task.slice, transfer.src_box(sender))]
+        piece = held[sender][box_slices(task.slice, transfer.send_box(sender))]
         for rank in task.receivers:
             out[rank][box_slices(task.slice, transfer.sent_box(rank))] = piece
     for step in transfer.allgathers:
@@ -89,11 +100,13 @@ class CrossMeshResharder:
     ``None``; destination ranks get their shard under ``dst_spec``, the others ``None``.
     """
 
-    def __init__(self, transfer: CrossMeshTransfer, schedule: Schedule | None, comm, dtype=np.float32):
+    def __init__(self, transfer: CrossMeshTransfer, schedule: Schedule | None, comm, dtype=np.float32,
+                 buffers=HOST):
         from mpi4py import MPI
 
         self._MPI = MPI
         self.transfer = transfer
+        self.buffers = buffers
         self.dtype = np.dtype(dtype)
         if self.dtype.itemsize != transfer.itemsize:
             raise ValueError(f"dtype {self.dtype} has {self.dtype.itemsize} bytes per item, "
@@ -122,6 +135,17 @@ class CrossMeshResharder:
                 self._gather.append(mine)
         finally:
             world.Free()
+        # The rearrangement inside A: one communicator per mesh axis its steps use, split
+        # from comm by every rank (source ranks by coordinate, the others get none).
+        self._send_box = transfer.send_box(self.rank) if self.is_source else None
+        self._prepare_comms: dict[int, object] = {}
+        for axis in sorted({step.axis for step in transfer.prepare}):
+            color, key = MPI.UNDEFINED, 0
+            if self.is_source:
+                i, j = transfer.src_mesh.coord(self.rank)
+                color, key = {0: (j, i), 1: (i, j)}.get(axis, (0, i * transfer.src_mesh.shape[1] + j))
+            made = comm.Split(color, key)
+            self._prepare_comms[axis] = None if made == MPI.COMM_NULL else made
 
     def _create(self, comm, world, members: tuple[int, ...]):
         """A communicator over ``members`` (in that order, so ``members[0]`` is rank 0);
@@ -142,57 +166,69 @@ class CrossMeshResharder:
     def is_destination(self) -> bool:
         return self.rank in self.transfer.dst_mesh.ranks
 
-    def run(self, local: np.ndarray | None) -> np.ndarray | None:
-        rs, rank = self.transfer, self.rank
+    def run(self, local):
+        """Source ranks pass their shard, the others ``None``; destination ranks get
+        their shard, the others ``None``. Tensors are of the ``buffers`` kind the
+        resharder was built with (numpy arrays on the host path)."""
+        rs, rank, b = self.transfer, self.rank, self.buffers
         src_box = dst_box = None
         if self.is_source:
-            local = _check_source(rs, rank, local)
-            if local.dtype != self.dtype:
-                raise ValueError(f"rank {rank}: resharder built for {self.dtype}, got {local.dtype}")
-            src_box = rs.src_box(rank)
-        out = None
+            local = self._check_local(local)
+            local, src_box = self._prepare(local), self._send_box
+        assembler = None
         if self.is_destination:
             dst_box = rs.sent_box(rank)
-            out = np.empty(tuple(b - a for a, b in dst_box), dtype=self.dtype)
+            assembler = b.assembler(tuple(stop - start for start, stop in dst_box), self.dtype)
         for index, sender in self.entries:
             task = rs.tasks[index]
             if rank != sender and rank not in task.receivers:
                 continue
             if rank == sender:
-                buf = np.ascontiguousarray(local[box_slices(task.slice, src_box)])
+                buf = b.take(local, box_slices(task.slice, src_box))
             else:
-                buf = np.empty(task.shape, dtype=self.dtype)
+                buf = b.empty(task.shape, self.dtype)
             if len(task.receivers) == 1:
                 if rank == sender:
-                    request = self._p2p.Isend(buf, dest=task.receivers[0], tag=_TAG)
+                    request = self._p2p.Isend(b.mpi(buf), dest=task.receivers[0], tag=_TAG)
                 else:
-                    request = self._p2p.Irecv(buf, source=sender, tag=_TAG)
+                    request = self._p2p.Irecv(b.mpi(buf), source=sender, tag=_TAG)
             else:
-                request = self._groups[(sender, *task.receivers)].Ibcast(buf, root=0)
+                request = self._groups[(sender, *task.receivers)].Ibcast(b.mpi(buf), root=0)
             wait_all([request], self._MPI)
             if rank != sender:
-                out[box_slices(task.slice, dst_box)] = buf
-        if out is not None:
-            for step, comm in zip(rs.allgathers, self._gather):
-                out = self._allgather(out, step, comm)
+                assembler.put(box_slices(task.slice, dst_box), buf)
+        if assembler is None:
+            return None
+        out = assembler.finish()
+        for step, comm in zip(rs.allgathers, self._gather):
+            out = perform(Step("all_gather", step.axis, step.dim), out, comm, self._MPI, b)
         return out
 
-    @staticmethod
-    def _allgather(local: np.ndarray, step: AllGatherStep, comm) -> np.ndarray:
-        moved = np.ascontiguousarray(np.moveaxis(local, step.dim, 0))
-        gathered = np.empty((comm.Get_size(),) + moved.shape, dtype=local.dtype)
-        from mpi4py import MPI
+    def _check_local(self, local):
+        rank, b = self.rank, self.buffers
+        want = tuple(stop - start for start, stop in self.transfer.src_box(rank))
+        shape = None if local is None else tuple(b.shape(local))
+        if shape != want:
+            raise ValueError(f"rank {rank} of the source mesh needs its {self.transfer.src_spec} shard of shape {want}, "
+                             f"got {shape}")
+        if np.dtype(local.dtype) != self.dtype:
+            raise ValueError(f"rank {rank}: resharder built for {self.dtype}, got {local.dtype}")
+        return local
 
-        wait_all([comm.Iallgather(moved, gathered)], MPI)
-        whole = gathered.reshape((-1,) + moved.shape[1:])
-        return np.ascontiguousarray(np.moveaxis(whole, 0, step.dim))
+    def _prepare(self, local):
+        """This source rank's shard rearranged from ``src_spec`` into ``send_spec`` (the
+        transfer's ``prepare`` steps, collective over the source mesh's axis groups, so
+        every source rank calls it); the shard itself when there are no steps."""
+        for step in self.transfer.prepare:
+            local = perform(step, local, self._prepare_comms[step.axis], self._MPI, self.buffers)
+        return local
 
     def free(self) -> None:
         """Release the communicators (collective over the members of each)."""
-        for comm in [*self._groups.values(), *self._gather, self._p2p]:
+        for comm in [*self._groups.values(), *self._gather, *self._prepare_comms.values(), self._p2p]:
             if comm is not None:
                 comm.Free()
-        self._groups, self._gather, self._p2p = {}, [], None
+        self._groups, self._gather, self._prepare_comms, self._p2p = {}, [], {}, None
 
 
 __all__ = ["CrossMeshResharder", "reshard_in_memory"]

@@ -28,6 +28,9 @@ from ..cross_mesh import CrossMeshTransfer, Schedule
 from ..resharding import Step
 from ..shard_emit import local_name
 from ..sharding import LogicalMesh, ShardingSpec
+from ..mpi_support import cuda_aware
+from ..providers import CPU, CUDA, cuda_device_count, cuda_usable
+from .buffers import HOST, DeviceBuffers
 from .collectives import perform
 from .cross_mesh_mpi import CrossMeshResharder
 from .program import ProgramRunner
@@ -83,14 +86,47 @@ def _agree(comm, MPI, error: MeshplanError | None) -> None:
     raise ReportedElsewhere("start-up failed on another rank")
 
 
-def _threads_per_rank(comm, MPI) -> int:
+def _local_placement(comm, MPI) -> tuple[int, int]:
+    """(threads for this rank's sessions, this rank's index among the ranks of its host)."""
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    count = local.size
+    count, index = local.size, local.rank
     local.Free()
-    return max(1, (os.cpu_count() or 1) // count)
+    return max(1, (os.cpu_count() or 1) // count), index
 
 
-def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider: str, threads: int, comm):
+TRANSFERS = ("auto", "host", "device")
+
+
+def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI) -> tuple[object, str]:
+    """Where this rank's tensors live and travel, and the sentence that says so.
+
+    ``auto``: device memory when the programs run on CUDA and MPI is CUDA-aware, else
+    host memory (CUDA outputs staged through the host). ``host``: always host memory.
+    ``device``: OrtValues handed to MPI as they are; on CUDA that needs a CUDA-aware MPI
+    (an error otherwise); with the CPU provider they sit in host memory.
+    """
+    if transfer not in TRANSFERS:
+        raise RunError(f"unknown transfer path {transfer!r} (choose from {', '.join(TRANSFERS)})")
+    on_cuda = session_provider == CUDA
+    if not on_cuda:
+        if transfer == "device":
+            return DeviceBuffers("cpu", 0, [CPU]), "OrtValue buffers in host memory (CPU provider), passed to MPI by pointer"
+        return HOST, "host memory (CPU provider)"
+    if transfer == "host":
+        return HOST, "host memory: CUDA outputs staged through the host (--transfer host)"
+    aware = cuda_aware(MPI)
+    if aware["value"]:
+        buffers = DeviceBuffers("cuda", device_id, [(CUDA, {"device_id": str(device_id)}), CPU])
+        return buffers, f"device memory: CUDA buffers straight to CUDA-aware MPI ({aware['method']})"
+    if transfer == "device":
+        state = "is not CUDA-aware" if aware["value"] is False else "may not be CUDA-aware"
+        raise RunError(f"--transfer device needs a CUDA-aware MPI; this one {state} ({aware['method']})",
+                       hint="use --transfer auto or host to stage tensors through host memory")
+    return HOST, f"host memory: CUDA outputs staged through the host (MPI not known to be CUDA-aware: {aware['method']})"
+
+
+def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider: str, transfer: str,
+           placement: tuple[int, int], comm, MPI):
     """This rank's start-up checks and session. No collective calls in here: a rank that
     fails part-way must still reach the agreement in ``_agree``."""
     plan = read_plan(plan_dir)
@@ -107,8 +143,11 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
             raise RunError(f"output file must end in .npz: {output_path}")
         if not output_path.parent.is_dir():
             raise RunError(f"output directory does not exist: {output_path.parent}")
-    session = ProgramRunner(path, providers_for(provider), threads=threads)
-    return plan, session, split_microbatches(inputs, plan)
+    threads, local_index = placement
+    device_id = local_index % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
+    session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
+    buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
+    return plan, session, split_microbatches(inputs, plan), buffers, path_text
 
 
 class MeshCommunicators:
@@ -117,8 +156,9 @@ class MeshCommunicators:
     Every rank takes part in every split (with MPI.UNDEFINED outside the stage), so all
     ranks must build this object together."""
 
-    def __init__(self, plan: Plan, comm, MPI):
+    def __init__(self, plan: Plan, comm, MPI, buffers=HOST):
         self.MPI = MPI
+        self.buffers = buffers
         self.axes: dict[int, object] = {}
         rank = comm.rank
         for stage in plan.stages:
@@ -134,21 +174,22 @@ class MeshCommunicators:
                     self.axes[axis] = split
 
     def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
-        return perform(step, array, self.axes[step.axis], self.MPI)
+        return perform(step, array, self.axes[step.axis], self.MPI, self.buffers)
 
 
 def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | Path | None,
-             repeat: int = 1, provider: str = "auto") -> RunReport | None:
+             repeat: int = 1, provider: str = "auto", transfer: str = "auto") -> RunReport | None:
     """Run this rank's part of the plan; rank 0 returns the report, the others None."""
     MPI, comm = _world()
     plan_dir, inputs_path = Path(plan_dir), Path(inputs_path)
     output_path = Path(output_path) if output_path else None
-    threads = _threads_per_rank(comm, MPI)  # collective: every rank, before anything can fail
+    placement = _local_placement(comm, MPI)  # collective: every rank, before anything can fail
     error = None
     try:
         if repeat < 1:
             raise RunError(f"--repeat must be at least 1, got {repeat}")
-        plan, session, micro_inputs = _start(plan_dir, inputs_path, output_path, provider, threads, comm)
+        plan, session, micro_inputs, buffers, path_text = _start(plan_dir, inputs_path, output_path, provider, transfer,
+                                                                 placement, comm, MPI)
     except MeshplanError as exc:
         error = exc
     except Exception as exc:  # anything else must still reach the agreement, or the others wait forever
@@ -156,25 +197,29 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         error = RunError(f"rank {comm.rank} could not start: {text}")
     _agree(comm, MPI, error)
     try:
-        communicators = MeshCommunicators(plan, comm, MPI)
-        resharders = _resharders(plan, comm)
-        return _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators, resharders)
+        communicators = MeshCommunicators(plan, comm, MPI, buffers)
+        resharders = _resharders(plan, comm, buffers)
+        report = _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators, resharders,
+                              buffers)
+        if report is not None:
+            report.transfer_path = path_text
+        return report
     except Exception as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise JobFailure(f"rank {comm.rank} failed: {text}") from exc
 
 
-def _resharders(plan: Plan, comm) -> list[CrossMeshResharder]:
+def _resharders(plan: Plan, comm, buffers) -> list[CrossMeshResharder]:
     """One executor per cross-mesh resharding, built by every rank in plan order (collective)."""
     return [
         CrossMeshResharder(CrossMeshTransfer.from_dict(r.transfer), Schedule.from_dict(r.schedule), comm,
-                           dtype=np.dtype(r.dtype))
+                           dtype=np.dtype(r.dtype), buffers=buffers)
         for r in plan.reshardings
     ]
 
 
 def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, repeat, comm, MPI, communicators,
-                 resharders):
+                 resharders, buffers):
     """Fill-drain over microbatches. Per microbatch a rank takes part in the reshardings
     that bring its stage's inputs (in plan order), runs its program, then in those that
     hand its outputs on (in plan order): every rank follows the same global order, stages
@@ -193,9 +238,9 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
     for iteration in range(repeat):
         wait_all([comm.Ibarrier()], MPI)
         origin = MPI.Wtime()
-        buffers = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming for mb in range(B)}
+        received = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming for mb in range(B)}
         requests = {key: comm.Irecv(buf, source=plan.transfers[key[0]].src_rank, tag=key[0])
-                    for key, buf in buffers.items()}
+                    for key, buf in received.items()}
         sends = []
         results = [dict() for _ in range(B)]
         for mb in range(B):
@@ -205,9 +250,9 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
                 feeds[local_name(r.tensor, ShardingSpec.parse(r.dst_spec))] = resharder.run(None)
             for name in stage.inputs:
                 if name in micro_inputs[mb]:   # model inputs: every rank reads them (replicated)
-                    feeds[name] = micro_inputs[mb][name]
+                    feeds[name] = buffers.from_host(micro_inputs[mb][name])
             started = MPI.Wtime()
-            outs = session.run(feeds, communicators)
+            outs = session.run(feeds, communicators, buffers)
             finished = MPI.Wtime()
             if iteration == repeat - 1:
                 if started - waited > 1e-5:
@@ -216,15 +261,15 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
             for r, resharder in leaving:
                 resharder.run(outs[local_name(r.tensor, ShardingSpec.parse(r.src_spec))])
             for i, t in outgoing:
-                sends.append(comm.Isend(np.ascontiguousarray(outs[t.tensor]), dest=t.dst_rank, tag=i))
+                sends.append(comm.Isend(np.ascontiguousarray(buffers.to_host(outs[t.tensor])), dest=t.dst_rank, tag=i))
             for t in local_outputs:
-                results[mb][t.tensor] = outs[t.tensor]
+                results[mb][t.tensor] = buffers.to_host(outs[t.tensor])
         collected = [requests[(i, mb)] for i, t in incoming if t.dst_stage == OUTPUT_COLLECTOR for mb in range(B)]
         wait_all(collected + sends, MPI)
         for i, t in incoming:
             if t.dst_stage == OUTPUT_COLLECTOR:
                 for mb in range(B):
-                    results[mb][t.tensor] = buffers[(i, mb)]
+                    results[mb][t.tensor] = received[(i, mb)]
         wait_all([comm.Ibarrier()], MPI)
         latencies.append(MPI.Wtime() - origin)
     events = _gather_trace(trace, comm, MPI)
@@ -233,7 +278,7 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
     if output_path is not None:
         write_outputs(output_path, join_microbatches(results, plan))
     return RunReport(
-        ranks=comm.size, provider=session.providers[0], transfer_path="host memory (mpi4py buffers)",
+        ranks=comm.size, provider=session.providers[0], transfer_path="",
         latencies=latencies, estimate_seconds=plan.estimate["latency_seconds"],
         batch_size=plan.batch["size"], trace_events=events,
     )

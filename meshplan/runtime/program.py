@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import RunError
 from ..resharding import Step
 from ..shard_emit import COLLECTIVE_DOMAIN
+from .buffers import HOST
 from .sessions import StageSession
 
 _KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
@@ -98,12 +98,20 @@ class ProgramRunner:
             self.segments.append(Segment(session, inputs, outputs, collective))
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
-    def run(self, feeds: dict[str, np.ndarray], collective_fn) -> dict[str, np.ndarray]:
-        """Run every segment; ``collective_fn(step, array) -> array`` performs collectives."""
+    def run(self, feeds: dict, collective_fn, buffers=HOST) -> dict:
+        """Run every segment; ``collective_fn(step, tensor) -> tensor`` performs collectives.
+
+        On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
+        ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
+        and outputs bound on that device."""
         values = dict(feeds)
         for segment in self.segments:
             if segment.session is not None:
-                values.update(segment.session.run({n: values[n] for n in segment.inputs}))
+                feeds_now = {n: values[n] for n in segment.inputs}
+                if buffers is HOST:
+                    values.update(segment.session.run(feeds_now))
+                else:
+                    values.update(segment.session.run_bound(feeds_now, buffers))
             if segment.collective is not None:
                 c = segment.collective
                 values[c.output] = collective_fn(c.step, values[c.input])

@@ -14,13 +14,14 @@ from ..plan import Plan, Program
 PROVIDERS = ("auto", "cuda", "cpu")
 
 
-def providers_for(choice: str) -> list[str]:
+def providers_for(choice: str, device_id: int = 0) -> list:
+    """onnxruntime's providers for ``choice``; CUDA runs on GPU ``device_id``."""
     if choice not in PROVIDERS:
         raise RunError(f"unknown provider {choice!r} (choose from {', '.join(PROVIDERS)})")
     if choice == "cpu":
         return [CPU]
     if cuda_usable():
-        return [CUDA, CPU]
+        return [(CUDA, {"device_id": str(device_id)}), CPU]
     if choice == "cuda":
         raise RunError("the CUDA execution provider is not usable here (no GPU or CUDA libraries)")
     return [CPU]
@@ -72,3 +73,17 @@ class StageSession:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds})
         return dict(zip(self.output_names, values))
+
+    def run_bound(self, feeds: dict, buffers) -> dict:
+        """The device path: ``feeds`` are ``DeviceTensor``\\ s, bound as they are (IOBinding);
+        the outputs are bound to ``buffers``' device and come back as ``DeviceTensor``\\ s,
+        ready to use (the run is synchronised)."""
+        binding = self.session.io_binding()
+        for name in self.input_names:
+            if name in feeds:
+                binding.bind_ortvalue_input(name, feeds[name].value)
+        for name in self.output_names:
+            binding.bind_output(name, buffers.device_type, buffers.device_id)
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        return {name: buffers.wrap(value) for name, value in zip(self.output_names, binding.get_outputs())}
