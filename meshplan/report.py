@@ -68,12 +68,34 @@ def text_report(plan: Plan) -> str:
     if plan.reshardings:
         moved = sum(r.seconds for r in plan.reshardings)
         lines.append(f"between stages: {len(plan.reshardings)} tensor(s) resharded, {human_seconds(moved)} per microbatch")
+        shown = sorted(plan.reshardings, key=lambda r: -r.seconds)[:RESHARDINGS_SHOWN]
+        lines.extend(f"  {_resharding_line(r)}" for r in shown)
+        if len(plan.reshardings) > len(shown):
+            lines.append(f"  ... and {len(plan.reshardings) - len(shown)} more (plan.json lists them all)")
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs); "
         f"planned in {plan.solver['seconds']:.2f} s"
     )
     return "\n".join(lines)
+
+
+RESHARDINGS_SHOWN = 6
+
+
+def _resharding_line(r) -> str:
+    """``tensor stage a SPEC -> stage b SPEC: [rearranged to X in stage a,] N tasks[, all-gather in b], time``."""
+    t = r.transfer
+    steps = []
+    if t.get("prepare"):
+        steps.append(f"rearranged to {t['send_spec']} in stage {r.src_stage}")
+    tasks = t.get("tasks", [])
+    broadcasts = sum(1 for task in tasks if len(task["receivers"]) > 1)
+    steps.append(f"{len(tasks)} task(s)" + (f", {broadcasts} broadcast" if broadcasts else ""))
+    if t.get("allgathers"):
+        steps.append(f"all-gather in stage {r.dst_stage}")
+    return (f"{r.tensor}: stage {r.src_stage} {r.src_spec} -> stage {r.dst_stage} {r.dst_spec}: "
+            f"{'; '.join(steps)}; {human_seconds(r.seconds)}")
 
 
 def render_timeline(plan: Plan) -> str:

@@ -240,3 +240,38 @@ def test_text_report_mentions_every_stage():
     assert "2.000 ms" in lines[3]
     assert "1.5 GiB" in lines[2]
     assert "400.0 samples/s" in lines[-1]
+
+
+def test_text_report_names_each_resharding_and_how_it_moves():
+    """A rearranged transfer, one ending with an all-gather, and more than the report shows."""
+    from meshplan.cluster import make_cluster
+    from meshplan.cross_mesh import best_resharding
+    from meshplan.plan import Resharding
+    from meshplan.report import RESHARDINGS_SHOWN
+    from meshplan.sharding import LogicalMesh
+
+    cluster = make_cluster((6, 8))
+    a, b = LogicalMesh((2, 8), tuple(range(16))), LogicalMesh((4, 8), tuple(range(16, 48)))
+    rearranged = best_resharding((4096, 4096), "S01R", a, "RS1", b, 4, cluster, trials=4, polish=8)
+    assert rearranged.transfer.prepare
+    small_a, small_b = LogicalMesh((1, 2), (0, 1)), LogicalMesh((1, 2), (2, 3))
+    gathered = best_resharding((64, 8), "RR", small_a, "RR", small_b, 4, make_cluster((1, 4)), local_allgather=True)
+    assert gathered.transfer.allgathers
+    plan = _plan([1e-3, 2e-3], 1, devices=[[0, 1], [2, 3]])
+
+    def resharding(name, choice, src_spec, dst_spec):
+        t = choice.transfer
+        return Resharding(name, 0, 1, list(t.shape), "float32", src_spec, dst_spec, t.to_dict(),
+                          choice.schedule.to_dict(), choice.seconds)
+
+    plan.reshardings = [resharding("big", rearranged, "S01R", "RS1"), resharding("small", gathered, "RR", "RR")]
+    lines = text_report(plan).splitlines()
+    big = next(line for line in lines if line.strip().startswith("big:"))
+    assert f"rearranged to {rearranged.transfer.send_spec} in stage 0" in big
+    assert f"{len(rearranged.transfer.tasks)} task(s)" in big and human_seconds(rearranged.seconds) in big
+    small = next(line for line in lines if line.strip().startswith("small:"))
+    assert "all-gather in stage 1" in small and "rearranged" not in small
+    plan.reshardings = [resharding(f"t{i}", gathered, "RR", "RR") for i in range(RESHARDINGS_SHOWN + 3)]
+    report = text_report(plan)
+    assert sum(1 for line in report.splitlines() if re.match(r"\s+t\d+: stage 0 RR -> stage 1 RR", line)) == RESHARDINGS_SHOWN
+    assert "... and 3 more" in report
