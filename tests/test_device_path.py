@@ -81,6 +81,18 @@ def test_assemble_from_a_grid_of_pieces(x, data):
     np.testing.assert_array_equal(DEVICE.to_host(assembler.finish()), x)
 
 
+def test_kernels_are_built_per_operation_not_per_shape():
+    buffers = DeviceBuffers("cpu", 0, [CPU])
+    rng = np.random.default_rng(0)
+    for n in range(2, 9):
+        x = rng.standard_normal((n, 2 * n)).astype(np.float32)
+        got = buffers.take(buffers.from_host(x), (slice(1, n), slice(0, n)))
+        np.testing.assert_array_equal(buffers.to_host(got), x[1:n, 0:n])
+        packed = buffers.pack(buffers.from_host(x), 1, 2)
+        np.testing.assert_array_equal(buffers.to_host(buffers.unpack(packed, 1)), x)
+    assert buffers.kernels == 3   # take, pack, unpack for rank-2 float32
+
+
 def test_mpi_view_describes_the_ortvalue():
     x = DEVICE.from_host(np.arange(12, dtype=np.float32).reshape(3, 4))
     view = DEVICE.mpi(x)

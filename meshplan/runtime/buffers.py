@@ -149,40 +149,57 @@ class DeviceBuffers:
         return MpiView(x.value, x.shape, x.dtype)
 
     # --- data movement on the device ------------------------------------------------------
+    # Kernels are shape-generic (symbolic dims; slice bounds and shapes are inputs), so a
+    # rank builds one per operation, tensor rank and dtype, not one per shape.
 
     def take(self, x: DeviceTensor, box: Box) -> DeviceTensor:
-        bounds = tuple(_bounds(s, n) for s, n in zip(box, x.shape))
+        bounds = [_bounds(s, n) for s, n in zip(box, x.shape)]
         if all(a == 0 and b == n for (a, b), n in zip(bounds, x.shape)):
             return x
-        key = ("take", x.shape, x.dtype.str, bounds)
-        return self._run(key, lambda: _slice_model(x.shape, x.dtype, bounds), [x])[0]
+        key = ("take", len(x.shape), x.dtype.str)
+        shape = tuple(b - a for a, b in bounds)
+        return self._run(key, lambda: _slice_model(len(x.shape), x.dtype), [x],
+                         {"starts": [a for a, _ in bounds], "ends": [b for _, b in bounds]}, shape)
 
     def pack(self, x: DeviceTensor, axis: int, k: int) -> DeviceTensor:
-        key = ("pack", x.shape, x.dtype.str, axis, k)
-        return self._run(key, lambda: _pack_model(x.shape, x.dtype, axis, k), [x])[0]
+        split = list(x.shape[:axis]) + [k, x.shape[axis] // k] + list(x.shape[axis + 1:])
+        shape = (k,) + tuple(x.shape[axis] // k if d == axis else n for d, n in enumerate(x.shape))
+        key = ("pack", len(x.shape), axis, x.dtype.str)
+        return self._run(key, lambda: _pack_model(len(x.shape), x.dtype, axis), [x], {"split": split}, shape)
 
     def unpack(self, x: DeviceTensor, axis: int) -> DeviceTensor:
-        key = ("unpack", x.shape, x.dtype.str, axis)
-        return self._run(key, lambda: _unpack_model(x.shape, x.dtype, axis), [x])[0]
+        k, piece = x.shape[0], list(x.shape[1:])
+        merged = piece[:axis] + [k * piece[axis]] + piece[axis + 1:]
+        key = ("unpack", len(x.shape), axis, x.dtype.str)
+        return self._run(key, lambda: _unpack_model(len(x.shape), x.dtype, axis), [x], {"merged": merged},
+                         tuple(merged))
 
     def assembler(self, shape: Sequence[int], dtype) -> "_DeviceAssembler":
         return _DeviceAssembler(self, tuple(int(s) for s in shape), np.dtype(dtype))
 
     def assemble(self, shape: tuple[int, ...], dtype: np.dtype, pieces: list[tuple[Box, DeviceTensor]]) -> DeviceTensor:
-        """The tensor of ``shape`` tiled by ``pieces`` (boxes relative to it, forming a grid)."""
-        boxes = tuple(tuple(_bounds(s, n) for s, n in zip(box, shape)) for box, _ in pieces)
+        """The tensor of ``shape`` tiled by ``pieces`` (boxes relative to it, forming a
+        grid: every dimension cut at the same points throughout)."""
+        boxes = [tuple(_bounds(s, n) for s, n in zip(box, shape)) for box, _ in pieces]
         if len(pieces) == 1 and all(a == 0 and b == n for (a, b), n in zip(boxes[0], shape)):
             return pieces[0][1]
         order = sorted(range(len(pieces)), key=lambda i: boxes[i])
-        boxes = tuple(boxes[i] for i in order)
-        key = ("assemble", shape, dtype.str, boxes)
-        return self._run(key, lambda: _assemble_model(shape, dtype, boxes), [pieces[i][1] for i in order])[0]
+        counts = tuple(len({boxes[i][d] for i in order}) for d in range(len(shape)))
+        if int(np.prod(counts)) != len(pieces):
+            raise ValueError(f"{len(pieces)} pieces do not form a grid over a tensor of shape {list(shape)}")
+        key = ("assemble", counts, dtype.str)
+        return self._run(key, lambda: _assemble_model(counts, dtype), [pieces[i][1] for i in order], {}, shape)
 
-    def _run(self, key: tuple, build, inputs: list[DeviceTensor]) -> list[DeviceTensor]:
+    def _run(self, key: tuple, build, inputs: list[DeviceTensor], host_inputs: dict, shape) -> DeviceTensor:
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._kernels[key] = _Kernel(build(), self.providers)
-        return kernel.run(inputs, self.device_type, self.device_id)
+        return kernel.run(inputs, host_inputs, self.device_type, self.device_id, tuple(shape))
+
+    @property
+    def kernels(self) -> int:
+        """How many distinct one-operator models this rank has built."""
+        return len(self._kernels)
 
 
 class _DeviceAssembler:
@@ -232,19 +249,21 @@ class _Kernel:
         options.log_severity_level = 3
         options.intra_op_num_threads = 1
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-        self.inputs = [i.name for i in self.session.get_inputs()]
-        self.outputs = [(o.name, tuple(o.shape)) for o in self.session.get_outputs()]
+        self.inputs = [i.name for i in self.session.get_inputs() if not i.name.startswith("shape_")]
+        self.output = self.session.get_outputs()[0].name
 
-    def run(self, inputs: list[DeviceTensor], device_type: str, device_id: int) -> list[DeviceTensor]:
+    def run(self, inputs: list[DeviceTensor], host_inputs: dict, device_type: str, device_id: int,
+            shape: tuple[int, ...]) -> DeviceTensor:
         binding = self.session.io_binding()
         for name, x in zip(self.inputs, inputs):
             binding.bind_ortvalue_input(name, x.value)
-        for name, _ in self.outputs:
-            binding.bind_output(name, device_type, device_id)
+        for name, values in host_inputs.items():   # bounds and shapes: small int64 vectors on the host
+            binding.bind_cpu_input(f"shape_{name}", np.asarray(values, dtype=np.int64))
+        binding.bind_output(self.output, device_type, device_id)
         self.session.run_with_iobinding(binding)
         binding.synchronize_outputs()
-        dtype = inputs[0].dtype
-        return [DeviceTensor(v, shape, dtype) for v, (_, shape) in zip(binding.get_outputs(), self.outputs)]
+        (value,) = binding.get_outputs()
+        return DeviceTensor(value, shape, inputs[0].dtype)
 
 
 def _model(nodes, inputs, outputs, initializers=()):
@@ -254,75 +273,65 @@ def _model(nodes, inputs, outputs, initializers=()):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def _value(name: str, dtype: np.dtype, shape: Sequence[int]):
+def _value(name: str, dtype, rank: int):
+    """A tensor input or output of any shape of ``rank`` dimensions."""
     from onnx import helper
 
-    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), list(shape))
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                                         [f"{name}_{d}" for d in range(rank)])
 
 
-def _ints(name: str, values: Sequence[int]):
-    from onnx import numpy_helper
+def _vector(name: str):
+    from onnx import TensorProto, helper
 
-    return numpy_helper.from_array(np.array(list(values), dtype=np.int64), name)
+    return helper.make_tensor_value_info(f"shape_{name}", TensorProto.INT64, [None])
 
 
-def _slice_model(shape, dtype, bounds):
+def _slice_model(rank: int, dtype):
     from onnx import helper
 
-    axes = [d for d, ((a, b), n) in enumerate(zip(bounds, shape)) if (a, b) != (0, n)]
-    out_shape = [b - a for a, b in bounds]
-    node = helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])
-    return _model([node], [_value("x", dtype, shape)], [_value("y", dtype, out_shape)],
-                  [_ints("starts", [bounds[d][0] for d in axes]), _ints("ends", [bounds[d][1] for d in axes]),
-                   _ints("axes", axes)])
+    node = helper.make_node("Slice", ["x", "shape_starts", "shape_ends"], ["y"])
+    return _model([node], [_value("x", dtype, rank), _vector("starts"), _vector("ends")], [_value("y", dtype, rank)])
 
 
-def _pack_model(shape, dtype, axis, k):
+def _pack_model(rank: int, dtype, axis: int):
     """[..., k·p, ...] → reshape [..., k, p, ...] → move the k axis to the front."""
     from onnx import helper
 
-    split = list(shape[:axis]) + [k, shape[axis] // k] + list(shape[axis + 1:])
-    perm = [axis] + [d for d in range(len(split)) if d != axis]
-    out_shape = [split[p] for p in perm]
-    nodes = [helper.make_node("Reshape", ["x", "split"], ["r"]), helper.make_node("Transpose", ["r"], ["y"], perm=perm)]
-    return _model(nodes, [_value("x", dtype, shape)], [_value("y", dtype, out_shape)], [_ints("split", split)])
+    perm = [axis] + [d for d in range(rank + 1) if d != axis]
+    nodes = [helper.make_node("Reshape", ["x", "shape_split"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["y"], perm=perm)]
+    return _model(nodes, [_value("x", dtype, rank), _vector("split")], [_value("y", dtype, rank + 1)])
 
 
-def _unpack_model(shape, dtype, axis):
+def _unpack_model(rank: int, dtype, axis: int):
     """[k, ...p at axis...] → move k next to ``axis`` → merge them."""
     from onnx import helper
 
-    k, piece = shape[0], list(shape[1:])
-    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(shape)))
-    merged = piece[:axis] + [k * piece[axis]] + piece[axis + 1:]
-    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=perm), helper.make_node("Reshape", ["t", "merged"], ["y"])]
-    return _model(nodes, [_value("x", dtype, shape)], [_value("y", dtype, merged)], [_ints("merged", merged)])
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=perm),
+             helper.make_node("Reshape", ["t", "shape_merged"], ["y"])]
+    return _model(nodes, [_value("x", dtype, rank), _vector("merged")], [_value("y", dtype, rank - 1)])
 
 
-def _assemble_model(shape, dtype, boxes):
-    """Nested Concats over a grid of pieces: group by the first dimension's interval,
-    assemble each group over the remaining dimensions, concatenate the groups."""
+def _assemble_model(counts: tuple[int, ...], dtype):
+    """Nested Concats over a grid of ``prod(counts)`` pieces given in row-major grid
+    order: the innermost Concats join along the last dimension, the outermost along the first."""
     from onnx import helper
 
     nodes = []
-    names = [f"p{i}" for i in range(len(boxes))]
-
-    def build(items: list[int], dim: int) -> str:
-        if dim == len(shape):
-            if len(items) != 1:
-                raise ValueError("the pieces of a tensor overlap")
-            return names[items[0]]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i in items:
-            groups.setdefault(boxes[i][dim], []).append(i)
-        parts = [build(groups[span], dim + 1) for span in sorted(groups)]
-        if len(parts) == 1:
-            return parts[0]
-        out = f"c{len(nodes)}"
-        nodes.append(helper.make_node("Concat", parts, [out], axis=dim))
-        return out
-
-    top = build(list(range(len(boxes))), 0)
-    nodes.append(helper.make_node("Identity", [top], ["y"]))
-    inputs = [_value(n, dtype, [b - a for a, b in box]) for n, box in zip(names, boxes)]
-    return _model(nodes, inputs, [_value("y", dtype, shape)])
+    rank = len(counts)
+    names = [f"p{i}" for i in range(int(np.prod(counts)))]
+    level = names
+    for dim in reversed(range(rank)):
+        k = counts[dim]
+        if k == 1:
+            continue
+        joined = []
+        for g in range(len(level) // k):
+            out = f"c{len(nodes)}"
+            nodes.append(helper.make_node("Concat", level[g * k:(g + 1) * k], [out], axis=dim))
+            joined.append(out)
+        level = joined
+    nodes.append(helper.make_node("Identity", [level[0]], ["y"]))
+    return _model(nodes, [_value(n, dtype, rank) for n in names], [_value("y", dtype, rank)])
