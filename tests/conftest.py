@@ -40,6 +40,19 @@ def run_mpi(ranks: int, *args, timeout: float = 300) -> subprocess.CompletedProc
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+def run_mpi_script(name: str, ranks: int = 4, timeout: float = 180) -> list[str]:
+    """Run tests/mpi_scripts/NAME under mpiexec; it must exit 0. Its ``ok``/``FAIL``
+    lines (one per case, printed by rank 0), all of which must be ``ok``."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [mpiexec_path(), "-n", str(ranks), sys.executable, str(REPO / "tests" / "mpi_scripts" / name)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
+    assert lines and all(line.startswith("ok ") for line in lines), report
+    return lines
+
+
 def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> Path:
     np.savez(path, **arrays)
     return path

@@ -1,62 +1,38 @@
-"""Cross-mesh resharding under a real ``mpiexec -n 4``: broadcast, send/recv and
-all-gather cases (tests/mpi_scripts/reshard_case.py), each rank checking its slice."""
+"""Cross-mesh resharding under a real ``mpiexec -n 4``: broadcast, send/recv, all-gather
+and rearrangement cases (tests/mpi_scripts/reshard_case.py), each rank checking its
+slice; the runtime's collectives; a planned rearrangement end to end."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO, mpiexec_path
-
-SCRIPT = REPO / "tests" / "mpi_scripts" / "reshard_case.py"
+from tests.conftest import run_mpi_script
 
 
 @pytest.mark.mpi
 def test_reshard_cases_under_mpiexec():
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [mpiexec_path(), "-n", "4", sys.executable, str(SCRIPT)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
-    assert "FAIL" not in done.stdout, report
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) >= 9, report
+    lines = run_mpi_script("reshard_case.py")
+    assert len(lines) == 14, lines
     for case in ("1x2->1x2", "1x2->2x1", "1x1->1x3 bcast", "1x1->1x3 local allgather"):
-        assert any(case in line for line in lines), report
+        assert any(case in line for line in lines), lines
+
+
+@pytest.mark.mpi
+def test_reshard_with_rearrangement_in_the_source_mesh_under_mpiexec():
+    """Forced send specs: the source ranks run the prepare steps (all-to-all along each
+    axis, all-gather, slice) over their axis communicators, then the tasks; every
+    destination rank gets exactly its slice, the same as the in-memory executor."""
+    lines = [line for line in run_mpi_script("reshard_case.py") if " prepare " in f" {line} "]
+    assert len(lines) == 5, lines
+    for kind in ("all_to_all(axis=0", "all_to_all(axis=1", "all_gather(axis=1", "slice(axis=1"):
+        assert any(kind in line for line in lines), lines
 
 
 @pytest.mark.mpi
 def test_runtime_collectives_match_in_memory_semantics():
     """AllReduce / AllGather / ReduceScatter / AllToAll over each mesh axis under mpiexec
     equal the in-memory executor the in-process runs use."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    script = REPO / "tests" / "mpi_scripts" / "collectives_case.py"
-    done = subprocess.run([mpiexec_path(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=REPO)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
-    assert len(lines) == 24 and all(line.startswith("ok ") for line in lines), report
-
-
-@pytest.mark.mpi
-def test_reshard_with_rearrangement_in_the_source_mesh_under_mpiexec():
-    """A forced send spec: the source ranks run the prepare steps (all-to-all along each
-    axis, all-gather, slice) over their axis communicators, then the tasks; every
-    destination rank gets exactly its slice, the same as the in-memory executor."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    script = REPO / "tests" / "mpi_scripts" / "reshard_prepare_case.py"
-    done = subprocess.run([mpiexec_path(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=REPO)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
-    assert len(lines) == 5 and all(line.startswith("ok ") for line in lines), report
-    for kind in ("all_to_all(axis=0", "all_to_all(axis=1", "all_gather(axis=1", "slice(axis=1"):
-        assert any(kind in line for line in lines), report
+    assert len(run_mpi_script("collectives_case.py")) == 24
 
 
 @pytest.mark.mpi

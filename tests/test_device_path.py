@@ -8,10 +8,6 @@ of path, and whole plans run with ``--transfer device`` against onnxruntime.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import pytest
@@ -25,7 +21,7 @@ from meshplan.providers import CPU, CUDA
 from meshplan.runtime import mpi_runner
 from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor, MpiView
 from sample_models import make_gpt, make_inputs
-from tests.conftest import REPO, check_against_onnxruntime, mpiexec_path, run_mpi, save_npz
+from tests.conftest import check_against_onnxruntime, run_mpi, run_mpi_script, save_npz
 
 DEVICE = DeviceBuffers("cpu", 0, [CPU])
 DTYPES = [np.float32, np.float64, np.int64, np.int32]
@@ -135,13 +131,8 @@ def test_device_transfer_needs_cuda_aware_mpi(monkeypatch, aware, words):
 
 @pytest.mark.mpi
 def test_device_path_exchanges_under_mpiexec():
-    script = REPO / "tests" / "mpi_scripts" / "device_path_case.py"
-    done = subprocess.run([mpiexec_path(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
-    assert len(lines) >= 29 and all(line.startswith("ok ") for line in lines), report
+    """Every cross-mesh case (prepare steps included) and every collective."""
+    assert len(run_mpi_script("device_path_case.py")) == 14 + 24
 
 
 @pytest.fixture(scope="module")

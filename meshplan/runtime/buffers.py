@@ -227,7 +227,8 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor
 
 
 def ort_dtype(value) -> np.dtype:
-    """The numpy dtype of an OrtValue (onnxruntime reports an ONNX type number or a name)."""
+    """The numpy dtype of an OrtValue: its ONNX element type where this onnxruntime
+    reports one (``element_type``), else from its type name (older releases)."""
     kind = value.element_type() if callable(getattr(value, "element_type", None)) else value.data_type()
     if isinstance(kind, int):
         from onnx import helper

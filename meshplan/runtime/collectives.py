@@ -12,8 +12,22 @@ from __future__ import annotations
 
 from ..errors import RunError
 from ..resharding import Step
+from ..sharding import LogicalMesh
 from .buffers import HOST
 from .waiting import wait_all
+
+
+def axis_communicator(comm, MPI, mesh: LogicalMesh, axis: int):
+    """This rank's group along mesh ``axis`` (2: the whole mesh), ranks ordered by
+    coordinate; ``None`` for a rank outside ``mesh``. Collective over ``comm``: every rank
+    of it calls, in the same order."""
+    color, key = MPI.UNDEFINED, 0
+    member = comm.Get_rank() in mesh.ranks
+    if member:
+        i, j = mesh.coord(comm.Get_rank())
+        color, key = {0: (j, i), 1: (i, j), 2: (0, i * mesh.shape[1] + j)}[axis]
+    split = comm.Split(color, key)
+    return split if member else None
 
 
 def perform(step: Step, x, group, MPI, buffers=HOST):
@@ -21,21 +35,21 @@ def perform(step: Step, x, group, MPI, buffers=HOST):
     b = buffers
     shape = b.shape(x)
     if step.kind == "all_reduce":
-        out = b.empty(shape, _dtype(x))
+        out = b.empty(shape, x.dtype)
         wait_all([group.Iallreduce(b.mpi(x), b.mpi(out), op=MPI.SUM)], MPI)
         return out
     if step.kind == "all_gather":     # gathered[i] is member i's piece
-        gathered = b.empty((size,) + shape, _dtype(x))
+        gathered = b.empty((size,) + shape, x.dtype)
         wait_all([group.Iallgather(b.mpi(x), b.mpi(gathered))], MPI)
         return b.unpack(gathered, step.dim)
     if step.kind == "reduce_scatter":  # member i keeps the sum of piece i
         send = b.pack(x, step.dim, size)
-        out = b.empty(b.shape(send)[1:], _dtype(x))
+        out = b.empty(b.shape(send)[1:], x.dtype)
         wait_all([group.Ireduce_scatter_block(b.mpi(send), b.mpi(out), op=MPI.SUM)], MPI)
         return out
     if step.kind == "all_to_all":     # piece i of the to_dim split goes to member i
         send = b.pack(x, step.to_dim, size)
-        received = b.empty(b.shape(send), _dtype(x))
+        received = b.empty(b.shape(send), x.dtype)
         wait_all([group.Ialltoall(b.mpi(send), b.mpi(received))], MPI)
         return b.unpack(received, step.dim)
     if step.kind == "slice":
@@ -44,7 +58,3 @@ def perform(step: Step, x, group, MPI, buffers=HOST):
         box = tuple(slice(index * piece, (index + 1) * piece) if d == step.dim else slice(None) for d in range(len(shape)))
         return b.take(x, box)
     raise RunError(f"unknown collective {step.kind}")
-
-
-def _dtype(x):
-    return x.dtype

@@ -27,7 +27,7 @@ import numpy as np
 from ..cross_mesh import CrossMeshTransfer, Schedule, box_slices
 from ..resharding import Step, apply_steps
 from .buffers import HOST
-from .collectives import perform
+from .collectives import axis_communicator, perform
 from .waiting import wait_all
 
 _TAG = 7701
@@ -45,12 +45,12 @@ def _entries(transfer: CrossMeshTransfer, schedule: Schedule | None) -> list[tup
     return [(e.task, e.sender) for e in schedule.entries]
 
 
-def _check_source(transfer: CrossMeshTransfer, rank: int, local: np.ndarray | None) -> np.ndarray:
+def _check_source(transfer: CrossMeshTransfer, rank: int, shape: tuple[int, ...] | None) -> None:
+    """A source rank's shard has the shape its ``src_spec`` gives (``None``: no shard)."""
     want = tuple(b - a for a, b in transfer.src_box(rank))
-    if local is None or tuple(local.shape) != want:
-        got = None if local is None else tuple(local.shape)
-        raise ValueError(f"rank {rank} of the source mesh needs its {transfer.src_spec} shard of shape {want}, got {got}")
-    return local
+    if shape is None or tuple(shape) != want:
+        raise ValueError(f"rank {rank} of the source mesh needs its {transfer.src_spec} shard of shape {want}, "
+                         f"got {shape}")
 
 
 def reshard_in_memory(src_locals: Mapping[int, np.ndarray], transfer: CrossMeshTransfer,
@@ -62,7 +62,8 @@ def reshard_in_memory(src_locals: Mapping[int, np.ndarray], transfer: CrossMeshT
     task is sent by its first sender.
     """
     for rank in transfer.src_mesh.ranks:
-        _check_source(transfer, rank, src_locals.get(rank))
+        local = src_locals.get(rank)
+        _check_source(transfer, rank, None if local is None else np.shape(local))
     dtype = np.asarray(src_locals[transfer.src_mesh.ranks[0]]).dtype
     held = {rank: np.asarray(src_locals[rank]) for rank in transfer.src_mesh.ranks}
     if transfer.prepare:   # rearrange inside A: src_spec → send_spec
@@ -138,14 +139,8 @@ class CrossMeshResharder:
         # The rearrangement inside A: one communicator per mesh axis its steps use, split
         # from comm by every rank (source ranks by coordinate, the others get none).
         self._send_box = transfer.send_box(self.rank) if self.is_source else None
-        self._prepare_comms: dict[int, object] = {}
-        for axis in sorted({step.axis for step in transfer.prepare}):
-            color, key = MPI.UNDEFINED, 0
-            if self.is_source:
-                i, j = transfer.src_mesh.coord(self.rank)
-                color, key = {0: (j, i), 1: (i, j)}.get(axis, (0, i * transfer.src_mesh.shape[1] + j))
-            made = comm.Split(color, key)
-            self._prepare_comms[axis] = None if made == MPI.COMM_NULL else made
+        self._prepare_comms = {axis: axis_communicator(comm, MPI, transfer.src_mesh, axis)
+                               for axis in sorted({step.axis for step in transfer.prepare})}
 
     def _create(self, comm, world, members: tuple[int, ...]):
         """A communicator over ``members`` (in that order, so ``members[0]`` is rank 0);
@@ -205,14 +200,9 @@ class CrossMeshResharder:
         return out
 
     def _check_local(self, local):
-        rank, b = self.rank, self.buffers
-        want = tuple(stop - start for start, stop in self.transfer.src_box(rank))
-        shape = None if local is None else tuple(b.shape(local))
-        if shape != want:
-            raise ValueError(f"rank {rank} of the source mesh needs its {self.transfer.src_spec} shard of shape {want}, "
-                             f"got {shape}")
+        _check_source(self.transfer, self.rank, None if local is None else self.buffers.shape(local))
         if np.dtype(local.dtype) != self.dtype:
-            raise ValueError(f"rank {rank}: resharder built for {self.dtype}, got {local.dtype}")
+            raise ValueError(f"rank {self.rank}: resharder built for {self.dtype}, got {local.dtype}")
         return local
 
     def _prepare(self, local):

@@ -31,7 +31,7 @@ from ..sharding import LogicalMesh, ShardingSpec
 from ..mpi_support import cuda_aware
 from ..providers import CPU, CUDA, cuda_device_count, cuda_usable
 from .buffers import HOST, DeviceBuffers
-from .collectives import perform
+from .collectives import axis_communicator, perform
 from .cross_mesh_mpi import CrossMeshResharder
 from .program import ProgramRunner
 from .sessions import check_program_files, providers_for
@@ -160,18 +160,12 @@ class MeshCommunicators:
         self.MPI = MPI
         self.buffers = buffers
         self.axes: dict[int, object] = {}
-        rank = comm.rank
         for stage in plan.stages:
             mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
             for axis in (0, 1, 2):
-                color, key = MPI.UNDEFINED, 0
-                if rank in stage.devices:
-                    i, j = mesh.coord(rank)
-                    n, m = mesh.shape
-                    color, key = {0: (j, i), 1: (i, j), 2: (0, i * m + j)}[axis]
-                split = comm.Split(color, key)
-                if rank in stage.devices:
-                    self.axes[axis] = split
+                group = axis_communicator(comm, MPI, mesh, axis)
+                if group is not None:
+                    self.axes[axis] = group
 
     def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
         return perform(step, array, self.axes[step.axis], self.MPI, self.buffers)

@@ -1,21 +1,28 @@
 """Run under mpiexec -n 4: every collective kind on a 2x2 and a 1x4 logical mesh through
 the runtime's per-axis communicators, compared on each rank with the in-memory executor
 (the reference semantics the in-process runs use). Prints one line per case; exit 1 on
-any mismatch."""
+any mismatch.
+
+``run_steps(comm, buffers)`` is also used by device_path_case.py with device buffers.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
-import numpy as np
-from mpi4py import MPI
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from meshplan.plan import Stage
-from meshplan.resharding import Step, apply_steps
-from meshplan.runtime.mpi_runner import MeshCommunicators
-from meshplan.sharding import LogicalMesh
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
-comm = MPI.COMM_WORLD
+from meshplan.plan import Stage  # noqa: E402
+from meshplan.resharding import Step, apply_steps  # noqa: E402
+from meshplan.runtime.buffers import HOST  # noqa: E402
+from meshplan.runtime.mpi_runner import MeshCommunicators  # noqa: E402
+from meshplan.sharding import LogicalMesh  # noqa: E402
+from tests.mpi_scripts.reshard_case import report  # noqa: E402
+
 STEPS = [
     Step("all_reduce", 0), Step("all_reduce", 1), Step("all_reduce", 2),
     Step("all_gather", 0, 1), Step("all_gather", 1, 0), Step("all_gather", 2, 2),
@@ -29,17 +36,22 @@ class _Plan:   # the one field MeshCommunicators reads
         self.stages = [Stage(0, [], [0, 1], list(range(4)), list(shape), list(shape), [], [], 0.0, 0.0)]
 
 
-failed = False
-for shape in ((2, 2), (1, 4)):
-    mesh = LogicalMesh(shape, (0, 1, 2, 3))
-    communicators = MeshCommunicators(_Plan(shape), comm, MPI)
-    locals_ = {mesh.coord(r): np.random.default_rng(r).standard_normal((4, 8, 4)) for r in range(4)}
-    for step in STEPS:
-        expected = apply_steps(locals_, [step], mesh)[mesh.coord(comm.rank)]
-        got = communicators(step, locals_[mesh.coord(comm.rank)])
-        ok = got.shape == expected.shape and np.allclose(got, expected, rtol=1e-12, atol=1e-12)
-        flags = comm.allgather(ok)
-        if comm.rank == 0:
-            print(f"{'ok' if all(flags) else 'FAIL'} {shape[0]}x{shape[1]} {step}", flush=True)
-        failed |= not all(flags)
-sys.exit(1 if failed else 0)
+def run_steps(comm, buffers=HOST) -> tuple[int, int]:
+    """Every step on both meshes with tensors of ``buffers``' kind; (cases passed, cases)."""
+    passed = total = 0
+    for shape in ((2, 2), (1, 4)):
+        mesh = LogicalMesh(shape, (0, 1, 2, 3))
+        communicators = MeshCommunicators(_Plan(shape), comm, MPI, buffers)
+        locals_ = {mesh.coord(r): np.random.default_rng(r).standard_normal((4, 8, 4)) for r in range(4)}
+        for step in STEPS:
+            expected = apply_steps(locals_, [step], mesh)[mesh.coord(comm.rank)]
+            got = buffers.to_host(communicators(step, buffers.from_host(locals_[mesh.coord(comm.rank)])))
+            ok = got.shape == expected.shape and np.allclose(got, expected, rtol=1e-12, atol=1e-12)
+            passed += report(comm, f"{shape[0]}x{shape[1]} {step}", ok)
+            total += 1
+    return passed, total
+
+
+if __name__ == "__main__":
+    passed, total = run_steps(MPI.COMM_WORLD)
+    sys.exit(0 if passed == total else 1)
