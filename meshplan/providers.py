@@ -11,15 +11,39 @@ CPU = "CPUExecutionProvider"
 CHOICES = ("auto", "cuda", "cpu")
 
 
+def cuda_provider(device_id: int = 0) -> tuple[str, dict]:
+    """The CUDA provider with meshplan's options, for every session it makes (programs,
+    timing, transfer kernels): GPU ``device_id``, and TF32 off, so that a float32 model
+    computes in float32 as on the CPU (onnxruntime's CUDA provider otherwise rounds the
+    operands of matrix products and convolutions to TF32's 10-bit mantissa)."""
+    return CUDA, {"device_id": str(device_id), "use_tf32": "0"}
+
+
 @lru_cache(maxsize=None)
 def cuda_usable() -> bool:
     """True when onnxruntime's CUDA provider actually loads (its libraries and a GPU exist):
     the GPU build lists it as available even on machines without either."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     if CUDA not in ort.get_available_providers():
         return False
+    if _probe(ort):
+        return True
+    # pip-installed CUDA libraries (onnxruntime-gpu[cuda,cudnn]) are found once preloaded.
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return False
+    try:
+        preload()
+    except Exception:  # nothing to preload: the provider stays unusable
+        return False
+    return _probe(ort)
+
+
+def _probe(ort) -> bool:
+    """Can a session start on the CUDA provider?"""
+    from onnx import TensorProto, helper
+
     probe = helper.make_model(
         helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
@@ -28,7 +52,7 @@ def cuda_usable() -> bool:
     )
     ort.set_default_logger_severity(4)  # a failed load of the CUDA library logs loudly
     try:
-        session = ort.InferenceSession(probe.SerializeToString(), providers=[CUDA], enable_fallback=0)
+        session = ort.InferenceSession(probe.SerializeToString(), providers=[cuda_provider()], enable_fallback=0)
         return CUDA in session.get_providers()
     except Exception:  # any failure to start the provider means: no CUDA here
         return False

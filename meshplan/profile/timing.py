@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..providers import cuda_usable
+from ..providers import cuda_provider, cuda_usable
 from .errors import ProfileError
 from .signatures import ACT, CONST, WEIGHT, TimingSpec, build_timing_model
 
 PROVIDERS = ("auto", "cuda", "cpu")
-TIMING_METHOD = 1      # bump when a change to how operators are timed makes old cached timings wrong
+TIMING_METHOD = 2      # bump when a change to how operators are timed makes old cached timings wrong
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -171,10 +171,10 @@ class OpTimer:
     def _session(self, spec: TimingSpec, copies: int, weights: dict):
         ort = self.ort
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4   # a signature that fails to run is reported as analytic, not logged
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
-        providers = [(CUDA, {"device_id": self.device_id}), CPU] if self.provider == CUDA else [CPU]
+        providers = [cuda_provider(self.device_id), CPU] if self.provider == CUDA else [CPU]
         model = build_timing_model(spec, copies, weights=weights)
         # Identical copies must stay separate nodes: turn off common-subexpression elimination.
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers, enable_fallback=0,

@@ -29,13 +29,13 @@ from ..resharding import Step
 from ..shard_emit import local_name
 from ..sharding import LogicalMesh, ShardingSpec
 from ..mpi_support import cuda_aware
-from ..providers import CPU, CUDA, cuda_device_count, cuda_usable
+from ..providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
 from .buffers import HOST, DeviceBuffers
 from .collectives import axis_communicator, perform
 from .cross_mesh_mpi import CrossMeshResharder
 from .program import ProgramRunner
 from .sessions import check_program_files, providers_for
-from .waiting import wait_all
+from .waiting import set_sleeping, wait_all
 from .tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
 
 
@@ -116,7 +116,7 @@ def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI) ->
         return HOST, "host memory: CUDA outputs staged through the host (--transfer host)"
     aware = cuda_aware(MPI)
     if aware["value"]:
-        buffers = DeviceBuffers("cuda", device_id, [(CUDA, {"device_id": str(device_id)}), CPU])
+        buffers = DeviceBuffers("cuda", device_id, [cuda_provider(device_id), CPU])
         return buffers, f"device memory: CUDA buffers straight to CUDA-aware MPI ({aware['method']})"
     if transfer == "device":
         state = "is not CUDA-aware" if aware["value"] is False else "may not be CUDA-aware"
@@ -147,6 +147,7 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
     device_id = local_index % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
     session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
     buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
+    set_sleeping(session.providers[0] != CUDA)   # GPU ranks leave the cores free: keep MPI progressing
     return plan, session, split_microbatches(inputs, plan), buffers, path_text
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..emit import file_sha256
 from ..errors import PlanError, RunError
-from ..providers import CPU, CUDA, cuda_usable
+from ..providers import CPU, cuda_provider, cuda_usable
 from ..plan import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -21,7 +21,7 @@ def providers_for(choice: str, device_id: int = 0) -> list:
     if choice == "cpu":
         return [CPU]
     if cuda_usable():
-        return [(CUDA, {"device_id": str(device_id)}), CPU]
+        return [cuda_provider(device_id), CPU]
     if choice == "cuda":
         raise RunError("the CUDA execution provider is not usable here (no GPU or CUDA libraries)")
     return [CPU]
