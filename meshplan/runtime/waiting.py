@@ -8,7 +8,7 @@ the wait resumes at once), and only after a long wait sleeping with a growing pa
 
 Sleeping has a price: MPI moves a large message in fragments, and only while one of its
 calls runs; a rank that sleeps between tests stalls the transfer (a 268 MB gather of
-logits took 400 ms instead of 30 on one H100 host). So ranks whose programs run on a GPU,
+logits took about 400 ms of a 490 ms batch on an H100 host). So ranks whose programs run on a GPU,
 which leave the host's cores idle, never sleep: ``set_sleeping(False)`` once at start-up.
 """
 
