@@ -18,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnx  # noqa: E402
 
-from meshplan.cluster import make_cluster, parse_mesh  # noqa: E402
-from meshplan.costmodel import CostModel  # noqa: E402
-from meshplan.graph import build_graph  # noqa: E402
-from meshplan.intra_op import IntraOpPass  # noqa: E402
-from meshplan.load import canonicalize  # noqa: E402
+from meshplan.cost.cluster import make_cluster, parse_mesh  # noqa: E402
+from meshplan.cost.analytic import CostModel  # noqa: E402
+from meshplan.model.graph import build_graph  # noqa: E402
+from meshplan.intra.intra_op import IntraOpPass  # noqa: E402
+from meshplan.model.load import canonicalize  # noqa: E402
 from meshplan.make_plan import small_constants  # noqa: E402
-from meshplan.planner import choose_layering  # noqa: E402
+from meshplan.inter.pipeline import choose_layering  # noqa: E402
 from sample_models import make_gpt  # noqa: E402
 
 

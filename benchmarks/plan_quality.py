@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnx  # noqa: E402
 
-from meshplan.cluster import make_cluster, parse_mesh  # noqa: E402
+from meshplan.cost.cluster import make_cluster, parse_mesh  # noqa: E402
 from meshplan.errors import PlanError  # noqa: E402
 from meshplan.make_plan import plan_model  # noqa: E402
-from meshplan.planner import PlanOptions  # noqa: E402
+from meshplan.inter.pipeline import PlanOptions  # noqa: E402
 from sample_models import make_gpt  # noqa: E402
 
 MODEL = dict(hidden=512, heads=8, vocab=4096, max_seq=256)

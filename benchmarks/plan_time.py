@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import onnx  # noqa: E402
 
-from meshplan.cluster import make_cluster, parse_mesh  # noqa: E402
+from meshplan.cost.cluster import make_cluster, parse_mesh  # noqa: E402
 from meshplan.make_plan import make_plan  # noqa: E402
-from meshplan.planner import PlanOptions  # noqa: E402
+from meshplan.inter.pipeline import PlanOptions  # noqa: E402
 from sample_models import make_gpt  # noqa: E402
 
 

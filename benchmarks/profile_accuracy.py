@@ -35,12 +35,13 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from meshplan.cluster import make_cluster, parse_mesh  # noqa: E402
-from meshplan.costmodel import CostModel  # noqa: E402
-from meshplan.graph import build_graph  # noqa: E402
-from meshplan.load import canonicalize, model_sha256  # noqa: E402
+from meshplan.cost.cluster import make_cluster, parse_mesh  # noqa: E402
+from meshplan.cost.analytic import CostModel  # noqa: E402
+from meshplan.model.graph import build_graph  # noqa: E402
+from meshplan.files import file_sha256  # noqa: E402
+from meshplan.model.load import canonicalize  # noqa: E402
 from meshplan.make_plan import make_plan  # noqa: E402
-from meshplan.planner import PlanOptions  # noqa: E402
+from meshplan.inter.pipeline import PlanOptions  # noqa: E402
 from meshplan.profile import ProfiledCostModel, load_profile  # noqa: E402
 from sample_models import SAMPLES, make_inputs  # noqa: E402
 
@@ -196,7 +197,7 @@ def main() -> int:
                 cluster = make_cluster(mesh, "cpu")
                 profile_path = tmp / f"{name}-{mesh_text}.profile.json"
                 profile_seconds = profile(sample.path, dims, ranks, mesh_text, args.microbatches, cache, profile_path)
-                loaded = load_profile(profile_path, model_sha256(sample.path), cluster)
+                loaded = load_profile(profile_path, file_sha256(sample.path), cluster)
                 kinds = [("profiled", ProfiledCostModel(cluster, loaded))]
                 if not args.no_analytic:
                     kinds.append(("analytic", None))

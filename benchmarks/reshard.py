@@ -50,8 +50,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from meshplan.cluster import GB, Cluster, DeviceSpec, LinkSpec  # noqa: E402
-from meshplan.cross_mesh import (  # noqa: E402
+from meshplan.cost.cluster import GB, Cluster, DeviceSpec, LinkSpec  # noqa: E402
+from meshplan.reshard.cross_mesh import (  # noqa: E402
     allgather_seconds,
     as_send_recv,
     best_resharding,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from meshplan.cluster import DEVICE_PRESETS, parse_mesh
+from meshplan.cost.cluster import DEVICE_PRESETS, parse_mesh
 from meshplan.errors import MeshplanError, ModelError
 
 
@@ -103,10 +103,10 @@ def main(ctx, debug):
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max_stages, policy, solver,
          reshard_scheduler, profile_path, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
-    from meshplan.cluster import load_cluster_file, make_cluster
+    from meshplan.cost.cluster import load_cluster_file, make_cluster
     from meshplan.make_plan import make_plan
-    from meshplan.planner import PlanOptions
-    from meshplan.report import TIMELINE_FILE, text_report
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.emit.report import TIMELINE_FILE, text_report
 
     with _guard(ctx.obj["debug"]):
         if (mesh is None) == (cluster_file is None):
@@ -117,13 +117,13 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
                               policy=policy, reshard_scheduler=reshard_scheduler)
         cost_model = None
         if profile_path:
-            from meshplan.load import model_sha256
+            from meshplan.files import file_sha256
             from meshplan.profile.document import load_profile
             from meshplan.profile.measured import ProfiledCostModel
 
             if not Path(model).is_file():
                 raise ModelError(f"model file not found: {model}")
-            cost_model = ProfiledCostModel(cluster, load_profile(profile_path, model_sha256(model), cluster))
+            cost_model = ProfiledCostModel(cluster, load_profile(profile_path, file_sha256(model), cluster))
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model)
         click.echo(text_report(result))
         if cost_model is not None:
@@ -147,7 +147,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
 @click.pass_context
 def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer):
     """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""
-    from meshplan.report import human_seconds
+    from meshplan.emit.report import human_seconds
     from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job, run_rank, write_trace
 
     debug = ctx.obj["debug"]
@@ -200,7 +200,7 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
 @click.pass_context
 def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol):
     """Run all of a plan's programs in one process and compare with onnxruntime on the original model."""
-    from meshplan.plan import read_plan
+    from meshplan.plan_format import read_plan
     from meshplan.runtime.inprocess import compare_outputs, reference_outputs, run_in_process
     from meshplan.runtime.tensors import read_inputs
 
@@ -249,8 +249,8 @@ def _read_outputs(path: Path):
 @click.pass_context
 def inputs(ctx, model, dims, seed, output_path):
     """Write random, valid inputs for MODEL (token ids stay inside their embedding table)."""
-    from meshplan.load import read_model
-    from meshplan.random_inputs import random_inputs
+    from meshplan.model.load import read_model
+    from meshplan.model.inputs import random_inputs
     from meshplan.runtime.tensors import write_outputs
 
     with _guard(ctx.obj["debug"]):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from meshplan.cluster import DEVICE_PRESETS
+from meshplan.cost.cluster import DEVICE_PRESETS
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
           "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
@@ -23,8 +23,8 @@ def sharded_variants(cluster):
     """Input shapes each operator has under every strategy on every logical mesh the planner
     will try, so that sharded stages are costed from measurements too."""
     from meshplan.sharding import LogicalMesh
-    from meshplan.stage_cost import logical_meshes, submesh_shapes
-    from meshplan.strategies import node_strategies
+    from meshplan.inter.stage_cost import logical_meshes, submesh_shapes
+    from meshplan.intra.strategies import node_strategies
 
     meshes = [LogicalMesh(view, tuple(range(view[0] * view[1])))
               for shape in submesh_shapes(cluster) if shape != (1, 1) for view in logical_meshes(shape)]
@@ -159,13 +159,13 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, pro
     costs only what is new.
     """
     from cli.main import _guard
-    from meshplan.cluster import load_cluster_file, make_cluster
-    from meshplan.load import read_model, symbolic_dims
+    from meshplan.cost.cluster import load_cluster_file, make_cluster
+    from meshplan.model.load import read_model, symbolic_dims
     from meshplan.make_plan import batch_layout
     from meshplan.profile import ProfileOptions, profile_model, write_profile
     from meshplan.profile.errors import FailedElsewhere
     from meshplan.profile.timing import CPU, TimingConfig, resolve_provider
-    from meshplan.report import human_seconds
+    from meshplan.emit.report import human_seconds
 
     debug = bool((ctx.obj or {}).get("debug"))
     with _guard(debug), _quiet_unless_rank0():

@@ -15,15 +15,15 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .cluster import Cluster
-from .costmodel import CostModel
-from .emit import EXTERNAL_THRESHOLD, emit_programs
-from .errors import PlanError
-from .graph import build_graph
-from .load import canonicalize, read_model, symbolic_dims
-from .plan import PLAN_FILE, Plan, TensorSpec, write_plan
-from .planner import PlanOptions, plan_pipeline
-from .report import TIMELINE_FILE, render_timeline
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.analytic import CostModel
+from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
+from meshplan.errors import PlanError
+from meshplan.model.graph import build_graph
+from meshplan.model.load import canonicalize, read_model, symbolic_dims
+from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
+from meshplan.inter.pipeline import PlanOptions, plan_pipeline
+from meshplan.emit.report import TIMELINE_FILE, render_timeline
 
 
 def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int) -> tuple[dict, dict[str, int]]:

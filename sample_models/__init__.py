@@ -6,7 +6,7 @@ are byte-identical to what :data:`SAMPLES` entries rebuild in memory.
 """
 
 from .gpt import make_gpt
-from meshplan.random_inputs import gather_index_bound, random_inputs, resolve_shape
+from meshplan.model.inputs import gather_index_bound, random_inputs, resolve_shape
 from .mlp import make_mlp
 from .registry import (
     SAMPLE_DIR,

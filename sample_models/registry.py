@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 
 from .gpt import make_gpt
-from meshplan.random_inputs import random_inputs
+from meshplan.model.inputs import random_inputs
 from .mlp import make_mlp
 from .resnet import make_resnet
 

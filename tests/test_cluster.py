@@ -1,4 +1,4 @@
-"""Unit tests for meshplan.cluster: mesh strings, presets, TOML cluster files."""
+"""Unit tests for meshplan.cost.cluster: mesh strings, presets, TOML cluster files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from meshplan.cluster import (
+from meshplan.cost.cluster import (
     DEVICE_PRESETS,
     Cluster,
     DeviceSpec,

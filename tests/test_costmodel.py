@@ -1,4 +1,4 @@
-"""Unit tests for meshplan.costmodel on tiny graphs built with onnx.helper."""
+"""Unit tests for meshplan.cost.analytic on tiny graphs built with onnx.helper."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from meshplan.cluster import Cluster, DeviceSpec, LinkSpec, make_cluster
-from meshplan.costmodel import CostModel, node_bytes, node_flops
-from meshplan.graph import build_graph
-from meshplan.load import infer_shapes
+from meshplan.cost.cluster import Cluster, DeviceSpec, LinkSpec, make_cluster
+from meshplan.cost.analytic import CostModel, node_bytes, node_flops
+from meshplan.model.graph import build_graph
+from meshplan.model.load import infer_shapes
 
 F32 = TensorProto.FLOAT
 

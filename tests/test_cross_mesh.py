@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from meshplan.cluster import GB, Cluster, DeviceSpec, LinkSpec
-from meshplan.cross_mesh import (
+from meshplan.cost.cluster import GB, Cluster, DeviceSpec, LinkSpec
+from meshplan.reshard.cross_mesh import (
     ALGORITHMS,
     CrossMeshTransfer,
     Schedule,
@@ -32,7 +32,7 @@ from meshplan.cross_mesh import (
     simulate,
     source_links,
 )
-from meshplan.resharding import CollectiveModel, reshard_seconds, reshard_steps
+from meshplan.reshard.steps import CollectiveModel, reshard_seconds, reshard_steps
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
 from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 

@@ -42,9 +42,9 @@ def test_planned_rearrangement_runs_under_mpiexec(tmp_path):
     in-process and under mpiexec, the outputs equal onnxruntime's."""
     import onnx
 
-    from meshplan.cluster import load_cluster_file
+    from meshplan.cost.cluster import load_cluster_file
     from meshplan.make_plan import make_plan
-    from meshplan.planner import PlanOptions
+    from meshplan.inter.pipeline import PlanOptions
     from sample_models import make_gpt, make_inputs
     from tests.conftest import check_against_onnxruntime
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from meshplan.errors import RunError
 from meshplan.make_plan import make_plan
-from meshplan.planner import PlanOptions
+from meshplan.inter.pipeline import PlanOptions
 from meshplan.providers import CPU, CUDA
 from meshplan.runtime import mpi_runner
 from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor, MpiView
@@ -172,7 +172,7 @@ def test_unknown_transfer_path_is_one_line(gpt, tmp_path):
 
 
 def _cluster(tmp_path):
-    from meshplan.cluster import load_cluster_file
+    from meshplan.cost.cluster import load_cluster_file
 
     path = tmp_path / "cluster.toml"
     path.write_text("hosts = 2\ndevices_per_host = 2\n[device]\npreset = 'h100-80g'\n")

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import pytest
 
-from meshplan.cluster import make_cluster
+from meshplan.cost.cluster import make_cluster
 from meshplan.make_plan import make_plan
-from meshplan.planner import PlanOptions
+from meshplan.inter.pipeline import PlanOptions
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from sample_models import SAMPLES, make_inputs
 from sample_models.zoo import light_models, with_varied_weights

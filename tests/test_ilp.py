@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshplan.errors import PlanError
-from meshplan.ilp import IlpEdge, IlpNode, ShardingProblem, brute_force, evaluate, solve
+from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, brute_force, evaluate, solve
 
 
 def random_problem(rng: np.random.Generator, nodes: int, memory: bool) -> ShardingProblem:

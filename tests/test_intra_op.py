@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshplan.ilp import IlpEdge, IlpNode, ShardingProblem, brute_force, evaluate, solve
-from meshplan.intra_op import fold_followers
+from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, brute_force, evaluate, solve
+from meshplan.intra.intra_op import fold_followers
 
 
 def _random_dag(rng: np.random.Generator, size: int) -> tuple[ShardingProblem, list[bool]]:

@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from meshplan.cluster import make_cluster
+from meshplan.cost.cluster import make_cluster
 from meshplan.make_plan import make_plan
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from tests.conftest import assert_close

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.cluster import make_cluster
+from meshplan.cost.cluster import make_cluster
 from meshplan.make_plan import make_plan
-from meshplan.planner import PlanOptions
+from meshplan.inter.pipeline import PlanOptions
 from sample_models import SAMPLES
 from sample_models.zoo import light_models
 

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from meshplan.cluster import make_cluster
+from meshplan.cost.cluster import make_cluster
 from meshplan.errors import PlanError
-from meshplan.graph import build_graph
-from meshplan.load import infer_shapes
+from meshplan.model.graph import build_graph
+from meshplan.model.load import infer_shapes
 from meshplan.make_plan import make_plan
-from meshplan.planner import PlanOptions
-from meshplan.policies import apply_policy
+from meshplan.inter.pipeline import PlanOptions
+from meshplan.intra.policies import apply_policy
 from meshplan.sharding import LogicalMesh
-from meshplan.strategies import node_strategies
+from meshplan.intra.strategies import node_strategies
 from sample_models import SAMPLES
 
 

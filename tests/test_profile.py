@@ -12,10 +12,11 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from cli.profile_cmd import profile as profile_command
-from meshplan.cluster import make_cluster
+from meshplan.cost.cluster import make_cluster
 from meshplan.errors import PlanError
-from meshplan.graph import build_graph
-from meshplan.load import infer_shapes, model_sha256
+from meshplan.model.graph import build_graph
+from meshplan.files import file_sha256
+from meshplan.model.load import infer_shapes
 from meshplan.profile import ProfiledCostModel, ProfileOptions, load_profile, profile_model, write_profile
 from meshplan.profile.cache import OpKey, ProfileCache
 from meshplan.profile.comm import cluster_fits, fit_latency_bandwidth
@@ -71,7 +72,7 @@ def test_same_operator_twice_is_one_signature():
 
 
 def test_gpt_signatures_dedup_across_layers(tmp_path):
-    from meshplan.load import canonicalize
+    from meshplan.model.load import canonicalize
 
     path = tmp_path / "gpt.onnx"
     onnx.save_model(SAMPLES["gpt"].build(), str(path))
@@ -237,7 +238,7 @@ def test_profile_file_contents(mlp_profile, mlp_path):
     path, _ = mlp_profile
     data = json.loads(path.read_text())
     assert data["format_version"] == 1 and data["kind"] == "meshplan-profile"
-    assert data["model"]["sha256"] == model_sha256(mlp_path)
+    assert data["model"]["sha256"] == file_sha256(mlp_path)
     assert data["model"]["dims"] == {"batch": 8}
     assert data["provider"] == "CPUExecutionProvider" and data["threads"] == 1 and data["onnxruntime"]
     assert data["communication_source"] == "cluster"
@@ -249,7 +250,7 @@ def test_profile_file_contents(mlp_profile, mlp_path):
 
 def test_profile_mismatch_is_a_plan_error(mlp_profile, mlp_path, tmp_path):
     path, cluster = mlp_profile
-    sha = model_sha256(mlp_path)
+    sha = file_sha256(mlp_path)
     assert load_profile(path, sha, cluster).model["sha256"] == sha
     with pytest.raises(PlanError, match="another model"):
         load_profile(path, "0" * 64, cluster)
@@ -267,10 +268,10 @@ def test_profile_mismatch_is_a_plan_error(mlp_profile, mlp_path, tmp_path):
 
 
 def test_profiled_cost_model(mlp_profile, mlp_path, tmp_path):
-    from meshplan.load import canonicalize
+    from meshplan.model.load import canonicalize
 
     path, cluster = mlp_profile
-    profile = load_profile(path, model_sha256(mlp_path), cluster)
+    profile = load_profile(path, file_sha256(mlp_path), cluster)
     (tmp_path / "b8").mkdir()
     (tmp_path / "b3").mkdir()
     graph = build_graph(canonicalize(mlp_path, {"batch": 8}, tmp_path / "b8").model)

@@ -1,4 +1,4 @@
-"""Unit tests for meshplan.report: fill-drain schedule, human units, SVG timeline."""
+"""Unit tests for meshplan.emit.report: fill-drain schedule, human units, SVG timeline."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from meshplan.plan import Plan, Stage
-from meshplan.report import fill_drain_schedule, human_bytes, human_seconds, render_timeline, text_report
+from meshplan.plan_format import Plan, Stage
+from meshplan.emit.report import fill_drain_schedule, human_bytes, human_seconds, render_timeline, text_report
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -244,10 +244,10 @@ def test_text_report_mentions_every_stage():
 
 def test_text_report_names_each_resharding_and_how_it_moves():
     """A rearranged transfer, one ending with an all-gather, and more than the report shows."""
-    from meshplan.cluster import make_cluster
-    from meshplan.cross_mesh import best_resharding
-    from meshplan.plan import Resharding
-    from meshplan.report import RESHARDINGS_SHOWN
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.reshard.cross_mesh import best_resharding
+    from meshplan.plan_format import Resharding
+    from meshplan.emit.report import RESHARDINGS_SHOWN
     from meshplan.sharding import LogicalMesh
 
     cluster = make_cluster((6, 8))

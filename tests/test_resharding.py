@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.cluster import LinkSpec, make_cluster
-from meshplan.resharding import (
+from meshplan.cost.cluster import LinkSpec, make_cluster
+from meshplan.reshard.steps import (
     CollectiveModel,
     Step,
     apply_steps,
@@ -199,8 +199,8 @@ def test_inter_host_axis_is_slower():
 def test_measured_collective_model_asks_the_profile():
     """With measured fits, each step's cost comes from them, with the profile's byte
     conventions (all-to-all: one device's send buffer) and the axis's host crossing."""
-    from meshplan.cluster import make_cluster
-    from meshplan.resharding import MeasuredCollectiveModel
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.reshard.steps import MeasuredCollectiveModel
 
     cluster = make_cluster((2, 2), "cpu")
     asked = []

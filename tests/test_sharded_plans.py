@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import pytest
 
-from meshplan.cluster import load_cluster_file
+from meshplan.cost.cluster import load_cluster_file
 from meshplan.make_plan import make_plan
-from meshplan.planner import PlanOptions
-from meshplan.report import text_report
+from meshplan.inter.pipeline import PlanOptions
+from meshplan.emit.report import text_report
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from sample_models import SAMPLES, make_gpt, make_inputs
 from tests.conftest import assert_close, check_against_onnxruntime

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import PlanError
-from meshplan.stage_dp import (
+from meshplan.inter.stage_dp import (
     StageSolution,
     brute_force_stages,
     plan_objective,

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from meshplan.graph import build_graph
-from meshplan.load import infer_shapes
-from meshplan.resharding import shard, unshard
+from meshplan.model.graph import build_graph
+from meshplan.model.load import infer_shapes
+from meshplan.reshard.steps import shard, unshard
 from meshplan.sharding import LogicalMesh
-from meshplan.strategies import Strategy, node_strategies, ops_with_rules
+from meshplan.intra.strategies import Strategy, node_strategies, ops_with_rules
 
 OPSET = 17
 MESHES = [(1, 2), (2, 2), (1, 4)]

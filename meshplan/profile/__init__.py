@@ -9,9 +9,9 @@
 - ``run``: ``profile_model``, alone or as one rank of an MPI job.
 """
 
-from .document import Profile, load_profile, read_profile, write_profile
-from .measured import ProfiledCostModel
-from .run import ProfileOptions, ProfileRun, profile_model
+from meshplan.profile.document import Profile, load_profile, read_profile, write_profile
+from meshplan.profile.measured import ProfiledCostModel
+from meshplan.profile.run import ProfileOptions, ProfileRun, profile_model
 
 __all__ = [
     "Profile", "ProfileOptions", "ProfileRun", "ProfiledCostModel", "load_profile", "profile_model",

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ProfileError
+from meshplan.profile.errors import ProfileError
 
 SCHEMA_VERSION = 1
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..cluster import Cluster, LinkSpec
+from meshplan.cost.cluster import Cluster, LinkSpec
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 KIB = 1024

@@ -11,11 +11,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cluster import Cluster
-from ..files import atomic_write_bytes
-from ..errors import PlanError
-from .comm import CommFit
-from .errors import ProfileError
+from meshplan.cost.cluster import Cluster
+from meshplan.files import atomic_write_bytes
+from meshplan.errors import PlanError
+from meshplan.profile.comm import CommFit
+from meshplan.profile.errors import ProfileError
 
 FORMAT_VERSION = 1
 KIND = "meshplan-profile"
@@ -40,7 +40,7 @@ class OpEntry:
 
     @property
     def description(self) -> str:
-        from .signatures import OpSignature
+        from meshplan.profile.signatures import OpSignature
 
         return OpSignature.from_dict(self.signature).short()
 

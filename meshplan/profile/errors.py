@@ -1,6 +1,6 @@
 """Errors of the profiler (subclasses of meshplan's user-facing error)."""
 
-from ..errors import MeshplanError
+from meshplan.errors import MeshplanError
 
 
 class ProfileError(MeshplanError):

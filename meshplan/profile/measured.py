@@ -9,12 +9,12 @@ without mpiexec) and the analytic link model where the profile has no fit.
 
 from __future__ import annotations
 
-from ..cluster import Cluster
-from ..costmodel import CostModel
-from ..graph import Graph, Node
-from .comm import COLLECTIVES, _ring
-from .document import Profile, load_profile
-from .signatures import signature_of
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.analytic import CostModel
+from meshplan.model.graph import Graph, Node
+from meshplan.profile.comm import COLLECTIVES, _ring
+from meshplan.profile.document import Profile, load_profile
+from meshplan.profile.signatures import signature_of
 
 __all__ = ["ProfiledCostModel", "load_profile"]
 

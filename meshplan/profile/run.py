@@ -24,21 +24,21 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cluster import Cluster
-from ..costmodel import CostModel
-from ..errors import MeshplanError
-from ..graph import build_graph
-from ..load import canonicalize
-from .cache import OpKey, ProfileCache
-from .comm import (
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.analytic import CostModel
+from meshplan.errors import MeshplanError
+from meshplan.model.graph import build_graph
+from meshplan.model.load import canonicalize
+from meshplan.profile.cache import OpKey, ProfileCache
+from meshplan.profile.comm import (
     COLLECTIVES, MIB, CommFit, CommMeasurer, axis_group_sizes, cluster_fits, message_sizes,
     mpi_library_version, yield_barrier,
 )
-from ..mpi_support import cuda_aware
-from .document import OpEntry, Profile
-from .errors import FailedElsewhere, ProfileError
-from .signatures import Collected, TimingSpec, Variants, collect_signatures
-from .timing import CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
+from meshplan.mpi_support import cuda_aware
+from meshplan.profile.document import OpEntry, Profile
+from meshplan.profile.errors import FailedElsewhere, ProfileError
+from meshplan.profile.signatures import Collected, TimingSpec, Variants, collect_signatures
+from meshplan.profile.timing import CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total); phases "operators", "communication"
 

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graph import Graph, Node, TensorInfo
+from meshplan.model.graph import Graph, Node, TensorInfo
 
 # Initializers kept as constants in timing models.
 CONSTANT_INT_ELEMENTS = 4096     # integer initializers up to this many elements (shapes, indices)
@@ -333,7 +333,7 @@ def build_timing_model(spec: TimingSpec, copies: int = 1, unknown_outputs: bool 
     copy's outputs are graph outputs (so none is pruned). Timing K copies against one
     separates the operator's own time from the fixed cost of a session run.
     """
-    from ..load import set_ir_version
+    from meshplan.model.load import set_ir_version
 
     signature = spec.signature
     weights = weights or {}

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..providers import cuda_provider, cuda_usable
-from .errors import ProfileError
-from .signatures import ACT, CONST, WEIGHT, TimingSpec, build_timing_model
+from meshplan.providers import cuda_provider, cuda_usable
+from meshplan.profile.errors import ProfileError
+from meshplan.profile.signatures import ACT, CONST, WEIGHT, TimingSpec, build_timing_model
 
 PROVIDERS = ("auto", "cuda", "cpu")
 TIMING_METHOD = 2      # bump when a change to how operators are timed makes old cached timings wrong

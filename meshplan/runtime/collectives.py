@@ -10,11 +10,11 @@ through ``wait_all`` (which yields the core while it waits).
 
 from __future__ import annotations
 
-from ..errors import RunError
-from ..resharding import Step
-from ..sharding import LogicalMesh
-from .buffers import HOST
-from .waiting import wait_all
+from meshplan.errors import RunError
+from meshplan.reshard.steps import Step
+from meshplan.sharding import LogicalMesh
+from meshplan.runtime.buffers import HOST
+from meshplan.runtime.waiting import wait_all
 
 
 def axis_communicator(comm, MPI, mesh: LogicalMesh, axis: int):

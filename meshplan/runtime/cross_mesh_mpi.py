@@ -1,7 +1,7 @@
 """Executing a cross-mesh resharding (a ``CrossMeshTransfer``): with mpi4py across ranks, or in memory.
 
 :class:`CrossMeshResharder` moves one tensor from mesh A to mesh B following a
-:class:`~meshplan.cross_mesh.CrossMeshTransfer` and its :class:`~meshplan.cross_mesh.Schedule`.
+:class:`~meshplan.reshard.cross_mesh.CrossMeshTransfer` and its :class:`~meshplan.reshard.cross_mesh.Schedule`.
 First the source ranks run the transfer's ``prepare`` steps (intra-A collectives on
 per-axis communicators of A, rearranging ``src_spec`` into ``send_spec``); then every rank walks the schedule's entries in order and takes part in the ones that name
 it; a task with one receiver is a ``Send``/``Recv``, a task with more is a ``Bcast`` from
@@ -24,11 +24,11 @@ from typing import Mapping
 
 import numpy as np
 
-from ..cross_mesh import CrossMeshTransfer, Schedule, box_slices
-from ..resharding import Step, apply_steps
-from .buffers import HOST
-from .collectives import axis_communicator, perform
-from .waiting import wait_all
+from meshplan.reshard.cross_mesh import CrossMeshTransfer, Schedule, box_slices
+from meshplan.reshard.steps import Step, apply_steps
+from meshplan.runtime.buffers import HOST
+from meshplan.runtime.collectives import axis_communicator, perform
+from meshplan.runtime.waiting import wait_all
 
 _TAG = 7701
 

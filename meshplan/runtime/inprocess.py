@@ -8,17 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import PlanError
-from ..load import model_sha256
-from ..plan import Plan
-from ..cross_mesh import CrossMeshTransfer, Schedule
-from ..resharding import apply_steps
-from ..shard_emit import local_name
-from ..sharding import LogicalMesh, ShardingSpec
-from .cross_mesh_mpi import reshard_in_memory
-from .program import ProgramRunner
-from .sessions import StageSession, check_program_files, providers_for
-from .tensors import join_microbatches, split_microbatches
+from meshplan.errors import PlanError
+from meshplan.files import file_sha256
+from meshplan.plan_format import Plan, local_name
+from meshplan.reshard.cross_mesh import CrossMeshTransfer, Schedule
+from meshplan.reshard.steps import apply_steps
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
+from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.sessions import StageSession, check_program_files, providers_for
+from meshplan.runtime.tensors import join_microbatches, split_microbatches
 
 
 def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], provider: str = "cpu") -> dict[str, np.ndarray]:
@@ -83,7 +82,7 @@ def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str
     path = Path(model_path or plan.model["path"])
     if not path.is_file():
         raise PlanError(f"the planned model {path} is not there", hint="pass its new location with --model")
-    if model_sha256(path) != plan.model_sha256:
+    if file_sha256(path) != plan.model_sha256:
         raise PlanError(f"model {path} was changed after planning (sha256 mismatch)", hint="re-run meshplan plan")
     session = StageSession(path, providers_for(provider))
     return session.run(inputs)

@@ -21,22 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MeshplanError, RunError
-from ..plan import Plan, read_plan
-from ..planner import OUTPUT_COLLECTOR
-from ..cross_mesh import CrossMeshTransfer, Schedule
-from ..resharding import Step
-from ..shard_emit import local_name
-from ..sharding import LogicalMesh, ShardingSpec
-from ..mpi_support import cuda_aware
-from ..providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
-from .buffers import HOST, DeviceBuffers
-from .collectives import axis_communicator, perform
-from .cross_mesh_mpi import CrossMeshResharder
-from .program import ProgramRunner
-from .sessions import check_program_files, providers_for
-from .waiting import set_sleeping, wait_all
-from .tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
+from meshplan.errors import MeshplanError, RunError
+from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, read_plan
+from meshplan.reshard.cross_mesh import CrossMeshTransfer, Schedule
+from meshplan.reshard.steps import Step
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.mpi_support import cuda_aware
+from meshplan.providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
+from meshplan.runtime.buffers import HOST, DeviceBuffers
+from meshplan.runtime.collectives import axis_communicator, perform
+from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
+from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.sessions import check_program_files, providers_for
+from meshplan.runtime.waiting import set_sleeping, wait_all
+from meshplan.runtime.tensors import join_microbatches, read_inputs, split_microbatches, write_outputs
 
 
 class ReportedElsewhere(MeshplanError):
@@ -303,7 +301,7 @@ def _gather_trace(events: list[dict], comm, MPI) -> list[dict]:
 
 def write_trace(path: str | Path, events: list[dict], ranks: int) -> None:
     """Chrome trace format (opens in Perfetto or chrome://tracing); one process per rank."""
-    from ..files import atomic_write_bytes
+    from meshplan.files import atomic_write_bytes
 
     meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(ranks)]
     body = {"traceEvents": meta + events, "displayTimeUnit": "ms"}

@@ -16,11 +16,11 @@ from pathlib import Path
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import RunError
-from ..resharding import Step
-from ..shard_emit import COLLECTIVE_DOMAIN
-from .buffers import HOST
-from .sessions import StageSession
+from meshplan.errors import RunError
+from meshplan.reshard.steps import Step
+from meshplan.plan_format import COLLECTIVE_DOMAIN
+from meshplan.runtime.buffers import HOST
+from meshplan.runtime.sessions import StageSession
 
 _KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
           "AllToAll": "all_to_all"}

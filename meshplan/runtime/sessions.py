@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..emit import file_sha256
-from ..errors import PlanError, RunError
-from ..providers import CPU, cuda_provider, cuda_usable
-from ..plan import Plan, Program
+from meshplan.files import file_sha256
+from meshplan.errors import PlanError, RunError
+from meshplan.providers import CPU, cuda_provider, cuda_usable
+from meshplan.plan_format import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import RunError
-from ..files import atomic_write_bytes
-from ..plan import Plan
+from meshplan.errors import RunError
+from meshplan.files import atomic_write_bytes
+from meshplan.plan_format import Plan
 
 
 def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:

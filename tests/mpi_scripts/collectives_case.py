@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from meshplan.plan import Stage  # noqa: E402
-from meshplan.resharding import Step, apply_steps  # noqa: E402
+from meshplan.plan_format import Stage  # noqa: E402
+from meshplan.reshard.steps import Step, apply_steps  # noqa: E402
 from meshplan.runtime.buffers import HOST  # noqa: E402
 from meshplan.runtime.mpi_runner import MeshCommunicators  # noqa: E402
 from meshplan.sharding import LogicalMesh  # noqa: E402

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from math import prod
 
-from .cluster import Cluster
-from .graph import Graph, Node
+from meshplan.cost.cluster import Cluster
+from meshplan.model.graph import Graph, Node
 
 # Elementwise-like work per output element for ops with more than one FLOP per element.
 _PER_ELEMENT = {

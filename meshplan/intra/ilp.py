@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PlanError
+from meshplan.errors import PlanError
 
 SOLVERS = ("cbc", "highs")
 

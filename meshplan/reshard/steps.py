@@ -32,8 +32,8 @@ from typing import Mapping
 
 import numpy as np
 
-from .cluster import Cluster, LinkSpec
-from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.cost.cluster import Cluster, LinkSpec
+from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE = "all_reduce", "all_gather", "reduce_scatter", "slice"
 ALL_TO_ALL = "all_to_all"

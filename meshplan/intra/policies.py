@@ -11,8 +11,8 @@ submeshes they give the baselines meshplan's plans are measured against.
 
 from __future__ import annotations
 
-from .graph import Graph, Node
-from .strategies import Strategy
+from meshplan.model.graph import Graph, Node
+from meshplan.intra.strategies import Strategy
 
 POLICIES = ("auto", "data", "megatron")
 _MATRIX_OPS = {"MatMul", "Gemm"}

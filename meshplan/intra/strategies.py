@@ -23,8 +23,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .graph import Graph, Node, TensorInfo
-from .sharding import S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.model.graph import Graph, Node, TensorInfo
+from meshplan.sharding import S0, S01, S1, LogicalMesh, ShardingSpec
 
 R, P = "R", "P"
 Place = int | str                                    # dim to split, R or P

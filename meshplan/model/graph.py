@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import ModelError
+from meshplan.errors import ModelError
 
 
 @dataclass(frozen=True)

@@ -10,21 +10,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cluster import Cluster
-from .costmodel import CostModel
-from .cross_mesh import ALGORITHMS, best_resharding
-from .errors import PlanError
-from .graph import Graph
-from .intra_op import IntraOpPass, boundary_spec, layer_fingerprints
-from .layers import Layering, cluster_layers, repeat_period
-from .plan import Plan, Resharding, Stage, TensorSpec, Transfer
-from .policies import POLICIES
-from .sharding import LogicalMesh, ShardingSpec
-from .stage_cost import StageCosts, logical_meshes, submesh_shapes
-from .stage_dp import solve_stages
-from .strategies import Strategy
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.analytic import CostModel
+from meshplan.reshard.cross_mesh import ALGORITHMS, best_resharding
+from meshplan.errors import PlanError
+from meshplan.model.graph import Graph
+from meshplan.intra.intra_op import IntraOpPass, boundary_spec, layer_fingerprints
+from meshplan.inter.layers import Layering, cluster_layers, repeat_period
+from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, Resharding, Stage, TensorSpec, Transfer
+from meshplan.intra.policies import POLICIES
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.inter.stage_cost import StageCosts, logical_meshes, submesh_shapes
+from meshplan.inter.stage_dp import solve_stages
+from meshplan.intra.strategies import Strategy
 
-OUTPUT_COLLECTOR = -1   # dst_stage of a transfer that brings a model output to rank 0
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cluster import Cluster
-from .costmodel import CostModel
-from .graph import Graph
-from .intra_op import IntraOpPass
-from .layers import Layering
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.analytic import CostModel
+from meshplan.model.graph import Graph
+from meshplan.intra.intra_op import IntraOpPass
+from meshplan.inter.layers import Layering
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import tomllib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .errors import ClusterError
+from meshplan.errors import ClusterError
 
 GB = 1e9
 GIB = 1024**3

@@ -24,20 +24,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import Graph
-from .resharding import Step, reshard_steps
-from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
-from .strategies import Strategy
+from meshplan.model.graph import Graph
+from meshplan.reshard.steps import Step, reshard_steps
+from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.intra.strategies import Strategy
+from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 
-COLLECTIVE_DOMAIN = "meshplan"
 COLLECTIVE_OPS = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter",
                   "all_to_all": "AllToAll"}
 _ADD_AXIS = {(R, 0): S0, (R, 1): S1, (S0, 1): S01, (R, 2): S01}
 _REMOVE_AXIS = {(S0, 0): R, (S1, 1): R, (S01, 1): S0, (S01, 2): R}
-
-
-def local_name(tensor: str, spec: ShardingSpec) -> str:
-    return tensor if spec.is_replicated else f"{tensor}@{spec}"
 
 
 def spec_after(spec: ShardingSpec, step: Step) -> ShardingSpec:

@@ -12,11 +12,18 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import PlanError
-from .files import atomic_write_bytes
+from meshplan.errors import PlanError
+from meshplan.files import atomic_write_bytes
 
 FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
+OUTPUT_COLLECTOR = -1          # dst_stage of a transfer that brings a model output to rank 0
+COLLECTIVE_DOMAIN = "meshplan"  # the domain of the collective nodes in the programs
+
+
+def local_name(tensor: str, spec) -> str:
+    """The name a program gives its shard of ``tensor`` held in ``spec`` (a ShardingSpec)."""
+    return tensor if spec.is_replicated else f"{tensor}@{spec}"
 
 
 @dataclass

@@ -7,32 +7,24 @@ Boundary tensors become the program's inputs and outputs. Programs whose weights
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import onnx
 from onnx import external_data_helper
 
-from .graph import Graph
-from .load import set_ir_version
-from .plan import Plan, Program
-from .shard_emit import shard_program
-from .sharding import LogicalMesh, ShardingSpec
-from .strategies import Strategy
+from meshplan.model.graph import Graph
+from meshplan.model.load import set_ir_version
+from meshplan.files import file_sha256
+from meshplan.plan_format import Plan, Program
+from meshplan.emit.shard import shard_program
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.intra.strategies import Strategy
 
 EXTERNAL_THRESHOLD = 256 * 1024 * 1024
 
 
 def program_name(rank: int) -> str:
     return f"rank{rank}.onnx"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _specs(texts: dict[str, str]) -> dict[str, ShardingSpec]:

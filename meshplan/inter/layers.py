@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .graph import Graph
+from meshplan.model.graph import Graph
 
 MAX_CANDIDATES = 384
 

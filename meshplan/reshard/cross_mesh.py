@@ -46,9 +46,9 @@ from functools import lru_cache
 from math import prod
 from typing import Sequence
 
-from .cluster import Cluster
-from .resharding import CollectiveModel, Step, reshard_seconds, reshard_steps
-from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.cost.cluster import Cluster
+from meshplan.reshard.steps import CollectiveModel, Step, reshard_seconds, reshard_steps
+from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
 SCHEDULE_VERSION = 1
 ALGORITHMS = ("naive", "load_balance", "dfs", "randomized_greedy")

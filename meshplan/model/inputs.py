@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import ModelError
+from meshplan.errors import ModelError
 
 DEFAULT_INT_HIGH = 10
 

@@ -13,7 +13,6 @@ each stage's subgraph from it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +20,12 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from .errors import ModelError
+from meshplan.errors import ModelError
+from meshplan.files import file_sha256
 
 # onnx 1.23 writes IR 14 by default, newer than onnxruntime 1.31 reads (13). Every file
 # meshplan writes carries the least IR version its opsets need, never above this.
 MAX_IR_VERSION = 13
-
-
-def model_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 of the model file (the graph; external data files are hashed separately)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_model(path: str | os.PathLike, load_external_data: bool = True) -> onnx.ModelProto:
@@ -197,7 +188,7 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     _require_static_shapes(folded)
     onnx.save_model(folded, str(folded_path))
     return CanonicalModel(
-        source=source, source_sha256=model_sha256(source), dims=dict(dims),
+        source=source, source_sha256=file_sha256(source), dims=dict(dims),
         path=folded_path, model=folded,
     )
 

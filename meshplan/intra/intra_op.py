@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cluster import Cluster
-from .costmodel import CostModel
-from .errors import PlanError
-from .graph import Graph, Node
-from .ilp import IlpEdge, IlpNode, ShardingProblem, solve
-from .layers import Layering
-from .policies import apply_policy
-from .resharding import CollectiveModel, MeasuredCollectiveModel, axis_links, reshard_seconds
-from .sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
-from .strategies import Strategy, node_strategies
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.analytic import CostModel
+from meshplan.errors import PlanError
+from meshplan.model.graph import Graph, Node
+from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, solve
+from meshplan.inter.layers import Layering
+from meshplan.intra.policies import apply_policy
+from meshplan.reshard.steps import CollectiveModel, MeasuredCollectiveModel, axis_links, reshard_seconds
+from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.intra.strategies import Strategy, node_strategies
 
 BOUNDARY_KINDS = ("R", "B")
 LEAN_FACTOR = 1.25   # a lean layer keeps its weights within this factor of an even split

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from html import escape
 
-from .plan import Plan
+from meshplan.plan_format import Plan
 
 TIMELINE_FILE = "timeline.svg"
 
