@@ -50,7 +50,7 @@ def main() -> int:
                 row = {
                     "layers": layers, "mesh": mesh_text, "nodes": plan.solver["nodes"],
                     "clusters": plan.solver["layers"], "stages": len(plan.stages), "plan_seconds": seconds,
-                    "stage_dp_seconds": plan.solver["stage_dp_seconds"],
+                    "stage_dp_seconds": plan.timings["stage_dp_seconds"],
                     "estimated_latency_seconds": plan.estimate["latency_seconds"],
                 }
                 rows.append(row)

@@ -104,8 +104,11 @@ class Plan:
     programs: list[Program]
     reshardings: list[Resharding]
     estimate: dict
-    solver: dict
+    solver: dict                      # what the search did: counts and sizes, never wall-clock times
     format_version: int = FORMAT_VERSION
+    # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
+    # written, so that the same command writes the same plan on any machine.
+    timings: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_ranks(self) -> int:
@@ -129,6 +132,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         body = asdict(self)
+        body.pop("timings")
         body = {"format_version": body.pop("format_version"), "model_sha256": self.model_sha256, **body}
         body["checksum"] = _checksum(body)
         return body

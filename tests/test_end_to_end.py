@@ -109,7 +109,9 @@ def test_plan_json_contents(tmp_path):
     assert est["latency_seconds"] == pytest.approx(sum(stage_seconds) + 3 * max(stage_seconds))
     assert est["throughput_per_second"] == pytest.approx(8 / est["latency_seconds"])
     assert len(est["memory_bytes_per_device"]) == 4 and min(est["memory_bytes_per_device"]) > 0
-    assert data["solver"]["seconds"] > 0 and data["solver"]["layers"] >= 4
+    assert data["solver"]["layers"] >= 4
+    # Wall-clock times are reported, not written: the same command writes the same plan.
+    assert not any(key.endswith("seconds") for key in data["solver"]) and "seconds" not in data["solver"]["ilp"]
     for stage in data["stages"]:
         assert stage["operators"] and len(stage["devices"]) == 1 and stage["logical_mesh"] == [1, 1]
     assert sorted(p["file"] for p in data["programs"]) == [f"rank{r}.onnx" for r in range(4)]

@@ -154,7 +154,7 @@ def _plan(stage_seconds, microbatches, devices=None):
         batch={"dim": "N", "size": 4 * microbatches, "microbatch_size": 4},
         inputs=[], outputs=[], stages=stages, transfers=[], programs=[], reshardings=[],
         estimate={"latency_seconds": 0.01, "throughput_per_second": 400.0},
-        solver={"seconds": 0.5},
+        solver={}, timings={"seconds": 0.5},
     )
 
 

@@ -74,8 +74,8 @@ def text_report(plan: Plan) -> str:
             lines.append(f"  ... and {len(plan.reshardings) - len(shown)} more (plan.json lists them all)")
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
-        f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs); "
-        f"planned in {plan.solver['seconds']:.2f} s"
+        f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"
+        + (f"; planned in {plan.timings['seconds']:.2f} s" if "seconds" in plan.timings else "")
     )
     return "\n".join(lines)
 

@@ -144,8 +144,6 @@ def plan_pipeline(
     }
     stats = intra_op.stats
     solver = {
-        "seconds": time.perf_counter() - started,
-        "stage_dp_seconds": dp_seconds,
         "nodes": len(graph.nodes),
         "layers": layering.num_layers,
         "submeshes": [list(s) for s in submeshes],
@@ -153,7 +151,7 @@ def plan_pipeline(
         "stages": len(stages),
         "ilp": {
             "solver": options.solver, "solved": stats.ilps, "reused": stats.cache_hits,
-            "seconds": stats.seconds, "variables": stats.variables, "constraints": stats.constraints,
+            "variables": stats.variables, "constraints": stats.constraints,
             "largest_variables": stats.largest,
         },
     }
@@ -161,6 +159,7 @@ def plan_pipeline(
         model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=transfers, programs=[],
         reshardings=reshardings, estimate=estimate, solver=solver,
+        timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},
     )
     return plan, shardings
 
