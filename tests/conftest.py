@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -89,3 +91,29 @@ def check_against_onnxruntime(plan, plan_dir: Path, inputs: dict, tmp_path: Path
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("shared")
+
+
+def _strip(data: dict) -> dict:
+    """The plan less what differs from run to run: the solver's wall-clock seconds, the
+    checksum over them, and where the model was read from."""
+    data = dict(data, model={k: v for k, v in data["model"].items() if k != "path"})
+    data.pop("checksum", None)
+
+    def timeless(value):
+        if isinstance(value, dict):
+            return {k: timeless(v) for k, v in value.items() if not k.endswith("seconds")}
+        return value
+
+    data["solver"] = timeless(data["solver"])
+    return data
+
+
+def plan_digest(plan_dir: Path) -> str:
+    """sha256 of the plan without its volatile fields; the programs' sha256 are in it."""
+    data = json.loads((plan_dir / "plan.json").read_text())
+    body = json.dumps(_strip(data), sort_keys=True, separators=(",", ":")).encode()
+    for program in data["programs"]:
+        files = [program["file"]] + [d["file"] for d in program.get("data_files", [])]
+        for name in files:
+            body += hashlib.sha256((plan_dir / name).read_bytes()).hexdigest().encode()
+    return hashlib.sha256(body).hexdigest()

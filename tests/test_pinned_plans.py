@@ -5,7 +5,6 @@ unless a change means to change them. Rewrite the pins with
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ from meshplan.make_plan import make_plan
 from meshplan.inter.pipeline import PlanOptions
 from sample_models import SAMPLES
 from sample_models.zoo import light_models
+from tests.conftest import plan_digest
 
 PINS = Path(__file__).with_name("pinned_plans.json")
 MESHES = [(1, 2), (2, 2), (2, 4)]
@@ -29,32 +29,6 @@ def _cases():
     models += [(name, zoo[name], {}, 1) for name in ZOO]
     return [pytest.param(path, dims, mb, mesh, id=f"{name}-{mesh[0]}x{mesh[1]}")
             for name, path, dims, mb in models for mesh in MESHES]
-
-
-def _strip(data: dict) -> dict:
-    """The plan less what differs from run to run: the solver's wall-clock seconds, the
-    checksum over them, and where the model was read from."""
-    data = dict(data, model={k: v for k, v in data["model"].items() if k != "path"})
-    data.pop("checksum", None)
-
-    def timeless(value):
-        if isinstance(value, dict):
-            return {k: timeless(v) for k, v in value.items() if not k.endswith("seconds")}
-        return value
-
-    data["solver"] = timeless(data["solver"])
-    return data
-
-
-def plan_digest(plan_dir: Path) -> str:
-    """sha256 of the plan without its volatile fields; the programs' sha256 are in it."""
-    data = json.loads((plan_dir / "plan.json").read_text())
-    body = json.dumps(_strip(data), sort_keys=True, separators=(",", ":")).encode()
-    for program in data["programs"]:
-        files = [program["file"]] + [d["file"] for d in program.get("data_files", [])]
-        for name in files:
-            body += hashlib.sha256((plan_dir / name).read_bytes()).hexdigest().encode()
-    return hashlib.sha256(body).hexdigest()
 
 
 @pytest.mark.parametrize("path,dims,microbatches,mesh", _cases())
