@@ -13,45 +13,11 @@ from pathlib import Path
 
 import click
 
-from meshplan.cost.cluster import DEVICE_PRESETS
+from cli.guard import debugging, guard
+from cli.options import cluster_from_options, cluster_option, device_option, dim_option, mesh_option
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
           "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
-
-
-def sharded_variants(cluster):
-    """Input shapes each operator has under every strategy on every logical mesh the planner
-    will try, so that sharded stages are costed from measurements too."""
-    from meshplan.sharding import LogicalMesh
-    from meshplan.inter.stage_cost import logical_meshes, submesh_shapes
-    from meshplan.intra.strategies import node_strategies
-
-    meshes = [LogicalMesh(view, tuple(range(view[0] * view[1])))
-              for shape in submesh_shapes(cluster) if shape != (1, 1) for view in logical_meshes(shape)]
-
-    def variants(node, graph):
-        seen = set()
-        for mesh in meshes:
-            for strategy in node_strategies(node, graph, mesh, opset=graph.opset):
-                shapes = tuple(spec.local_shape(graph.tensors[name].shape, mesh) if name and spec is not None else None
-                               for name, spec in zip(node.inputs, strategy.inputs))
-                if shapes not in seen:
-                    seen.add(shapes)
-                    yield shapes
-
-    return variants
-
-
-def _dims(ctx, param, values):
-    from cli.main import _parse_dims
-
-    return _parse_dims(ctx, param, values)
-
-
-def _mesh(ctx, param, value):
-    from cli.main import _parse_mesh
-
-    return _parse_mesh(ctx, param, value)
 
 
 def _bytes(ctx, param, value):
@@ -123,14 +89,11 @@ class _Bar:
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--mesh", callback=_mesh, metavar="HxD", help="Hosts x devices per host, e.g. 1x4.")
-@click.option("--device", type=click.Choice(sorted(DEVICE_PRESETS)),
-              help="Device preset the profile is for (link figures without mpiexec). "
-                   "Default: cpu with the CPU provider, h100-80g with CUDA.")
-@click.option("--cluster", "cluster_file", type=click.Path(path_type=Path),
-              help="Cluster description in TOML (instead of --mesh/--device).")
-@click.option("--dim", "dims", multiple=True, callback=_dims, metavar="NAME=INT",
-              help="Fix a symbolic dimension of the model's inputs (repeatable).")
+@mesh_option
+@device_option("Device preset the profile is for (link figures without mpiexec). "
+               "Default: cpu with the CPU provider, h100-80g with CUDA.")
+@cluster_option
+@dim_option
 @click.option("--microbatches", "microbatch_counts", multiple=True, type=click.IntRange(min=2),
               help="Also profile the shapes a plan with this many microbatches runs (repeatable).")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
@@ -158,27 +121,18 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, pro
     cluster description's link figures. Timings are cached, so profiling a model again
     costs only what is new.
     """
-    from cli.main import _guard
-    from meshplan.cost.cluster import load_cluster_file, make_cluster
+    from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.model.load import read_model, symbolic_dims
     from meshplan.make_plan import batch_layout
     from meshplan.profile import ProfileOptions, profile_model, write_profile
+    from meshplan.profile.variants import sharded_variants
     from meshplan.profile.errors import FailedElsewhere
     from meshplan.profile.timing import CPU, TimingConfig, resolve_provider
     from meshplan.emit.report import human_seconds
 
-    debug = bool((ctx.obj or {}).get("debug"))
-    with _guard(debug), _quiet_unless_rank0():
-        if (mesh is None) == (cluster_file is None):
-            raise click.UsageError("give exactly one of --mesh and --cluster")
-        if cluster_file:
-            if device:
-                raise click.UsageError("--device goes with --mesh; a cluster file names its device")
-            cluster = load_cluster_file(cluster_file)
-        else:
-            if device is None:
-                device = "cpu" if resolve_provider(provider) == CPU else "h100-80g"
-            cluster = make_cluster(mesh, device)
+    with guard(debugging(ctx)), _quiet_unless_rank0():
+        cluster = cluster_from_options(mesh, cluster_file, device,
+                                       lambda: "cpu" if resolve_provider(provider) == CPU else DEFAULT_DEVICE)
         header = read_model(model, load_external_data=False)
         symbolic_dims(header)
         dims_sets = [("model", dict(dims))]

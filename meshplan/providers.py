@@ -6,6 +6,8 @@ import ctypes
 import os
 from functools import lru_cache
 
+from meshplan.model.opsets import DEFAULT_OPSET
+
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 CHOICES = ("auto", "cuda", "cpu")
@@ -48,7 +50,7 @@ def _probe(ort) -> bool:
         helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]),
-        opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+        opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], ir_version=8,
     )
     ort.set_default_logger_severity(4)  # a failed load of the CUDA library logs loudly
     try:

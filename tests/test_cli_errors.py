@@ -97,6 +97,7 @@ def test_plan_bad_cluster_file(tmp_path):
     (["--mesh", "1x2", "--dim", "batch=four"], "not an integer"),
     (["--mesh", "1x2", "--dim", "batch"], "NAME=INT"),
     (["--mesh", "1x2", "--microbatches", "0"], "microbatches"),
+    (["--cluster", "cluster.toml", "--device", "cpu"], "--device goes with --mesh"),
 ])
 def test_plan_malformed_options_are_usage_errors(args, fragment, tmp_path):
     result = run_cli("plan", GPT.path, *args, "-o", tmp_path / "out")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -373,3 +375,36 @@ def test_file_values_are_finite_after_loading(tmp_path):
     cluster = load_cluster_file(_write(tmp_path, text))
     for value in (cluster.device.peak_flops, cluster.device.memory_bandwidth, cluster.inter_host.bandwidth):
         assert math.isfinite(value) and value > 0
+
+
+# --- the documented example -------------------------------------------------------------
+
+def _docstring_example() -> str:
+    import meshplan.cost.cluster as module
+
+    lines = module.__doc__.split("TOML file::\n", 1)[1].splitlines()
+    block = []
+    for line in lines:
+        if line.strip() and not line.startswith(" "):
+            break
+        block.append(line)
+    return textwrap.dedent("\n".join(block))
+
+
+def _readme_example() -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Cluster description", 1)[1]
+    return section.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("example", [_docstring_example, _readme_example], ids=["docstring", "readme"])
+def test_documented_example_loads(example, tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text(example())
+    cluster = load_cluster_file(path)
+    assert cluster.mesh == (2, 8)
+    assert cluster.device.name == "my-gpu"
+    assert cluster.device.memory_bytes == 80 * GIB
+    assert cluster.device.memory_bandwidth == 3350e9 and cluster.device.kernel_overhead == pytest.approx(5e-6)
+    assert cluster.intra_host.bandwidth == 300e9 and cluster.intra_host.latency == pytest.approx(5e-6)
+    assert cluster.inter_host.bandwidth == 25e9 and cluster.inter_host.latency == pytest.approx(20e-6)

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from cli.main import main as meshplan_command
 from cli.profile_cmd import profile as profile_command
 from meshplan.cost.cluster import make_cluster
 from meshplan.errors import PlanError
@@ -23,6 +24,7 @@ from meshplan.profile.comm import cluster_fits, fit_latency_bandwidth
 from meshplan.profile.errors import ProfileError
 from meshplan.profile.signatures import build_timing_model, collect_signatures, signature_of
 from meshplan.profile.timing import OpTimer, TimingConfig, cuda_usable, resolve_provider
+from meshplan.profile.variants import sharded_variants
 from sample_models import SAMPLES
 
 FAST = TimingConfig(budget_seconds=0.002, warmup_seconds=0.0005, min_repeats=3, max_repeats=50, max_copies=4)
@@ -117,6 +119,23 @@ def test_variants_add_sharded_shapes():
     assert len(found) == 2
     variant = next(e for e in found.values() if "model:variant" in e.sources)
     assert variant.signature.outputs[0][1] == (8, 16)
+
+
+def test_sharded_variants_follow_the_planners_meshes():
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [("x", [8, 64])], ["y"],
+                   [_weights("w", [64, 32])])
+    graph = build_graph(model)
+    node = graph.nodes[0]
+    assert list(sharded_variants(make_cluster((1, 1), "cpu"))(node, graph)) == []   # one device: nothing sharded
+    pair = list(sharded_variants(make_cluster((1, 2), "cpu"))(node, graph))
+    assert len(pair) == len(set(pair))
+    assert {((4, 64), (64, 32)), ((8, 32), (32, 32)), ((8, 64), (64, 16))} <= set(pair)   # batch, rows, columns
+    quad = set(sharded_variants(make_cluster((2, 2), "cpu"))(node, graph))
+    assert set(pair) <= quad                                          # the 1x2 submesh is tried on 2x2 too
+    assert {((2, 64), (64, 32)), ((8, 64), (64, 8)), ((4, 64), (64, 16))} <= quad   # 1x4 view, 2x2 mesh
+    variants = sharded_variants(make_cluster((1, 2), "cpu"))
+    found = collect_signatures(graph, model, variants=variants)
+    assert len(found) == 1 + len([v for v in pair if v != ((8, 64), (64, 32))])
 
 
 # --- timing -------------------------------------------------------------------------
@@ -339,3 +358,26 @@ def test_cli_errors(mlp_path, tmp_path):
         result = runner.invoke(profile_command, [*base, "--mesh", "1x2", "--provider", "cuda"])
         assert result.exit_code == 1 and "CUDA execution provider is not usable" in result.output
         assert "Traceback" not in result.output
+
+
+def test_cli_plan_takes_the_device_from_the_profile(mlp_profile, mlp_path, tmp_path):
+    path, _ = mlp_profile                      # measured for device cpu on 1x2
+    runner = CliRunner()
+    base = ["plan", str(mlp_path), "--mesh", "1x2", "--dim", "batch=8", "--profile", str(path)]
+    result = runner.invoke(meshplan_command, [*base, "-o", str(tmp_path / "plan")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["cluster"]["device"]["name"] == "cpu"
+    assert "operator(s) measured" in result.output
+    result = runner.invoke(meshplan_command, [*base, "--device", "cpu", "-o", str(tmp_path / "same")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(meshplan_command, [*base, "--device", "h100-80g", "-o", str(tmp_path / "other")])
+    errors = [line for line in result.output.splitlines() if line.startswith("meshplan: error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert "device 'cpu'" in errors[0] and "'h100-80g'" in errors[0] and "leave out --device" in errors[0]
+    assert not (tmp_path / "other").exists()
+    custom = json.loads(path.read_text())
+    custom["device"] = "my-gpu"                # made with a cluster file's own device
+    (tmp_path / "custom.json").write_text(json.dumps(custom))
+    result = runner.invoke(meshplan_command, ["plan", str(mlp_path), "--mesh", "1x2", "--dim", "batch=8",
+                                              "--profile", str(tmp_path / "custom.json"), "-o", str(tmp_path / "c")])
+    assert result.exit_code == 1 and "'my-gpu', which is not a device preset" in result.output, result.output

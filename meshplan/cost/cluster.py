@@ -4,9 +4,10 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
 
     hosts = 2
     devices_per_host = 8
-    device = "h100-80g"            # a preset name, or a [device] table (below)
+    # device = "h100-80g"          # a preset name; or, as here, a [device] table
 
-    [device]                       # optional: overrides or replaces the preset
+    [device]                       # optional (default: the h100-80g preset)
+    preset = "h100-80g"            # the preset the other keys override (default h100-80g)
     name = "my-gpu"
     memory_gb = 80                 # device memory, GiB
     peak_tflops = 989              # dense peak for the model's dtype, TFLOP/s
@@ -20,6 +21,9 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
     [inter_host]                   # link between hosts
     bandwidth_gbps = 25
     latency_us = 20
+
+``device`` is either a preset name or a ``[device]`` table, not both (TOML allows a key
+once).
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     )
 }
 
+DEFAULT_DEVICE = "h100-80g"
+
 # Links per device preset family: (intra-host GB/s, latency µs), (inter-host GB/s, latency µs).
 _LINKS = {
     "cpu": ((10, 30), (1.25, 50)),
@@ -129,7 +135,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return hosts, per_host
 
 
-def make_cluster(mesh: tuple[int, int], device: str = "h100-80g") -> Cluster:
+def make_cluster(mesh: tuple[int, int], device: str = DEFAULT_DEVICE) -> Cluster:
     if device not in DEVICE_PRESETS:
         raise ClusterError(f"unknown device preset {device!r} (known: {', '.join(DEVICE_PRESETS)})")
     spec = DEVICE_PRESETS[device]
@@ -172,11 +178,11 @@ def load_cluster_file(path: str | Path) -> Cluster:
     mesh = (data["hosts"], data["devices_per_host"])
     if min(mesh) < 1:
         raise ClusterError(f"cluster file {path}: hosts and devices_per_host must be positive")
-    device = data.get("device", "h100-80g")
+    device = data.get("device", DEFAULT_DEVICE)
     if isinstance(device, str):
         cluster = make_cluster(mesh, device)
     elif isinstance(device, dict):
-        cluster = make_cluster(mesh, str(device.get("preset", "h100-80g")))
+        cluster = make_cluster(mesh, str(device.get("preset", DEFAULT_DEVICE)))
     else:
         raise ClusterError(f"cluster file {path}: device must be a preset name or a [device] table, got {device!r}")
     if isinstance(device, dict):

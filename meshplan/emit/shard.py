@@ -25,6 +25,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from meshplan.model.graph import Graph
+from meshplan.model.opsets import DEFAULT_OPSET
 from meshplan.reshard.steps import Step, reshard_steps
 from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 from meshplan.intra.strategies import Strategy
@@ -68,7 +69,7 @@ class _Builder:
         self.initializers: dict[str, onnx.TensorProto] = {}
         self.value_info: dict[str, onnx.ValueInfoProto] = {}
         self.available: dict[str, dict[ShardingSpec, str]] = {}
-        self.opset = next((o.version for o in stage.opset_import if o.domain in ("", "ai.onnx")), 17)
+        self.opset = next((o.version for o in stage.opset_import if o.domain in ("", "ai.onnx")), DEFAULT_OPSET)
         self.collectives: list[dict] = []   # what crosses each segment boundary, for plan.json
 
     def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:

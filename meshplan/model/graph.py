@@ -14,6 +14,7 @@ import onnx
 from onnx import helper
 
 from meshplan.errors import ModelError
+from meshplan.model.opsets import DEFAULT_OPSET
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Graph:
     tensors: dict[str, TensorInfo]
     inputs: list[str]          # graph inputs that are not parameters
     outputs: list[str]
-    opset: int = 17            # version of the default ONNX domain
+    opset: int = DEFAULT_OPSET  # version of the default ONNX domain
 
     def producers(self) -> dict[str, int]:
         """Tensor name → index of the node that produces it."""
@@ -101,5 +102,5 @@ def build_graph(model: onnx.ModelProto) -> Graph:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         nodes.append(Node(node.name, node.op_type, node.domain or "", tuple(node.input), tuple(node.output), attrs))
     inputs = [v.name for v in g.input if not tensors[v.name].is_param]
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), DEFAULT_OPSET)
     return Graph(nodes=nodes, tensors=tensors, inputs=inputs, outputs=[v.name for v in g.output], opset=opset)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshplan.cost.cluster import Cluster
+from meshplan.cost.cluster import DEVICE_PRESETS, Cluster
 from meshplan.files import atomic_write_bytes
 from meshplan.errors import PlanError
 from meshplan.profile.comm import CommFit
@@ -187,6 +187,15 @@ def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster) -
         raise PlanError(
             f"profile {path} was measured for device {profile.device!r} ({profile.hardware}, {profile.provider}), "
             f"the plan is for {cluster.device.name!r}",
-            hint="plan with the profile's --device or profile again",
+            hint="plan for the profile's device (with --mesh, leave out --device) or profile again",
         )
     return profile
+
+
+def profile_preset(profile: Profile, path: str | os.PathLike) -> str:
+    """The device preset ``profile`` (read from ``path``) was measured for: what a plan on
+    a ``--mesh`` without ``--device`` is for. PlanError when it was a cluster file's own device."""
+    if profile.device not in DEVICE_PRESETS:
+        raise PlanError(f"profile {path} was measured for device {profile.device!r}, which is not a device preset",
+                        hint="plan with the --cluster file it was profiled with")
+    return profile.device

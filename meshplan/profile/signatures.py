@@ -35,6 +35,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from meshplan.model.graph import Graph, Node, TensorInfo
+from meshplan.model.opsets import DEFAULT_OPSET
 
 # Initializers kept as constants in timing models.
 CONSTANT_INT_ELEMENTS = 4096     # integer initializers up to this many elements (shapes, indices)
@@ -378,7 +379,7 @@ def build_timing_model(spec: TimingSpec, copies: int = 1, unknown_outputs: bool 
         nodes.append(node)
     graph = helper.make_graph(nodes, "timing", inputs, outputs, initializer=initializers)
     opsets = dict(spec.opsets)
-    opsets.setdefault("", 17)
+    opsets.setdefault("", DEFAULT_OPSET)
     if signature.domain and signature.domain not in opsets:
         opsets[signature.domain] = 1
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])

@@ -25,6 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
+from meshplan.model.opsets import DEFAULT_OPSET
+
 Box = tuple[slice, ...]
 
 
@@ -271,7 +273,7 @@ def _model(nodes, inputs, outputs, initializers=()):
     from onnx import helper
 
     graph = helper.make_graph(nodes, "move", inputs, outputs, list(initializers))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], ir_version=8)
 
 
 def _value(name: str, dtype, rank: int):

@@ -1,0 +1,66 @@
+"""Click options shared by the commands, one definition each, with their parsers, and
+the cluster they describe (``--mesh``/``--device`` or ``--cluster``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from meshplan.cost.cluster import DEVICE_PRESETS, Cluster, load_cluster_file, make_cluster, parse_mesh
+
+
+def parse_dims(ctx, param, values) -> dict[str, int]:
+    """``--dim NAME=INT`` (repeatable) → {NAME: INT}."""
+    dims: dict[str, int] = {}
+    for text in values:
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"expected NAME=INT, got {text!r}", ctx, param)
+        try:
+            dims[name.strip()] = int(value)
+        except ValueError:
+            raise click.BadParameter(f"{name.strip()}={value!r} is not an integer", ctx, param) from None
+    return dims
+
+
+def parse_mesh_option(ctx, param, value) -> tuple[int, int] | None:
+    """``--mesh HxD`` → (H, D)."""
+    if value is None:
+        return None
+    try:
+        return parse_mesh(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+dim_option = click.option(
+    "--dim", "dims", multiple=True, callback=parse_dims, metavar="NAME=INT",
+    help="Fix a symbolic dimension of the model's inputs (repeatable).",
+)
+
+mesh_option = click.option("--mesh", callback=parse_mesh_option, metavar="HxD", help="Hosts x devices per host, e.g. 1x4.")
+
+cluster_option = click.option(
+    "--cluster", "cluster_file", type=click.Path(path_type=Path),
+    help="Cluster description in TOML (instead of --mesh/--device).",
+)
+
+
+def device_option(help: str):
+    """``--device PRESET``; no default, so that each command can tell whether it was given."""
+    return click.option("--device", type=click.Choice(sorted(DEVICE_PRESETS)), help=help)
+
+
+def cluster_from_options(mesh: tuple[int, int] | None, cluster_file: Path | None, device: str | None,
+                         default_device: Callable[[], str]) -> Cluster:
+    """The cluster of exactly one of ``--mesh`` (with ``--device``, else ``default_device()``,
+    asked only then) and ``--cluster``; click usage errors for the wrong combinations."""
+    if (mesh is None) == (cluster_file is None):
+        raise click.UsageError("give exactly one of --mesh and --cluster")
+    if cluster_file is not None:
+        if device is not None:
+            raise click.UsageError("--device goes with --mesh; a cluster file names its device")
+        return load_cluster_file(cluster_file)
+    return make_cluster(mesh, device or default_device())

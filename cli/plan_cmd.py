@@ -1,0 +1,73 @@
+"""``meshplan plan``: find a parallel plan and write per-device programs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from cli.guard import debugging, guard
+from cli.options import cluster_from_options, cluster_option, device_option, dim_option, mesh_option
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@mesh_option
+@device_option("Device preset (memory, peak FLOP/s, bandwidth, links) "
+               "[default: the --profile's device, else h100-80g].")
+@cluster_option
+@dim_option
+@click.option("--microbatches", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Split the batch into this many pipelined microbatches.")
+@click.option("--layers", type=click.IntRange(min=1), help="Number of layers to cluster operators into.")
+@click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
+@click.option("--policy", default="auto", show_default=True, type=click.Choice(["auto", "data", "megatron"]),
+              help="Sharding inside stages: automatic (ILP over every strategy), data parallel only, "
+                   "or Megatron-style tensor parallel matrix products.")
+@click.option("--solver", default="cbc", show_default=True, type=click.Choice(["cbc", "highs"]),
+              help="MILP solver for the sharding ILP (python-mip's CBC or HiGHS).")
+@click.option("--reshard-scheduler", default="randomized_greedy", show_default=True,
+              type=click.Choice(["naive", "load_balance", "dfs", "randomized_greedy"]),
+              help="How cross-mesh resharding tasks are ordered and given senders.")
+@click.option("--profile", "profile_path", type=click.Path(path_type=Path),
+              help="Measured costs from meshplan profile (the analytic model fills the gaps).")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
+@click.pass_context
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max_stages, policy, solver,
+         reshard_scheduler, profile_path, out_dir):
+    """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
+    from meshplan.cost.cluster import DEFAULT_DEVICE
+    from meshplan.emit.report import TIMELINE_FILE, text_report
+    from meshplan.errors import ModelError
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.make_plan import make_plan
+
+    def default_device() -> str:
+        if profile_path is None:
+            return DEFAULT_DEVICE
+        from meshplan.profile.document import profile_preset, read_profile
+
+        return profile_preset(read_profile(profile_path), profile_path)
+
+    with guard(debugging(ctx)):
+        cluster = cluster_from_options(mesh, cluster_file, device, default_device)
+        started = time.perf_counter()
+        options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
+                              policy=policy, reshard_scheduler=reshard_scheduler)
+        cost_model = None
+        if profile_path:
+            from meshplan.files import file_sha256
+            from meshplan.profile.document import load_profile
+            from meshplan.profile.measured import ProfiledCostModel
+
+            if not Path(model).is_file():
+                raise ModelError(f"model file not found: {model}")
+            cost_model = ProfiledCostModel(cluster, load_profile(profile_path, file_sha256(model), cluster))
+        result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model)
+        click.echo(text_report(result))
+        if cost_model is not None:
+            click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
+                       f"{cost_model.analytic_nodes} from the analytic model")
+        click.echo(f"wrote {out_dir}/plan.json, {len(result.programs)} program(s), {out_dir}/{TIMELINE_FILE}")
+        click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

@@ -1,0 +1,67 @@
+"""``meshplan run``: run a plan, one rank per device, under mpiexec."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cli.guard import debugging
+
+
+@click.command()
+@click.argument("plan_dir", type=click.Path(path_type=Path))
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(path_type=Path), help="Model inputs (.npz).")
+@click.option("--output", "output_path", type=click.Path(path_type=Path), help="Write model outputs here (.npz).")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1), help="Run the batch this many times.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), help="Write a Chrome trace of the last run.")
+@click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
+              help="Execution provider for the programs (an unknown one is an error).")
+@click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
+              help="Where tensors travel between ranks: device memory when the programs run on CUDA and MPI "
+                   "is CUDA-aware (auto), always through host memory (host), or as OrtValue buffers (device).")
+@click.pass_context
+def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer):
+    """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""
+    from meshplan.emit.report import human_seconds
+    from meshplan.errors import MeshplanError
+    from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job, run_rank, write_trace
+
+    debug = debugging(ctx)
+    try:
+        report = run_rank(plan_dir, inputs_path, output_path, repeat, provider, transfer)
+    except ReportedElsewhere:
+        sys.exit(1)
+    except JobFailure as exc:
+        click.echo(f"meshplan: error: {exc}", err=True)
+        sys.stderr.flush()
+        if debug:
+            import traceback
+
+            traceback.print_exception(exc.__cause__ or exc)
+        abort_job(1)
+        sys.exit(1)
+    except MeshplanError as exc:
+        if debug:
+            raise
+        click.echo(f"meshplan: error: {exc}", err=True)
+        sys.exit(1)
+    if report is None:
+        return
+    if trace_path:
+        write_trace(trace_path, report.trace_events, report.ranks)
+    latency = report.median_latency
+    click.echo(f"ran {report.ranks} rank(s) on {report.provider}; transfer path: {report.transfer_path}")
+    click.echo(
+        f"measured: latency {human_seconds(latency)} per batch of {report.batch_size} "
+        f"(median of {len(report.latencies)}), throughput {report.batch_size / latency:.1f} samples/s"
+    )
+    click.echo(
+        f"estimate: latency {human_seconds(report.estimate_seconds)}, "
+        f"throughput {report.batch_size / report.estimate_seconds:.1f} samples/s"
+    )
+    if output_path:
+        click.echo(f"wrote {output_path}")
+    if trace_path:
+        click.echo(f"wrote {trace_path}")

@@ -1,0 +1,63 @@
+"""``meshplan verify``: run a plan in one process and compare with onnxruntime."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from cli.guard import debugging, guard
+
+
+@click.command()
+@click.argument("plan_dir", type=click.Path(path_type=Path))
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(path_type=Path), help="Model inputs (.npz).")
+@click.option("--outputs", "outputs_path", type=click.Path(path_type=Path),
+              help="Also check these outputs (e.g. from meshplan run) against the original model.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), help="The original model, if it moved.")
+@click.option("--rtol", default=1e-3, show_default=True, type=float)
+@click.option("--atol", default=1e-4, show_default=True, type=float)
+@click.pass_context
+def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol):
+    """Run all of a plan's programs in one process and compare with onnxruntime on the original model."""
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.inprocess import compare_outputs, reference_outputs, run_in_process
+    from meshplan.runtime.tensors import read_inputs
+
+    with guard(debugging(ctx)):
+        started = time.perf_counter()
+        the_plan = read_plan(plan_dir)
+        inputs = read_inputs(inputs_path, the_plan)
+        expected = reference_outputs(the_plan, inputs, model_path)
+        checks = [("in-process", run_in_process(the_plan, plan_dir, inputs))]
+        if outputs_path:
+            checks.append((str(outputs_path), _read_outputs(outputs_path)))
+        ok = True
+        for label, actual in checks:
+            for c in compare_outputs(actual, expected, rtol, atol):
+                status = "ok" if c.ok else "MISMATCH"
+                click.echo(f"{label}: {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
+                           f"(rtol {rtol:g}, atol {atol:g}) {status}")
+                ok &= c.ok
+        verdict = "PASSED" if ok else "FAILED"
+        click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify against single-device onnxruntime")
+        if not ok:
+            sys.exit(1)
+
+
+def _read_outputs(path: Path):
+    import zipfile
+
+    import numpy as np
+
+    from meshplan.errors import RunError
+
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except FileNotFoundError:
+        raise RunError(f"outputs file not found: {path}") from None
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
+        raise RunError(f"cannot read outputs {path}: not a valid .npz file") from None
