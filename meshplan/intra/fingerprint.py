@@ -33,7 +33,7 @@ def layer_fingerprints(graph: Graph, layering: Layering, constants: dict[str, np
                 origin = f"n{where - start}" if where is not None and start <= where < stop else "in"
                 if info.is_param:
                     value = constants.get(name)
-                    origin = "c" + (repr(value.tolist()) if value is not None and value.size <= 16 else "")
+                    origin = "c" + (repr(value.tolist()) if value is not None and value.size <= SMALL_CONSTANT_ELEMENTS else "")
                 parts.append(f"{origin}:{info.shape}:{info.dtype}")
             for name in node.outputs:
                 escapes = name in outputs or any(owner[c] != layer for c in consumers.get(name, []))
