@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from meshplan.inter.stage_dp import StageSolution, plan_objective, reference_stages, solve_stages  # noqa: E402
+from meshplan.inter.stage_dp import StageSolution, plan_objective, solve_stages  # noqa: E402
+from meshplan.testing.stage_dp import reference_stages  # noqa: E402
 
 GB = 1e9
 

@@ -21,6 +21,7 @@ from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
 from meshplan.errors import PlanError
 from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize, read_model, symbolic_dims
+from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.emit.report import TIMELINE_FILE, render_timeline
@@ -88,7 +89,7 @@ def _full_specs(model: onnx.ModelProto, graph_tensors, names, batch: dict, micro
     return specs
 
 
-def small_constants(model: onnx.ModelProto, limit: int = 64) -> dict[str, np.ndarray]:
+def small_constants(model: onnx.ModelProto, limit: int = SMALL_CONSTANT_ELEMENTS) -> dict[str, np.ndarray]:
     """Values of the small initializers stored inline (shape targets, axes, scalars)."""
     found = {}
     for tensor in model.graph.initializer:

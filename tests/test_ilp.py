@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from meshplan.errors import PlanError
-from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, brute_force, evaluate, solve
+from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, evaluate, solve
+from meshplan.testing.ilp import brute_force
 
 
 def random_problem(rng: np.random.Generator, nodes: int, memory: bool) -> ShardingProblem:

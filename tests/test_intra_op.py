@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, brute_force, evaluate, solve
+from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, evaluate, solve
+from meshplan.testing.ilp import brute_force
 from meshplan.intra.intra_op import fold_followers
 
 

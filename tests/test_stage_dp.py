@@ -8,13 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import PlanError
-from meshplan.inter.stage_dp import (
-    StageSolution,
-    brute_force_stages,
-    plan_objective,
-    reference_stages,
-    solve_stages,
-)
+from meshplan.inter.stage_dp import StageSolution, plan_objective, solve_stages
+from meshplan.testing.stage_dp import brute_force_stages, reference_stages
 
 
 def make_instance(rng: np.random.Generator, L: int, sizes, K: int, ties: bool, inf_frac: float, tight: bool):

@@ -197,6 +197,29 @@ def test_matmul_offers_megatron_splits():
     assert "S0S1,S1R->S0R+P1" in seen and "RS01,S01R->RR+P01" in seen
 
 
+EINSUMS = ["ij,jk->ik", "bij,bjk->bik", "bhqd,bhkd->bhqk", "bij,jk->bik", "ij,j->i", "i,i->", "ij->ji", "ij->i", "ik,jk"]
+
+
+@pytest.mark.parametrize("equation", EINSUMS)
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_einsum(equation, data):
+    """Batch and free labels split, contracted labels give a partial result, each operand
+    may be partial alone: every strategy matches the unsharded einsum."""
+    terms = equation.split("->")[0].split(",")
+    size = {label: data.draw(st.sampled_from([1, 2, 4, 8])) for label in sorted(set("".join(terms)))}
+    shapes = [[size[label] for label in term] for term in terms]
+    names = [f"X{k}" for k in range(len(terms))]
+    model = one_node("Einsum", [(n, FLOAT, shape) for n, shape in zip(names, shapes)], ["Y"], equation=equation)
+    check_node_model(model, {n: rand(shape) for n, shape in zip(names, shapes)})
+
+
+def test_einsum_contraction_is_partial():
+    model = one_node("Einsum", [("A", FLOAT, [4, 8]), ("B", FLOAT, [8, 6])], ["Y"], equation="ik,kj->ij")
+    seen = strings(check_node_model(model, {"A": rand([4, 8]), "B": rand([8, 6])}, meshes=[(1, 2)]))
+    assert {"S1R,RR->S1R", "RR,RS1->RS1", "RS1,S1R->RR+P1", "RR+P1,RR->RR+P1"} <= set(seen)
+
+
 @SETTINGS
 @given(st.data())
 def test_gemm(data):

@@ -140,7 +140,7 @@ def plan_pipeline(
         "throughput_per_second": batch["size"] / latency if latency > 0 else float("inf"),
         "memory_bytes_per_device": memory,
         "reshard_seconds": sum(r.seconds for r in reshardings),
-        **(cost_model.summary() if hasattr(cost_model, "summary") else {"cost_model": "analytic"}),
+        **cost_model.summary(),
     }
     stats = intra_op.stats
     solver = {
@@ -153,6 +153,7 @@ def plan_pipeline(
             "solver": options.solver, "solved": stats.ilps, "reused": stats.cache_hits,
             "variables": stats.variables, "constraints": stats.constraints,
             "largest_variables": stats.largest,
+            **({"warnings": list(stats.warnings)} if stats.warnings else {}),
         },
     }
     plan = Plan(

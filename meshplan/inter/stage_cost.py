@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost.cluster import Cluster
-from meshplan.cost.analytic import CostModel
+from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass
 from meshplan.inter.layers import Layering
@@ -52,7 +52,7 @@ def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
 class StageCosts:
     """Per-layer statistics of a layered graph, and stage costs built from them."""
 
-    def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModel,
+    def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModelProtocol,
                  intra_op: IntraOpPass | None = None):
         self.graph = graph
         self.intra_op = intra_op

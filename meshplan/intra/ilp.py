@@ -14,11 +14,15 @@ relaxation is much tighter than the textbook e ≤ s_v, e ≤ s_u, Σ e = 1). A 
 
 The problem is shrunk before it reaches the solver: nodes with one feasible choice are
 fixed and their edges folded into the other end's costs, and parallel edges are merged.
+
+The answer depends on the problem alone: the solver runs single-threaded with a fixed
+seed to optimality, bounded by a work limit (branch-and-bound nodes) that does not
+depend on the clock. A wall-clock limit remains only as a safety stop; a solution cut
+short by either limit carries a ``warning`` that the plan's solver statistics report.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +31,9 @@ import numpy as np
 from meshplan.errors import PlanError
 
 SOLVERS = ("cbc", "highs")
+MAX_NODES = 100_000        # branch-and-bound nodes: the work limit (deterministic)
+SAFETY_SECONDS = 600.0     # wall-clock safety stop (reported, never silent)
+clock = time.perf_counter  # the time source for statistics and the safety check
 
 
 @dataclass
@@ -58,6 +65,7 @@ class ShardingSolution:
     variables: int = 0
     constraints: int = 0
     solver: str = ""
+    warning: str | None = None        # why the solution may not be optimal, when it may not be
 
 
 def evaluate(problem: ShardingProblem, choices: list[int]) -> float:
@@ -71,23 +79,14 @@ def evaluate(problem: ShardingProblem, choices: list[int]) -> float:
     return total
 
 
-def brute_force(problem: ShardingProblem) -> ShardingSolution:
-    """Exhaustive search, for tests on small problems."""
-    best, best_choices = float("inf"), None
-    for choices in itertools.product(*(range(len(n.costs)) for n in problem.nodes)):
-        value = evaluate(problem, list(choices))
-        if value < best:
-            best, best_choices = value, list(choices)
-    if best_choices is None:
-        raise PlanError("no feasible sharding (every assignment breaks a constraint)")
-    return ShardingSolution(best_choices, best, solver="brute-force")
-
-
-def solve(problem: ShardingProblem, solver: str = "cbc", time_limit: float = 60.0) -> ShardingSolution:
-    """Optimal strategy per node. Deterministic for the same problem."""
+def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NODES,
+          time_limit: float | None = None) -> ShardingSolution:
+    """Optimal strategy per node. Deterministic for the same problem unless the wall-clock
+    safety stop (``time_limit``, default ``SAFETY_SECONDS``) cuts the search short."""
+    time_limit = SAFETY_SECONDS if time_limit is None else time_limit
     if solver not in SOLVERS:
         raise PlanError(f"unknown ILP solver {solver!r} (choose from {', '.join(SOLVERS)})")
-    started = time.perf_counter()
+    started = clock()
     nodes = problem.nodes
     allowed = [np.isfinite(n.costs) for n in nodes]
     for index, ok in enumerate(allowed):
@@ -122,7 +121,7 @@ def solve(problem: ShardingProblem, solver: str = "cbc", time_limit: float = 60.
     free = [i for i in range(len(nodes)) if i not in fixed]
     if not free and problem.memory_limit is None:
         choices = [fixed[i] for i in range(len(nodes))]
-        return ShardingSolution(choices, evaluate(problem, choices), time.perf_counter() - started, 0, 0, solver)
+        return ShardingSolution(choices, evaluate(problem, choices), clock() - started, 0, 0, solver)
 
     import mip
 
@@ -159,7 +158,12 @@ def solve(problem: ShardingProblem, solver: str = "cbc", time_limit: float = 60.
         terms = [float(nodes[i].memory[k]) * var for (i, k), var in s.items() if nodes[i].memory is not None]
         model.add_constr(mip.xsum(terms) <= problem.memory_limit - fixed_memory, name="memory")
     model.objective = mip.xsum(objective) if objective else mip.LinExpr()
-    status = model.optimize(max_seconds=time_limit)
+    status = model.optimize(max_seconds=time_limit, max_nodes=max_nodes)
+    warning = None
+    if status == mip.OptimizationStatus.FEASIBLE:
+        warning = (f"an ILP stopped at the {time_limit:g} s wall-clock safety stop before proving optimality; "
+                   "the plan may differ on another machine" if clock() - started >= time_limit else
+                   f"an ILP stopped at the work limit of {max_nodes} nodes before proving optimality")
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
         raise PlanError("no sharding fits the device memory" if status == mip.OptimizationStatus.INFEASIBLE
                         else f"the ILP solver stopped without a solution ({status.name})")
@@ -171,6 +175,6 @@ def solve(problem: ShardingProblem, solver: str = "cbc", time_limit: float = 60.
             choices.append(max(np.flatnonzero(allowed[i]), key=lambda k: s[i, k].x))
     choices = [int(c) for c in choices]
     return ShardingSolution(
-        choices, evaluate(problem, choices), time.perf_counter() - started,
-        model.num_cols, model.num_rows, solver,
+        choices, evaluate(problem, choices), clock() - started,
+        model.num_cols, model.num_rows, solver, warning,
     )

@@ -11,11 +11,11 @@ submeshes they give the baselines meshplan's plans are measured against.
 
 from __future__ import annotations
 
-from meshplan.model.graph import Graph, Node
 from meshplan.intra.strategies import Strategy
+from meshplan.model.graph import Graph, Node
+from meshplan.ops import MATRIX, entry
 
 POLICIES = ("auto", "data", "megatron")
-_MATRIX_OPS = {"MatMul", "Gemm"}
 
 
 def _batch_only(node: Node, graph: Graph, strategy: Strategy) -> bool:
@@ -33,7 +33,7 @@ def _batch_only(node: Node, graph: Graph, strategy: Strategy) -> bool:
 
 
 def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:
-    if node.op_type not in _MATRIX_OPS or len(node.inputs) < 2:
+    if entry(node.op_type).policy != MATRIX or len(node.inputs) < 2:
         return True
     weight = graph.tensors.get(node.inputs[1])
     if weight is None or not weight.is_param or len(weight.shape) != 2:

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from meshplan.cost.cluster import Cluster, LinkSpec
+from meshplan.cost.analytic import ring_fit as _ring
+from meshplan.cost.cluster import Cluster
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 KIB = 1024
@@ -101,17 +102,6 @@ def cluster_fits(cluster: Cluster) -> list[CommFit]:
                 latency, bandwidth = _ring(collective, size, link)
                 fits.append(CommFit(collective, axis, size, latency, bandwidth, "cluster"))
     return fits
-
-
-def _ring(collective: str, p: int, link: LinkSpec) -> tuple[float, float]:
-    lat, bw = link.latency, link.bandwidth
-    if collective == "all_reduce":
-        return 2 * (p - 1) * lat, bw * p / (2 * (p - 1))
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (p - 1) * lat, bw * p / (p - 1)
-    if collective == "broadcast":
-        return math.ceil(math.log2(p)) * lat, bw
-    return lat, bw
 
 
 def axis_group_sizes(mesh: tuple[int, int]) -> dict[int, list[int]]:

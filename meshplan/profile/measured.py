@@ -12,7 +12,7 @@ from __future__ import annotations
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.analytic import CostModel
 from meshplan.model.graph import Graph, Node
-from meshplan.profile.comm import COLLECTIVES, _ring
+from meshplan.profile.comm import COLLECTIVES
 from meshplan.profile.document import Profile, load_profile
 from meshplan.profile.signatures import signature_of
 
@@ -20,6 +20,8 @@ __all__ = ["ProfiledCostModel", "load_profile"]
 
 
 class ProfiledCostModel(CostModel):
+    measures_collectives = True
+
     def __init__(self, cluster: Cluster, profile: Profile):
         super().__init__(cluster)
         self.profile = profile
@@ -74,11 +76,7 @@ class ProfiledCostModel(CostModel):
         if nbytes <= 0 or group_size <= 1:
             return 0.0
         fit = self.profile.comm_fit(collective, 0 if inter_host else 1, group_size)
-        if fit is not None:
-            return fit.seconds(nbytes)
-        link = self.cluster.inter_host if inter_host else self.cluster.intra_host
-        latency, bandwidth = _ring(collective, group_size, link)
-        return latency + nbytes / bandwidth
+        return fit.seconds(nbytes) if fit is not None else super().collective_seconds(collective, nbytes, group_size, inter_host)
 
     def _send_fit(self, inter_host: bool):
         return self.profile.comm_fit("send_recv", 0 if inter_host else 1)

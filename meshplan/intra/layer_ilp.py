@@ -1,0 +1,124 @@
+"""One layer's sharding ILP: every operator's strategies, their compute and weight costs,
+the resharding between them, and the boundary layouts on both sides of the layer.
+
+A tensor crossing a layer boundary is either replicated (``R``) or split along its first
+(batch) dimension over the whole mesh (``B``); model inputs and outputs are replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.intra.fold import fold_followers
+from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, ShardingSolution, solve
+from meshplan.intra.operator_cost import OperatorCosts
+from meshplan.intra.policies import apply_policy
+from meshplan.intra.strategies import Strategy, node_strategies
+from meshplan.model.graph import Graph
+from meshplan.ops import entry
+from meshplan.reshard.steps import reshard_seconds
+from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+
+BOUNDARY_KINDS = ("R", "B")
+
+
+def boundary_spec(kind: str, shape: tuple[int, ...], mesh: LogicalMesh) -> ShardingSpec:
+    """Layout of a tensor crossing a layer boundary: replicated, or batch-split."""
+    spec = ShardingSpec.replicated(len(shape))
+    if kind == "B" and shape:
+        n, m = mesh.shape
+        first = S01 if n > 1 and m > 1 else S0 if n > 1 else S1 if m > 1 else R
+        split = ShardingSpec((first,) + (R,) * (len(shape) - 1))
+        if split.is_valid_for(shape, mesh):
+            return split
+    return spec
+
+
+@dataclass
+class LayerSolution:
+    seconds: float
+    strategies: list[Strategy]                # chosen strategy per node of the layer, in order
+    param_bytes: float
+    variables: int = 0
+    constraints: int = 0
+
+
+class LayerIlp:
+    """Builds and solves the ILP of a range of a graph's nodes."""
+
+    def __init__(self, graph: Graph, costs: OperatorCosts, constants: dict[str, np.ndarray],
+                 solver: str = "cbc", policy: str = "auto"):
+        self.graph, self.costs, self.constants = graph, costs, constants
+        self.solver, self.policy = solver, policy
+        self._producers = graph.producers()
+        self._consumers = graph.consumers()
+        self._outputs = set(graph.outputs)
+
+    def solve(self, start: int, stop: int, submesh, logical, b_in: str, b_out: str,
+              memory_limit: float | None = None) -> tuple[LayerSolution, ShardingSolution]:
+        """Every operator's strategy for layer nodes [start, stop), and the solver's answer."""
+        mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+        collectives = self.costs.collectives(submesh, logical)
+        tensors = self.graph.tensors
+        index_of = {}
+        nodes: list[IlpNode] = []
+        choices: list[list[Strategy]] = []
+        inputs_set = set(self.graph.inputs)
+
+        def reshard(src: ShardingSpec, dst: ShardingSpec | None, name: str) -> float:
+            if dst is None:
+                return 0.0
+            info = tensors[name]
+            try:
+                return reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
+            except ValueError:
+                return float("inf")
+
+        for i in range(start, stop):
+            node = self.graph.nodes[i]
+            strategies = apply_policy(self.policy, node, self.graph, node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
+            costs = np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies])
+            memory = np.array([self.costs.param_bytes(node, s, mesh) for s in strategies])
+            # Inputs from outside the layer arrive in the boundary layout (model inputs replicated).
+            for k, name in enumerate(node.inputs):
+                if not name or tensors[name].is_param:
+                    continue
+                where = self._producers.get(name)
+                if where is not None and start <= where < stop:
+                    continue
+                kind = "R" if name in inputs_set else b_in
+                arriving = boundary_spec(kind, tensors[name].shape, mesh)
+                costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
+            # Outputs that leave the layer are handed on in the boundary layout.
+            for k, name in enumerate(node.outputs):
+                if not name:
+                    continue
+                leaves = name in self._outputs or any(
+                    not (start <= c < stop) for c in self._consumers.get(name, []))
+                if leaves:
+                    kind = "R" if name in self._outputs else b_out
+                    target = boundary_spec(kind, tensors[name].shape, mesh)
+                    costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
+            index_of[i] = len(nodes)
+            nodes.append(IlpNode(node.name, costs, memory))
+            choices.append(strategies)
+        edges = []
+        for i in range(start, stop):
+            node = self.graph.nodes[i]
+            for k, name in enumerate(node.inputs):
+                where = self._producers.get(name) if name else None
+                if where is None or not (start <= where < stop):
+                    continue
+                out_index = self.graph.nodes[where].outputs.index(name)
+                src, dst = choices[index_of[where]], choices[index_of[i]]
+                matrix = np.array([[reshard(a.outputs[out_index], b.inputs[k], name) for b in dst] for a in src])
+                edges.append(IlpEdge(index_of[where], index_of[i], matrix))
+        heavy = [entry(self.graph.nodes[i].op_type).heavy for i in range(start, stop)]
+        problem, recover = fold_followers(ShardingProblem(nodes, edges, memory_limit), heavy)
+        result = solve(problem, self.solver)
+        full = recover(result.choices)
+        picked = [choices[index_of[i]][full[index_of[i]]] for i in range(start, stop)]
+        param_bytes = sum(float(nodes[index_of[i]].memory[full[index_of[i]]]) for i in range(start, stop))
+        return LayerSolution(result.objective, picked, param_bytes, result.variables, result.constraints), result

@@ -1,0 +1,54 @@
+"""Seconds and weight bytes of one operator under a sharding strategy, and the cost of
+collectives on a logical view of a submesh."""
+
+from __future__ import annotations
+
+from meshplan.cost.cluster import Cluster
+from meshplan.cost.protocol import CostModelProtocol
+from meshplan.intra.strategies import Strategy
+from meshplan.model.graph import Graph, Node
+from meshplan.reshard.steps import CollectiveModel, MeasuredCollectiveModel, axis_links
+from meshplan.sharding import LogicalMesh
+
+
+class OperatorCosts:
+    def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster):
+        self.graph, self.cost_model, self.cluster = graph, cost_model, cluster
+
+    def compute_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
+        """Work splits over every mesh axis that some operand is split or partial along."""
+        axes = set()
+        for spec in list(strategy.inputs) + list(strategy.outputs):
+            if spec is not None:
+                axes.update(spec.split_axes())
+                axes.update(spec.partial)
+        shards = 1
+        for axis in axes:
+            shards *= mesh.axis_size(axis)
+        if shards > 1:
+            shapes = [spec.local_shape(self.graph.tensors[n].shape, mesh) if n and spec is not None else None
+                      for n, spec in zip(node.inputs, strategy.inputs)]
+            measured = self.cost_model.shape_seconds(node, self.graph, shapes)
+            if measured is not None:
+                return measured
+        # The whole operator's time (measured when profiled), its work divided over the shards.
+        overhead = self.cluster.device.kernel_overhead
+        whole = self.cost_model.node_seconds(node, self.graph)
+        return max(whole - overhead, 0.0) / shards + overhead
+
+    def param_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
+        total = 0.0
+        for name, spec in zip(node.inputs, strategy.inputs):
+            info = self.graph.tensors.get(name) if name else None
+            if info is not None and info.is_param:
+                total += spec.local_bytes(info.shape, info.dtype.itemsize, mesh) if spec else info.nbytes
+        return total
+
+    def collectives(self, submesh: tuple[int, int], logical: tuple[int, int]) -> CollectiveModel:
+        """Collective costs on this view: the cost model's measured fits when it has them,
+        else the alpha-beta model on the cluster's links."""
+        links = axis_links(self.cluster, submesh, logical)
+        if not self.cost_model.measures_collectives:
+            return CollectiveModel(links)
+        crosses = {axis: links[axis] == self.cluster.inter_host and self.cluster.hosts > 1 for axis in (0, 1)}
+        return MeasuredCollectiveModel(links, self.cost_model.collective_seconds, crosses)

@@ -1,0 +1,176 @@
+"""Shape operators: reshapes, transposes, slices, concatenations, gathers. They move data
+(no FLOPs); a split changing a shape input (Reshape's target, Expand's shape) carries a
+rewrite, the input's new value on every device."""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from meshplan.ops.pointwise import broadcast
+from meshplan.ops.registry import define, no_flops, rule
+from meshplan.ops.view import P, R, NoRule, OpView, Rule, need
+
+
+def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Runs of input and output dims (ignoring size-1 dims) with equal products, in order."""
+    a = [d for d, s in enumerate(src) if s != 1]
+    b = [d for d, s in enumerate(dst) if s != 1]
+    groups = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        gi, go = [a[i]], [b[j]]
+        pi, po = src[a[i]], dst[b[j]]
+        i, j = i + 1, j + 1
+        while pi != po:
+            if pi < po and i < len(a):
+                gi.append(a[i])
+                pi *= src[a[i]]
+                i += 1
+            elif po < pi and j < len(b):
+                go.append(b[j])
+                po *= dst[b[j]]
+                j += 1
+            else:
+                raise NoRule
+        groups.append((gi, go))
+    return groups
+
+
+def _reshape(op: OpView) -> list[Rule]:
+    """Split the leading dim of a run of dims and the leading dim of the run it becomes.
+
+    Row-major order is kept, so the k-th chunk of a run's leading dim is the same
+    elements as the k-th chunk of its image's leading dim (e.g. hidden → heads × head_dim:
+    hidden split ↔ heads split). Shape inputs stay replicated; Reshape's target becomes
+    the local shape.
+    """
+    src, dst = op.shape(0), op.out_shape
+    need(0 not in src and 0 not in dst and prod(src) == prod(dst))
+    return [((gi[0],), (go[0],)) for gi, go in _reshape_groups(src, dst)] + [((P,), (P,))]
+
+
+def _rewrite_to_local_shape(index: int):
+    """The shape input ``index`` becomes the local output shape (needs an initializer)."""
+    def rewrite(op: OpView, inputs, outputs, mesh):
+        local = outputs[0].local_shape(op.out_shape, mesh)
+        if local == tuple(op.out_shape):
+            return ()
+        return ((index, local),) if op.is_constant(index) else None
+    return rewrite
+
+
+def _squeeze_keeps_split_dims(op: OpView, inputs, outputs, mesh):
+    """Squeeze without axes drops every size-1 dim: a split must not leave a local size of 1."""
+    if op.has_input(1) or "axes" in op.node.attrs:
+        return ()
+    local = inputs[0].local_shape(op.shape(0), mesh)
+    return None if any(size == 1 != full for size, full in zip(local, op.shape(0))) else ()
+
+
+
+
+define("Reshape", rule=_reshape, flops=no_flops, rewrite=_rewrite_to_local_shape(1))
+define("Squeeze", rule=_reshape, flops=no_flops, rewrite=_squeeze_keeps_split_dims)
+define("Flatten", "Unsqueeze", rule=_reshape, flops=no_flops)
+# Data movement without a rule.
+define("GatherElements", "Shape", "ConstantOfShape", "Range", flops=no_flops)
+
+
+@rule("Transpose", flops=no_flops)
+def _transpose(op: OpView) -> list[Rule]:
+    perm = op.attr("perm") or list(reversed(range(op.rank)))
+    return [((p,), (d,)) for d, p in enumerate(perm)] + [((P,), (P,))]
+
+
+@rule("Expand", flops=no_flops, rewrite=_rewrite_to_local_shape(1))
+def _expand(op: OpView) -> list[Rule]:
+    """X broadcasts to the output; the shape input becomes the local output shape."""
+    return broadcast(op, operands=1) + [((P, R), (P,))]
+
+
+@rule("Tile", flops=no_flops)
+def _tile(op: OpView) -> list[Rule]:
+    """Dims repeated once split."""
+    repeats = op.ints(None, 1)
+    need(repeats is not None)
+    return [((d, R), (d,)) for d, r in enumerate(repeats) if r == 1] + [((P, R), (P,))]
+
+
+@rule("Concat", flops=no_flops)
+def _concat(op: OpView) -> list[Rule]:
+    axis = op.axis(op.attr("axis"))
+    n = len(op.ins)
+    return [((d,) * n, (d,)) for d in range(op.rank) if d != axis] + [((P,) * n, (P,))]
+
+
+@rule("Split", flops=no_flops)
+def _split(op: OpView) -> list[Rule]:
+    axis = op.axis(op.attr("axis", 0))
+    n = len(op.outs)
+    return [((d, R), (d,) * n) for d in range(op.rank) if d != axis] + [((P, R), (P,) * n)]
+
+
+def _untouched(size: int, start: int, end: int, step: int) -> bool:
+    """Whether slicing [start:end:step] of a dim of ``size`` keeps all of it in order."""
+    if step != 1:
+        return False
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    return min(max(start, 0), size) == 0 and min(max(end, 0), size) == size
+
+
+@rule("Slice", flops=no_flops)
+def _slice(op: OpView) -> list[Rule]:
+    """Dims the slice keeps whole (step 1 over the full range) split; slicing is linear."""
+    shape = op.shape(0)
+    linear: list[Rule] = [((P,), (P,))]
+    if "starts" in op.node.attrs:   # opset 1-9
+        starts, ends, axes, steps = op.ints("starts", None), op.ints("ends", None), op.ints("axes", None), None
+    else:
+        starts, ends, axes, steps = (op.ints(None, i) for i in (1, 2, 3, 4))
+        if (op.has_input(3) and axes is None) or (op.has_input(4) and steps is None):
+            return linear
+    if starts is None or ends is None:
+        return linear
+    axes = [op.axis(a) for a in (axes if axes is not None else range(len(starts)))]
+    steps = steps if steps is not None else [1] * len(starts)
+    cut = {a for a, s, e, st in zip(axes, starts, ends, steps) if not _untouched(shape[a], s, e, st)}
+    return [((d,), (d,)) for d in range(len(shape)) if d not in cut] + linear
+
+
+@rule("Pad", flops=no_flops)
+def _pad(op: OpView) -> list[Rule]:
+    """Dims with no padding split; zero padding (or reflect/edge) is linear."""
+    pads = op.ints("pads", 1)
+    need(pads is not None)
+    rank = op.rank
+    axes = list(range(rank))
+    if op.has_input(3):
+        given = op.const(3)
+        need(given is not None)
+        axes = [op.axis(int(a)) for a in given.reshape(-1)]
+    half = len(pads) // 2
+    padded = {a for k, a in enumerate(axes) if pads[k] or pads[k + half]}
+    rules: list[Rule] = [((d,), (d,)) for d in range(rank) if d not in padded]
+    mode = op.attr("mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        rules.append(((P,), (P,)))
+    else:
+        value = op.const(2) if op.has_input(2) else np.array(op.attr("value", 0.0))
+        if value is not None and not np.any(value):
+            rules.append(((P,), (P,)))
+    return rules
+
+
+@rule("Gather", flops=no_flops, heavy=True)
+def _gather(op: OpView) -> list[Rule]:
+    """Indices split with the data replicated; data split on a dim other than ``axis``
+    (an embedding table on its last dim) with the indices replicated; linear in the data."""
+    axis = op.axis(op.attr("axis", 0))
+    q = len(op.shape(1))
+    rules: list[Rule] = [((R, e), (axis + e,)) for e in range(q)]
+    rules += [((d, R), (d if d < axis else d + q - 1,)) for d in range(op.rank) if d != axis]
+    return rules + [((P, R), (P,))]

@@ -1,0 +1,1 @@
+"""Test oracles: exhaustive or unpruned versions of the planner's searches, small inputs only."""
