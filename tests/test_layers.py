@@ -1,4 +1,4 @@
-"""Unit tests for meshplan.inter.layers: cut traffic and layer clustering, against brute force."""
+"""Unit tests for meshplan.model.layers: cut traffic and layer clustering, against brute force."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from meshplan.model.graph import Graph, build_graph
-from meshplan.inter.layers import MAX_CANDIDATES, cluster_layers, cut_traffic
+from meshplan.model.layers import MAX_CANDIDATES, cluster_layers, cut_traffic
 from meshplan.model.load import infer_shapes
 
 F32 = TensorProto.FLOAT

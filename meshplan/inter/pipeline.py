@@ -16,7 +16,7 @@ from meshplan.reshard.cross_mesh import ALGORITHMS, best_resharding
 from meshplan.errors import PlanError
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass, boundary_spec, layer_fingerprints
-from meshplan.inter.layers import Layering, cluster_layers, repeat_period
+from meshplan.model.layers import Layering, cluster_layers, repeat_period
 from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, Resharding, Stage, TensorSpec, Transfer
 from meshplan.intra.policies import POLICIES
 from meshplan.sharding import LogicalMesh, ShardingSpec

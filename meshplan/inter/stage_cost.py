@@ -16,7 +16,7 @@ from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass
-from meshplan.inter.layers import Layering
+from meshplan.model.layers import Layering
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from meshplan.inter.layers import Layering
+from meshplan.model.layers import Layering
 from meshplan.model.graph import Graph
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 

@@ -23,7 +23,7 @@ import numpy as np
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
 from meshplan.errors import PlanError
-from meshplan.inter.layers import Layering
+from meshplan.model.layers import Layering
 from meshplan.intra import ilp
 from meshplan.intra.chain import StageSharding, best_chain
 from meshplan.intra.fingerprint import layer_fingerprints
