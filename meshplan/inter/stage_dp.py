@@ -131,7 +131,7 @@ def plan_objective(seconds, microbatches: int) -> float:
 # input checks shared by the solver and the brute force
 
 
-def _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches):
+def check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches):
     cost = np.asarray(stage_cost, dtype=np.float64)
     smem = np.asarray(stage_mem, dtype=np.float64)
     amem = np.asarray(act_mem, dtype=np.float64)
@@ -166,7 +166,7 @@ def _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_
     return cost, smem, amem, float(mem_limit), sizes.astype(np.int64), int(num_devices), int(microbatches)
 
 
-def _max_stages(L: int, sizes: np.ndarray, num_devices: int, max_stages: int | None = None) -> int:
+def max_stage_count(L: int, sizes: np.ndarray, num_devices: int, max_stages: int | None = None) -> int:
     """Upper bound on the number of stages: one layer and ``min(size)`` devices each."""
     n = min(L, num_devices // int(sizes.min()))
     if max_stages is not None:
@@ -267,7 +267,7 @@ class _Problem:
         self.L = cost.shape[0]
         self.sizes = sizes
         self.D = num_devices
-        self.n_max = _max_stages(self.L, sizes, num_devices, max_stages)
+        self.n_max = max_stage_count(self.L, sizes, num_devices, max_stages)
         self.best, self.arg = _collapse(cost, smem, amem, mem_limit, self.n_max)
 
     def min_sum(self, t_max):
@@ -297,7 +297,7 @@ class _Problem:
         return np.unique(vals)
 
 
-def _no_plan(L, num_devices):
+def no_plan_error(L, num_devices):
     return PlanError(
         f"no feasible stage plan: {L} layers cannot be sliced onto exactly {num_devices} devices "
         "within the memory limit"
@@ -320,7 +320,7 @@ def solve_stages(
     ``max_stages`` optionally caps the number of stages.  Raises ``PlanError`` when no
     valid plan exists, ``ValueError`` for malformed arguments.
     """
-    args = _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
+    args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages)
     return _solve(prob, B)
@@ -348,7 +348,7 @@ def _solve(prob: _Problem, B: int) -> StageSolution:
     G_inf, plan = prob.min_sum(np.inf)
     examined += 1
     if plan is None:
-        raise _no_plan(prob.L, prob.D)
+        raise no_plan_error(prob.L, prob.D)
     m_inf = consider(plan)
     if B > 1:
         # The least possible slowest stage: no t_max below it admits a plan.

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from meshplan.cost.analytic import ring_fit as _ring
+from meshplan.cost.analytic import ring_fit
 from meshplan.cost.cluster import Cluster
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -99,7 +99,7 @@ def cluster_fits(cluster: Cluster) -> list[CommFit]:
         link = cluster.inter_host if axis == 0 else cluster.intra_host
         for size in sizes:
             for collective in COLLECTIVES:
-                latency, bandwidth = _ring(collective, size, link)
+                latency, bandwidth = ring_fit(collective, size, link)
                 fits.append(CommFit(collective, axis, size, latency, bandwidth, "cluster"))
     return fits
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.inter.stage_dp import StageChoice, StageSolution, _check_inputs, _max_stages, _no_plan, plan_objective
+from meshplan.inter.stage_dp import StageChoice, StageSolution, check_stage_inputs, max_stage_count, no_plan_error, plan_objective
 
 
 # --------------------------------------------------------------------------------------
@@ -31,10 +31,10 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
     stop rule ``G(inf) + (B - 1) * t_max >= T_best`` (``G`` never drops below ``G(inf)``).
     ``tmax_candidates`` counts the DP solves.
     """
-    args = _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
+    args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
-    n_max = _max_stages(L, sizes, D, max_stages)
+    n_max = max_stage_count(L, sizes, D, max_stages)
     fits = [None] + [smem + s * amem <= mem_limit for s in range(1, n_max + 1)]  # (i, j, m, c) each
     solves = 0
 
@@ -82,7 +82,7 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
     values = np.unique(cost[np.isfinite(cost)])
     G_inf, plan = dp(np.inf)
     if plan is None:
-        raise _no_plan(L, D)
+        raise no_plan_error(L, D)
     best_T, best_plan = plan_objective([cost[st] for st in plan], B), plan
     if B > 1:
         first = 0
@@ -127,11 +127,11 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
     when it uses exactly ``num_devices`` and every stage passes the memory test for its
     position.  ``tmax_candidates`` is the number of complete valid plans seen.
     """
-    args = _check_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
+    args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
     if max_stages is not None:
-        _max_stages(L, sizes, D, max_stages)  # validates it
+        max_stage_count(L, sizes, D, max_stages)  # validates it
     cap = L if max_stages is None else int(max_stages)
     best = [np.inf, None]
     count = [0]
@@ -165,7 +165,7 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
 
     extend(0, 0, [])
     if best[1] is None:
-        raise _no_plan(L, D)
+        raise no_plan_error(L, D)
     stages = tuple(StageChoice(i, j + 1, m, c, float(cost[i, j, m, c])) for i, j, m, c in best[1])
     return StageSolution(
         stages=stages,
