@@ -1,0 +1,1 @@
+"""Test oracles: reference helpers that tests and test scripts use, not the planner."""
