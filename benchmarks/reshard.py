@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/reshard.py [--json PATH] [--trials N] [--dfs-seconds S] [--quick] [--check]
+    python benchmarks/reshard.py [--json PATH] [--trials N] [--dfs-nodes N] [--quick] [--check]
 
 Each row moves one fp32 activation (``[batch*seq, hidden]``, 64 MB by default) from
 mesh A to mesh B on a cluster of 8-device hosts, 300 GB/s inside a host and 25 GB/s
@@ -16,7 +16,7 @@ between hosts (5 µs / 20 µs latency). A mesh ``n x m`` takes ``m`` devices on 
 
 ``+ag`` rows gather only along B's axis 1 (inside hosts).
 
-Each row first chooses the *send spec* with ``cross_mesh.best_resharding`` (randomized
+Each row first chooses the *send spec* with ``send_spec.best_resharding`` (randomized
 greedy): the layout A rearranges the tensor into with its intra-mesh collectives
 before the unit tasks (``send`` column; the same as ``X_A`` when no rearrangement
 pays). Every other column then works on that transfer's tasks.
@@ -51,14 +51,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meshplan.cost.cluster import GB, Cluster, DeviceSpec, LinkSpec  # noqa: E402
-from meshplan.reshard.cross_mesh import (  # noqa: E402
-    allgather_seconds,
-    as_send_recv,
-    best_resharding,
-    lower_bound,
-    plan_resharding,
-    schedule_tasks,
-)
+from meshplan.reshard.schedulers import schedule_tasks  # noqa: E402
+from meshplan.reshard.send_spec import allgather_seconds, best_resharding  # noqa: E402
+from meshplan.reshard.simulator import lower_bound  # noqa: E402
+from meshplan.reshard.tasks import as_send_recv, plan_resharding  # noqa: E402
 from meshplan.sharding import LogicalMesh  # noqa: E402
 
 PER_HOST = 8
@@ -103,13 +99,13 @@ def cluster_for(mesh_a, mesh_b) -> tuple[Cluster, LogicalMesh, LogicalMesh]:
     return cluster, place(mesh_a, 0), place(mesh_b, mesh_a[0])
 
 
-def run_row(row, shape, trials: int, dfs_seconds: float) -> dict:
+def run_row(row, shape, trials: int, dfs_nodes: int) -> dict:
     case, ma, sa, mb, sb, ag = row
     cluster, mesh_a, mesh_b = cluster_for(ma, mb)
     axes = (1,) if ag else None
     t0 = time.perf_counter()
     choice = best_resharding(shape, sa, mesh_a, sb, mesh_b, 4, cluster, "randomized_greedy", local_allgather=ag,
-                             allgather_axes=axes, trials=trials, time_budget=30.0)
+                             allgather_axes=axes, trials=trials)
     choose_seconds = time.perf_counter() - t0
     rs = choice.transfer
     result = {"case": case, "src_mesh": list(ma), "src_spec": sa, "dst_mesh": list(mb), "dst_spec": sb,
@@ -123,8 +119,7 @@ def run_row(row, shape, trials: int, dfs_seconds: float) -> dict:
             sched = choice.schedule     # what best_resharding scheduled; its time: the whole choice
             t0 -= choose_seconds
         else:
-            sched = schedule_tasks(rs.tasks, cluster, algo, trials=trials,
-                                   time_budget=dfs_seconds if algo == "dfs" else 30.0)
+            sched = schedule_tasks(rs.tasks, cluster, algo, trials=trials, node_budget=dfs_nodes)
         times[algo] = time.perf_counter() - t0
         result[algo] = sched.makespan
         if algo == "dfs":
@@ -136,8 +131,7 @@ def run_row(row, shape, trials: int, dfs_seconds: float) -> dict:
     result["allgather"] = allgather_seconds(rs, cluster)
     direct = plan_resharding(shape, sa, mesh_a, sb, mesh_b, 4, allow_local_allgather=ag, allgather_axes=axes)
     result["direct_tasks"] = len(direct.tasks)
-    result["direct_greedy"] = schedule_tasks(direct.tasks, cluster, "randomized_greedy", trials=trials,
-                                             time_budget=30.0).makespan
+    result["direct_greedy"] = schedule_tasks(direct.tasks, cluster, "randomized_greedy", trials=trials).makespan
     result["direct_lower_bound"] = lower_bound(direct.tasks, cluster)
     result["direct_greedy_over_bound"] = result["direct_greedy"] / result["direct_lower_bound"]
     result["greedy_over_bound"] = (result["prepare_seconds"] + result["randomized_greedy"]) / result["lower_bound"]
@@ -153,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=8192, help="batch*seq of the activation (default 8192)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048: 64 MB in fp32)")
     parser.add_argument("--trials", type=int, default=32, help="randomized greedy rounds (default 32)")
-    parser.add_argument("--dfs-seconds", type=float, default=0.5, help="time budget of dfs per row (default 0.5)")
+    parser.add_argument("--dfs-nodes", type=int, default=10_000, help="node budget of dfs per row (default 10000)")
     parser.add_argument("--quick", action="store_true", help="only the first row of each case")
     parser.add_argument("--check", action="store_true", help="exit 1 if greedy misses the target on a row")
     args = parser.parse_args(argv)
@@ -176,7 +170,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for row in rows:
-        r = run_row(row, shape, args.trials, args.dfs_seconds)
+        r = run_row(row, shape, args.trials, args.dfs_nodes)
         results.append(r)
         a, b = "x".join(map(str, r["src_mesh"])), "x".join(map(str, r["dst_mesh"]))
         dfs_mark = "" if r["dfs_complete"] else "*"

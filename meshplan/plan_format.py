@@ -54,7 +54,7 @@ class Stage:
 @dataclass
 class Resharding:
     """One tensor moved from a stage's mesh to a later stage's mesh, for every microbatch:
-    the unit tasks (``transfer``, see ``cross_mesh.CrossMeshTransfer``) and their order and
+    the unit tasks (``transfer``, see ``reshard.tasks.CrossMeshTransfer``) and their order and
     senders (``schedule``), with the simulated seconds they take."""
 
     tensor: str

@@ -6,7 +6,11 @@ mesh axes (each device holds an addend; a sum over those axes completes the tens
 Printed forms: ``S0R``, ``RS1``, ``S01R``, ``RR+P1`` (partial over axis 1), ``R+P01``.
 
 A ``LogicalMesh`` is a view of a physical submesh as an (n, m) grid of ranks, row-major:
-the device at coordinate (i, j) is ``ranks[i * m + j]``.
+the device at coordinate (i, j) is ``ranks[i * m + j]``. A collective's mesh axis is 0, 1
+or ``BOTH_AXES`` (2: the whole mesh, axis 0 major).
+
+A placement is the tuple of mesh axes that split a dimension, major first (R: (), S0:
+(0,), S1: (1,), S01: (0, 1)); ``placement_axes`` and ``placement_of`` convert.
 """
 
 from __future__ import annotations
@@ -17,7 +21,28 @@ from math import prod
 
 R, S0, S1, S01 = "R", "S0", "S1", "S01"
 PLACEMENTS = (R, S0, S1, S01)
+BOTH_AXES = 2
 _TOKEN = re.compile(r"S01|S0|S1|R")
+_AXES = {R: (), S0: (0,), S1: (1,), S01: (0, 1)}
+_PLACEMENT = {axes: p for p, axes in _AXES.items()}
+
+
+def placement_axes(placement: str) -> tuple[int, ...]:
+    """The mesh axes that split a dimension placed as ``placement``, major first."""
+    return _AXES[placement]
+
+
+def placement_of(axes: tuple[int, ...]) -> str:
+    """The placement that splits along ``axes`` (major first); ValueError if there is none."""
+    try:
+        return _PLACEMENT[tuple(axes)]
+    except KeyError:
+        raise ValueError(f"no placement splits along mesh axes {tuple(axes)} in that order") from None
+
+
+def mesh_axes(axis: int) -> tuple[int, ...]:
+    """The mesh axes a collective along ``axis`` spans: (0, 1) for ``BOTH_AXES``."""
+    return (0, 1) if axis == BOTH_AXES else (axis,)
 
 
 @dataclass(frozen=True)
@@ -48,11 +73,23 @@ class LogicalMesh:
         return [tuple(self.ranks)]
 
     def axis_size(self, axis: int) -> int:
-        return self.shape[0] if axis == 0 else self.shape[1] if axis == 1 else self.size
+        return prod(self.shape[a] for a in mesh_axes(axis))
 
+    def position(self, coord: tuple[int, int], axes: tuple[int, ...]) -> tuple[int, int]:
+        """(index, count): where the device at ``coord`` stands among the devices that
+        differ from it only along ``axes`` (major first), and how many there are."""
+        index = 0
+        for a in axes:
+            index = index * self.shape[a] + coord[a]
+        return index, prod(self.shape[a] for a in axes)
 
-def _axes_of(placement: str) -> tuple[int, ...]:
-    return {R: (), S0: (0,), S1: (1,), S01: (0, 1)}[placement]
+    def axis_index(self, coord: tuple[int, int], axis: int) -> int:
+        """The device's index in its group along ``axis`` (0, 1 or ``BOTH_AXES``)."""
+        return self.position(coord, mesh_axes(axis))[0]
+
+    def group_index(self, coord: tuple[int, int], axis: int) -> int:
+        """Which group along ``axis`` the device belongs to (its index along the other axes)."""
+        return self.position(coord, tuple(a for a in (0, 1) if a not in mesh_axes(axis)))[0]
 
 
 @dataclass(frozen=True)
@@ -64,7 +101,7 @@ class ShardingSpec:
         for placement in self.dims:
             if placement not in PLACEMENTS:
                 raise ValueError(f"bad placement {placement!r} in spec {self.dims}")
-        used = [a for p in self.dims for a in _axes_of(p)]
+        used = [a for p in self.dims for a in placement_axes(p)]
         if len(used) != len(set(used)):
             raise ValueError(f"spec {self} splits more than one dimension along the same mesh axis")
         if set(used) & set(self.partial):
@@ -73,6 +110,11 @@ class ShardingSpec:
             raise ValueError(f"bad partial axes {self.partial}")
 
     # --- construction and printing ---------------------------------------------------
+
+    @classmethod
+    def of(cls, spec: "ShardingSpec | str") -> "ShardingSpec":
+        """``spec`` itself, or parsed from its printed form."""
+        return cls.parse(spec) if isinstance(spec, str) else spec
 
     @classmethod
     def replicated(cls, rank: int) -> "ShardingSpec":
@@ -100,10 +142,39 @@ class ShardingSpec:
 
     def split_axes(self) -> dict[int, int]:
         """Mesh axis → tensor dim it splits."""
-        return {axis: dim for dim, p in enumerate(self.dims) for axis in _axes_of(p)}
+        return {axis: dim for dim, p in enumerate(self.dims) for axis in placement_axes(p)}
+
+    def dim_axes(self, dim: int) -> tuple[int, ...]:
+        """The mesh axes that split dimension ``dim``, major first."""
+        return placement_axes(self.dims[dim])
+
+    def refined(self, dim: int, axis: int) -> "ShardingSpec":
+        """``dim`` split further along mesh ``axis`` (0, 1 or ``BOTH_AXES``), as the minor
+        split; ValueError if no placement does that."""
+        placement = placement_of(self.dim_axes(dim) + mesh_axes(axis))
+        return ShardingSpec(self.dims[:dim] + (placement,) + self.dims[dim + 1:], self.partial)
+
+    def coarsened(self, dim: int, axis: int) -> "ShardingSpec":
+        """``dim`` no longer split along mesh ``axis``, its minor split; ValueError otherwise."""
+        axes, removed = self.dim_axes(dim), mesh_axes(axis)
+        if axes[len(axes) - len(removed):] != removed:
+            raise ValueError(f"dimension {dim} of {self} is not split last along mesh axis {axis}")
+        placement = placement_of(axes[:len(axes) - len(removed)])
+        return ShardingSpec(self.dims[:dim] + (placement,) + self.dims[dim + 1:], self.partial)
+
+    def reduced(self, axis: int) -> "ShardingSpec":
+        """No longer partial along mesh ``axis`` (0, 1 or ``BOTH_AXES``)."""
+        return ShardingSpec(self.dims, tuple(a for a in self.partial if a not in mesh_axes(axis)))
+
+    def normalised(self, mesh: LogicalMesh) -> "ShardingSpec":
+        """The same layout without splits along mesh axes of size 1."""
+        def placement(p: str) -> str:
+            return placement_of(tuple(a for a in placement_axes(p) if mesh.shape[a] > 1))
+
+        return ShardingSpec(tuple(placement(p) for p in self.dims), self.partial)
 
     def shards(self, dim: int, mesh: LogicalMesh) -> int:
-        return prod(mesh.axis_size(a) for a in _axes_of(self.dims[dim]))
+        return prod(mesh.axis_size(a) for a in self.dim_axes(dim))
 
     def is_valid_for(self, shape: tuple[int, ...], mesh: LogicalMesh) -> bool:
         """Rank matches and every split dimension divides evenly."""
@@ -117,12 +188,9 @@ class ShardingSpec:
 
     def local_slices(self, shape: tuple[int, ...], mesh: LogicalMesh, coord: tuple[int, int]) -> tuple[slice, ...]:
         """The part of the full tensor that the device at ``coord`` holds."""
-        i, j = coord
-        n, m = mesh.shape
         out = []
         for d, size in enumerate(shape):
-            placement = self.dims[d]
-            index, count = {R: (0, 1), S0: (i, n), S1: (j, m), S01: (i * m + j, n * m)}[placement]
+            index, count = mesh.position(coord, self.dim_axes(d))
             step = size // count
             out.append(slice(index * step, (index + 1) * step))
         return tuple(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,32 +13,30 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost.cluster import GB, Cluster, DeviceSpec, LinkSpec
-from meshplan.reshard.cross_mesh import (
-    ALGORITHMS,
-    CrossMeshTransfer,
-    Schedule,
-    UnitTask,
-    _best_resharding,
-    _Model,
+from meshplan.reshard import schedulers
+from meshplan.reshard.schedulers import ALGORITHMS, schedule_tasks
+from meshplan.reshard.send_spec import (
     allgather_seconds,
-    as_send_recv,
     best_resharding,
+    clear_best_resharding_cache,
+    prepare_seconds,
+    send_spec_candidates,
+)
+from meshplan.reshard.simulator import Schedule, Simulator, lower_bound, simulate
+from meshplan.reshard.steps import CollectiveModel, mesh_links, reshard_seconds, reshard_steps
+from meshplan.reshard.tasks import (
+    CrossMeshTransfer,
+    UnitTask,
+    as_send_recv,
     box_slices,
     cross_mesh_tasks,
-    lower_bound,
     plan_resharding,
-    prepare_seconds,
-    schedule_tasks,
-    send_spec_candidates,
-    simulate,
-    source_links,
 )
-from meshplan.reshard.steps import CollectiveModel, reshard_seconds, reshard_steps
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
 from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
 MESH_SHAPES = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (1, 4), (2, 4), (4, 2)]
-FAST = {"trials": 6, "polish": 24, "time_budget": 2.0}
+FAST = {"trials": 6, "polish": 24}
 
 
 def make_cluster(per_host: int, hosts: int = 32, intra=(300, 5e-6), inter=(25, 20e-6)) -> Cluster:
@@ -275,7 +274,7 @@ def test_dfs_is_no_worse_than_the_others_on_small_cases(problem, allgather, per_
     rs = plan_resharding(shape, spec_a, mesh_a, spec_b, mesh_b, 4, allow_local_allgather=allgather)
     assume(len(rs.tasks) <= 6)
     cluster = make_cluster(per_host)
-    dfs = schedule_tasks(rs.tasks, cluster, "dfs", time_budget=20.0, node_budget=500_000)
+    dfs = schedule_tasks(rs.tasks, cluster, "dfs", node_budget=500_000)
     assert dfs.stats["complete"]
     for algorithm in ("naive", "load_balance", "randomized_greedy"):
         other = schedule_tasks(rs.tasks, cluster, algorithm, **FAST)
@@ -283,7 +282,7 @@ def test_dfs_is_no_worse_than_the_others_on_small_cases(problem, allgather, per_
 
 
 def brute_force(tasks, cluster) -> float:
-    model = _Model(tasks, cluster)
+    model = Simulator(tasks, cluster)
     best = math.inf
     for senders in itertools.product(*(t.senders for t in tasks)):
         for order in itertools.permutations(range(len(tasks))):
@@ -304,7 +303,7 @@ def test_dfs_is_exact_against_brute_force(seed):
         receivers = tuple(sorted((4 + rng.choice(4, size=int(rng.integers(1, 3)), replace=False)).tolist()))
         tasks.append(UnitTask(((k, k + 1),), senders, receivers, int(rng.integers(1, 40)) * 1_000_000))
     exact = brute_force(tasks, cluster)
-    dfs = schedule_tasks(tasks, cluster, "dfs", time_budget=30.0, node_budget=1_000_000)
+    dfs = schedule_tasks(tasks, cluster, "dfs", node_budget=1_000_000)
     assert dfs.stats["complete"]
     assert dfs.makespan == pytest.approx(exact, rel=1e-9)
     assert lower_bound(tasks, cluster) <= exact * (1 + 1e-9)
@@ -320,6 +319,47 @@ def test_randomized_greedy_is_deterministic_and_not_worse_than_naive():
     assert one == two
     assert one.makespan <= schedule_tasks(rs.tasks, cluster, "naive").makespan * (1 + 1e-9)
     assert schedule_tasks([], cluster).makespan == 0.0
+
+
+class SlowClock:
+    """A clock that advances ``step`` seconds at every reading: a much slower machine."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def slow_clock_case():
+    cluster = make_cluster(4)
+    a, b = meshes((1, 4), (2, 4))
+    return cluster, plan_resharding((64, 64), "RS1", a, "S0R", b).tasks
+
+
+@pytest.mark.parametrize("algorithm,options,step", [("randomized_greedy", {"trials": 16, "polish": 64}, 0.5),
+                                                    ("dfs", {"node_budget": 1500}, 5.0)])
+def test_a_slow_clock_does_not_change_the_schedule(algorithm, options, step, monkeypatch):
+    """Work limits, not the clock, end the search: a clock that runs ``step`` seconds per
+    reading (past the old 5 s budget, within the safety limit) gives the same schedule."""
+    cluster, tasks = slow_clock_case()
+    expected = schedule_tasks(tasks, cluster, algorithm, **options)
+    clock = SlowClock(step)
+    monkeypatch.setattr(schedulers, "time", SimpleNamespace(monotonic=clock, perf_counter=clock))
+    slow = schedule_tasks(tasks, cluster, algorithm, **options)
+    assert clock.now > 5.0
+    assert slow == expected and slow.stats == expected.stats
+    assert "stopped_at_time_limit" not in slow.stats
+
+
+def test_the_safety_time_limit_is_reported(monkeypatch):
+    cluster, tasks = slow_clock_case()
+    monkeypatch.setattr(schedulers, "time", SimpleNamespace(monotonic=SlowClock(1000.0)))
+    with pytest.warns(UserWarning, match="safety time limit"):
+        schedule = schedule_tasks(tasks, cluster, trials=16, polish=64)
+    assert schedule.stats["stopped_at_time_limit"] and schedule.stats["trials"] == 1
+    check_schedule(schedule, tasks, cluster)
 
 
 # --- rearranging inside the source mesh ------------------------------------------------
@@ -362,7 +402,7 @@ def test_in_memory_with_a_send_spec_gives_every_device_its_slice(problem, allgat
 def test_send_spec_serialization_and_older_dicts():
     a, b = meshes((2, 2), (1, 3))
     rs = plan_resharding((4, 6), "S0S1", a, "RR", b, allow_local_allgather=True, send_spec="S01R")
-    assert [s.kind for s in rs.prepare] == ["all_to_all"]
+    assert [s.kind.name for s in rs.prepare] == ["all_to_all"]
     data = json.loads(json.dumps(rs.to_dict()))
     assert data["send_spec"] == "S01R" and data["prepare"][0]["to_dim"] == 0
     assert CrossMeshTransfer.from_dict(data) == rs
@@ -372,7 +412,7 @@ def test_send_spec_serialization_and_older_dicts():
     assert again.send_spec == again.src_spec and again.prepare == ()
     assert again == plan_resharding((4, 6), "S0S1", a, "RR", b)
     gather = plan_resharding((4, 6), "S0S1", a, "RR", b, send_spec="RR")
-    assert [(s.kind, s.axis, s.dim) for s in gather.prepare] == [("all_gather", 0, 0), ("all_gather", 1, 1)]
+    assert [(s.kind.name, s.axis, s.dim) for s in gather.prepare] == [("all_gather", 0, 0), ("all_gather", 1, 1)]
     assert CrossMeshTransfer.from_dict(json.loads(json.dumps(gather.to_dict()))) == gather
 
 
@@ -409,8 +449,8 @@ def test_prepare_seconds_use_the_links_of_the_actual_ranks():
     cluster = make_cluster(4)
     inside = LogicalMesh((1, 4), (4, 5, 6, 7))             # one host
     across = LogicalMesh((1, 4), (2, 3, 4, 5))             # two hosts
-    assert source_links(inside, cluster)[1] == cluster.intra_host
-    assert source_links(across, cluster)[1] == cluster.inter_host
+    assert mesh_links(cluster, inside)[1] == cluster.intra_host
+    assert mesh_links(cluster, across)[1] == cluster.inter_host
     b = LogicalMesh((1, 2), (8, 9))
     slow = plan_resharding((64, 64), "S1R", across, "RR", b, send_spec="RS1")
     fast = plan_resharding((64, 64), "S1R", inside, "RR", b, send_spec="RS1")
@@ -440,7 +480,7 @@ def test_best_resharding_is_never_worse_than_no_rearrangement(problem, allgather
     out = reshard_in_memory(source_locals(rs, full), rs, choice.schedule)
     for r in mesh_b.ranks:
         np.testing.assert_array_equal(out[r], full[spec_b.local_slices(shape, mesh_b, mesh_b.coord(r))])
-    _best_resharding.cache_clear()   # deterministic: recomputed, the same choice
+    clear_best_resharding_cache()   # deterministic: recomputed, the same choice
     again = best_resharding(shape, spec_a, mesh_a, spec_b, mesh_b, 4, cluster, algorithm,
                             local_allgather=allgather, **FAST)
     assert again is not choice and again == choice

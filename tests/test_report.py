@@ -245,7 +245,7 @@ def test_text_report_mentions_every_stage():
 def test_text_report_names_each_resharding_and_how_it_moves():
     """A rearranged transfer, one ending with an all-gather, and more than the report shows."""
     from meshplan.cost.cluster import make_cluster
-    from meshplan.reshard.cross_mesh import best_resharding
+    from meshplan.reshard.send_spec import best_resharding
     from meshplan.plan_format import Resharding
     from meshplan.emit.report import RESHARDINGS_SHOWN
     from meshplan.sharding import LogicalMesh

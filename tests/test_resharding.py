@@ -8,18 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost.cluster import LinkSpec, make_cluster
-from meshplan.reshard.steps import (
-    CollectiveModel,
-    Step,
-    apply_steps,
-    axis_links,
-    reshard_seconds,
-    reshard_steps,
-    shard,
-    simulate,
-    unshard,
-)
-from meshplan.sharding import PLACEMENTS, R, S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.reshard.kinds import ALL_TO_ALL, SLICE
+from meshplan.reshard.steps import CollectiveModel, Step, apply_steps, axis_links, reshard_seconds, reshard_steps
+from meshplan.testing.reshard import shard, simulate, unshard
+from meshplan.sharding import PLACEMENTS, R, LogicalMesh, ShardingSpec, placement_axes
 
 MESHES = [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4)]
 
@@ -34,9 +26,9 @@ def spec_for(draw, rank: int, partial_ok: bool = True) -> ShardingSpec:
     dims = [R] * rank
     free = [0, 1]
     for d in draw(st.permutations(range(rank))) if rank else []:
-        choices = [p for p in PLACEMENTS if all(a in free for a in {R: (), S0: (0,), S1: (1,), S01: (0, 1)}[p])]
+        choices = [p for p in PLACEMENTS if all(a in free for a in placement_axes(p))]
         dims[d] = draw(st.sampled_from(choices))
-        free = [a for a in free if a not in {R: (), S0: (0,), S1: (1,), S01: (0, 1)}[dims[d]]]
+        free = [a for a in free if a not in placement_axes(dims[d])]
     partial = tuple(a for a in free if partial_ok and draw(st.booleans()))
     return ShardingSpec(tuple(dims), partial)
 
@@ -76,6 +68,26 @@ def test_plan_round_trip(c, dtype):
             if not dst.partial:
                 np.testing.assert_array_equal(out[(i, j)], x[dst.local_slices(shape, mesh, (i, j))])
     assert simulate(x, steps, mesh, src).keys() == out.keys()
+
+
+@given(case())
+def test_each_step_leaves_the_spec_its_kind_says(c):
+    """Following ``Step.spec_after`` along a plan ends at its target, and every local array
+    after each step has that spec's local shape."""
+    mesh, src, dst, shape = c
+    spec, locals_ = src, shard(np.zeros(shape), src, mesh)
+    for step in reshard_steps(src, dst):
+        spec, locals_ = step.spec_after(spec), apply_steps(locals_, (step,), mesh)
+        assert all(a.shape == spec.local_shape(shape, mesh) for a in locals_.values()), (step, spec)
+    assert spec == dst
+
+
+def test_step_kinds_keep_their_plan_json_names():
+    step = Step("all_to_all", 1, 0, 2)
+    assert step.kind is ALL_TO_ALL and Step.from_dict(step.to_dict()) == step
+    assert step.to_dict() == {"kind": "all_to_all", "axis": 1, "dim": 0, "to_dim": 2}
+    with pytest.raises(ValueError, match="unknown resharding step kind"):
+        Step("gather", 0, 0)
 
 
 def test_plans_use_the_expected_collectives():
@@ -171,7 +183,7 @@ def test_reshard_costs(c, itemsize):
         bigger = (shape[0] * 2,) + shape[1:]
         assert reshard_seconds(src, dst, bigger, itemsize, mesh, model) >= cost
         assert reshard_seconds(src, dst, shape, itemsize * 2, mesh, model) >= cost
-    if any(s.kind != "slice" and mesh.axis_size(s.axis) > 1 for s in reshard_steps(src, dst)):
+    if any(s.kind is not SLICE and mesh.axis_size(s.axis) > 1 for s in reshard_steps(src, dst)):
         assert cost > 0
         # a slower link on every axis costs more
         assert reshard_seconds(src, dst, shape, itemsize, mesh, CollectiveModel({0: SLOW, 1: SLOW})) > cost
@@ -218,3 +230,17 @@ def test_measured_collective_model_asks_the_profile():
     assert asked[-1] == ("all_to_all", 128.0, 2, False)   # each device holds 8x4 floats
     assert reshard_seconds(ShardingSpec.parse("S0R"), ShardingSpec.parse("RR"), full, 4, mesh, model) == 1e-3
     assert asked[-1] == ("all_gather", 256.0, 2, True)
+
+
+def test_spec_and_mesh_axes_algebra():
+    spec = ShardingSpec.parse
+    assert spec("S0R").refined(0, 1) == spec("S01R") and spec("RR").refined(1, 2) == spec("RS01")
+    assert spec("S01R").coarsened(0, 1) == spec("S0R") and spec("S01R").coarsened(0, 2) == spec("RR")
+    assert spec("RR+P01").reduced(2) == spec("RR") and spec("S01R").normalised(mesh_of((1, 4))) == spec("S1R")
+    for bad in (lambda: spec("S1R").refined(0, 0), lambda: spec("S01R").coarsened(0, 0)):
+        with pytest.raises(ValueError):
+            bad()
+    mesh = mesh_of((2, 4))
+    assert mesh.position((1, 2), (0, 1)) == (6, 8) and mesh.position((1, 2), ()) == (0, 1)
+    assert [mesh.axis_index((1, 2), a) for a in (0, 1, 2)] == [1, 2, 6]
+    assert [mesh.group_index((1, 2), a) for a in (0, 1, 2)] == [2, 1, 0]

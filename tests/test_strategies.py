@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from meshplan.model.graph import build_graph
 from meshplan.model.load import infer_shapes
-from meshplan.reshard.steps import shard, unshard
+from meshplan.testing.reshard import shard, unshard
 from meshplan.sharding import LogicalMesh
 from meshplan.intra.strategies import Strategy, node_strategies, ops_with_rules
 

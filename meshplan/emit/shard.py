@@ -27,30 +27,9 @@ from onnx import helper, numpy_helper
 from meshplan.model.graph import Graph
 from meshplan.model.opsets import DEFAULT_OPSET
 from meshplan.reshard.steps import Step, reshard_steps
-from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
+from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.intra.strategies import Strategy
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
-
-COLLECTIVE_OPS = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter",
-                  "all_to_all": "AllToAll"}
-_ADD_AXIS = {(R, 0): S0, (R, 1): S1, (S0, 1): S01, (R, 2): S01}
-_REMOVE_AXIS = {(S0, 0): R, (S1, 1): R, (S01, 1): S0, (S01, 2): R}
-
-
-def spec_after(spec: ShardingSpec, step: Step) -> ShardingSpec:
-    """The layout a resharding step leaves behind."""
-    dims, partial = list(spec.dims), set(spec.partial)
-    axes = {0, 1} if step.axis == 2 else {step.axis}
-    if step.kind in ("all_reduce", "reduce_scatter"):
-        partial -= axes
-    if step.kind in ("all_gather", "all_to_all"):
-        dims[step.dim] = _REMOVE_AXIS[(dims[step.dim], step.axis)]
-    if step.kind == "all_to_all":
-        dims[step.to_dim] = _ADD_AXIS[(dims[step.to_dim], step.axis)]
-    if step.kind in ("reduce_scatter", "slice"):
-        dims[step.dim] = _ADD_AXIS[(dims[step.dim], step.axis)]
-    return ShardingSpec(tuple(dims), tuple(sorted(partial)))
-
 
 def replicated_strategy(node: onnx.NodeProto, graph: Graph) -> Strategy:
     def spec(name):
@@ -71,6 +50,7 @@ class _Builder:
         self.available: dict[str, dict[ShardingSpec, str]] = {}
         self.opset = next((o.version for o in stage.opset_import if o.domain in ("", "ai.onnx")), DEFAULT_OPSET)
         self.collectives: list[dict] = []   # what crosses each segment boundary, for plan.json
+        self._resharding: tuple[str, ShardingSpec, ShardingSpec] | None = None   # (tensor, spec, after) of the step emitted
 
     def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:
         info = self.graph.tensors[tensor]
@@ -109,29 +89,28 @@ class _Builder:
         source = min(have, key=lambda s: len(reshard_steps(s, want)))
         spec, name = source, have[source]
         for step in reshard_steps(source, want):
-            after = spec_after(spec, step)
-            out = local_name(tensor, after)
-            if step.kind == "slice":
-                self._slice(name, out, tensor, spec, step)
-            else:
-                attrs = {"axis": step.axis}
-                if step.dim is not None:
-                    attrs["dim"] = step.dim
-                if step.to_dim is not None:
-                    attrs["to_dim"] = step.to_dim
-                self.nodes.append(helper.make_node(
-                    COLLECTIVE_OPS[step.kind], [name], [out], name=f"{out}/{step.kind}", domain=COLLECTIVE_DOMAIN, **attrs))
-                self.collectives.append({"tensor": tensor, "op": COLLECTIVE_OPS[step.kind], **attrs,
-                                         "from_spec": str(spec), "to_spec": str(after)})
+            after = step.spec_after(spec)
+            self._resharding = (tensor, spec, after)
+            step.kind.emit(step, self, name, local_name(tensor, after))
             spec, name = after, self.provide(tensor, after)
         return name
 
-    def _slice(self, source: str, out: str, tensor: str, spec: ShardingSpec, step: Step) -> None:
+    def collective(self, step: Step, source: str, out: str) -> None:
+        """The step's collective node (``meshplan`` domain); ``ensure`` calls it through the step's kind."""
+        tensor, spec, after = self._resharding
+        attrs = step.attributes()
+        op = step.kind.op_type
+        self.nodes.append(helper.make_node(op, [source], [out], name=f"{out}/{step.kind}", domain=COLLECTIVE_DOMAIN,
+                                           **attrs))
+        self.collectives.append({"tensor": tensor, "op": op, **attrs, "from_spec": str(spec), "to_spec": str(after)})
+
+    def local_slice(self, step: Step, source: str, out: str) -> None:
+        """A standard ``Slice`` keeping this device's chunk of ``step.dim``; ``ensure`` calls it
+        through the step's kind."""
+        tensor, spec, _ = self._resharding
         size = spec.local_shape(self.graph.tensors[tensor].shape, self.mesh)[step.dim]
-        parts = self.mesh.axis_size(step.axis)
-        i, j = self.coord
-        index = {0: i, 1: j, 2: i * self.mesh.shape[1] + j}[step.axis]
-        chunk = size // parts
+        index = self.mesh.axis_index(self.coord, step.axis)
+        chunk = size // self.mesh.axis_size(step.axis)
         base = f"{out}/slice"
         if self.opset < 10:  # Slice took attributes before opset 10
             self.nodes.append(helper.make_node("Slice", [source], [out], name=base, starts=[index * chunk],

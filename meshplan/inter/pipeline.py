@@ -12,7 +12,8 @@ import numpy as np
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.analytic import CostModel
-from meshplan.reshard.cross_mesh import ALGORITHMS, best_resharding
+from meshplan.reshard.schedulers import ALGORITHMS
+from meshplan.reshard.send_spec import best_resharding
 from meshplan.errors import PlanError
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass, boundary_spec, layer_fingerprints
@@ -34,7 +35,7 @@ class PlanOptions:
     max_stages: int | None = None      # at most this many pipeline stages
     policy: str = "auto"               # strategy policy inside stages (see policies.py)
     submeshes: tuple[tuple[int, int], ...] | None = None   # submesh shapes stages may use (default: all)
-    reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see cross_mesh.ALGORITHMS)
+    reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see schedulers.ALGORITHMS)
 
 
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:
@@ -254,7 +255,7 @@ def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst
                 cluster: Cluster, scheduler: str) -> Resharding:
     """The fastest way found to move ``name`` between the stages: possibly rearranged
     inside the source mesh first, possibly with the local all-gather in the destination
-    (``cross_mesh.best_resharding``); its seconds are prepare + tasks + all-gathers."""
+    (``send_spec.best_resharding``); its seconds are prepare + tasks + all-gathers."""
     info = graph.tensors[name]
     choice = best_resharding(info.shape, src_spec, _mesh(src), dst_spec, _mesh(dst), info.dtype.itemsize, cluster,
                              scheduler)

@@ -1,16 +1,16 @@
-"""One intra-mesh resharding step (a ``resharding.Step``) on this rank's tensor, with mpi4py.
+"""One intra-mesh resharding step (a ``steps.Step``) on this rank's tensor, with mpi4py.
 
-``perform`` is the MPI twin of ``resharding.apply_steps`` for one step: ``group`` is
-the communicator of the step's mesh-axis group that this rank belongs to, its ranks
-ordered by mesh coordinate (the order of ``LogicalMesh.axis_groups``). ``buffers``
-says where the tensor lives (``buffers.HOST``, or a ``DeviceBuffers`` whose tensors go
-to MPI as device memory). Only non-blocking buffer-based calls are used, finished
-through ``wait_all`` (which yields the core while it waits).
+``perform`` is the MPI twin of ``steps.apply_steps`` for one step: ``group`` is the
+communicator of the step's mesh-axis group that this rank belongs to, its ranks ordered
+by mesh coordinate (the order of ``LogicalMesh.axis_groups``). ``buffers`` says where the
+tensor lives (``buffers.HOST``, or a ``DeviceBuffers`` whose tensors go to MPI as device
+memory). The step's kind chooses the operation of :class:`AxisGroup`. Only non-blocking
+buffer-based calls are used, finished through ``wait_all`` (which yields the core while
+it waits).
 """
 
 from __future__ import annotations
 
-from meshplan.errors import RunError
 from meshplan.reshard.steps import Step
 from meshplan.sharding import LogicalMesh
 from meshplan.runtime.buffers import HOST
@@ -24,37 +24,55 @@ def axis_communicator(comm, MPI, mesh: LogicalMesh, axis: int):
     color, key = MPI.UNDEFINED, 0
     member = comm.Get_rank() in mesh.ranks
     if member:
-        i, j = mesh.coord(comm.Get_rank())
-        color, key = {0: (j, i), 1: (i, j), 2: (0, i * mesh.shape[1] + j)}[axis]
+        coord = mesh.coord(comm.Get_rank())
+        color, key = mesh.group_index(coord, axis), mesh.axis_index(coord, axis)
     split = comm.Split(color, key)
     return split if member else None
 
 
-def perform(step: Step, x, group, MPI, buffers=HOST):
-    size = group.Get_size()
-    b = buffers
-    shape = b.shape(x)
-    if step.kind == "all_reduce":
-        out = b.empty(shape, x.dtype)
-        wait_all([group.Iallreduce(b.mpi(x), b.mpi(out), op=MPI.SUM)], MPI)
+class AxisGroup:
+    """The collectives of one mesh-axis group communicator on tensors of ``buffers``' kind
+    (the communicator a step kind's ``perform`` calls)."""
+
+    def __init__(self, group, MPI, buffers=HOST):
+        self.group, self.MPI, self.buffers = group, MPI, buffers
+
+    def all_reduce(self, x):
+        b = self.buffers
+        out = b.empty(b.shape(x), x.dtype)
+        wait_all([self.group.Iallreduce(b.mpi(x), b.mpi(out), op=self.MPI.SUM)], self.MPI)
         return out
-    if step.kind == "all_gather":     # gathered[i] is member i's piece
-        gathered = b.empty((size,) + shape, x.dtype)
-        wait_all([group.Iallgather(b.mpi(x), b.mpi(gathered))], MPI)
-        return b.unpack(gathered, step.dim)
-    if step.kind == "reduce_scatter":  # member i keeps the sum of piece i
-        send = b.pack(x, step.dim, size)
+
+    def all_gather(self, x, dim: int):
+        """gathered[i] is member i's piece."""
+        b = self.buffers
+        gathered = b.empty((self.group.Get_size(),) + b.shape(x), x.dtype)
+        wait_all([self.group.Iallgather(b.mpi(x), b.mpi(gathered))], self.MPI)
+        return b.unpack(gathered, dim)
+
+    def reduce_scatter(self, x, dim: int):
+        """Member i keeps the sum of piece i."""
+        b = self.buffers
+        send = b.pack(x, dim, self.group.Get_size())
         out = b.empty(b.shape(send)[1:], x.dtype)
-        wait_all([group.Ireduce_scatter_block(b.mpi(send), b.mpi(out), op=MPI.SUM)], MPI)
+        wait_all([self.group.Ireduce_scatter_block(b.mpi(send), b.mpi(out), op=self.MPI.SUM)], self.MPI)
         return out
-    if step.kind == "all_to_all":     # piece i of the to_dim split goes to member i
-        send = b.pack(x, step.to_dim, size)
+
+    def all_to_all(self, x, dim: int, to_dim: int):
+        """Piece i of the ``to_dim`` split goes to member i."""
+        b = self.buffers
+        send = b.pack(x, to_dim, self.group.Get_size())
         received = b.empty(b.shape(send), x.dtype)
-        wait_all([group.Ialltoall(b.mpi(send), b.mpi(received))], MPI)
-        return b.unpack(received, step.dim)
-    if step.kind == "slice":
-        piece = shape[step.dim] // size
-        index = group.Get_rank()
-        box = tuple(slice(index * piece, (index + 1) * piece) if d == step.dim else slice(None) for d in range(len(shape)))
-        return b.take(x, box)
-    raise RunError(f"unknown collective {step.kind}")
+        wait_all([self.group.Ialltoall(b.mpi(send), b.mpi(received))], self.MPI)
+        return b.unpack(received, dim)
+
+    def slice(self, x, dim: int):
+        shape = self.buffers.shape(x)
+        piece = shape[dim] // self.group.Get_size()
+        index = self.group.Get_rank()
+        box = tuple(slice(index * piece, (index + 1) * piece) if d == dim else slice(None) for d in range(len(shape)))
+        return self.buffers.take(x, box)
+
+
+def perform(step: Step, x, group, MPI, buffers=HOST):
+    return step.kind.perform(step, x, AxisGroup(group, MPI, buffers))

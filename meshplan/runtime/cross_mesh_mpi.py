@@ -1,7 +1,7 @@
 """Executing a cross-mesh resharding (a ``CrossMeshTransfer``): with mpi4py across ranks, or in memory.
 
 :class:`CrossMeshResharder` moves one tensor from mesh A to mesh B following a
-:class:`~meshplan.reshard.cross_mesh.CrossMeshTransfer` and its :class:`~meshplan.reshard.cross_mesh.Schedule`.
+:class:`~meshplan.reshard.tasks.CrossMeshTransfer` and its :class:`~meshplan.reshard.simulator.Schedule`.
 First the source ranks run the transfer's ``prepare`` steps (intra-A collectives on
 per-axis communicators of A, rearranging ``src_spec`` into ``send_spec``); then every rank walks the schedule's entries in order and takes part in the ones that name
 it; a task with one receiver is a ``Send``/``Recv``, a task with more is a ``Bcast`` from
@@ -24,8 +24,9 @@ from typing import Mapping
 
 import numpy as np
 
-from meshplan.reshard.cross_mesh import CrossMeshTransfer, Schedule, box_slices
-from meshplan.reshard.steps import Step, apply_steps
+from meshplan.reshard.simulator import Schedule
+from meshplan.reshard.steps import apply_steps
+from meshplan.reshard.tasks import CrossMeshTransfer, box_slices
 from meshplan.runtime.buffers import HOST
 from meshplan.runtime.collectives import axis_communicator, perform
 from meshplan.runtime.waiting import wait_all
@@ -79,11 +80,10 @@ def reshard_in_memory(src_locals: Mapping[int, np.ndarray], transfer: CrossMeshT
         piece = held[sender][box_slices(task.slice, transfer.send_box(sender))]
         for rank in task.receivers:
             out[rank][box_slices(task.slice, transfer.sent_box(rank))] = piece
-    for step in transfer.allgathers:
-        for group in transfer.dst_mesh.axis_groups(step.axis):
-            whole = np.concatenate([out[r] for r in group], axis=step.dim)
-            for r in group:
-                out[r] = whole.copy()
+    if transfer.allgathers:
+        mesh = transfer.dst_mesh
+        gathered = apply_steps({mesh.coord(r): out[r] for r in mesh.ranks}, [s.as_step() for s in transfer.allgathers], mesh)
+        out = {r: gathered[mesh.coord(r)].copy() for r in mesh.ranks}
     return out
 
 
@@ -196,7 +196,7 @@ class CrossMeshResharder:
             return None
         out = assembler.finish()
         for step, comm in zip(rs.allgathers, self._gather):
-            out = perform(Step("all_gather", step.axis, step.dim), out, comm, self._MPI, b)
+            out = perform(step.as_step(), out, comm, self._MPI, b)
         return out
 
     def _check_local(self, local):

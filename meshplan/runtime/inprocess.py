@@ -11,8 +11,9 @@ import numpy as np
 from meshplan.errors import PlanError
 from meshplan.files import file_sha256
 from meshplan.plan_format import Plan, local_name
-from meshplan.reshard.cross_mesh import CrossMeshTransfer, Schedule
+from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import apply_steps
+from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
 from meshplan.runtime.program import ProgramRunner

@@ -23,8 +23,9 @@ import numpy as np
 
 from meshplan.errors import MeshplanError, RunError
 from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, read_plan
-from meshplan.reshard.cross_mesh import CrossMeshTransfer, Schedule
+from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import Step
+from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.mpi_support import cuda_aware
 from meshplan.providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable

@@ -17,13 +17,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from meshplan.errors import RunError
+from meshplan.reshard.kinds import kind_of_op
 from meshplan.reshard.steps import Step
 from meshplan.plan_format import COLLECTIVE_DOMAIN
 from meshplan.runtime.buffers import HOST
 from meshplan.runtime.sessions import StageSession
-
-_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
-          "AllToAll": "all_to_all"}
 
 
 @dataclass(frozen=True)
@@ -43,9 +41,11 @@ class Segment:
 
 def _collective(node: onnx.NodeProto) -> Collective:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if node.op_type not in _KINDS:
-        raise RunError(f"unknown collective {node.op_type} in the program")
-    step = Step(_KINDS[node.op_type], int(attrs["axis"]), attrs.get("dim"), attrs.get("to_dim"))
+    try:
+        kind = kind_of_op(node.op_type)
+    except ValueError:
+        raise RunError(f"unknown collective {node.op_type} in the program") from None
+    step = Step(kind, int(attrs["axis"]), attrs.get("dim"), attrs.get("to_dim"))
     return Collective(step, node.input[0], node.output[0])
 
 

@@ -1,1 +1,3 @@
-"""Test oracles: exhaustive or unpruned versions of the planner's searches, small inputs only."""
+"""Test oracles shared by tests and benchmarks: exhaustive or unpruned versions of the
+planner's searches and plain numpy semantics of resharding; small inputs only, never used by
+the planner."""

@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from meshplan.cost.cluster import make_cluster  # noqa: E402
-from meshplan.reshard.cross_mesh import plan_resharding, schedule_tasks  # noqa: E402
+from meshplan.reshard.schedulers import schedule_tasks  # noqa: E402
+from meshplan.reshard.tasks import plan_resharding  # noqa: E402
 from meshplan.runtime.buffers import HOST  # noqa: E402
 from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder, reshard_in_memory  # noqa: E402
 from meshplan.sharding import LogicalMesh  # noqa: E402
