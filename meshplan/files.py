@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -29,3 +30,13 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_json(path: Path, what: str, error: type[Exception]):
+    """The JSON document at ``path``; ``error`` (one line naming ``what``) if it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise error(f"cannot read {what}: {exc.strerror or exc}") from None

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshplan.errors import PlanError
-from meshplan.files import atomic_write_bytes
+from meshplan.files import atomic_write_bytes, read_json
 
 FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -182,12 +182,7 @@ def read_plan(directory: str | os.PathLike) -> Plan:
         raise PlanError(f"plan directory not found: {directory}")
     if not path.is_file():
         raise PlanError(f"no {PLAN_FILE} in {directory}", hint="create one with meshplan plan")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{path} is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise PlanError(f"cannot read {path}: {exc.strerror or exc}") from None
+    data = read_json(path, str(path), PlanError)
     if not isinstance(data, dict):
         raise PlanError(f"{path} is not a plan")
     return Plan.from_dict(data)

@@ -11,7 +11,7 @@ layers' boundary layouts.
 Operators without a sharding rule get the replicated strategy only, which is always
 correct; so is any plan this pass returns, because the emitter inserts whatever
 resharding the chosen specs need. Tensors move between stages in their boundary layout,
-by cross-mesh resharding (see ``cross_mesh``).
+by cross-mesh resharding (see ``meshplan.reshard``).
 """
 
 from __future__ import annotations

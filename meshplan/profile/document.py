@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshplan.cost.cluster import DEVICE_PRESETS, Cluster
-from meshplan.files import atomic_write_bytes
+from meshplan.files import atomic_write_bytes, read_json
 from meshplan.errors import PlanError
 from meshplan.profile.comm import CommFit
 from meshplan.profile.errors import ProfileError
@@ -159,12 +159,7 @@ def read_profile(path: str | os.PathLike) -> Profile:
     path = Path(path)
     if not path.is_file():
         raise PlanError(f"profile not found: {path}", hint="create one with meshplan profile")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanError(f"profile {path} is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise PlanError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    data = read_json(path, f"profile {path}", PlanError)
     return Profile.from_dict(data, str(path))
 
 
