@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib.util
+import io
 import os
 from functools import lru_cache
 
@@ -31,13 +34,15 @@ def cuda_usable() -> bool:
         return False
     if _probe(ort):
         return True
-    # pip-installed CUDA libraries (onnxruntime-gpu[cuda,cudnn]) are found once preloaded.
+    # pip-installed CUDA libraries (onnxruntime-gpu[cuda,cudnn]) are found once preloaded;
+    # without them there is nothing to preload (and preload_dlls would print its failures).
     preload = getattr(ort, "preload_dlls", None)
-    if preload is None:
+    if preload is None or importlib.util.find_spec("nvidia") is None:
         return False
     try:
-        preload()
-    except Exception:  # nothing to preload: the provider stays unusable
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            preload()
+    except Exception:  # the libraries would not load: the provider stays unusable
         return False
     return _probe(ort)
 
