@@ -22,7 +22,7 @@ from meshplan.profile import ProfiledCostModel, ProfileOptions, load_profile, pr
 from meshplan.profile.cache import OpKey, ProfileCache
 from meshplan.profile.comm import cluster_fits, fit_latency_bandwidth
 from meshplan.profile.errors import ProfileError
-from meshplan.profile.signatures import build_timing_model, collect_signatures, signature_of
+from meshplan.profile.signatures import Variant, build_timing_model, collect_signatures, signature_of
 from meshplan.profile.timing import OpTimer, TimingConfig, cuda_usable, resolve_provider
 from meshplan.profile.variants import sharded_variants
 from sample_models import SAMPLES
@@ -85,6 +85,30 @@ def test_gpt_signatures_dedup_across_layers(tmp_path):
     assert sum(e.count for e in found.values()) == len(graph.nodes)
 
 
+def test_sharded_variants_run_with_their_rewritten_shape_constants(tmp_path):
+    """Every sharded signature of the GPT sample (Reshape targets rewritten to local shapes)
+    builds and runs in onnxruntime: none is timed with the whole tensor's constants."""
+    import onnxruntime as ort
+
+    from meshplan.model.load import canonicalize
+
+    path = tmp_path / "gpt.onnx"
+    onnx.save_model(SAMPLES["gpt"].build(), str(path))
+    canonical = canonicalize(path, {"batch": 4, "seq": 8}, tmp_path)
+    graph = build_graph(canonical.model)
+    found = collect_signatures(graph, canonical.model, canonical.path.parent,
+                               variants=sharded_variants(make_cluster((2, 2), "cpu")))
+    reshapes = [e for e in found.values() if e.signature.op_type == "Reshape" and "model:variant" in e.sources]
+    assert reshapes
+    rng = np.random.default_rng(0)
+    for entry in reshapes:
+        session = ort.InferenceSession(build_timing_model(entry.spec).SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        feeds = {i.name: rng.standard_normal([d for d in i.shape]).astype(np.float32) for i in session.get_inputs()}
+        (out,) = session.run(None, feeds)
+        assert out.shape == entry.signature.outputs[0][1]
+
+
 def test_shape_constants_stay_initializers_weights_become_inputs():
     shape = numpy_helper.from_array(np.array([4, 16], dtype=np.int64), "target")
     model = _model([helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
@@ -112,8 +136,8 @@ def test_variants_add_sharded_shapes():
     graph = build_graph(model)
 
     def halves(node, graph):
-        yield ((8, 64), (64, 16))         # column-split weight
-        yield ((8, 64), (63, 5))          # impossible: skipped
+        yield Variant(((8, 64), (64, 16)))         # column-split weight
+        yield Variant(((8, 64), (63, 5)))          # impossible: skipped
 
     found = collect_signatures(graph, model, variants=halves)
     assert len(found) == 2
@@ -127,10 +151,10 @@ def test_sharded_variants_follow_the_planners_meshes():
     graph = build_graph(model)
     node = graph.nodes[0]
     assert list(sharded_variants(make_cluster((1, 1), "cpu"))(node, graph)) == []   # one device: nothing sharded
-    pair = list(sharded_variants(make_cluster((1, 2), "cpu"))(node, graph))
+    pair = [v.shapes for v in sharded_variants(make_cluster((1, 2), "cpu"))(node, graph)]
     assert len(pair) == len(set(pair))
     assert {((4, 64), (64, 32)), ((8, 32), (32, 32)), ((8, 64), (64, 16))} <= set(pair)   # batch, rows, columns
-    quad = set(sharded_variants(make_cluster((2, 2), "cpu"))(node, graph))
+    quad = {v.shapes for v in sharded_variants(make_cluster((2, 2), "cpu"))(node, graph)}
     assert set(pair) <= quad                                          # the 1x2 submesh is tried on 2x2 too
     assert {((2, 64), (64, 32)), ((8, 64), (64, 8)), ((4, 64), (64, 16))} <= quad   # 1x4 view, 2x2 mesh
     variants = sharded_variants(make_cluster((1, 2), "cpu"))

@@ -44,7 +44,17 @@ CONSTANT_ANY_ELEMENTS = 16       # any dtype up to this many elements (scalars s
 ACT, WEIGHT, CONST = "act", "weight", "const"
 
 Shape = tuple[int, ...]
-Variants = Callable[[Node, Graph], Iterable[tuple]]
+@dataclass(frozen=True)
+class Variant:
+    """Other local input shapes of a node (a sharded strategy's), with the new values of
+    the shape constants the strategy rewrites (input index → int64 values), so that the
+    timed operator is the one the device's program runs."""
+
+    shapes: tuple                                   # per input: a shape, or None
+    rewrites: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+Variants = Callable[[Node, Graph], Iterable[Variant]]
 
 
 def is_constant_input(info: TensorInfo) -> bool:
@@ -255,17 +265,21 @@ def collect_signatures(
         _add(found, spec, node, label, estimate(node, graph) if estimate else 0.0)
         if variants is None:
             continue
-        for shapes in variants(node, graph) or ():
-            shapes = tuple(None if s is None else tuple(int(d) for d in s) for s in shapes)
+        for variant in variants(node, graph) or ():
+            shapes = tuple(None if s is None else tuple(int(d) for d in s) for s in variant.shapes)
             if len(shapes) != len(node.inputs) or shapes == tuple(s[1] if s else None for s in signature.inputs):
                 continue
-            outputs = infer_output_shapes(spec, shapes)
+            if any(i not in const for i, _ in variant.rewrites):
+                continue  # a rewritten input that is not a readable constant: nothing to time
+            local = {**const, **{i: np.asarray(v, dtype=np.int64) for i, v in variant.rewrites}}
+            local_spec = TimingSpec(signature, attributes, local, opsets)
+            outputs = infer_output_shapes(local_spec, shapes)
             if outputs is None:
                 continue
-            variant = signature_of(node, graph, shapes, outputs)
-            if variant is not None:
-                scale = _size_ratio(signature, variant)
-                _add(found, TimingSpec(variant, attributes, const, opsets), node, f"{label}:variant",
+            sharded = signature_of(node, graph, shapes, outputs)
+            if sharded is not None:
+                scale = _size_ratio(signature, sharded)
+                _add(found, TimingSpec(sharded, attributes, local, opsets), node, f"{label}:variant",
                      scale * (estimate(node, graph) if estimate else 0.0))
     return found
 

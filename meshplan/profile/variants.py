@@ -8,13 +8,14 @@ from meshplan.cost.cluster import Cluster
 from meshplan.inter.stage_cost import logical_meshes, submesh_shapes
 from meshplan.intra.strategies import node_strategies
 from meshplan.sharding import LogicalMesh
-from meshplan.profile.signatures import Variants
+from meshplan.profile.signatures import Variant, Variants
 
 
 def sharded_variants(cluster: Cluster) -> Variants:
-    """``variants(node, graph)`` for ``ProfileOptions.variants``: the distinct tuples of
-    local input shapes (None for an absent input or one without a spec) that ``node`` has
-    under each of its strategies on the logical meshes of every submesh but 1×1."""
+    """``variants(node, graph)`` for ``ProfileOptions.variants``: the distinct local input
+    shapes (None for an absent input or one without a spec), with the rewritten shape
+    constants, that ``node`` has under each of its strategies on the logical meshes of
+    every submesh but 1×1."""
     meshes = [LogicalMesh(view, tuple(range(view[0] * view[1])))
               for shape in submesh_shapes(cluster) if shape != (1, 1) for view in logical_meshes(shape)]
 
@@ -24,8 +25,9 @@ def sharded_variants(cluster: Cluster) -> Variants:
             for strategy in node_strategies(node, graph, mesh, opset=graph.opset):
                 shapes = tuple(spec.local_shape(graph.tensors[name].shape, mesh) if name and spec is not None else None
                                for name, spec in zip(node.inputs, strategy.inputs))
-                if shapes not in seen:
-                    seen.add(shapes)
-                    yield shapes
+                variant = Variant(shapes, tuple(strategy.rewrites))
+                if variant not in seen:
+                    seen.add(variant)
+                    yield variant
 
     return variants
