@@ -122,8 +122,9 @@ class ShardingSpec:
 
     @classmethod
     def parse(cls, text: str) -> "ShardingSpec":
-        """'S0R' → (S0, R); 'RR+P1' → partial over axis 1; '' or '+P0' for scalars."""
+        """'S0R' → (S0, R); 'RR+P1' → partial over axis 1; '()', '' or '()+P0' for 0-d tensors."""
         body, _, partial = text.partition("+P")
+        body = "" if body == "()" else body      # a 0-d tensor's spec prints as ()
         tokens = _TOKEN.findall(body)
         if "".join(tokens) != body:
             raise ValueError(f"cannot parse sharding spec {text!r}")
