@@ -5,7 +5,8 @@ rewrites it for the device at one coordinate of the stage's logical mesh:
 
 - each weight is sliced to the shard the chosen strategy gives this device;
 - shape constants the split changes (a Reshape target, an Expand shape) are replaced by
-  the strategy's local values;
+  the strategy's local values, and attributes that name sizes (MatMulNBits' K and N) by
+  their local sizes;
 - where a tensor's spec differs from what its consumer's strategy needs, the resharding
   steps are inserted: communication as collective nodes of the ``meshplan`` domain
   (``AllReduce``, ``AllGather``, ``ReduceScatter``, ``AllToAll`` with ``axis``, ``dim``
@@ -28,7 +29,7 @@ from meshplan.model.graph import Graph
 from meshplan.model.opsets import DEFAULT_OPSET
 from meshplan.reshard.steps import Step, reshard_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec
-from meshplan.intra.strategies import Strategy
+from meshplan.intra.strategies import Strategy, local_attributes
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 
 def replicated_strategy(node: onnx.NodeProto, graph: Graph) -> Strategy:
@@ -134,8 +135,10 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
     for value in stage.graph.input:
         if value.name not in weights:
             build.provide(value.name, input_specs[value.name])
+    by_name = {node.name: node for node in graph.nodes}
     for node in stage.graph.node:
         strategy = strategies.get(node.name) or replicated_strategy(node, graph)
+        attrs = local_attributes(by_name[node.name], graph, strategy, mesh) if node.name in strategies else {}
         rewrites = dict(strategy.rewrites)
         inputs = []
         for k, name in enumerate(node.input):
@@ -155,6 +158,9 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
         local.input.extend(inputs)
         del local.output[:]
         local.output.extend(outputs)
+        for attribute in local.attribute:
+            if attribute.name in attrs:
+                attribute.CopyFrom(helper.make_attribute(attribute.name, attrs[attribute.name]))
         build.nodes.append(local)
     outputs = [build.value_info[build.ensure(v.name, output_specs[v.name])] for v in stage.graph.output]
     inputs = [build.value_info[local_name(v.name, input_specs[v.name])] for v in stage.graph.input if v.name not in weights]

@@ -115,7 +115,7 @@ class LayerIlp:
                 src, dst = choices[index_of[where]], choices[index_of[i]]
                 matrix = np.array([[reshard(a.outputs[out_index], b.inputs[k], name) for b in dst] for a in src])
                 edges.append(IlpEdge(index_of[where], index_of[i], matrix))
-        heavy = [entry(self.graph.nodes[i].op_type).heavy for i in range(start, stop)]
+        heavy = [entry(self.graph.nodes[i].op_type, self.graph.nodes[i].domain).heavy for i in range(start, stop)]
         problem, recover = fold_followers(ShardingProblem(nodes, edges, memory_limit), heavy)
         result = solve(problem, self.solver)
         full = recover(result.choices)

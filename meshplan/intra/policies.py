@@ -32,17 +32,30 @@ def _batch_only(node: Node, graph: Graph, strategy: Strategy) -> bool:
     return outputs_ok and any(spec is not None and spec.dims and spec.dims[0] != "R" for spec in strategy.outputs)
 
 
-def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:
-    if entry(node.op_type).policy != MATRIX or len(node.inputs) < 2:
-        return True
+def _weight_dims(node: Node, graph: Graph) -> tuple[int, int, int, int] | None:
+    """(K, N, K's dim, N's dim) of the weight (input 1) of a matrix product, None if it has none."""
     weight = graph.tensors.get(node.inputs[1])
-    if weight is None or not weight.is_param or len(weight.shape) != 2:
+    if weight is None or not weight.is_param:
+        return None
+    if node.op_type == "MatMulNBits" and len(weight.shape) == 3:   # packed [N, K blocks, bytes per block]
+        return node.attrs["K"], node.attrs["N"], 1, 0
+    if len(weight.shape) != 2:
+        return None
+    if node.op_type == "Gemm" and node.attrs.get("transB", 0):
+        return weight.shape[1], weight.shape[0], 1, 0
+    return weight.shape[0], weight.shape[1], 0, 1
+
+
+def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:
+    if entry(node.op_type, node.domain).policy != MATRIX or len(node.inputs) < 2:
         return True
-    k, n = weight.shape if not (node.op_type == "Gemm" and node.attrs.get("transB", 0)) else weight.shape[::-1]
+    dims = _weight_dims(node, graph)
+    if dims is None:
+        return True
+    k, n, k_dim, n_dim = dims
     spec = strategy.inputs[1]
     if spec is None:
         return False
-    k_dim, n_dim = (0, 1) if not (node.op_type == "Gemm" and node.attrs.get("transB", 0)) else (1, 0)
     column = spec.dims[n_dim] != "R" and spec.dims[k_dim] == "R"
     row = spec.dims[k_dim] != "R" and spec.dims[n_dim] == "R"
     if n == k:   # square (an attention output projection): either, the ILP picks

@@ -22,11 +22,11 @@ from typing import Mapping
 import numpy as np
 
 from meshplan.model.graph import Graph, Node
-from meshplan.ops import entry, ops_with_rules
+from meshplan.ops import entry, ops_with_rules, rule_of
 from meshplan.ops.view import P, R, NoRule, OpView, Place, Rule
 from meshplan.sharding import S0, S01, S1, LogicalMesh, ShardingSpec
 
-__all__ = ["Strategy", "node_strategies", "ops_with_rules"]
+__all__ = ["Strategy", "local_attributes", "node_strategies", "ops_with_rules"]
 
 
 @dataclass(frozen=True)
@@ -55,17 +55,18 @@ def _normalize(op: OpView, rule: Rule) -> Rule:
     return ins, outs
 
 
-def _allowed(op: OpView, rule: Rule) -> bool:
-    """Partial only on floating tensors, and on a weight only as Gemm's bias: a partial
-    weight is stored whole on one device of each partial group and as zeros on the others
-    (see shard_emit), which lets the bias ride along with a partial product; any other
-    partial weight would be correct but never useful."""
+def _allowed(op: OpView, rule: Rule, partial_bias: int | None) -> bool:
+    """Partial only on floating tensors, and on a weight only as a bias (the entry's
+    ``partial_bias``: Gemm's C, MatMulNBits' bias): a partial weight is stored whole on one
+    device of each partial group and as zeros on the others (see shard_emit), which lets
+    the bias ride along with a partial product; any other partial weight would be correct
+    but never useful."""
     for index, (place, info) in enumerate(zip(rule[0] + rule[1], op.ins + op.outs)):
         if place != P:
             continue
         if not np.issubdtype(info.dtype, np.floating):
             return False
-        if info.is_param and not (op.node.op_type == "Gemm" and index == 2):
+        if info.is_param and index != partial_bias:
             return False
     return True
 
@@ -111,8 +112,8 @@ def node_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
         tuple(None if i is None else ShardingSpec.replicated(len(i.shape)) for i in op.ins),
         tuple(None if o is None else ShardingSpec.replicated(len(o.shape)) for o in op.outs),
     )
-    op_entry = entry(node.op_type)
-    rule_fn = op_entry.rule if node.domain in ("", "ai.onnx") else None
+    op_entry = entry(node.op_type, node.domain)
+    rule_fn = rule_of(node.op_type, node.domain)
     if rule_fn is None or not op.ins or op.ins[0] is None or any(o is None for o in op.outs[:1]):
         return [replicated]
     try:
@@ -120,7 +121,7 @@ def node_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
     except NoRule:
         return [replicated]
     everything_r = _normalize(op, ((), tuple(R for _ in op.outs)))
-    rules = [everything_r] + [r for r in dict.fromkeys(rules) if r != everything_r and _allowed(op, r)]
+    rules = [everything_r] + [r for r in dict.fromkeys(rules) if r != everything_r and _allowed(op, r, op_entry.partial_bias)]
     per_axis = [rules if mesh.shape[axis] > 1 else [everything_r] for axis in (0, 1)]
     shapes = [None if i is None else i.shape for i in op.ins + op.outs]
     rewrite = op_entry.rewrite
@@ -140,3 +141,18 @@ def node_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
                 strategy = Strategy(strategy.inputs, strategy.outputs, rewrites)
             found[strategy] = None
     return list(found)
+
+
+def local_attributes(node: Node, graph: Graph, strategy: Strategy, mesh: LogicalMesh) -> dict:
+    """The attributes of ``node`` that change on each device under ``strategy`` (MatMulNBits'
+    K and N), by name; empty for most operators. They depend on the local shapes alone,
+    the same on every device."""
+    hook = entry(node.op_type, node.domain).local_attrs
+    if hook is None or strategy.is_replicated:
+        return {}
+    op = OpView(node, graph, {}, None)
+
+    def local(infos, specs):
+        return [None if i is None or s is None else s.local_shape(i.shape, mesh) for i, s in zip(infos, specs)]
+
+    return hook(op, local(op.ins, strategy.inputs), local(op.outs, strategy.outputs))

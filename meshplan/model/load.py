@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from meshplan.errors import ModelError
 from meshplan.files import file_sha256
+from meshplan.model.contrib_shapes import infer_with_contrib
 
 # onnx 1.23 writes IR 14 by default, newer than onnxruntime 1.31 reads (13). Every file
 # meshplan writes carries the least IR version its opsets need, never above this.
@@ -141,7 +142,7 @@ def fold_constants(model_path: Path, out_path: Path) -> None:
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnx shape inference, strict, with data propagation for shape tensors."""
     try:
-        return onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        return infer_with_contrib(model, lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True))
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"shape inference failed: {_first_line(exc)}") from exc
 

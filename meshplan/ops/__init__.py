@@ -1,13 +1,13 @@
 """The op registry: one entry per ONNX op type (sharding rule, FLOP formula, heaviness,
 policy class), defined in the module of its family."""
 
-from meshplan.ops import contractions, pointwise, reductions, shapes  # noqa: F401  (they define the entries)
-from meshplan.ops.registry import MATRIX, OpEntry, entry, heavy_ops, ops_with_rules
+from meshplan.ops import contractions, pointwise, quantized, reductions, shapes  # noqa: F401  (they define the entries)
+from meshplan.ops.registry import MATRIX, OpEntry, entry, heavy_ops, ops_with_rules, rule_of
 from meshplan.ops.view import SMALL_CONSTANT_ELEMENTS, OpView
 
-__all__ = ["MATRIX", "OpEntry", "OpView", "SMALL_CONSTANT_ELEMENTS", "entry", "heavy_ops", "ops_with_rules", "node_flops"]
+__all__ = ["MATRIX", "OpEntry", "OpView", "SMALL_CONSTANT_ELEMENTS", "entry", "heavy_ops", "ops_with_rules", "rule_of", "node_flops"]
 
 
 def node_flops(node, graph) -> float:
-    """FLOPs of ``node`` by its op type's formula (any domain)."""
-    return entry(node.op_type).flops(OpView(node, graph, {}, None))
+    """FLOPs of ``node`` by its op type's formula (its domain's entry, else the default domain's)."""
+    return entry(node.op_type, node.domain).flops(OpView(node, graph, {}, None))

@@ -36,26 +36,29 @@ def einsum_rules(op: OpView, inputs: Sequence[Sequence[str] | None], output: Seq
     return rules
 
 
-def _product_flops(op: OpView) -> float:
+def product_flops(op: OpView) -> float:
     """2 × output elements × contraction length (A's last dim)."""
     a = op.ins[0].shape
     return 2.0 * op.outs[0].size * (a[-1] if a else 1)
 
 
-@rule("MatMul", flops=_product_flops, heavy=True, policy=MATRIX)
+@rule("MatMul", flops=product_flops, heavy=True, policy=MATRIX)
 def _matmul(op: OpView) -> list[Rule]:
     """numpy matmul: batch dims (broadcast), rows M, columns N, contraction K → partial."""
-    a, b, out = op.shape(0), op.shape(1), op.out_shape
+    a_labels, b_labels, output = matmul_labels(op.shape(0), op.shape(1), op.out_shape)
+    return einsum_rules(op, [a_labels, b_labels], output, linear=(0, 1))
+
+
+def matmul_labels(a: Sequence[int], b: Sequence[int], out: Sequence[int]) -> tuple[list[str], list[str], list[str]]:
+    """numpy matmul's operands and output as einsum labels: batch dims (broadcast), rows
+    ``m``, columns ``n``, contraction ``k``."""
     batch = [f"b{d}" for d in range(len(out) - (len(a) > 1) - (len(b) > 1))]
 
     def labels(rank: int, last_two: list[str]) -> list[str]:
         return batch[len(batch) - (rank - 2):] + last_two if rank >= 2 else ["k"]
 
     output = batch + (["m"] if len(a) > 1 else []) + (["n"] if len(b) > 1 else [])
-    return einsum_rules(op, [labels(len(a), ["m", "k"]), labels(len(b), ["k", "n"])], output, linear=(0, 1))
-
-
-define("MatMulInteger", flops=_product_flops, heavy=True)
+    return labels(len(a), ["m", "k"]), labels(len(b), ["k", "n"]), output
 
 
 def _gemm_flops(op: OpView) -> float:
@@ -64,7 +67,7 @@ def _gemm_flops(op: OpView) -> float:
     return 2.0 * out * k + (out if op.has_input(2) else 0)
 
 
-@rule("Gemm", flops=_gemm_flops, heavy=True, policy=MATRIX)
+@rule("Gemm", flops=_gemm_flops, heavy=True, policy=MATRIX, partial_bias=2)
 def _gemm(op: OpView) -> list[Rule]:
     """alpha·A'·B' + beta·C: M and N splits (C follows by broadcasting); K → partial, with
     C partial too when there is a bias (Megatron's row-parallel linear layer)."""

@@ -1,8 +1,10 @@
 """One entry per ONNX op type: its sharding rule, FLOP formula, heaviness and policy class.
 
 Adding an op is one ``define`` call in the module of its family (pointwise, contractions,
-normalisations, shapes). An op type with no entry has no sharding rule (only the
+normalisations, shapes, quantized). An op type with no entry has no sharding rule (only the
 replicated strategy), one FLOP per output element, is light and has no policy class.
+Entries are per domain: an op of another domain (``com.microsoft``) without an entry of
+its own takes the FLOPs and heaviness of the default-domain op of that name, never its rule.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ FlopsFn = Callable[[OpView], float]
 # f(op, input specs, output specs, mesh): the strategy's rewrites (input index → new int64
 # value on every device), or None when the strategy cannot be run
 RewriteFn = Callable[[OpView, tuple, tuple, object], tuple | None]
+# f(op, local input shapes, local output shapes): the attributes that change on a device
+# (MatMulNBits' K and N), by name
+LocalAttrsFn = Callable[[OpView, list, list], dict]
 
 MATRIX = "matrix"   # policy class: a weight-bearing matrix product (Megatron's column/row split)
 
@@ -41,19 +46,29 @@ class OpEntry:
     heavy: bool = False                 # always gets ILP variables of its own
     policy: str | None = None           # policy class (MATRIX) for hand-written policies
     rewrite: RewriteFn | None = None
+    domain: str = ""
+    partial_bias: int | None = None     # input index of a weight that may be partial (held by one device)
+    local_attrs: LocalAttrsFn | None = None
 
 
-_ENTRIES: dict[str, OpEntry] = {}
+_ENTRIES: dict[tuple[str, str], OpEntry] = {}
 _DEFAULT = OpEntry("")
 
 
+def _domain(domain: str | None) -> str:
+    return "" if domain in (None, "", "ai.onnx") else domain
+
+
 def define(*op_types: str, rule: RuleFn | None = None, flops: FlopsFn | None = None, heavy: bool = False,
-           policy: str | None = None, rewrite: RewriteFn | None = None) -> None:
-    """Register one entry for each of ``op_types`` (an op type is defined once)."""
+           policy: str | None = None, rewrite: RewriteFn | None = None, domain: str = "",
+           partial_bias: int | None = None, local_attrs: LocalAttrsFn | None = None) -> None:
+    """Register one entry for each of ``op_types`` (an op type is defined once per domain)."""
     for op_type in op_types:
-        if op_type in _ENTRIES:
+        key = (_domain(domain), op_type)
+        if key in _ENTRIES:
             raise ValueError(f"op {op_type} is defined twice")
-        _ENTRIES[op_type] = OpEntry(op_type, rule, flops or per_element(1), heavy, policy, rewrite)
+        _ENTRIES[key] = OpEntry(op_type, rule, flops or per_element(1), heavy, policy, rewrite, key[0],
+                                partial_bias, local_attrs)
 
 
 def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:
@@ -64,14 +79,21 @@ def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:
     return add
 
 
-def entry(op_type: str) -> OpEntry:
-    return _ENTRIES.get(op_type, _DEFAULT)
+def entry(op_type: str, domain: str | None = "") -> OpEntry:
+    """The entry of ``op_type`` in ``domain``, else of the default-domain op of that name."""
+    return _ENTRIES.get((_domain(domain), op_type)) or _ENTRIES.get(("", op_type), _DEFAULT)
 
 
-def ops_with_rules() -> tuple[str, ...]:
-    """The ONNX op types (default domain) that have sharding rules."""
-    return tuple(sorted(op for op, e in _ENTRIES.items() if e.rule is not None))
+def rule_of(op_type: str, domain: str | None = "") -> RuleFn | None:
+    """The sharding rule of ``op_type`` in ``domain`` (an entry of that very domain only)."""
+    found = _ENTRIES.get((_domain(domain), op_type))
+    return None if found is None else found.rule
+
+
+def ops_with_rules(domain: str = "") -> tuple[str, ...]:
+    """The ONNX op types of ``domain`` (default: the default domain) that have sharding rules."""
+    return tuple(sorted(op for (d, op), e in _ENTRIES.items() if d == _domain(domain) and e.rule is not None))
 
 
 def heavy_ops() -> frozenset[str]:
-    return frozenset(op for op, e in _ENTRIES.items() if e.heavy)
+    return frozenset(op for (_, op), e in _ENTRIES.items() if e.heavy)
