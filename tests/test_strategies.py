@@ -57,7 +57,7 @@ def _session(node: onnx.NodeProto, graph, opsets) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _tolerance(expected: np.ndarray, half: bool) -> dict:
+def sharded_tolerance(expected: np.ndarray, half: bool) -> dict:
     """rtol 1e-4 (1e-2 when float16 is involved: addends of a float16 value round), exact for integers."""
     if not np.issubdtype(expected.dtype, np.floating):
         return dict(rtol=0, atol=0)
@@ -116,11 +116,11 @@ def _check_strategy(strategy, node, graph, session, values, expected, mesh):
         label = f"{node.op_type} {strategy} on {mesh.shape}, output {k}"
         for c, local in got.items():
             assert local.shape == spec.local_shape(want.shape, mesh), f"{label}: device {c} has shape {local.shape}"
-        np.testing.assert_allclose(unshard(got, spec, mesh), want, err_msg=label, **_tolerance(want, half))
+        np.testing.assert_allclose(unshard(got, spec, mesh), want, err_msg=label, **sharded_tolerance(want, half))
         if not spec.partial:
             for c, local in got.items():
                 np.testing.assert_allclose(local, want[spec.local_slices(want.shape, mesh, c)],
-                                           err_msg=f"{label}, device {c}", **_tolerance(want, half))
+                                           err_msg=f"{label}, device {c}", **sharded_tolerance(want, half))
 
 
 def _coords(mesh):

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from meshplan.model.contrib_shapes import infer_with_contrib
 from meshplan.model.graph import Graph, Node, TensorInfo
 from meshplan.model.opsets import DEFAULT_OPSET
 
@@ -47,11 +48,13 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True)
 class Variant:
     """Other local input shapes of a node (a sharded strategy's), with the new values of
-    the shape constants the strategy rewrites (input index → int64 values), so that the
-    timed operator is the one the device's program runs."""
+    the shape constants the strategy rewrites (input index → int64 values) and of the
+    attributes that change per device (MatMulNBits' K and N), so that the timed operator
+    is the one the device's program runs."""
 
     shapes: tuple                                   # per input: a shape, or None
     rewrites: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    attributes: tuple[tuple[str, object], ...] = ()
 
 
 Variants = Callable[[Node, Graph], Iterable[Variant]]
@@ -271,17 +274,35 @@ def collect_signatures(
                 continue
             if any(i not in const for i, _ in variant.rewrites):
                 continue  # a rewritten input that is not a readable constant: nothing to time
-            local = {**const, **{i: np.asarray(v, dtype=np.int64) for i, v in variant.rewrites}}
-            local_spec = TimingSpec(signature, attributes, local, opsets)
+            # A sharded constant (a packed integer weight, say) is timed on a block of its
+            # local shape: what the device holds differs only in its values.
+            local = {i: v[tuple(slice(0, d) for d in shapes[i])] if shapes[i] is not None else v
+                     for i, v in const.items()}
+            local.update({i: np.asarray(v, dtype=np.int64) for i, v in variant.rewrites})
+            local_attrs = _with_attributes(attributes, dict(variant.attributes))
+            local_spec = TimingSpec(signature, local_attrs, local, opsets)
             outputs = infer_output_shapes(local_spec, shapes)
             if outputs is None:
                 continue
             sharded = signature_of(node, graph, shapes, outputs)
             if sharded is not None:
                 scale = _size_ratio(signature, sharded)
-                _add(found, TimingSpec(sharded, attributes, local, opsets), node, f"{label}:variant",
+                _add(found, TimingSpec(sharded, local_attrs, local, opsets), node, f"{label}:variant",
                      scale * (estimate(node, graph) if estimate else 0.0))
     return found
+
+
+def _with_attributes(serialized: list[bytes], values: dict) -> list[bytes]:
+    """The node's serialized attributes with those named in ``values`` replaced."""
+    if not values:
+        return serialized
+    out = []
+    for data in serialized:
+        attribute = onnx.AttributeProto.FromString(data)
+        if attribute.name in values:
+            attribute = onnx.helper.make_attribute(attribute.name, values[attribute.name])
+        out.append(attribute.SerializeToString())
+    return out
 
 
 def _size_ratio(base: OpSignature, variant: OpSignature) -> float:
@@ -311,7 +332,8 @@ def infer_output_shapes(spec: TimingSpec, input_shapes) -> tuple | None:
     model = build_timing_model(TimingSpec(variant, spec.attributes, spec.constants, spec.opsets), copies=1,
                                unknown_outputs=True)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        inferred = infer_with_contrib(
+            model, lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True))
     except Exception:  # onnx raises several types for shapes it cannot reconcile
         return None
     shapes = {}

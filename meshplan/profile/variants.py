@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from meshplan.cost.cluster import Cluster
 from meshplan.inter.stage_cost import logical_meshes, submesh_shapes
-from meshplan.intra.strategies import node_strategies
+from meshplan.intra.strategies import local_attributes, node_strategies
 from meshplan.sharding import LogicalMesh
 from meshplan.profile.signatures import Variant, Variants
 
@@ -25,7 +25,8 @@ def sharded_variants(cluster: Cluster) -> Variants:
             for strategy in node_strategies(node, graph, mesh, opset=graph.opset):
                 shapes = tuple(spec.local_shape(graph.tensors[name].shape, mesh) if name and spec is not None else None
                                for name, spec in zip(node.inputs, strategy.inputs))
-                variant = Variant(shapes, tuple(strategy.rewrites))
+                attrs = tuple(sorted(local_attributes(node, graph, strategy, mesh).items()))
+                variant = Variant(shapes, tuple(strategy.rewrites), attrs)
                 if variant not in seen:
                     seen.add(variant)
                     yield variant
