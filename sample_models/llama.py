@@ -44,17 +44,14 @@ INT4_BLOCK_SIZE = 32
 
 @dataclass(frozen=True)
 class _Config:
+    dtype: str                  # a key of DTYPES
+    weights: str | None         # one of WEIGHT_FORMATS
+    rotary: bool
     hidden: int
     heads: int
+    head_dim: int
     ffn: int
     max_seq: int
-    dtype: str
-    weights: str | None
-    rotary: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -83,7 +80,7 @@ def make_llama(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 176
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be None or 'int8'; got {weights!r} (int4: write_llama_int4)")
-    cfg = _Config(hidden, heads, ffn, max_seq, dtype, weights, rotary)
+    cfg = _Config(dtype, weights, rotary, hidden, heads, hidden // heads, ffn, max_seq)
     rng = np.random.RandomState(seed)
     g = GraphBuilder("llama")
     ids = g.input("input_ids", INT64, ["batch", "seq"])
