@@ -17,8 +17,12 @@ from cli.guard import debugging, guard
 @click.option("--outputs", "outputs_path", type=click.Path(path_type=Path),
               help="Also check these outputs (e.g. from meshplan run) against the original model.")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), help="The original model, if it moved.")
-@click.option("--rtol", default=1e-3, show_default=True, type=float)
-@click.option("--atol", default=1e-4, show_default=True, type=float)
+@click.option("--rtol", type=float,
+              help="Relative tolerance for every output [default: by each output's dtype: float32 1e-3, "
+                   "float16/bfloat16 8 eps, integers and bool exact].")
+@click.option("--atol", type=float,
+              help="Absolute tolerance for every output [default: by dtype: float32 1e-4, float16/bfloat16 8 eps, "
+                   "integers and bool 0].")
 @click.pass_context
 def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol):
     """Run all of a plan's programs in one process and compare with onnxruntime on the original model."""
@@ -39,7 +43,7 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol):
             for c in compare_outputs(actual, expected, rtol, atol):
                 status = "ok" if c.ok else "MISMATCH"
                 click.echo(f"{label}: {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
-                           f"(rtol {rtol:g}, atol {atol:g}) {status}")
+                           f"(rtol {c.rtol:g}, atol {c.atol:g}) {status}")
                 ok &= c.ok
         verdict = "PASSED" if ok else "FAILED"
         click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify against single-device onnxruntime")

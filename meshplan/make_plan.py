@@ -16,7 +16,7 @@ import onnx
 from onnx import numpy_helper
 
 from meshplan.cost.cluster import Cluster
-from meshplan.cost.analytic import CostModel
+from meshplan.cost.analytic import CostModel, compute_dtypes
 from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
 from meshplan.errors import PlanError
 from meshplan.model.graph import build_graph
@@ -109,6 +109,9 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, 
     canonical = canonicalize(model_path, program_dims, workdir)
     graph = build_graph(canonical.model)
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
+    dtypes = compute_dtypes(graph)
+    if dtypes != ["float32"]:                 # recorded where not float32 alone, as the report reads it
+        model_info["compute_dtypes"] = dtypes
     plan, shardings = plan_pipeline(
         graph, cluster, options, model_info, batch,
         _full_specs(header, graph.tensors, graph.inputs, batch, options.microbatches),

@@ -408,3 +408,63 @@ def test_documented_example_loads(example, tmp_path):
     assert cluster.device.memory_bandwidth == 3350e9 and cluster.device.kernel_overhead == pytest.approx(5e-6)
     assert cluster.intra_host.bandwidth == 300e9 and cluster.intra_host.latency == pytest.approx(5e-6)
     assert cluster.inter_host.bandwidth == 25e9 and cluster.inter_host.latency == pytest.approx(20e-6)
+
+
+# --- peaks per compute dtype -------------------------------------------------------------
+
+def test_presets_have_a_peak_per_dtype():
+    from meshplan.cost.cluster import PEAK_KEYS
+
+    for name, spec in DEVICE_PRESETS.items():
+        peaks = {key: spec.peak(key) for key in PEAK_KEYS}
+        assert peaks["fp32"] == spec.peak_flops
+        assert all(value >= peaks["fp32"] for value in peaks.values()), name
+        if name != "cpu":
+            assert peaks["fp16"] > 1.9 * peaks["fp32"] and peaks["int8"] > 1.9 * peaks["fp32"], name
+    h100 = DEVICE_PRESETS["h100-80g"]
+    assert (h100.peak("fp16"), h100.peak("bf16"), h100.peak("int8")) == pytest.approx((989e12, 989e12, 1979e12))
+    assert DEVICE_PRESETS["a100-80g"].peak("bf16") == pytest.approx(312e12)
+    assert DEVICE_PRESETS["v100-32g"].peak("bf16") == DEVICE_PRESETS["v100-32g"].peak_flops
+
+
+@pytest.mark.parametrize("device", sorted(DEVICE_PRESETS))
+def test_preset_record_is_unchanged_by_dtype_peaks(device):
+    """plan.json's record of a preset device has the five fields it always had (float32
+    plans stay pinned); reading it back restores the preset's dtype peaks."""
+    data = make_cluster((1, 2), device).to_dict()
+    assert set(data["device"]) == {"name", "memory_bytes", "peak_flops", "memory_bandwidth", "kernel_overhead"}
+    assert Cluster.from_dict(data).device == DEVICE_PRESETS[device]
+
+
+def test_file_peak_table_per_dtype(tmp_path):
+    text = "hosts = 1\ndevices_per_host = 2\n[device]\nname = \"x\"\n[device.peak_tflops]\nfp32 = 10\nfp16 = 40\nint8 = 80\n"
+    device = load_cluster_file(_write(tmp_path, text)).device
+    base = DEVICE_PRESETS["h100-80g"]
+    assert device.peak_flops == pytest.approx(10e12) and device.peak("fp32") == pytest.approx(10e12)
+    assert device.peak("fp16") == pytest.approx(40e12) and device.peak("int8") == pytest.approx(80e12)
+    assert device.peak("bf16") == base.peak("bf16")          # left out: the preset's
+    again = Cluster.from_dict(load_cluster_file(_write(tmp_path, text)).to_dict())
+    assert again.device == device and again.device.to_dict()["dtype_peaks"]["fp16"] == pytest.approx(40e12)
+
+
+def test_file_plain_peak_is_fp32_alone(tmp_path):
+    device = load_cluster_file(_write(tmp_path, "hosts = 1\ndevices_per_host = 2\n[device]\npeak_tflops = 7\n")).device
+    assert device.peak("fp32") == pytest.approx(7e12)
+    assert device.peak("fp16") == DEVICE_PRESETS["h100-80g"].peak("fp16")
+
+
+@pytest.mark.parametrize("body, message", [
+    ("fp8 = 3", "unknown key 'fp8' in [device.peak_tflops]"),
+    ("fp16 = 0", "device.peak_tflops.fp16 must be a positive number"),
+    ('int8 = "fast"', "device.peak_tflops.int8 must be a positive number"),
+])
+def test_file_peak_table_errors(tmp_path, body, message):
+    assert message in _error(tmp_path, f"hosts = 1\ndevices_per_host = 2\n[device.peak_tflops]\n{body}\n")
+
+
+def test_documented_example_sets_dtype_peaks(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text(_docstring_example())
+    device = load_cluster_file(path).device
+    assert device.peak("fp32") == pytest.approx(495e12) and device.peak("fp16") == pytest.approx(989e12)
+    assert device.peak("int8") == pytest.approx(1979e12)

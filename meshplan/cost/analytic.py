@@ -1,9 +1,10 @@
 """Analytic cost of operators and transfers on a cluster.
 
 time(node) = max(FLOPs / peak, bytes moved / memory bandwidth) + per-operator overhead.
-FLOPs come from each op type's registry entry (``meshplan.ops``); bytes moved are the node's inputs (weights
-included) and outputs. Transfers between devices use the cluster's link model
-(latency + bytes / bandwidth, slower between hosts).
+FLOPs come from each op type's registry entry (``meshplan.ops``); the peak is the device's
+for the dtype the node computes in (``compute_dtype``); bytes moved are the node's inputs
+(weights included) and outputs at their element sizes. Transfers between devices use the
+cluster's link model (latency + bytes / bandwidth, slower between hosts).
 """
 
 from __future__ import annotations
@@ -15,7 +16,35 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph, Node
 from meshplan.ops import node_flops
 
-__all__ = ["CostModel", "CostModelProtocol", "node_bytes", "node_flops", "ring_fit"]
+__all__ = ["CostModel", "CostModelProtocol", "compute_dtype", "compute_dtypes", "node_bytes", "node_flops", "ring_fit"]
+
+# The device peak (cluster.PEAK_KEYS) of each compute dtype; any other computes at fp32's.
+PEAK_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}
+
+# Products of 8-bit integers: they run on the int8 units. Other ops reading 8-bit integers
+# (DequantizeLinear, Gather of int8 rows) do next to no arithmetic and count as float32.
+INTEGER_PRODUCTS = frozenset({"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv",
+                              "MatMulIntegerToFloat", "DynamicQuantizeMatMul"})
+
+
+def compute_dtype(node: Node, graph: Graph) -> str:
+    """The dtype ``node`` computes in: its first input's (its main operand: a product's
+    left side, a pointwise op's data; MatMulNBits' activations) — "float16", "bfloat16",
+    "int8" for 8-bit integer products, "float32" for everything else (float32 itself,
+    and integer or bool shape arithmetic)."""
+    first = next((n for n in node.inputs if n), None)
+    if first is None or first not in graph.tensors:
+        return "float32"
+    name = graph.tensors[first].dtype.name
+    if name in ("int8", "uint8"):
+        return "int8" if node.op_type in INTEGER_PRODUCTS else "float32"
+    return name if name in PEAK_OF_DTYPE else "float32"
+
+
+def compute_dtypes(graph: Graph) -> list[str]:
+    """The dtypes the model's arithmetic runs in (of nodes with FLOPs), sorted; float32 when none has."""
+    return sorted({compute_dtype(node, graph) for node in graph.nodes if node_flops(node, graph) > 0}) or ["float32"]
+
 
 def node_bytes(node: Node, graph: Graph) -> float:
     names = [n for n in dict.fromkeys(node.inputs) if n] + [n for n in node.outputs if n]
@@ -47,7 +76,7 @@ class CostModel(CostModelProtocol):
         device = self.cluster.device
         if node.op_type in ("Shape", "Size"):
             return device.kernel_overhead
-        compute = node_flops(node, graph) / device.peak_flops
+        compute = node_flops(node, graph) / device.peak(PEAK_OF_DTYPE[compute_dtype(node, graph)])
         memory = node_bytes(node, graph) / device.memory_bandwidth
         return max(compute, memory) + device.kernel_overhead
 

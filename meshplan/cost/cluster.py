@@ -10,9 +10,14 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
     preset = "h100-80g"            # the preset the other keys override (default h100-80g)
     name = "my-gpu"
     memory_gb = 80                 # device memory, GiB
-    peak_tflops = 989              # dense peak for the model's dtype, TFLOP/s
     memory_bandwidth_gbps = 3350   # GB/s
     kernel_overhead_us = 5         # fixed cost per operator launch
+
+    [device.peak_tflops]           # dense peaks per compute dtype, TFLOP/s (int8: TOP/s);
+    fp32 = 495                     # keys left out keep the preset's; a plain number,
+    fp16 = 989                     # peak_tflops = 495 under [device], sets fp32 alone
+    bf16 = 989
+    int8 = 1979
 
     [intra_host]                   # link between devices of one host
     bandwidth_gbps = 300           # GB/s per direction
@@ -24,6 +29,11 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
 
 ``device`` is either a preset name or a ``[device]`` table, not both (TOML allows a key
 once).
+
+Peaks are per compute dtype (``PEAK_KEYS``): an operator computing in float16 is costed at
+the ``fp16`` peak, bfloat16 at ``bf16``, 8-bit integer products at ``int8``, everything else
+at ``fp32`` (see ``meshplan.cost.analytic.compute_dtype``). ``tf32`` is recorded but unused:
+sessions run float32 with TF32 off (``meshplan.providers``).
 """
 
 from __future__ import annotations
@@ -40,16 +50,51 @@ GB = 1e9
 GIB = 1024**3
 
 
+# Compute dtypes a device has a peak for; ``fp32`` is ``DeviceSpec.peak_flops``.
+PEAK_KEYS = ("fp32", "tf32", "fp16", "bf16", "int8")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     name: str
     memory_bytes: float
-    peak_flops: float           # FLOP/s
+    peak_flops: float           # FLOP/s computing in fp32
     memory_bandwidth: float     # bytes/s
     kernel_overhead: float      # seconds per operator
+    # FLOP/s of the other PEAK_KEYS, as sorted (key, FLOP/s) pairs; a key left out runs at fp32's.
+    dtype_peaks: tuple[tuple[str, float], ...] = ()
+
+    def peak(self, key: str) -> float:
+        """Dense peak FLOP/s computing in ``key`` (one of PEAK_KEYS)."""
+        if key == "fp32":
+            return self.peak_flops
+        return dict(self.dtype_peaks).get(key, self.peak_flops)
+
+    def with_peaks(self, peaks: dict[str, float]) -> "DeviceSpec":
+        """This device with the FLOP/s of some PEAK_KEYS replaced."""
+        fp32 = peaks.get("fp32", self.peak_flops)
+        others = dict(self.dtype_peaks) | {k: v for k, v in peaks.items() if k != "fp32"}
+        return replace(self, peak_flops=fp32, dtype_peaks=tuple(sorted(others.items())))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Its fields; ``dtype_peaks`` (as a dict) only where they differ from those of the
+        preset of the same name, so a preset's record reads as it did before there were
+        per-dtype peaks (``from_dict`` takes them back from the preset)."""
+        data = asdict(self)
+        data.pop("dtype_peaks")
+        preset = DEVICE_PRESETS.get(self.name)
+        if preset is None or preset.dtype_peaks != self.dtype_peaks:
+            data["dtype_peaks"] = dict(self.dtype_peaks)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceSpec":
+        data = dict(data)
+        if "dtype_peaks" in data:
+            peaks = tuple(sorted(data.pop("dtype_peaks").items()))
+        else:
+            peaks = DEVICE_PRESETS[data["name"]].dtype_peaks if data["name"] in DEVICE_PRESETS else ()
+        return cls(**data, dtype_peaks=peaks)
 
 
 @dataclass(frozen=True)
@@ -61,21 +106,30 @@ class LinkSpec:
         return self.latency + nbytes / self.bandwidth
 
 
-def _preset(name, memory_gib, tflops, bandwidth_gbps, overhead_us) -> DeviceSpec:
-    return DeviceSpec(name, memory_gib * GIB, tflops * 1e12, bandwidth_gbps * GB, overhead_us * 1e-6)
+def _preset(name, memory_gib, tflops: tuple[float, ...], bandwidth_gbps, overhead_us) -> DeviceSpec:
+    peaks = dict(zip(PEAK_KEYS, (t * 1e12 for t in tflops), strict=True))
+    spec = DeviceSpec(name, memory_gib * GIB, peaks["fp32"], bandwidth_gbps * GB, overhead_us * 1e-6)
+    return spec.with_peaks(peaks)
 
 
-# Dense fp32/tf32-class peaks (what an fp32 ONNX model gets), HBM bandwidth, device memory.
+# Dense peaks, TFLOP/s (int8: TOP/s), in PEAK_KEYS order (fp32, tf32, fp16, bf16, int8), from
+# the vendors' datasheets (SXM parts; sparse figures halved); HBM bandwidth; device memory.
+# fp32 is the figure these presets have always costed float32 with: on A100/H100/H200/L4 it
+# is the TF32 tensor-core peak. Sessions run float32 with TF32 off, so the datasheet FP32
+# peak (A100 19.5, H100/H200 67, L4 30.3) is the physical bound; lowering fp32 to it changes
+# every float32 plan pinned in tests/test_pinned_plans.py, so it waits for a deliberate
+# re-pin. V100 has no bf16 or tf32 units (its fp32 rate) and int8 only through DP4A (4x fp32).
+# The CPU: fp16/bf16 at the fp32 rate (onnxruntime widens most of them), int8 (VNNI) at 2x.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        _preset("h200", 141, 495, 4800, 5),
-        _preset("h100-80g", 80, 495, 3350, 5),
-        _preset("a100-80g", 80, 156, 2039, 5),
-        _preset("a100-40g", 40, 156, 1555, 5),
-        _preset("v100-32g", 32, 15.7, 900, 6),
-        _preset("l4", 24, 60, 300, 5),
-        _preset("cpu", 16, 0.1, 20, 15),
+        _preset("h200", 141, (495, 495, 989, 989, 1979), 4800, 5),
+        _preset("h100-80g", 80, (495, 495, 989, 989, 1979), 3350, 5),
+        _preset("a100-80g", 80, (156, 156, 312, 312, 624), 2039, 5),
+        _preset("a100-40g", 40, (156, 156, 312, 312, 624), 1555, 5),
+        _preset("v100-32g", 32, (15.7, 15.7, 125, 15.7, 62.8), 900, 6),
+        _preset("l4", 24, (60, 60, 121, 121, 242), 300, 5),
+        _preset("cpu", 16, (0.1, 0.1, 0.1, 0.1, 0.2), 20, 15),
     )
 }
 
@@ -121,7 +175,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: dict) -> "Cluster":
         hosts, per_host = data["mesh"]
-        return cls(hosts, per_host, DeviceSpec(**data["device"]), LinkSpec(**data["intra_host"]), LinkSpec(**data["inter_host"]))
+        return cls(hosts, per_host, DeviceSpec.from_dict(data["device"]), LinkSpec(**data["intra_host"]), LinkSpec(**data["inter_host"]))
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -186,7 +240,13 @@ def load_cluster_file(path: str | Path) -> Cluster:
     else:
         raise ClusterError(f"cluster file {path}: device must be a preset name or a [device] table, got {device!r}")
     if isinstance(device, dict):
-        cluster = replace(cluster, device=_override(cluster.device, device, _DEVICE_KEYS | {"preset": (None, None)}, path, "device"))
+        peaks = device.get("peak_tflops")
+        if isinstance(peaks, dict):
+            device = {k: v for k, v in device.items() if k != "peak_tflops"}
+        spec = _override(cluster.device, device, _DEVICE_KEYS | {"preset": (None, None)}, path, "device")
+        if isinstance(peaks, dict):
+            spec = spec.with_peaks(_numbers(peaks, {k: (k, 1e12) for k in PEAK_KEYS}, path, "device.peak_tflops"))
+        cluster = replace(cluster, device=spec)
     for section in ("intra_host", "inter_host"):
         if section in data:
             cluster = replace(cluster, **{section: _override(getattr(cluster, section), data[section], _LINK_KEYS, path, section)})
@@ -194,6 +254,11 @@ def load_cluster_file(path: str | Path) -> Cluster:
 
 
 def _override(base, table: dict, keys: dict, path: Path, section: str):
+    return replace(base, **_numbers(table, keys, path, section))
+
+
+def _numbers(table: dict, keys: dict, path: Path, section: str) -> dict:
+    """``table``'s values under their field names (``keys``: key → (field, scale)), checked."""
     if not isinstance(table, dict):
         raise ClusterError(f"cluster file {path}: [{section}] must be a table")
     changes = {}
@@ -209,4 +274,4 @@ def _override(base, table: dict, keys: dict, path: Path, section: str):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ClusterError(f"cluster file {path}: {section}.{key} must be a positive number, got {value!r}")
         changes[field_name] = float(value) * scale
-    return replace(base, **changes)
+    return changes

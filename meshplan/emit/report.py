@@ -48,11 +48,18 @@ def fill_drain_schedule(stage_seconds: list[float], microbatches: int) -> list[l
     return rows
 
 
+def model_compute_dtypes(plan: Plan) -> list[str]:
+    """The dtypes the planned model computes in; plan.json records them where they are not
+    float32 alone (``make_plan.plan_model``)."""
+    return list(plan.model.get("compute_dtypes", ["float32"]))
+
+
 def text_report(plan: Plan) -> str:
     mesh = plan.cluster["mesh"]
     est = plan.estimate
     lines = [
         f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}, "
+        f"computing in {'+'.join(model_compute_dtypes(plan))}, "
         f"{plan.microbatches} microbatch(es) of {plan.batch['microbatch_size']}",
         f"{'stage':>5}  {'devices':<12} {'layers':<9} {'ops':>5}  {'mesh':>5} {'sharded':>7}  {'time/mb':>11}  "
         f"{'memory/dev':>11}",

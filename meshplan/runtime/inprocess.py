@@ -89,27 +89,73 @@ def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str
     return session.run(inputs)
 
 
+# float16 and bfloat16 outputs pass within this many machine epsilons (relative, and
+# absolute for values near zero). One rounding costs at most eps/2 relative; a plan adds a
+# few roundings the single-device run does not make, or makes in another order: each
+# partial sum of a split reduction is rounded to the output dtype before the all-reduce,
+# the all-reduce rounds once per step (log2 of up to 8 devices: 3), and the pointwise ops,
+# norms and softmax after it round again and pass the error on at about unit gain. Some 8
+# half-ulps is the worst such chain we expect; 8 eps leaves a factor two over it while still
+# catching a wrong shard (errors of order one). Cancellation in a sum leaves absolute error
+# of eps times the terms' size, hence atol = rtol for values near zero.
+HALF_PRECISION_EPS_MULTIPLE = 8
+
+# float32 (and wider): the tolerances verify has always used.
+FLOAT32_TOLERANCE = (1e-3, 1e-4)
+
+
+def default_tolerance(dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing outputs of ``dtype`` with a single-device run: float32
+    and wider 1e-3 / 1e-4, float16 and bfloat16 a multiple of their epsilon, integers and
+    bool exactly (0, 0)."""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    if dtype == ml_dtypes.bfloat16 or dtype == np.float16:
+        eps = float(ml_dtypes.finfo(dtype).eps)
+        return HALF_PRECISION_EPS_MULTIPLE * eps, HALF_PRECISION_EPS_MULTIPLE * eps
+    if dtype.kind in "biu":
+        return 0.0, 0.0
+    return FLOAT32_TOLERANCE
+
+
+def tolerance_for(dtype, rtol: float | None = None, atol: float | None = None) -> tuple[float, float]:
+    """``default_tolerance(dtype)`` with whichever of ``rtol``, ``atol`` is given in its place."""
+    default_rtol, default_atol = default_tolerance(dtype)
+    return (default_rtol if rtol is None else rtol), (default_atol if atol is None else atol)
+
+
+def allclose(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
+    """|got - want| <= atol + rtol * |want| elementwise, in float64 (NaN equals NaN)."""
+    if got.shape != want.shape:
+        return False
+    return bool(np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol, equal_nan=True))
+
+
 @dataclass
 class Comparison:
     name: str
     max_abs: float
     max_rel: float
     ok: bool
+    rtol: float = FLOAT32_TOLERANCE[0]
+    atol: float = FLOAT32_TOLERANCE[1]
 
 
 def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray],
-                    rtol: float = 1e-3, atol: float = 1e-4) -> list[Comparison]:
-    """Per output: worst absolute and relative error, and whether allclose(rtol, atol) holds."""
+                    rtol: float | None = None, atol: float | None = None) -> list[Comparison]:
+    """Per output: worst absolute and relative error, and whether allclose holds with the
+    tolerance of its dtype (``default_tolerance``), or ``rtol`` / ``atol`` where given."""
     results = []
     for name, want in expected.items():
+        out_rtol, out_atol = tolerance_for(want.dtype, rtol, atol)
         got = actual.get(name)
         if got is None or got.shape != want.shape:
-            results.append(Comparison(name, float("inf"), float("inf"), False))
+            results.append(Comparison(name, float("inf"), float("inf"), False, out_rtol, out_atol))
             continue
         diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
         max_abs = float(diff.max()) if diff.size else 0.0
         rel = diff / np.maximum(np.abs(want.astype(np.float64)), 1e-12)
         max_rel = float(rel.max()) if rel.size else 0.0
-        ok = bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
-        results.append(Comparison(name, max_abs, max_rel, ok))
+        results.append(Comparison(name, max_abs, max_rel, allclose(got, want, out_rtol, out_atol), out_rtol, out_atol))
     return results
