@@ -101,7 +101,6 @@ def test_bfloat16_builds_but_onnxruntime_cpu_cannot_run_it():
 
 
 def test_int4_by_onnxruntimes_quantizer(tmp_path, reference):
-    pytest.importorskip("onnx_ir", reason="onnxruntime's MatMulNBitsQuantizer imports onnx_ir, which is not installed")
     path = write_llama_int4(tmp_path / "llama_int4.onnx", **SMALL)
     model = onnx.load(path)
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
