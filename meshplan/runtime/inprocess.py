@@ -79,13 +79,16 @@ def _run_stage(stage, runners, feeds: dict[int, dict[str, np.ndarray]]) -> dict[
 
 def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str | Path | None = None,
                       provider: str = "cpu") -> dict[str, np.ndarray]:
-    """onnxruntime on the original model file (checked against the plan's model hash)."""
+    """onnxruntime on the original model file (checked against the plan's model hash), with
+    only the optimisations that keep its arithmetic (basic level): extended fusions may
+    compute another thing (e.g. dequantize-then-MatMul fused into integer products), and
+    the reference is the user's computation."""
     path = Path(model_path or plan.model["path"])
     if not path.is_file():
         raise PlanError(f"the planned model {path} is not there", hint="pass its new location with --model")
     if file_sha256(path) != plan.model_sha256:
         raise PlanError(f"model {path} was changed after planning (sha256 mismatch)", hint="re-run meshplan plan")
-    session = StageSession(path, providers_for(provider))
+    session = StageSession(path, providers_for(provider), optimization="basic")
     return session.run(inputs)
 
 

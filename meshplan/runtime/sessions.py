@@ -45,9 +45,11 @@ class StageSession:
     """One rank's program in onnxruntime."""
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
-                 external: dict[str, np.ndarray] | None = None):
+                 external: dict[str, np.ndarray] | None = None, optimization: str = "all"):
         """``external``: values of initializers the model stores as external data (given
-        in memory, so a model built in memory needs no file and no 2 GB protobuf)."""
+        in memory, so a model built in memory needs no file and no 2 GB protobuf).
+        ``optimization``: ``"all"`` (onnxruntime's default) or ``"basic"`` (only rewrites
+        that keep the arithmetic: constant folding, redundant nodes)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -55,6 +57,11 @@ class StageSession:
             self._external = [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()]  # kept alive
             options.add_external_initializers(list(external), self._external)
         options.log_severity_level = 3
+        if optimization == "basic":
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        # Dequantize-then-compute stays that: onnxruntime's QDQ fusions would quantize
+        # activations too, which is another computation than the model's.
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
         if threads:
             options.intra_op_num_threads = threads
             if threads == 1:  # many small sessions share the cores: don't spin-wait
