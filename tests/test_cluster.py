@@ -61,7 +61,8 @@ def test_presets_are_sane():
     # Known values (GiB / TFLOP/s / GB/s / µs) convert to SI units.
     h100 = DEVICE_PRESETS["h100-80g"]
     assert h100.memory_bytes == 80 * GIB
-    assert h100.peak_flops == pytest.approx(495e12)
+    assert h100.peak_flops == pytest.approx(67e12)            # FP32 (TF32 off), not the TF32 figure
+    assert h100.peak("tf32") == pytest.approx(495e12)
     assert h100.memory_bandwidth == pytest.approx(3350e9)
     assert h100.kernel_overhead == pytest.approx(5e-6)
     # A bigger GPU is not slower than a CPU.
@@ -466,5 +467,5 @@ def test_documented_example_sets_dtype_peaks(tmp_path):
     path = tmp_path / "cluster.toml"
     path.write_text(_docstring_example())
     device = load_cluster_file(path).device
-    assert device.peak("fp32") == pytest.approx(495e12) and device.peak("fp16") == pytest.approx(989e12)
+    assert device.peak("fp32") == pytest.approx(67e12) and device.peak("fp16") == pytest.approx(989e12)
     assert device.peak("int8") == pytest.approx(1979e12)

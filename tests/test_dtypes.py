@@ -70,13 +70,13 @@ def test_matmul_costs_at_its_dtypes_peak_with_real_element_sizes(elem, dtype, ke
     assert seconds == pytest.approx(max(compute, memory) + device.kernel_overhead)
 
 
-def test_float32_costs_are_as_before():
-    """float32 runs at ``peak_flops``, the figure the presets always had (the pins rely on it)."""
+def test_float32_costs_at_the_fp32_peak():
+    """float32 runs at ``peak_flops``, the FP32 rate (sessions keep TF32 off)."""
     graph = _matmul_graph(TensorProto.FLOAT, 4096, 4096, 4096)
     node = graph.nodes[0]
     device = DEVICE_PRESETS["h100-80g"]
-    assert device.peak_flops == pytest.approx(495e12)
-    expected = max(node_flops(node, graph) / 495e12, node_bytes(node, graph) / device.memory_bandwidth)
+    assert device.peak_flops == pytest.approx(67e12)
+    expected = max(node_flops(node, graph) / 67e12, node_bytes(node, graph) / device.memory_bandwidth)
     assert CostModel(make_cluster((1, 1), "h100-80g")).node_seconds(node, graph) == pytest.approx(
         expected + device.kernel_overhead)
 

@@ -14,8 +14,8 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
     kernel_overhead_us = 5         # fixed cost per operator launch
 
     [device.peak_tflops]           # dense peaks per compute dtype, TFLOP/s (int8: TOP/s);
-    fp32 = 495                     # keys left out keep the preset's; a plain number,
-    fp16 = 989                     # peak_tflops = 495 under [device], sets fp32 alone
+    fp32 = 67                      # keys left out keep the preset's; a plain number,
+    fp16 = 989                     # peak_tflops = 67 under [device], sets fp32 alone
     bf16 = 989
     int8 = 1979
 
@@ -114,21 +114,20 @@ def _preset(name, memory_gib, tflops: tuple[float, ...], bandwidth_gbps, overhea
 
 # Dense peaks, TFLOP/s (int8: TOP/s), in PEAK_KEYS order (fp32, tf32, fp16, bf16, int8), from
 # the vendors' datasheets (SXM parts; sparse figures halved); HBM bandwidth; device memory.
-# fp32 is the figure these presets have always costed float32 with: on A100/H100/H200/L4 it
-# is the TF32 tensor-core peak. Sessions run float32 with TF32 off, so the datasheet FP32
-# peak (A100 19.5, H100/H200 67, L4 30.3) is the physical bound; lowering fp32 to it changes
-# every float32 plan pinned in tests/test_pinned_plans.py, so it waits for a deliberate
-# re-pin. V100 has no bf16 or tf32 units (its fp32 rate) and int8 only through DP4A (4x fp32).
+# fp32 is the datasheet FP32 rate (A100 19.5, H100/H200 67, L4 30.3): meshplan's sessions
+# run float32 with TF32 off (docs/gpu.md: an H100 ran fp32 Gemms at 48 TFLOP/s), so TF32's
+# tensor-core figure is only the tf32 entry.
+# V100 has no bf16 or tf32 units (its fp32 rate) and int8 only through DP4A (4x fp32).
 # The CPU: fp16/bf16 at the fp32 rate (onnxruntime widens most of them), int8 (VNNI) at 2x.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        _preset("h200", 141, (495, 495, 989, 989, 1979), 4800, 5),
-        _preset("h100-80g", 80, (495, 495, 989, 989, 1979), 3350, 5),
-        _preset("a100-80g", 80, (156, 156, 312, 312, 624), 2039, 5),
-        _preset("a100-40g", 40, (156, 156, 312, 312, 624), 1555, 5),
+        _preset("h200", 141, (67, 495, 989, 989, 1979), 4800, 5),
+        _preset("h100-80g", 80, (67, 495, 989, 989, 1979), 3350, 5),
+        _preset("a100-80g", 80, (19.5, 156, 312, 312, 624), 2039, 5),
+        _preset("a100-40g", 40, (19.5, 156, 312, 312, 624), 1555, 5),
         _preset("v100-32g", 32, (15.7, 15.7, 125, 15.7, 62.8), 900, 6),
-        _preset("l4", 24, (60, 60, 121, 121, 242), 300, 5),
+        _preset("l4", 24, (30.3, 60, 121, 121, 242), 300, 5),
         _preset("cpu", 16, (0.1, 0.1, 0.1, 0.1, 0.2), 20, 15),
     )
 }
