@@ -152,6 +152,7 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     del original
     held = split_weights(model, source.parent, SMALL_ELEMENTS)
     fold_constants(model, SMALL_ELEMENTS)
+    place_parameter_nodes(model)
     check_loads_in_onnxruntime(model)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "canonical.onnx"
@@ -165,6 +166,38 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
         source=source, source_sha256=file_sha256(source), dims=dict(dims),
         path=path, model=canonical,
     )
+
+
+def place_parameter_nodes(model: onnx.ModelProto) -> None:
+    """Move each node that computes from initializers alone (a parameter: a weight made by
+    ConstantOfShape, a Transpose of a weight) to just before the first node that reads it;
+    every other node keeps the model's order (the planner clusters layers in this order)."""
+    static = {t.name for t in model.graph.initializer}
+    deferred: dict[str, onnx.NodeProto] = {}   # output name → parameter node not placed yet
+    ordered: list[onnx.NodeProto] = []
+
+    def place(node: onnx.NodeProto) -> None:
+        for name in node.input:
+            producer = deferred.pop(name, None)
+            if producer is not None:
+                for other in producer.output:
+                    deferred.pop(other, None)
+                place(producer)
+        ordered.append(node)
+
+    for node in model.graph.node:
+        if all(name in static for name in node.input if name):
+            static.update(node.output)
+            deferred.update((name, node) for name in node.output if name)
+        else:
+            place(node)
+    for node in model.graph.node:   # parameters only graph outputs read, in model order
+        if any(deferred.get(name) is node for name in node.output):
+            place(node)
+            for name in node.output:
+                deferred.pop(name, None)
+    del model.graph.node[:]
+    model.graph.node.extend(ordered)
 
 
 def _require_static_shapes(model: onnx.ModelProto) -> None:
