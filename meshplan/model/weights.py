@@ -52,15 +52,18 @@ def write_weights(model: onnx.ModelProto, held: dict[str, bytes], source_dir: Pa
     offset = 0
     with open(data_path, "wb") as out:
         for tensor in model.graph.initializer:
-            if is_loaded(tensor) and _nbytes(tensor) < INLINE_BYTES:
-                continue
-            length = _nbytes(tensor)
-            if tensor.name in held:
-                out.write(held[tensor.name])
-            elif is_loaded(tensor):
-                out.write(_raw_bytes(tensor))
+            data = held.get(tensor.name)
+            if data is None and is_loaded(tensor):
+                if tensor.data_type == onnx.TensorProto.STRING:
+                    continue
+                data = _raw_bytes(tensor)
+                if len(data) < INLINE_BYTES:
+                    continue
+            if data is not None:
+                out.write(data)
+                length = len(data)
             else:
-                _copy_range(tensor, source_dir, out, length)
+                length = _copy_range(tensor, source_dir, out)
             _point_to(tensor, data_path.name, offset, length)
             offset += length
     if offset == 0:
@@ -84,20 +87,21 @@ def _point_to(tensor: onnx.TensorProto, location: str, offset: int = 0, length: 
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def _copy_range(tensor: onnx.TensorProto, source_dir: Path, out, length: int) -> None:
-    """Copy an external tensor's bytes from the source's data file, chunk by chunk."""
+def _copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
+    """Copy an external tensor's bytes from the source's data file, chunk by chunk;
+    return how many."""
     info = external_data_helper.ExternalDataInfo(tensor)
     base = source_dir.resolve()
     path = (base / info.location).resolve()
     start = int(info.offset or 0)
-    size = int(info.length) if info.length is not None else length
+    size = int(info.length) if info.length is not None else _nbytes(tensor)
     problem = None
     if Path(info.location).is_absolute() or base not in path.parents:
         problem = f"its location {info.location!r} is outside the model's directory"
     elif not path.is_file():
         problem = f"{info.location!r} is not there"
-    elif size != length or start + size > path.stat().st_size:
-        problem = f"{info.location!r} holds {size} bytes at offset {start}, the tensor needs {length}"
+    elif start + size > path.stat().st_size:
+        problem = f"{info.location!r} is shorter than offset {start} + length {size}"
     if problem:
         raise ModelError(f"cannot read the external data of tensor '{tensor.name}': {problem}")
     with open(path, "rb") as source:
@@ -109,3 +113,4 @@ def _copy_range(tensor: onnx.TensorProto, source_dir: Path, out, length: int) ->
                 raise ModelError(f"the external data of tensor '{tensor.name}' ends early in {info.location!r}")
             out.write(chunk)
             left -= len(chunk)
+    return size
