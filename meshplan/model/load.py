@@ -1,14 +1,13 @@
 """Load an ONNX model and bring it to the canonical form the planner works on.
 
-Steps: read (with external data, so models over 2 GB work), check with onnx's
-checker, fix symbolic dimensions from ``--dim NAME=INT``, fold shape
-sub-computations with onnxruntime's offline graph optimisation (basic level:
-constant folding and redundant-node elimination, no hardware-specific fusions),
-then run onnx's shape inference so that every tensor has a static shape.
+Steps: read (without external data), check with onnx's checker, fix symbolic
+dimensions from ``--dim NAME=INT``, fold what produces small tensors (``fold``: no
+provider-specific casts or fusions, weights never read), check that onnxruntime loads
+the graph, then run onnx's shape inference so that every tensor has a static shape.
 
-The canonical model is written to a working directory with its weights as
-external data; planning then reads it without weights, and emission extracts
-each stage's subgraph from it.
+The canonical model is written to a working directory with its large weights as
+external data (``weights``); planning then reads it without weights, and emission
+extracts each stage's subgraph from it.
 """
 
 from __future__ import annotations
@@ -22,11 +21,12 @@ from google.protobuf.message import DecodeError
 
 from meshplan.errors import ModelError
 from meshplan.files import file_sha256
-from meshplan.model.contrib_shapes import infer_with_contrib
+from meshplan.model.fold import SMALL_ELEMENTS, first_line as _first_line, fold_constants, infer_shapes, is_loaded
+from meshplan.model.opsets import MAX_IR_VERSION, set_ir_version
+from meshplan.model.weights import split_weights, write_weights
 
-# onnx 1.23 writes IR 14 by default, newer than onnxruntime 1.31 reads (13). Every file
-# meshplan writes carries the least IR version its opsets need, never above this.
-MAX_IR_VERSION = 13
+__all__ = ["MAX_IR_VERSION", "CanonicalModel", "canonicalize", "check_model", "fix_dims", "infer_shapes",
+           "read_model", "set_ir_version", "symbolic_dims"]
 
 
 def read_model(path: str | os.PathLike, load_external_data: bool = True) -> onnx.ModelProto:
@@ -104,47 +104,27 @@ def fix_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
     return fixed
 
 
-def set_ir_version(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give the model the least IR version its opsets need (onnxruntime rejects newer ones)."""
-    used = {node.domain or "" for node in model.graph.node} | {""}
-    keep = [op for op in model.opset_import if (op.domain or "") in used]
-    del model.opset_import[:]
-    model.opset_import.extend(keep)
-    needed = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
-    model.ir_version = max(min(needed, MAX_IR_VERSION), 3)
-    return model
-
-
-def fold_constants(model_path: Path, out_path: Path) -> None:
-    """Fold shape sub-computations and constants with onnxruntime's offline optimiser.
-
-    The result is written to ``out_path`` with every initializer over 1 KiB in an
-    external data file beside it.
-    """
+def check_loads_in_onnxruntime(model: onnx.ModelProto) -> None:
+    """Create an onnxruntime CPU session for the graph, its unread weights as graph inputs,
+    so that a model onnxruntime rejects fails here with one line."""
     import onnxruntime as ort
 
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    unread = [t for t in probe.graph.initializer if not is_loaded(t)]
+    declared = {value.name for value in probe.graph.input}
+    probe.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in unread if t.name not in declared)
+    kept = [t for t in probe.graph.initializer if is_loaded(t)]
+    del probe.graph.initializer[:]
+    probe.graph.initializer.extend(kept)
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.optimized_model_filepath = str(out_path)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    options.add_session_config_entry(
-        "session.optimized_model_external_initializers_file_name", out_path.name + ".data"
-    )
-    options.add_session_config_entry(
-        "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
-    )
     try:
-        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(set_ir_version(probe).SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises several unrelated exception types
         raise ModelError(f"onnxruntime cannot load the model: {_first_line(exc)}") from exc
-
-
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx shape inference, strict, with data propagation for shape tensors."""
-    try:
-        return infer_with_contrib(model, lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True))
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-        raise ModelError(f"shape inference failed: {_first_line(exc)}") from exc
 
 
 @dataclass
@@ -168,30 +148,56 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     workdir = Path(workdir)
     original = read_model(source, load_external_data=False)
     check_model(source)
-    fixed = fix_dims(original, dims)
-    # Load the weights only now, into the copy that goes to onnxruntime.
-    if source.parent:
-        try:
-            onnx.external_data_helper.load_external_data_for_model(fixed, str(source.parent))
-        except OSError as exc:
-            raise ModelError(f"cannot read the model's external data: {_first_line(exc)}") from exc
-    staged = workdir / "fixed.onnx"
-    onnx.save_model(
-        set_ir_version(fixed), str(staged), save_as_external_data=True,
-        all_tensors_to_one_file=True, location="fixed.onnx.data", size_threshold=1024,
-    )
-    del fixed
-    folded_path = workdir / "canonical.onnx"
-    fold_constants(staged, folded_path)
-    folded = onnx.load(str(folded_path), load_external_data=False)
-    folded = set_ir_version(infer_shapes(folded))
-    _name_nodes(folded)
-    _require_static_shapes(folded)
-    onnx.save_model(folded, str(folded_path))
+    model = fix_dims(original, dims)
+    del original
+    held = split_weights(model, source.parent, SMALL_ELEMENTS)
+    fold_constants(model, SMALL_ELEMENTS)
+    place_parameter_nodes(model)
+    check_loads_in_onnxruntime(model)
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "canonical.onnx"
+    write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
+    del held
+    canonical = set_ir_version(infer_shapes(model))
+    _name_nodes(canonical)
+    _require_static_shapes(canonical)
+    onnx.save_model(canonical, str(path))
     return CanonicalModel(
         source=source, source_sha256=file_sha256(source), dims=dict(dims),
-        path=folded_path, model=folded,
+        path=path, model=canonical,
     )
+
+
+def place_parameter_nodes(model: onnx.ModelProto) -> None:
+    """Move each node that computes from initializers alone (a parameter: a weight made by
+    ConstantOfShape, a Transpose of a weight) to just before the first node that reads it;
+    every other node keeps the model's order (the planner clusters layers in this order)."""
+    static = {t.name for t in model.graph.initializer}
+    deferred: dict[str, onnx.NodeProto] = {}   # output name → parameter node not placed yet
+    ordered: list[onnx.NodeProto] = []
+
+    def place(node: onnx.NodeProto) -> None:
+        for name in node.input:
+            producer = deferred.pop(name, None)
+            if producer is not None:
+                for other in producer.output:
+                    deferred.pop(other, None)
+                place(producer)
+        ordered.append(node)
+
+    for node in model.graph.node:
+        if all(name in static for name in node.input if name):
+            static.update(node.output)
+            deferred.update((name, node) for name in node.output if name)
+        else:
+            place(node)
+    for node in model.graph.node:   # parameters only graph outputs read, in model order
+        if any(deferred.get(name) is node for name in node.output):
+            place(node)
+            for name in node.output:
+                deferred.pop(name, None)
+    del model.graph.node[:]
+    model.graph.node.extend(ordered)
 
 
 def _require_static_shapes(model: onnx.ModelProto) -> None:
@@ -222,8 +228,3 @@ def _name_nodes(model: onnx.ModelProto) -> None:
             name = f"{name}_{index}"
         node.name = name
         seen.add(name)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
