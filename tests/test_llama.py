@@ -153,9 +153,7 @@ def test_float16_plan_matches_onnxruntime(tmp_path):
     assert_close(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="canonicalisation (onnxruntime's basic optimiser on the CPU provider) "
-                                       "casts float16 operators with no CPU kernel to float32 "
-                                       "(InsertedPrecisionFreeCast), so the planned graph computes in float32")
 def test_float16_plan_computes_in_float16(tmp_path):
+    """The canonical model keeps the user's float16 arithmetic (no casts a provider needs)."""
     plan, _, _ = _plan_and_run(tmp_path, dtype="float16")
     assert "float16" in plan.model.get("compute_dtypes", [])

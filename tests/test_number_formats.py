@@ -12,10 +12,9 @@ import numpy as np
 import onnx
 import pytest
 
-from meshplan.cost.cluster import load_cluster_file, make_cluster
+from meshplan.cost.cluster import load_cluster_file
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.make_plan import make_plan
-from sample_models import make_inputs
 from sample_models.llama import make_llama, save_llama, write_llama_int4
 from tests.conftest import check_against_onnxruntime
 

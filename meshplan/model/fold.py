@@ -29,6 +29,10 @@ from meshplan.model.opsets import set_ir_version
 SMALL_ELEMENTS = 64 * 1024
 NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                     "Multinomial", "Bernoulli"}
+# Quantization boundaries are the user's computation, as in onnxruntime's own folding: a
+# dequantized weight stays its quantized initializer and a DequantizeLinear node (folding
+# it would store the weight in float, several times its size).
+QUANTIZATION = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear"}
 _SUBGRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
@@ -145,7 +149,7 @@ def _constant_tensor(node: onnx.NodeProto, name: str) -> onnx.TensorProto | None
 
 
 def _evaluable(node: onnx.NodeProto, available: set[str], types, limit: int) -> bool:
-    if node.op_type in NONDETERMINISTIC or not any(node.output):
+    if node.op_type in NONDETERMINISTIC or node.op_type in QUANTIZATION or not any(node.output):
         return False
     if any(attr.type in _SUBGRAPH_TYPES for attr in node.attribute):
         return False

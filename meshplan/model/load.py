@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from meshplan.errors import ModelError
 from meshplan.files import file_sha256
-from meshplan.model.fold import SMALL_ELEMENTS, first_line as _first_line, fold_constants, infer_shapes, is_loaded
+from meshplan.model.fold import SMALL_ELEMENTS, first_line, fold_constants, infer_shapes, is_loaded
 from meshplan.model.opsets import MAX_IR_VERSION, set_ir_version
 from meshplan.model.weights import split_weights, write_weights
 
@@ -39,9 +39,9 @@ def read_model(path: str | os.PathLike, load_external_data: bool = True) -> onnx
     try:
         model = onnx.load(str(path), load_external_data=load_external_data)
     except (DecodeError, RuntimeError, ValueError) as exc:
-        raise ModelError(f"not an ONNX model: {path} ({_first_line(exc)})") from exc
+        raise ModelError(f"not an ONNX model: {path} ({first_line(exc)})") from exc
     except OSError as exc:
-        raise ModelError(f"cannot read model {path}: {_first_line(exc)}") from exc
+        raise ModelError(f"cannot read model {path}: {first_line(exc)}") from exc
     if not model.graph.node:
         raise ModelError(f"not an ONNX model (no graph nodes): {path}")
     return model
@@ -52,7 +52,7 @@ def check_model(path: str | os.PathLike) -> None:
     try:
         onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, DecodeError, ValueError) as exc:
-        raise ModelError(f"model {path} fails the ONNX checker: {_first_line(exc)}") from exc
+        raise ModelError(f"model {path} fails the ONNX checker: {first_line(exc)}") from exc
 
 
 def symbolic_dims(model: onnx.ModelProto) -> dict[str, list[str]]:
@@ -124,7 +124,7 @@ def check_loads_in_onnxruntime(model: onnx.ModelProto) -> None:
     try:
         ort.InferenceSession(set_ir_version(probe).SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises several unrelated exception types
-        raise ModelError(f"onnxruntime cannot load the model: {_first_line(exc)}") from exc
+        raise ModelError(f"onnxruntime cannot load the model: {first_line(exc)}") from exc
 
 
 @dataclass
