@@ -63,7 +63,13 @@ class HostBuffers:
         return _HostAssembler(np.empty(tuple(shape), dtype=dtype))
 
     def mpi(self, x: np.ndarray) -> np.ndarray:
+        """``x`` typed, for MPI's reductions."""
         return x
+
+    def mpi_bytes(self, x: np.ndarray) -> np.ndarray:
+        """``x``'s bytes, for moving it: every MPI moves bytes, not every MPI knows float16
+        or bfloat16 (Open MPI 4 answers MPI_ERR_TYPE)."""
+        return byte_view(x)
 
 
 class _HostAssembler:
@@ -78,6 +84,11 @@ class _HostAssembler:
 
 
 HOST = HostBuffers()
+
+
+def byte_view(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's memory as a flat uint8 array (no copy)."""
+    return array.reshape(-1).view(np.uint8)
 
 
 class MpiView:
@@ -149,6 +160,9 @@ class DeviceBuffers:
 
     def mpi(self, x: DeviceTensor) -> MpiView:
         return MpiView(x.value, x.shape, x.dtype)
+
+    def mpi_bytes(self, x: DeviceTensor) -> MpiView:
+        return MpiView(x.value, (int(np.prod(x.shape)) * x.dtype.itemsize,), np.dtype(np.uint8))
 
     # --- data movement on the device ------------------------------------------------------
     # Kernels are shape-generic (symbolic dims; slice bounds and shapes are inputs), so a

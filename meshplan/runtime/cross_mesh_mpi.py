@@ -184,11 +184,11 @@ class CrossMeshResharder:
                 buf = b.empty(task.shape, self.dtype)
             if len(task.receivers) == 1:
                 if rank == sender:
-                    request = self._p2p.Isend(b.mpi(buf), dest=task.receivers[0], tag=_TAG)
+                    request = self._p2p.Isend(b.mpi_bytes(buf), dest=task.receivers[0], tag=_TAG)
                 else:
-                    request = self._p2p.Irecv(b.mpi(buf), source=sender, tag=_TAG)
+                    request = self._p2p.Irecv(b.mpi_bytes(buf), source=sender, tag=_TAG)
             else:
-                request = self._groups[(sender, *task.receivers)].Ibcast(b.mpi(buf), root=0)
+                request = self._groups[(sender, *task.receivers)].Ibcast(b.mpi_bytes(buf), root=0)
             wait_all([request], self._MPI)
             if rank != sender:
                 assembler.put(box_slices(task.slice, dst_box), buf)

@@ -29,7 +29,7 @@ from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.mpi_support import cuda_aware
 from meshplan.providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
-from meshplan.runtime.buffers import HOST, DeviceBuffers
+from meshplan.runtime.buffers import HOST, DeviceBuffers, byte_view
 from meshplan.runtime.collectives import axis_communicator, perform
 from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
 from meshplan.runtime.program import ProgramRunner
@@ -233,7 +233,7 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
         wait_all([comm.Ibarrier()], MPI)
         origin = MPI.Wtime()
         received = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming for mb in range(B)}
-        requests = {key: comm.Irecv(buf, source=plan.transfers[key[0]].src_rank, tag=key[0])
+        requests = {key: comm.Irecv(byte_view(buf), source=plan.transfers[key[0]].src_rank, tag=key[0])
                     for key, buf in received.items()}
         sends = []
         results = [dict() for _ in range(B)]
@@ -255,7 +255,8 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
             for r, resharder in leaving:
                 resharder.run(outs[local_name(r.tensor, ShardingSpec.parse(r.src_spec))])
             for i, t in outgoing:
-                sends.append(comm.Isend(np.ascontiguousarray(buffers.to_host(outs[t.tensor])), dest=t.dst_rank, tag=i))
+                sends.append(comm.Isend(byte_view(np.ascontiguousarray(buffers.to_host(outs[t.tensor]))),
+                                        dest=t.dst_rank, tag=i))
             for t in local_outputs:
                 results[mb][t.tensor] = buffers.to_host(outs[t.tensor])
         collected = [requests[(i, mb)] for i, t in incoming if t.dst_stage == OUTPUT_COLLECTOR for mb in range(B)]
