@@ -123,3 +123,29 @@ def plan_digest(plan_dir: Path) -> str:
         for name in files:
             body += hashlib.sha256((plan_dir / name).read_bytes()).hexdigest().encode()
     return hashlib.sha256(body).hexdigest()
+
+
+def sharded_signatures(model_path: Path, dims: dict, mesh: tuple[int, int], op_type: str, workdir: Path) -> list:
+    """The profiler's sharded-variant signatures of ``op_type`` in the canonical model."""
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.model.graph import build_graph
+    from meshplan.model.load import canonicalize
+    from meshplan.profile.signatures import collect_signatures
+    from meshplan.profile.variants import sharded_variants
+
+    canonical = canonicalize(model_path, dims, workdir)
+    found = collect_signatures(build_graph(canonical.model), canonical.model, canonical.path.parent,
+                               variants=sharded_variants(make_cluster(mesh, "cpu")))
+    return [e for e in found.values() if e.signature.op_type == op_type and "model:variant" in e.sources]
+
+
+def run_signature(entry) -> None:
+    """Build ``entry``'s timing model, run it once on random float inputs, check the output shape."""
+    import onnxruntime as ort
+
+    from meshplan.profile.signatures import build_timing_model
+
+    session = ort.InferenceSession(build_timing_model(entry.spec).SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in session.get_inputs()}
+    assert session.run(None, feeds)[0].shape == entry.signature.outputs[0][1]

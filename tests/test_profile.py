@@ -26,6 +26,7 @@ from meshplan.profile.signatures import Variant, build_timing_model, collect_sig
 from meshplan.profile.timing import OpTimer, TimingConfig, cuda_usable, resolve_provider
 from meshplan.profile.variants import sharded_variants
 from sample_models import SAMPLES
+from tests.conftest import run_signature, sharded_signatures
 
 FAST = TimingConfig(budget_seconds=0.002, warmup_seconds=0.0005, min_repeats=3, max_repeats=50, max_copies=4)
 F32 = TensorProto.FLOAT
@@ -88,25 +89,12 @@ def test_gpt_signatures_dedup_across_layers(tmp_path):
 def test_sharded_variants_run_with_their_rewritten_shape_constants(tmp_path):
     """Every sharded signature of the GPT sample (Reshape targets rewritten to local shapes)
     builds and runs in onnxruntime: none is timed with the whole tensor's constants."""
-    import onnxruntime as ort
-
-    from meshplan.model.load import canonicalize
-
     path = tmp_path / "gpt.onnx"
     onnx.save_model(SAMPLES["gpt"].build(), str(path))
-    canonical = canonicalize(path, {"batch": 4, "seq": 8}, tmp_path)
-    graph = build_graph(canonical.model)
-    found = collect_signatures(graph, canonical.model, canonical.path.parent,
-                               variants=sharded_variants(make_cluster((2, 2), "cpu")))
-    reshapes = [e for e in found.values() if e.signature.op_type == "Reshape" and "model:variant" in e.sources]
+    reshapes = sharded_signatures(path, {"batch": 4, "seq": 8}, (2, 2), "Reshape", tmp_path)
     assert reshapes
-    rng = np.random.default_rng(0)
     for entry in reshapes:
-        session = ort.InferenceSession(build_timing_model(entry.spec).SerializeToString(),
-                                       providers=["CPUExecutionProvider"])
-        feeds = {i.name: rng.standard_normal([d for d in i.shape]).astype(np.float32) for i in session.get_inputs()}
-        (out,) = session.run(None, feeds)
-        assert out.shape == entry.signature.outputs[0][1]
+        run_signature(entry)
 
 
 def test_shape_constants_stay_initializers_weights_become_inputs():

@@ -28,7 +28,7 @@ from meshplan.plan_format import COLLECTIVE_DOMAIN
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from meshplan.testing.reshard import shard, unshard
 from sample_models.mlp import make_mlp
-from tests.conftest import assert_close
+from tests.conftest import assert_close, run_signature, sharded_signatures
 from tests.test_strategies import SETTINGS, sharded_tolerance, check_node_model, mesh_of
 
 MESHES = [(1, 2), (2, 2), (1, 4)]
@@ -350,23 +350,9 @@ def test_quantized_mlp_on_1x2(policy, tmp_path):
 def test_profiled_variants_run_with_local_k_and_n(tmp_path):
     """The profiler's sharded MatMulNBits signatures carry each device's K and N, so every
     one of them runs in onnxruntime (with the whole weight's K/N they would not)."""
-    from meshplan.cost.cluster import make_cluster
-    from meshplan.model.load import canonicalize
-    from meshplan.profile.signatures import build_timing_model, collect_signatures
-    from meshplan.profile.variants import sharded_variants
-
     path = tmp_path / "mlp_q4.onnx"
     onnx.save(quantize_matmuls(make_mlp(layers=2, in_features=64, hidden=128, classes=32)), str(path))
-    canonical = canonicalize(path, {"batch": 8}, tmp_path)
-    graph = build_graph(canonical.model)
-    found = collect_signatures(graph, canonical.model, canonical.path.parent,
-                               variants=sharded_variants(make_cluster((1, 2), "cpu")))
-    variants = [e for e in found.values() if e.signature.op_type == "MatMulNBits" and "model:variant" in e.sources]
+    variants = sharded_signatures(path, {"batch": 8}, (1, 2), "MatMulNBits", tmp_path)
     assert variants
-    rng = np.random.default_rng(0)
     for entry_ in variants:
-        timing = build_timing_model(entry_.spec)
-        session = _session(timing)
-        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in session.get_inputs()}
-        (out,) = session.run(None, feeds)[:1]
-        assert out.shape == entry_.signature.outputs[0][1]
+        run_signature(entry_)
