@@ -48,11 +48,34 @@ def read_model(path: str | os.PathLike, load_external_data: bool = True) -> onnx
 
 
 def check_model(path: str | os.PathLike) -> None:
-    """Run onnx's checker on a file path (the path form handles models over 2 GB)."""
+    """Run onnx's checker on a file path (the path form handles models over 2 GB). Models
+    before IR 4 must list their initializers as graph inputs, and many do not although
+    onnxruntime runs them: such a model is checked as if it listed them."""
     try:
         onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, DecodeError, ValueError) as exc:
-        raise ModelError(f"model {path} fails the ONNX checker: {first_line(exc)}") from exc
+        header = _old_ir_with_inputs_added(path, exc)
+        if header is None:
+            raise ModelError(f"model {path} fails the ONNX checker: {first_line(exc)}") from exc
+        try:
+            onnx.checker.check_model(header)
+        except (onnx.checker.ValidationError, ValueError) as again:
+            raise ModelError(f"model {path} fails the ONNX checker: {first_line(again)}") from again
+
+
+def _old_ir_with_inputs_added(path, exc: Exception) -> onnx.ModelProto | None:
+    """The graph (weights not loaded) of an IR < 4 model whose checker failure is only
+    "in initializer but not in graph input", with those initializers added as inputs."""
+    if "in initializer but not in graph input" not in str(exc):
+        return None
+    header = onnx.load(str(path), load_external_data=False)
+    if header.ir_version >= 4:
+        return None
+    listed = {v.name for v in header.graph.input}
+    for tensor in header.graph.initializer:
+        if tensor.name not in listed:
+            header.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    return header
 
 
 def symbolic_dims(model: onnx.ModelProto) -> dict[str, list[str]]:

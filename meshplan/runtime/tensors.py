@@ -28,6 +28,8 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
             raise RunError(f"inputs file {path} has no array '{spec.name}' (the model's inputs: "
                            f"{', '.join(s.name for s in plan.inputs)})")
         array = arrays[spec.name]
+        if array.dtype.kind == "U" and np.dtype(spec.dtype) == np.dtype(object):
+            array = arrays[spec.name] = array.astype(object)   # numpy writes str arrays as fixed-width unicode
         if list(array.shape) != list(spec.shape):
             raise RunError(f"input '{spec.name}' has shape {list(array.shape)}, the plan expects {spec.shape}")
         if array.dtype != np.dtype(spec.dtype):

@@ -1,0 +1,104 @@
+"""Graphs of every kind onnxruntime runs: 0-d (scalar) tensors (their spec prints and
+parses as '()'), models before IR 4 whose initializers are not graph inputs, omitted
+optional inputs, outputs that fold to constants, string inputs written by numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from meshplan.cost.cluster import make_cluster
+from meshplan.inter.pipeline import PlanOptions
+from meshplan.make_plan import make_plan
+from meshplan.runtime.inprocess import reference_outputs, run_in_process
+from meshplan.sharding import ShardingSpec
+from tests.conftest import assert_close, check_against_onnxruntime
+
+CASES = {
+    "pow_by_scalar": (helper.make_node("Pow", ["x", "y"], ["z"]), [("x", [3, 4]), ("y", [])], [3, 4]),
+    "clip_scalar_bounds": (helper.make_node("Clip", ["x", "lo", "hi"], ["z"]), [("x", [3, 4]), ("lo", []), ("hi", [])], [3, 4]),
+    "matmul_1d_by_1d": (helper.make_node("MatMul", ["x", "y"], ["z"]), [("x", [4]), ("y", [4])], []),
+}
+
+
+def _case(name, tmp_path):
+    node, inputs, out = CASES[name]
+    graph = helper.make_graph([node], name, [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, out)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, path)
+    rng = np.random.default_rng(0)
+    feeds = {n: np.asarray(rng.random(s) + 0.5, dtype=np.float32) for n, s in inputs}
+    return path, feeds
+
+
+def test_scalar_spec_round_trips():
+    for text in ("()", "()+P0", "()+P01"):
+        assert str(ShardingSpec.parse(text)) == text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_scalar_tensors_plan_and_run_in_process(name, tmp_path):
+    path, feeds = _case(name, tmp_path)
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))
+
+
+@pytest.mark.mpi
+def test_scalar_tensors_run_under_mpiexec(tmp_path):
+    path, feeds = _case("clip_scalar_bounds", tmp_path)
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    check_against_onnxruntime(plan, tmp_path / "plan", feeds, tmp_path)
+
+
+def _save(nodes, inputs, outputs, path, initializers=(), opset=17, ir_version=8):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    onnx.save(model, path)
+    return path
+
+
+def _plan_and_compare(path, feeds, tmp_path):
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))
+    return plan
+
+
+def test_ir3_model_whose_weights_are_not_inputs(tmp_path):
+    path = _save([helper.make_node("Add", ["x", "w"], ["z"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                 [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 4])], tmp_path / "old.onnx",
+                 [onnx.numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")], opset=8, ir_version=3)
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(str(path))                 # what onnx's checker says of it
+    plan = _plan_and_compare(path, {"x": np.ones((3, 4), np.float32)}, tmp_path)
+    assert all(onnx.load(str(tmp_path / "plan" / p.file)).ir_version >= 4 for p in plan.programs)
+
+
+def test_omitted_optional_input_and_constant_output(tmp_path):
+    nodes = [helper.make_node("Clip", ["x", "", "hi"], ["z"]), helper.make_node("Shape", ["x"], ["s"])]
+    path = _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                 [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 4]),
+                  helper.make_tensor_value_info("s", TensorProto.INT64, [2])], tmp_path / "m.onnx",
+                 [onnx.numpy_helper.from_array(np.array(0.5, np.float32), "hi")])
+    _plan_and_compare(path, {"x": np.random.default_rng(0).random((3, 4)).astype(np.float32)}, tmp_path)
+
+
+def test_string_inputs_written_by_numpy(tmp_path):
+    """np.savez writes str arrays as fixed-width unicode ('<U5'); they feed a string input."""
+    from meshplan.runtime.tensors import read_inputs
+
+    path = _save([helper.make_node("Identity", ["words"], ["same"])],
+                 [helper.make_tensor_value_info("words", TensorProto.STRING, [2])],
+                 [helper.make_tensor_value_info("same", TensorProto.STRING, [2])], tmp_path / "s.onnx")
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    np.savez(tmp_path / "in.npz", words=np.array(["hello", "mesh"]))
+    feeds = read_inputs(tmp_path / "in.npz", plan)
+    assert feeds["words"].dtype == object
+    got = run_in_process(plan, tmp_path / "plan", feeds)
+    assert list(got["same"]) == ["hello", "mesh"]
