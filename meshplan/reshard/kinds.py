@@ -18,12 +18,14 @@ For a ``Step`` (kind, mesh axis, tensor ``dim``, all-to-all's ``to_dim``) a kind
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from meshplan.sharding import ShardingSpec
 
 
-class StepKind:
+class StepKind(ABC):
     name: str
     op_type: str | None = None
     takes_dim = True          # the step names a tensor dim
@@ -35,21 +37,24 @@ class StepKind:
     def __repr__(self) -> str:
         return f"<step kind {self.name}>"
 
+    @abstractmethod
     def spec_after(self, step, spec: ShardingSpec) -> ShardingSpec:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def seconds(self, step, model, local_bytes: float, mesh) -> tuple[float, float]:
         """(seconds, local bytes after the step) for ``local_bytes`` per device."""
-        raise NotImplementedError
 
+    @abstractmethod
     def apply(self, step, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        raise NotImplementedError
+        ...
 
     def emit(self, step, program, source: str, out: str) -> None:
         program.collective(step, source, out)
 
+    @abstractmethod
     def perform(self, step, x, group):
-        raise NotImplementedError
+        ...
 
 
 class AllReduce(StepKind):
