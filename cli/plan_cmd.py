@@ -55,19 +55,24 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
         started = time.perf_counter()
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               policy=policy, reshard_scheduler=reshard_scheduler)
-        cost_model = None
+        cost_model, links = None, {}
         if profile_path:
             from meshplan.files import file_sha256
             from meshplan.profile.document import load_profile
-            from meshplan.profile.measured import ProfiledCostModel
+            from meshplan.profile.measured import ProfiledCostModel, with_measured_links
 
             if not Path(model).is_file():
                 raise ModelError(f"model file not found: {model}")
-            cost_model = ProfiledCostModel(cluster, load_profile(profile_path, file_sha256(model), cluster))
+            profile = load_profile(profile_path, file_sha256(model), cluster)
+            cluster, links = with_measured_links(cluster, profile)
+            cost_model = ProfiledCostModel(cluster, profile)
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model)
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
                        f"{cost_model.analytic_nodes} from the analytic model")
+            for name, link in links.items():
+                click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
+                           f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")
         click.echo(f"wrote {out_dir}/plan.json, {len(result.programs)} program(s), {out_dir}/{TIMELINE_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

@@ -5,6 +5,25 @@ from __future__ import annotations
 import ctypes
 import os
 
+from meshplan.errors import RunError
+
+
+def load_mpi():
+    """mpi4py's ``MPI`` module, or a one-line RunError when no MPI library loads.
+
+    mpi4py's wheels load the MPI library at import: the ``mpich`` wheel (meshplan's
+    ``mpi`` extra), or the site's MPI found by the dynamic loader (``MPI4PY_LIBMPI``
+    names one explicitly); an mpi4py built from source uses the MPI it was built with.
+    """
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise RunError(f"mpi4py cannot load an MPI library: {detail}",
+                       hint="install meshplan[mpi] for MPICH from PyPI, or build mpi4py against the site MPI: "
+                            "see the README's cluster section") from None
+    return MPI
+
 
 def cuda_aware(MPI) -> dict:
     """Is the MPI library CUDA-aware? {"value": bool | None, "method": how it was found}."""

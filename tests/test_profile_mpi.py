@@ -46,7 +46,9 @@ def test_collectives_measured_and_fit(ranks, mlp_path, tmp_path):
     groups = {(f["axis"], f["group_size"]) for f in data["communication"]}
     assert groups == ({(1, 2)} if ranks == 2 else {(1, 2), (1, 4)})
     kinds = {f["collective"] for f in data["communication"]}
-    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv", "link"}
+    # One link fit per mesh axis: a pair alone, whatever the group sizes measured.
+    assert [(f["axis"], f["group_size"]) for f in data["communication"] if f["collective"] == "link"] == [(1, 2)]
     growing = 0
     for fit in data["communication"]:
         assert fit["source"] == "measured"

@@ -32,6 +32,11 @@ from meshplan.cost.analytic import ring_fit
 from meshplan.cost.cluster import Cluster
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+# One send/recv pair alone on an axis (every other rank idle): the link's own one-way
+# latency and bandwidth, which the planner's cluster takes in place of the described ones
+# (``profile.measured.with_measured_links``). ``send_recv`` runs every group of the axis
+# at once, as a sharded stage would, so ranks of one host share their host's link there.
+LINK = "link"
 KIB = 1024
 # The statistic of the repeats: a low quantile rather than the median, because ranks
 # that share cores see bursts of scheduling delay that have nothing to do with the link.
@@ -90,6 +95,29 @@ def fit_latency_bandwidth(points) -> tuple[float, float, float]:
     predicted = a + b * x
     error = float(np.max(np.abs(predicted - t) / t)) if len(t) else 0.0
     return float(a), float(1.0 / b), error
+
+
+def fit_link(points) -> tuple[float, float, float]:
+    """(latency ≥ 0, bandwidth > 0, max relative error) of one link's one-way times.
+
+    A link figure must hold for the large transfers that dominate resharding, so the
+    bandwidth is the slope of the times of the largest messages (the half of the sizes
+    at the top, at least two), and the latency what is left of the smallest message's
+    time. A relative-error fit over all sizes would let the many small messages, which
+    a shaped or bursty link delivers faster than its rate, pull the bandwidth up.
+    """
+    ordered = sorted((float(n), max(float(t), 1e-9)) for n, t in points)
+    if len(ordered) < 2:
+        return fit_latency_bandwidth(points)
+    top = ordered[-max(2, len(ordered) // 2):]
+    x = np.array([n for n, _ in top])
+    t = np.array([s for _, s in top])
+    slope = float(np.polyfit(x, t, 1)[0]) if np.ptp(x) > 0 else 0.0
+    if slope <= 0:
+        return fit_latency_bandwidth(points)
+    latency = max(0.0, ordered[0][1] - ordered[0][0] * slope)
+    error = max(abs(latency + n * slope - s) / s for n, s in top)
+    return latency, 1.0 / slope, float(error)
 
 
 def cluster_fits(cluster: Cluster) -> list[CommFit]:
@@ -200,6 +228,28 @@ class CommMeasurer:
         del MPI
         return fits
 
+    def measure_link(self, axis: int, sizes: list[int], progress=None) -> CommFit:
+        """Time one pair alone along ``axis``: rank 0 and its neighbour on the next host
+        (axis 0) or on its own host (axis 1). Every rank of the world calls it."""
+        hosts, per_host = self.mesh
+        partner = per_host if axis == 0 else 1
+        active = self.world.rank in (0, partner)
+        group = self.world.Split(0 if active else 1, self.world.rank)
+        try:
+            best: dict[int, tuple[int, float]] = {}
+            for order in (sizes, sizes[::-1]):
+                for nbytes in order:
+                    seconds, used = self._time(group, "send_recv", nbytes, active)
+                    if nbytes not in best or seconds < best[nbytes][1]:
+                        best[nbytes] = (used, seconds)
+                    if progress and order is sizes:
+                        progress()
+        finally:
+            group.Free()
+        points = [[float(best[n][0]), best[n][1]] for n in sizes]
+        latency, bandwidth, error = fit_link(points)
+        return CommFit(LINK, axis, 2, latency, bandwidth, "measured", points, error)
+
     def _buffers(self, group, collective: str, nbytes: int):
         p = group.size
         count = max(p, (nbytes // 4) // p * p)       # float32 elements, divisible by the group size
@@ -224,11 +274,13 @@ class CommMeasurer:
         # send_recv: group rank 0 sends to rank 1 and back; one way is half the round trip.
         return None
 
-    def _once(self, group, collective: str, full, out, part) -> float:
+    def _once(self, group, collective: str, full, out, part, active: bool = True) -> float:
         MPI = self.MPI
         yield_barrier(self.world)
         started = MPI.Wtime()
         if collective == "send_recv":
+            if not active:
+                return 0.0
             if group.rank == 0:
                 wait(group.Isend(full, dest=1, tag=7))
                 wait(group.Irecv(out, source=1, tag=8))
@@ -242,15 +294,15 @@ class CommMeasurer:
             wait(request)
         return MPI.Wtime() - started
 
-    def _time(self, group, collective: str, nbytes: int) -> tuple[float, int]:
+    def _time(self, group, collective: str, nbytes: int, active: bool = True) -> tuple[float, int]:
         MPI = self.MPI
         full, out, part, used = self._buffers(group, collective, nbytes)
         # Warm-up, then agree on a repeat count from the slowest rank's median warm-up time.
-        first = np.array([sorted(self._once(group, collective, full, out, part) for _ in range(3))[1]])
+        first = np.array([sorted(self._once(group, collective, full, out, part, active) for _ in range(3))[1]])
         slowest = np.empty_like(first)
         wait(self.world.Iallreduce(first, slowest, op=MPI.MAX))
         repeats = int(min(self.max_repeats, max(self.min_repeats, self.budget / max(slowest[0], 1e-7))))
-        times = np.array([self._once(group, collective, full, out, part) for _ in range(repeats)])
+        times = np.array([self._once(group, collective, full, out, part, active) for _ in range(repeats)])
         worst = np.empty_like(times)
         wait(self.world.Iallreduce(times, worst, op=MPI.MAX))
         return float(np.quantile(worst, QUANTILE)), used

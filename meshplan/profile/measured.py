@@ -9,14 +9,34 @@ without mpiexec) and the analytic link model where the profile has no fit.
 
 from __future__ import annotations
 
-from meshplan.cost.cluster import Cluster
+from dataclasses import replace
+
+from meshplan.cost.cluster import Cluster, LinkSpec
 from meshplan.cost.analytic import CostModel
 from meshplan.model.graph import Graph, Node
-from meshplan.profile.comm import COLLECTIVES
+from meshplan.profile.comm import COLLECTIVES, LINK
 from meshplan.profile.document import Profile, load_profile
 from meshplan.profile.signatures import signature_of
 
-__all__ = ["ProfiledCostModel", "load_profile"]
+__all__ = ["ProfiledCostModel", "load_profile", "with_measured_links"]
+
+_LINK_AXES = {"inter_host": 0, "intra_host": 1}    # mesh axis 0 spans hosts, axis 1 the devices of one
+
+
+def with_measured_links(cluster: Cluster, profile: Profile) -> tuple[Cluster, dict[str, LinkSpec]]:
+    """``cluster`` with the link figures the profile measured (one send/recv pair alone
+    on each mesh axis: one way, latency + bytes / bandwidth) in place of the
+    description's, and those figures.
+
+    A link the profile did not measure (a 1xD profile has no inter-host fit; one made
+    without mpiexec has only the cluster's own figures) keeps the cluster's.
+    """
+    found = {}
+    for link, axis in _LINK_AXES.items():
+        fit = profile.comm_fit(LINK, axis)
+        if fit is not None and fit.source != "cluster":
+            found[link] = LinkSpec(bandwidth=fit.bandwidth, latency=fit.latency)
+    return replace(cluster, **found), found
 
 
 class ProfiledCostModel(CostModel):

@@ -31,10 +31,11 @@ from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize
 from meshplan.profile.cache import OpKey, ProfileCache
 from meshplan.profile.comm import (
-    COLLECTIVES, MIB, CommFit, CommMeasurer, axis_group_sizes, cluster_fits, message_sizes,
+    COLLECTIVES, LINK, MIB, CommFit, CommMeasurer, axis_group_sizes, cluster_fits, message_sizes,
     mpi_library_version, yield_barrier,
 )
-from meshplan.mpi_support import cuda_aware
+from meshplan.mpi_support import cuda_aware, load_mpi
+from meshplan.rank_layout import RankLayout, gather_layout, launch_advice, layout_mismatch
 from meshplan.profile.document import OpEntry, Profile
 from meshplan.profile.errors import FailedElsewhere, ProfileError
 from meshplan.profile.signatures import Collected, TimingSpec, Variants, collect_signatures
@@ -74,7 +75,7 @@ def launched_by_mpi() -> bool:
 
 
 def _mpi():
-    from mpi4py import MPI
+    MPI = load_mpi()
 
     return MPI
 
@@ -128,7 +129,8 @@ class _Job:
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
-    hosts: int = 1
+    hosts: int = 1                      # machines the ranks really run on
+    layout: RankLayout | None = None
 
 
 def _job(cluster: Cluster) -> _Job:
@@ -136,13 +138,8 @@ def _job(cluster: Cluster) -> _Job:
         return _Job(local_size=cluster.devices_per_host)
     MPI = _mpi()
     world = MPI.COMM_WORLD
-    local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    job = _Job(MPI, world, world.rank, world.size, local.rank, local.size)
-    local.Free()
-    leaders = np.array([1 if job.local_rank == 0 else 0], dtype=np.int64)
-    total = np.empty_like(leaders)
-    world.Allreduce(leaders, total)
-    job.hosts = int(total[0])
+    layout = gather_layout(world, MPI)
+    job = _Job(MPI, world, world.rank, world.size, layout.local_rank, layout.local_size, layout.machines, layout)
     if job.size == 1:
         job.local_size = cluster.devices_per_host
     return job
@@ -169,6 +166,9 @@ def profile_model(
                 f"the mesh {cluster.hosts}x{cluster.devices_per_host} needs {cluster.num_devices} ranks but the job has {job.size}",
                 hint=f"start it as mpiexec -n {cluster.num_devices} meshplan profile ...",
             )
+        mismatch = layout_mismatch(job.layout, cluster.hosts, cluster.devices_per_host) if multi else None
+        if mismatch:
+            raise ProfileError(mismatch, hint=launch_advice(cluster.devices_per_host))
         if job.rank == 0:
             state = _prepare(model_path, dims_sets, cluster, options, job)
             payload = state.payload
@@ -258,7 +258,9 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
         comm_cached = [] if options.refresh else cache.get_comm(key.hardware, library, layout)
         wanted = {(axis, g) for axis, groups in axis_group_sizes(cluster.mesh).items() for g in groups}
         have = {(f["axis"], f["group_size"]) for f in comm_cached if f["collective"] in COLLECTIVES}
-        measure_comm = bool(wanted - have) or len(comm_cached) < len(wanted) * len(COLLECTIVES)
+        links = {f["axis"] for f in comm_cached if f["collective"] == LINK}
+        measure_comm = (bool(wanted - have) or len(comm_cached) < len(wanted) * len(COLLECTIVES)
+                        or links != {axis for axis, _ in wanted})
     payload = {
         "provider": provider, "threads": threads,
         "items": [found[k].spec.to_dict() for k in missing], "keys": missing, "assign": assign,
@@ -331,7 +333,8 @@ def _measure_comm(job: _Job, cluster: Cluster, payload: dict, options: ProfileOp
     measurer = CommMeasurer(job.MPI, job.world, cluster.mesh, options.comm_budget_seconds)
     groups = [(axis, g) for axis, sizes in axis_group_sizes(cluster.mesh).items() for g in sizes]
     sizes = payload["sizes"]
-    total = len(groups) * len(COLLECTIVES) * len(sizes)
+    axes = sorted({axis for axis, _ in groups})
+    total = (len(groups) * len(COLLECTIVES) + len(axes)) * len(sizes)
     done = [0]
 
     def step():
@@ -343,6 +346,8 @@ def _measure_comm(job: _Job, cluster: Cluster, payload: dict, options: ProfileOp
     yield_barrier(job.world)
     for axis, group_size in groups:
         fits.extend(measurer.measure(axis, group_size, sizes, COLLECTIVES, step))
+    for axis in axes:
+        fits.append(measurer.measure_link(axis, sizes, step))
     return fits
 
 

@@ -27,7 +27,8 @@ from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import Step
 from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.sharding import LogicalMesh, ShardingSpec
-from meshplan.mpi_support import cuda_aware
+from meshplan.mpi_support import cuda_aware, load_mpi
+from meshplan.rank_layout import RankLayout, gather_layout, launch_advice, layout_mismatch
 from meshplan.providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
 from meshplan.runtime.buffers import HOST, DeviceBuffers, byte_view
 from meshplan.runtime.collectives import axis_communicator, perform
@@ -62,7 +63,7 @@ class RunReport:
 
 
 def _world():
-    from mpi4py import MPI
+    MPI = load_mpi()
 
     return MPI, MPI.COMM_WORLD
 
@@ -84,13 +85,6 @@ def _agree(comm, MPI, error: MeshplanError | None) -> None:
         raise error
     raise ReportedElsewhere("start-up failed on another rank")
 
-
-def _local_placement(comm, MPI) -> tuple[int, int]:
-    """(threads for this rank's sessions, this rank's index among the ranks of its host)."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    count, index = local.size, local.rank
-    local.Free()
-    return max(1, (os.cpu_count() or 1) // count), index
 
 
 TRANSFERS = ("auto", "host", "device")
@@ -125,7 +119,7 @@ def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI) ->
 
 
 def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider: str, transfer: str,
-           placement: tuple[int, int], comm, MPI):
+           layout: RankLayout, comm, MPI):
     """This rank's start-up checks and session. No collective calls in here: a rank that
     fails part-way must still reach the agreement in ``_agree``."""
     plan = read_plan(plan_dir)
@@ -134,6 +128,10 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
             f"the plan needs {plan.num_ranks} ranks but the job has {comm.size}",
             hint=f"start it as mpiexec -n {plan.num_ranks} meshplan run ...",
         )
+    hosts, per_host = plan.cluster["mesh"]
+    mismatch = layout_mismatch(layout, hosts, per_host)
+    if mismatch:
+        raise RunError(mismatch, hint=launch_advice(per_host))
     program = plan.program_of_rank(comm.rank)
     path = check_program_files(plan, plan_dir, program)
     inputs = read_inputs(inputs_path, plan)
@@ -142,8 +140,8 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
             raise RunError(f"output file must end in .npz: {output_path}")
         if not output_path.parent.is_dir():
             raise RunError(f"output directory does not exist: {output_path.parent}")
-    threads, local_index = placement
-    device_id = local_index % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
+    threads = max(1, (os.cpu_count() or 1) // layout.local_size)
+    device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
     session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
     buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
     set_sleeping(session.providers[0] != CUDA)   # GPU ranks leave the cores free: keep MPI progressing
@@ -177,13 +175,13 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     MPI, comm = _world()
     plan_dir, inputs_path = Path(plan_dir), Path(inputs_path)
     output_path = Path(output_path) if output_path else None
-    placement = _local_placement(comm, MPI)  # collective: every rank, before anything can fail
+    layout = gather_layout(comm, MPI)  # collective: every rank, before anything can fail
     error = None
     try:
         if repeat < 1:
             raise RunError(f"--repeat must be at least 1, got {repeat}")
         plan, session, micro_inputs, buffers, path_text = _start(plan_dir, inputs_path, output_path, provider, transfer,
-                                                                 placement, comm, MPI)
+                                                                 layout, comm, MPI)
     except MeshplanError as exc:
         error = exc
     except Exception as exc:  # anything else must still reach the agreement, or the others wait forever
