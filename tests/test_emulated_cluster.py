@@ -107,7 +107,7 @@ def test_profile_measures_the_inter_host_link_apart_and_plan_uses_it(tmp_path):
     # shared-memory link inside a host.
     with EmulatedCluster(hosts=2, slots=2, rate="200mbit") as slow:
         done = slow.run([*meshplan_command(), "profile", str(GPT), "--mesh", "2x2", "--device", "cpu", *DIMS,
-                         "--comm-max", "1MiB", "--budget-ms", "2", "--cache", str(tmp_path / "cache.sqlite"),
+                         "--comm-max", "256K", "--comm-budget-ms", "5", "--budget-ms", "2", "--cache", str(tmp_path / "cache.sqlite"),
                          "-o", str(tmp_path / "profile.json")],
                         env=_ENV, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
