@@ -1,0 +1,110 @@
+"""Planning a model of a chosen size: peak memory and wall time against a plain copy.
+
+    python benchmarks/large_model.py [--gb 2] [--mesh 1x4 [2x4 ...]] [--device h100-80g]
+        [--work DIR] [--keep] [--json PATH]
+
+Writes a Llama-style float16 decoder of about ``--gb`` GB straight to external data
+(``sample_models/large_llama.py``: 0.4 GB layers, never holding the model whole), then
+for each mesh plans it in a child process (``make_plan``: load, fold, plan, emit every
+device's program and weights) and reports the child's peak RSS and wall time, next to
+the time of a plain copy of the same weight bytes (``shutil.copyfile``, after the
+weights were written, so both read from the same page cache) and the targets:
+peak RSS ≤ 1.5 GiB + 2 × the largest initializer, wall time ≤ 3 × the copy. The exit
+status is 1 when a target is missed or a plan fails. ``--work`` puts the model and the
+plans on a disk with room (the model, plus about the model again per mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+GIB = 1024**3
+CHILD = """
+import json, resource, sys, time
+from meshplan.cost.cluster import make_cluster, parse_mesh
+from meshplan.make_plan import make_plan
+model, mesh, device, out = sys.argv[1:5]
+started = time.perf_counter()
+plan = make_plan(model, make_cluster(parse_mesh(mesh), device), {"batch": 4, "seq": 512}, out)
+print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.devices) for s in plan.stages],
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=2.0, help="weight bytes of the model, GB (default 2)")
+    parser.add_argument("--mesh", nargs="+", default=["1x4"])
+    parser.add_argument("--device", default="h100-80g")
+    parser.add_argument("--work", type=Path, help="directory for the model and plans (default: a temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the model and plans in --work")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    from sample_models.large_llama import write_large_llama
+
+    work_dir = args.work or Path(tempfile.mkdtemp(prefix="meshplan-large-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    rows, failed = [], False
+    try:
+        started = time.perf_counter()
+        facts = write_large_llama(work_dir / "large.onnx", args.gb)
+        written = time.perf_counter() - started
+        size, largest = facts["weight_bytes"], facts["largest_initializer_bytes"]
+        started = time.perf_counter()
+        shutil.copyfile(facts["data"], work_dir / "copy.data")
+        copy_seconds = time.perf_counter() - started
+        (work_dir / "copy.data").unlink()
+        bound = 1.5 * GIB + 2 * largest
+        print(f"model: {facts['layers']} layers, {size / 1e9:.2f} GB of float16 weights (largest initializer "
+              f"{largest / 1e6:.0f} MB), written in {written:.0f} s; plain copy of the weights {copy_seconds:.1f} s")
+        print(f"targets: peak RSS <= 1.5 GiB + 2 x largest = {bound / GIB:.2f} GiB; wall <= 3 x copy = "
+              f"{3 * copy_seconds:.1f} s")
+        header = f"{'mesh':>5} {'plan s':>8} {'x copy':>7} {'peak RSS GiB':>13} {'x model':>8} {'stages':>14}  status"
+        print(header)
+        print("-" * len(header))
+        for mesh in args.mesh:
+            out = work_dir / f"plan-{mesh}"
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, "-c", CHILD, facts["path"], mesh, args.device, str(out)],
+                                  capture_output=True, text=True, cwd=REPO)
+            wall = time.perf_counter() - started
+            if done.returncode:
+                last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+                print(f"{mesh:>5} {wall:>8.1f}  plan failed: {last}")
+                rows.append({"mesh": mesh, "error": last, "wall_seconds": wall})
+                failed = True
+                continue
+            child = json.loads(done.stdout.strip().splitlines()[-1])
+            rss = child["peak_rss_bytes"]
+            ok = rss <= bound and wall <= 3 * copy_seconds
+            failed |= not ok
+            print(f"{mesh:>5} {wall:>8.1f} {wall / copy_seconds:>7.1f} {rss / GIB:>13.2f} {rss / size:>8.2f} "
+                  f"{'+'.join(map(str, child['stages'])):>14}  {'ok' if ok else 'over target'}")
+            rows.append({"mesh": mesh, "wall_seconds": wall, "plan_seconds": child["seconds"], "peak_rss_bytes": rss,
+                         "stages": child["stages"], "within_targets": ok})
+            if not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    status = "FAILED" if failed else "PASSED"
+    print(f"{status} | {len(rows)} mesh(es), model {size / 1e9:.2f} GB | benchmarks/large_model.py")
+    if args.json:
+        args.json.write_text(json.dumps({"gb": args.gb, "weight_bytes": size, "largest_initializer_bytes": largest,
+                                         "layers": facts["layers"], "copy_seconds": copy_seconds,
+                                         "rss_bound_bytes": bound, "rows": rows}, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""A Llama-style decoder of a chosen size, written straight to external data.
+
+``write_large_llama(path, gigabytes)`` picks the layer count for about that many bytes
+of float16 weights (hidden 4096, ffn 11008, vocab 32000: 0.4 GB a layer, as a 7B model
+has) and streams every weight into ``path + '.data'`` a chunk at a time, so a model far
+larger than memory is written with a few hundred MB of it. Each weight is recorded as
+an external tensor (``onnx.external_data_helper.set_external_data``); the graph is
+onnx's own (RMSNorm from Pow/ReduceMean/Sqrt/Div, attention with Reshape/Transpose/
+Softmax, a SiLU-gated MLP, tied nothing). Inputs ``input_ids[batch, seq]`` int64;
+output ``logits[batch, seq, vocab]`` float16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data
+
+CHUNK_ELEMENTS = 16 * 1024 * 1024          # 32 MiB of float16 per write
+
+
+def layer_bytes(hidden: int, ffn: int) -> int:
+    return 2 * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden)
+
+
+def layers_for(gigabytes: float, hidden: int = 4096, ffn: int = 11008, vocab: int = 32000) -> int:
+    fixed = 2 * (2 * vocab * hidden + hidden)
+    return max(1, round((gigabytes * 1e9 - fixed) / layer_bytes(hidden, ffn)))
+
+
+class _WeightFile:
+    """Appends float16 weights to one external data file, never holding one whole."""
+
+    def __init__(self, path: Path, seed: int):
+        self.path = path
+        self.file = open(path, "wb")
+        self.offset = 0
+        self.rng = np.random.default_rng(seed)
+        self.largest = 0
+
+    def add(self, name: str, shape: tuple[int, ...], scale: float, constant: float | None = None) -> TensorProto:
+        count = math.prod(shape)
+        left = count
+        while left:
+            n = min(left, CHUNK_ELEMENTS)
+            if constant is None:
+                chunk = (self.rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float16)
+            else:
+                chunk = np.full(n, constant, dtype=np.float16)
+            self.file.write(chunk.tobytes())
+            left -= n
+        tensor = TensorProto(name=name, data_type=TensorProto.FLOAT16, dims=list(shape))
+        tensor.raw_data = b""          # set_external_data moves raw data out; there is none here
+        set_external_data(tensor, location=self.path.name, offset=self.offset, length=2 * count)
+        tensor.ClearField("raw_data")
+        self.offset += 2 * count
+        self.largest = max(self.largest, 2 * count)
+        return tensor
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers: int | None = None,
+                      hidden: int = 4096, heads: int = 32, ffn: int = 11008, vocab: int = 32000,
+                      seed: int = 0) -> dict:
+    """Write the model to ``path`` (weights in ``path.data``); returns its facts:
+    {"path", "data", "layers", "weight_bytes", "largest_initializer_bytes"}."""
+    path = Path(path)
+    layers = layers or layers_for(gigabytes, hidden, ffn, vocab)
+    head = hidden // heads
+    weights = _WeightFile(path.with_name(path.name + ".data"), seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[TensorProto] = []
+
+    def const(name: str, value) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def weight(name: str, shape: tuple[int, ...], constant: float | None = None) -> str:
+        inits.append(weights.add(name, shape, 1.0 / math.sqrt(shape[0]), constant))
+        return name
+
+    def node(op: str, inputs: list[str], output: str, **attrs) -> str:
+        nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
+        return output
+
+    two, eps = const("two", np.float16(2)), const("eps", np.float16(1e-5))
+    scale = const("attn_scale", np.float16(1.0 / math.sqrt(head)))
+    split_heads = const("split_heads", np.array([0, 0, heads, head], dtype=np.int64))
+    merge_heads = const("merge_heads", np.array([0, 0, hidden], dtype=np.int64))
+    last = const("last_axis", np.array([-1], dtype=np.int64))
+
+    def rms_norm(x: str, p: str) -> str:
+        mean = node("ReduceMean", [node("Pow", [x, two], f"{p}/sq"), last], f"{p}/mean", keepdims=1)
+        root = node("Sqrt", [node("Add", [mean, eps], f"{p}/var")], f"{p}/rms")
+        return node("Mul", [node("Div", [x, root], f"{p}/normed"), weight(f"{p}.weight", (hidden,), 1.0)], f"{p}/out")
+
+    x = node("Gather", [weight("embed_tokens", (vocab, hidden)), "input_ids"], "embedded", axis=0)
+    for i in range(layers):
+        p = f"layers.{i}"
+        n = rms_norm(x, f"{p}.input_norm")
+
+        def heads_of(role: str, perm: list[int]) -> str:
+            proj = node("MatMul", [n, weight(f"{p}.attn.{role}_proj", (hidden, hidden))], f"{p}/attn/{role}")
+            split = node("Reshape", [proj, split_heads], f"{p}/attn/{role}_heads")
+            return node("Transpose", [split], f"{p}/attn/{role}_t", perm=perm)
+
+        q, k, v = heads_of("q", [0, 2, 1, 3]), heads_of("k", [0, 2, 3, 1]), heads_of("v", [0, 2, 1, 3])
+        scores = node("Mul", [node("MatMul", [q, k], f"{p}/attn/qk"), scale], f"{p}/attn/scores")
+        probs = node("Softmax", [scores], f"{p}/attn/probs", axis=-1)
+        context = node("Transpose", [node("MatMul", [probs, v], f"{p}/attn/context")], f"{p}/attn/context_t",
+                       perm=[0, 2, 1, 3])
+        merged = node("Reshape", [context, merge_heads], f"{p}/attn/merged")
+        out = node("MatMul", [merged, weight(f"{p}.attn.o_proj", (hidden, hidden))], f"{p}/attn/out")
+        x = node("Add", [x, out], f"{p}/attn_residual")
+        n = rms_norm(x, f"{p}.post_norm")
+        gate = node("MatMul", [n, weight(f"{p}.mlp.gate_proj", (hidden, ffn))], f"{p}/mlp/gate")
+        silu = node("Mul", [gate, node("Sigmoid", [gate], f"{p}/mlp/sigmoid")], f"{p}/mlp/silu")
+        up = node("MatMul", [n, weight(f"{p}.mlp.up_proj", (hidden, ffn))], f"{p}/mlp/up")
+        down = node("MatMul", [node("Mul", [silu, up], f"{p}/mlp/gated"), weight(f"{p}.mlp.down_proj", (ffn, hidden))],
+                    f"{p}/mlp/down")
+        x = node("Add", [x, down], f"{p}/mlp_residual")
+    logits = node("MatMul", [rms_norm(x, "final_norm"), weight("lm_head", (hidden, vocab))], "logits")
+    weights.close()
+    graph = helper.make_graph(
+        nodes, "large_llama",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info(logits, TensorProto.FLOAT16, ["batch", "seq", vocab])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9,
+                              producer_name="meshplan-sample")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(model.SerializeToString())
+    os.replace(tmp, path)
+    return {"path": str(path), "data": str(weights.path), "layers": layers, "weight_bytes": weights.offset,
+            "largest_initializer_bytes": weights.largest}
