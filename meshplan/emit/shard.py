@@ -31,6 +31,7 @@ from meshplan.reshard.steps import Step, reshard_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.intra.strategies import Strategy, local_attributes
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
+from meshplan.emit.program_weights import PendingSlice, can_defer, placeholder
 
 def replicated_strategy(node: onnx.NodeProto, graph: Graph) -> Strategy:
     def spec(name):
@@ -40,8 +41,10 @@ def replicated_strategy(node: onnx.NodeProto, graph: Graph) -> Strategy:
 
 
 class _Builder:
-    def __init__(self, stage: onnx.ModelProto, graph: Graph, mesh: LogicalMesh, rank: int):
+    def __init__(self, stage: onnx.ModelProto, graph: Graph, mesh: LogicalMesh, rank: int,
+                 pending: dict[str, PendingSlice] | None = None):
         self.graph = graph
+        self.pending = pending
         self.mesh = mesh
         self.coord = mesh.coord(rank)
         self.weights = {t.name: t for t in stage.graph.initializer}
@@ -75,10 +78,18 @@ class _Builder:
             return tensor
         name = local_name(tensor, spec)
         if name not in self.initializers:
-            full = numpy_helper.to_array(self.weights[tensor])
-            part = np.ascontiguousarray(full[spec.local_slices(full.shape, self.mesh, self.coord)])
-            if spec.partial and any(self.coord[a] != 0 for a in spec.partial):
-                part = np.zeros_like(part)  # one device of each partial group holds the value
+            source = self.weights[tensor]
+            slices = spec.local_slices(tuple(source.dims), self.mesh, self.coord)
+            zero = bool(spec.partial) and any(self.coord[a] != 0 for a in spec.partial)  # one device of each partial group holds the value
+            if self.pending is not None and can_defer(source):
+                shape = spec.local_shape(tuple(source.dims), self.mesh)
+                self.initializers[name] = placeholder(name, source, tuple(shape))
+                self.pending[name] = PendingSlice(source, tuple(slices), zero)
+                return name
+            full = numpy_helper.to_array(source)
+            part = np.ascontiguousarray(full[slices])
+            if zero:
+                part = np.zeros_like(part)
             self.initializers[name] = numpy_helper.from_array(part, name)
         return name
 
@@ -125,12 +136,16 @@ class _Builder:
 
 def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, Strategy],
                   mesh: LogicalMesh, rank: int, input_specs: dict[str, ShardingSpec],
-                  output_specs: dict[str, ShardingSpec], collectives: list | None = None) -> onnx.ModelProto:
+                  output_specs: dict[str, ShardingSpec], collectives: list | None = None,
+                  pending: dict[str, PendingSlice] | None = None) -> onnx.ModelProto:
     """The program of ``rank`` (a device of ``mesh``) for a stage cut from the canonical
     model; its inputs arrive in ``input_specs`` and its outputs leave in ``output_specs``.
     ``collectives``, when given, receives one entry per collective node (the tensor, the
-    operation and its layout before and after: the specs at the segment boundaries)."""
-    build = _Builder(stage, graph, mesh, rank)
+    operation and its layout before and after: the specs at the segment boundaries).
+    ``pending``, when given, receives the slices of external weights the program holds
+    as placeholders (``program_weights.write_program`` streams them); without it, weights
+    are sliced in memory."""
+    build = _Builder(stage, graph, mesh, rank, pending)
     weights = build.weights
     for value in stage.graph.input:
         if value.name not in weights:

@@ -43,7 +43,7 @@ def split_weights(model: onnx.ModelProto, source_dir: Path, limit: int) -> dict[
                 raise ModelError(f"cannot read the model's external data: {first_line(exc)}") from exc
         elif is_loaded(tensor) and not small and tensor.data_type != onnx.TensorProto.STRING:
             held[tensor.name] = _raw_bytes(tensor)
-            _point_to(tensor, _HELD)
+            point_to(tensor, _HELD)
     return held
 
 
@@ -63,8 +63,8 @@ def write_weights(model: onnx.ModelProto, held: dict[str, bytes], source_dir: Pa
                 out.write(data)
                 length = len(data)
             else:
-                length = _copy_range(tensor, source_dir, out)
-            _point_to(tensor, data_path.name, offset, length)
+                length = copy_range(tensor, source_dir, out)
+            point_to(tensor, data_path.name, offset, length)
             offset += length
     if offset == 0:
         data_path.unlink()
@@ -76,7 +76,7 @@ def _raw_bytes(tensor: onnx.TensorProto) -> bytes:
     return numpy_helper.to_array(tensor).tobytes()
 
 
-def _point_to(tensor: onnx.TensorProto, location: str, offset: int = 0, length: int = 0) -> None:
+def point_to(tensor: onnx.TensorProto, location: str, offset: int = 0, length: int = 0) -> None:
     """Make ``tensor`` an external reference (its data fields cleared)."""
     for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
         tensor.ClearField(field)
@@ -87,7 +87,7 @@ def _point_to(tensor: onnx.TensorProto, location: str, offset: int = 0, length: 
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def _copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
+def copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
     """Copy an external tensor's bytes from the source's data file, chunk by chunk;
     return how many."""
     info = external_data_helper.ExternalDataInfo(tensor)
