@@ -20,7 +20,7 @@ from meshplan.cost.analytic import CostModel, compute_dtypes
 from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
 from meshplan.errors import PlanError
 from meshplan.model.graph import build_graph
-from meshplan.model.load import canonicalize, read_model, symbolic_dims
+from meshplan.model.load import Rewrite, canonicalize, read_model, symbolic_dims
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
@@ -163,6 +163,22 @@ def _static_layout(inputs: list, places: dict[str, tuple[int, int]], microbatche
             "axes": {name: places[name][0] for name in batched}}
 
 
+def static_batch_rewrite(batch: dict, microbatches: int) -> Rewrite | None:
+    """What ``canonicalize`` applies to a static batch of layout ``batch`` (None for any
+    other): the rewrite to the microbatch size, which records in ``batch`` the outputs'
+    batch axes and the constants it changed."""
+    if batch.get("axes") is None:
+        return None
+    inputs = dict(batch["axes"])
+
+    def rewrite(model: onnx.ModelProto, read) -> None:
+        done = rewrite_static_batch(model, read, inputs, microbatches)
+        batch["axes"] = done.axes
+        batch["rewritten"] = {"shape_constants": done.shape_constants, "constants_cut": done.constants_cut}
+
+    return rewrite
+
+
 def _full_specs(model: onnx.ModelProto, graph_tensors, names, batch: dict, microbatches: int) -> list[TensorSpec]:
     specs = []
     axes = batch.get("axes")
@@ -194,13 +210,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, 
     model_path = Path(model_path)
     header = read_model(model_path, load_external_data=False)
     batch, program_dims = batch_layout(header, dims, options.microbatches, options.batch_dim)
-    rewrite = None
-    if batch.get("axes") is not None:
-        def rewrite(model, read):
-            done = rewrite_static_batch(model, read, dict(batch["axes"]), options.microbatches)
-            batch["axes"] = done.axes
-            batch["rewritten"] = {"shape_constants": done.shape_constants, "constants_cut": done.constants_cut}
-    canonical = canonicalize(model_path, program_dims, workdir, rewrite)
+    canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches))
     graph = build_graph(canonical.model)
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
     dtypes = compute_dtypes(graph)

@@ -38,7 +38,7 @@ from meshplan.errors import PlanError
 from meshplan.intra.strategies import Strategy, local_attributes, node_strategies
 from meshplan.model.fold import infer_shapes
 from meshplan.model.graph import Graph, build_graph
-from meshplan.ops import SMALL_CONSTANT_ELEMENTS
+from meshplan.ops import SMALL_CONSTANT_ELEMENTS, rule_of
 from meshplan.sharding import LogicalMesh, ShardingSpec
 
 ReadTensor = Callable[[onnx.TensorProto], np.ndarray]
@@ -58,6 +58,8 @@ class _Batch:
 
     def __init__(self, graph: Graph, model: onnx.ModelProto, inputs: dict[str, int], parts: int, read: ReadTensor):
         self.graph, self.parts, self.read = graph, parts, read
+        name, axis = next(iter(inputs.items()))
+        self.size = graph.tensors[name].shape[axis]
         self.mesh = LogicalMesh((parts, 1), tuple(range(parts)))
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.constants = {name: numpy_helper.to_array(t) for name, t in self.initializers.items()
@@ -131,7 +133,7 @@ class _Batch:
             if best is None or cost < best_cost:
                 best, best_cost = strategy, cost
         if best is None:
-            raise PlanError(blocker or self._no_strategy(node, carried))
+            raise PlanError(blocker) if blocker else self._no_strategy(node, carried)
         for i, (name, spec) in enumerate(zip(node.inputs, best.inputs)):
             axis = self.split_axis(spec)
             if name and i not in carried and axis is not None and name in self.producer and name not in self.demanded:
@@ -160,11 +162,19 @@ class _Batch:
             return None
         return f"tensor '{name}' cannot be cut along the batch axis"
 
-    def _no_strategy(self, node, carried: dict[int, int]) -> str:
+    def _no_strategy(self, node, carried: dict[int, int]) -> PlanError:
         i, axis = next(iter(carried.items()))
-        return (f"the batch cannot be kept apart at {node.op_type} node '{node.name}' (its input '{node.inputs[i]}' carries"
-                f" the batch at axis {axis}): the operator mixes samples, moves the batch inside another dimension,"
-                " or has no sharding rule")
+        if rule_of(node.op_type, node.domain) is None:
+            reason = f"meshplan has no sharding rule for {node.op_type}"
+        elif node.op_type in _RESHAPES:
+            reason = f"the new shape does not keep each microbatch of {self.size // self.parts} sample(s) whole and outermost"
+        else:
+            reason = "the operator combines values across the batch axis"
+        return PlanError(f"the batch cannot be kept apart at {node.op_type} node '{node.name}' (its input "
+                         f"'{node.inputs[i]}' carries the batch at axis {axis}): {reason}", hint="use --microbatches 1")
+
+
+_RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
 class _Restart(Exception):

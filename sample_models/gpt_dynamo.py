@@ -7,8 +7,8 @@ constants: the model `meshplan plan --microbatches` rewrites to the microbatch s
 
 Regenerating it needs torch (not a dependency of meshplan; CPU torch is enough) and
 onnxscript: ``python -m sample_models.gpt_dynamo`` rewrites the committed file. The tests
-use the committed file and never import torch. The exporter's output can differ between
-torch versions; this file was written by torch 2.13.0.
+use the committed file and never import torch. torch 2.13.0 (CPU) rewrites the file byte
+for byte; other torch versions may export a different graph.
 """
 
 from __future__ import annotations

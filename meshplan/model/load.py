@@ -187,6 +187,7 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     held = split_weights(model, source.parent, SMALL_ELEMENTS)
     fold_constants(model, SMALL_ELEMENTS)
     if rewrite is not None:
+        _name_nodes(model)   # so that what the rewrite refuses is named
         rewrite(model, _reader(held, source.parent))
     place_parameter_nodes(model)
     check_loads_in_onnxruntime(model)
