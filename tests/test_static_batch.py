@@ -260,3 +260,22 @@ def test_cli_one_error_line(args, fragment, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("meshplan: error:") and fragment in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_profile_measures_the_rewritten_microbatch(tmp_path):
+    """``profile --microbatches 4`` times the programs a 4-microbatch plan runs (2 samples),
+    so that plan takes every operator's cost from measurements."""
+    from click.testing import CliRunner
+
+    from cli.plan_cmd import plan as plan_command
+    from cli.profile_cmd import profile as profile_command
+
+    runner = CliRunner()
+    profiled = runner.invoke(profile_command, [
+        str(DYNAMO), "--mesh", "1x1", "--provider", "cpu", "--threads", "1", "--cache", str(tmp_path / "c.sqlite"),
+        "--budget-ms", "0.5", "--microbatches", "4", "-o", str(tmp_path / "p.json")])
+    assert profiled.exit_code == 0, profiled.output
+    planned = runner.invoke(plan_command, [str(DYNAMO), "--mesh", "1x1", "--microbatches", "4",
+                                           "--profile", str(tmp_path / "p.json"), "-o", str(tmp_path / "plan")])
+    assert planned.exit_code == 0, planned.output
+    assert "costs: 60 operator(s) measured, 0 from the analytic model" in planned.output, planned.output
