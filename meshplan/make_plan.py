@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.analytic import CostModel, compute_dtypes
 from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
-from meshplan.errors import PlanError
+from meshplan.errors import ModelError, PlanError
 from meshplan.model.graph import build_graph
 from meshplan.model.load import Rewrite, canonicalize, read_model, symbolic_dims
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
@@ -34,10 +34,11 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
 
     With B microbatches the programs run on batch/B samples. A symbolic batch dimension
     (the symbolic dim at axis 0 of the inputs, or the one ``batch_dim`` names) is fixed to
-    batch/B before folding. A static one (axis 0 of the inputs whose axis 0 has the first
-    input's size, or the ``INPUT:AXIS`` places ``batch_dim`` names) is rewritten to batch/B
-    after folding (``static_batch``); its layout lists the batched inputs' axes under
-    ``"axes"``, to which ``plan_model`` adds the outputs'.
+    batch/B before folding when it is at axis 0 of its inputs and of every output. A static
+    one (axis 0 of the inputs whose axis 0 has the first input's size, or the
+    ``INPUT:AXIS`` places ``batch_dim`` names), or a symbolic one elsewhere, is rewritten to
+    batch/B after folding (``static_batch``); its layout lists the batched inputs' axes
+    under ``"axes"``, to which ``plan_model`` adds the outputs'.
     """
     if microbatches < 1:
         raise PlanError(f"--microbatches must be at least 1, got {microbatches}")
@@ -46,6 +47,8 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
     batch_dim, static = _batch_place(inputs, tuple(batch_dim))
     if batch_dim is None and static:
         return _static_layout(inputs, static, microbatches), dict(dims)
+    if batch_dim is not None and batch_dim not in dims and microbatches > 1:
+        raise ModelError(f"the batch dimension {batch_dim!r} is unknown", hint=f"fix it with --dim {batch_dim}=INT")
     if batch_dim is None or batch_dim not in dims:
         size = 1
         for value in inputs:
@@ -62,23 +65,27 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
     size = dims[batch_dim]
     if size % microbatches:
         raise PlanError(f"batch dimension {batch_dim!r} = {size} is not divisible by --microbatches {microbatches}")
-    if microbatches > 1:
-        for value in list(inputs) + list(model.graph.output):
-            for axis, dim in enumerate(value.type.tensor_type.shape.dim):
-                if dim.dim_param == batch_dim and axis != 0:
-                    raise PlanError(f"'{value.name}' has the batch dimension at axis {axis}; microbatching needs axis 0")
-        for value in model.graph.output:
-            shape = value.type.tensor_type.shape.dim
-            if not shape or shape[0].dim_param != batch_dim:
-                raise PlanError(
-                    f"model output '{value.name}' is not declared with the batch dimension {batch_dim!r} at axis 0",
-                    hint="use --microbatches 1",
-                )
+    if microbatches > 1 and not _all_at_axis_0(inputs, model.graph.output, batch_dim):
+        # Somewhere else than axis 0, or not declared on an output: rewritten as a static
+        # batch, which finds where each output carries it.
+        places = {v.name: (axis, size) for v in inputs for axis, d in enumerate(v.type.tensor_type.shape.dim)
+                  if d.dim_param == batch_dim}
+        return dict(_static_layout(inputs, places, microbatches), dim=batch_dim), dict(dims)
     program_dims = dict(dims)
     program_dims[batch_dim] = size // microbatches
     batched = [v.name for v in inputs if v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_param == batch_dim]
     layout = {"dim": batch_dim, "size": size, "microbatch_size": size // microbatches, "batched_inputs": batched}
     return layout, program_dims
+
+
+def _all_at_axis_0(inputs: list, outputs, batch_dim: str) -> bool:
+    """Whether every input has the symbolic ``batch_dim`` at axis 0 or not at all, and every
+    output has it at axis 0."""
+    for value in list(inputs) + list(outputs):
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param == batch_dim and axis != 0:
+                return False
+    return all(v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_param == batch_dim for v in outputs)
 
 
 def _shape_text(value: onnx.ValueInfoProto) -> str:

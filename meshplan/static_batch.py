@@ -68,12 +68,8 @@ class _Batch:
         self.demanded: dict[str, int] = {}                  # non-batched computed tensor → axis a consumer needs split
         self.producer = graph.producers()
         self.chosen: list[Strategy | None] = []
-
-    def spec(self, name: str, axis: int | None) -> ShardingSpec:
-        dims = ["R"] * len(self.graph.tensors[name].shape)
-        if axis is not None:
-            dims[axis] = "S0"
-        return ShardingSpec(tuple(dims))
+        self._strategies: dict[int, list[Strategy]] = {}
+        self._cuttable: dict[tuple[str, int], str | None] = {}
 
     def split_axis(self, spec: ShardingSpec | None) -> int | None:
         if spec is None or spec.partial:
@@ -94,22 +90,26 @@ class _Batch:
     def _pass(self) -> None:
         self.axis = {name: a for name, a in self.axis.items() if name in self.graph.inputs}
         self.chosen = []
-        for node in self.graph.nodes:
+        for index, node in enumerate(self.graph.nodes):
             carried = {i: self.axis[name] for i, name in enumerate(node.inputs) if name in self.axis}
             wanted = {i: self.demanded[name] for i, name in enumerate(node.outputs) if name in self.demanded}
             if not carried and not wanted:
                 self.chosen.append(None)
                 continue
-            strategy = self._choose(node, carried, wanted)
+            strategy = self._choose(index, node, carried, wanted)
             self.chosen.append(strategy)
             for name, spec in zip(node.outputs, strategy.outputs):
                 axis = self.split_axis(spec)
                 if name and axis is not None:
                     self.axis[name] = axis
 
-    def _choose(self, node, carried: dict[int, int], wanted: dict[int, int]) -> Strategy:
+    def _choose(self, index: int, node, carried: dict[int, int], wanted: dict[int, int]) -> Strategy:
+        """The strategy that splits the carried inputs and the wanted outputs where they
+        carry the batch, every output somewhere, and the fewest other inputs."""
+        if index not in self._strategies:
+            self._strategies[index] = node_strategies(node, self.graph, self.mesh, self.constants, self.graph.opset)
         best, best_cost, blocker = None, None, None
-        for strategy in node_strategies(node, self.graph, self.mesh, self.constants, self.graph.opset):
+        for strategy in self._strategies[index]:
             if any(s is not None and s.partial for s in strategy.inputs + strategy.outputs):
                 continue
             if any(self.split_axis(strategy.inputs[i]) != a for i, a in carried.items()):
@@ -133,7 +133,7 @@ class _Batch:
             if best is None or cost < best_cost:
                 best, best_cost = strategy, cost
         if best is None:
-            raise PlanError(blocker) if blocker else self._no_strategy(node, carried)
+            raise PlanError(blocker) if blocker else self._no_strategy(node, carried, wanted)
         for i, (name, spec) in enumerate(zip(node.inputs, best.inputs)):
             axis = self.split_axis(spec)
             if name and i not in carried and axis is not None and name in self.producer and name not in self.demanded:
@@ -142,7 +142,14 @@ class _Batch:
         return best
 
     def _can_cut(self, name: str, axis: int) -> str | None:
-        """Why tensor ``name`` (not carrying the batch) cannot be split along ``axis``; None if it can."""
+        """Why tensor ``name`` (not carrying the batch) cannot be split along ``axis``; None
+        if it can: a constant the same for every microbatch, or a tensor computed from
+        constants (its producer is then asked to split it)."""
+        if (name, axis) not in self._cuttable:
+            self._cuttable[name, axis] = self._cut_problem(name, axis)
+        return self._cuttable[name, axis]
+
+    def _cut_problem(self, name: str, axis: int) -> str | None:
         size = self.graph.tensors[name].shape[axis]
         if name in self.graph.inputs:
             return (f"input '{name}' has size {size} at axis {axis} where the batch must be, but is not a batched input"
@@ -154,15 +161,14 @@ class _Batch:
                 return (f"constant '{name}' {list(value.shape)} differs between the microbatches along the batch axis"
                         f" (axis {axis}); rewriting it would change the results")
             return None
-        if name in self.producer:
-            node = self.graph.nodes[self.producer[name]]
-            if name in self.demanded:
-                return (f"tensor '{name}' (output of {node.op_type} node '{node.name}') has the batch size at axis {axis}"
-                        " but does not follow the batch")
-            return None
-        return f"tensor '{name}' cannot be cut along the batch axis"
+        return None if name in self.producer else f"tensor '{name}' cannot be cut along the batch axis"
 
-    def _no_strategy(self, node, carried: dict[int, int]) -> PlanError:
+    def _no_strategy(self, node, carried: dict[int, int], wanted: dict[int, int]) -> PlanError:
+        if not carried:
+            i, axis = next(iter(wanted.items()))
+            return PlanError(f"tensor '{node.outputs[i]}' (output of {node.op_type} node '{node.name}') is needed per"
+                             f" microbatch along axis {axis}, which {node.op_type} cannot give",
+                             hint="use --microbatches 1")
         i, axis = next(iter(carried.items()))
         if rule_of(node.op_type, node.domain) is None:
             reason = f"meshplan has no sharding rule for {node.op_type}"

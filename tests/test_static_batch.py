@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from meshplan.cost.cluster import make_cluster
-from meshplan.errors import PlanError
+from meshplan.errors import ModelError, PlanError
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.make_plan import batch_layout, make_plan, static_batch_rewrite
 from meshplan.model.load import canonicalize
@@ -112,7 +112,7 @@ def _check(plan, plan_dir, inputs):
     assert_close(run_in_process(plan, plan_dir, inputs), reference_outputs(plan, inputs))
 
 
-def _seq_first() -> onnx.ModelProto:
+def _seq_first(x_shape=(16, 8, 4), y_shape=(16, 8, 4), z_shape=(8, 3)) -> onnx.ModelProto:
     """x [16 (seq), 8 (batch), 4]: y = relu(x) keeps the batch at axis 1; z flattens each
     sample's [16, 4] after a transpose (Reshape [8, 64]) and projects it."""
     rng = np.random.RandomState(0)
@@ -122,12 +122,17 @@ def _seq_first() -> onnx.ModelProto:
         helper.make_node("Reshape", ["t", "flat"], ["f"]),
         helper.make_node("MatMul", ["f", "w"], ["z"]),
     ]
-    return _model(nodes, [_vi("x", [16, 8, 4])], [_vi("y", [16, 8, 4]), _vi("z", [8, 3])],
+    return _model(nodes, [_vi("x", list(x_shape))], [_vi("y", list(y_shape)), _vi("z", list(z_shape))],
                   [_const("flat", [8, 64], np.int64), _const("w", rng.randn(64, 3))])
 
 
-def test_batch_dim_input_axis_not_zero(tmp_path):
-    plan, plan_dir = _plan(_seq_first(), tmp_path, 4, ["x:1"])
+@pytest.mark.parametrize("batch_dim, symbolic", [("x:1", False), ("batch", True), ("x:1", True)])
+def test_batch_dim_not_at_axis_zero(batch_dim, symbolic, tmp_path):
+    """A batch at axis 1 of the input, at axis 0 of one output and 1 of the other; static,
+    or symbolic (fixed by --dim, then rewritten as a static one)."""
+    model = (_seq_first(["seq", "batch", 4], ["seq", "batch", 4], ["batch", 3]) if symbolic else _seq_first())
+    plan, plan_dir = _plan(model, tmp_path, 4, [batch_dim], {"batch": 8, "seq": 16} if symbolic else {})
+    assert plan.batch["dim"] == ("batch" if symbolic else None)
     assert plan.batch["axes"] == {"x": 1, "y": 1, "z": 0}
     assert [s.shape for s in plan.outputs] == [[16, 8, 4], [8, 3]]
     _check(plan, plan_dir, {"x": np.random.RandomState(1).randn(16, 8, 4).astype(np.float32)})
@@ -162,8 +167,15 @@ def test_batch_dim_names_a_symbolic_dim(batch_dim, tmp_path):
 
 
 def test_symbolic_default_picks_the_first_input(tmp_path):
-    with pytest.raises(PlanError, match="'x' has the batch dimension at axis 1; microbatching needs axis 0"):
-        _plan(_symbolic_two_dims(), tmp_path, 2, dims={"batch": 4, "seq": 8})
+    """Without --batch-dim the first input's axis 0 ('seq') is the batch: at axis 1 of x and
+    y, so rewritten as a static batch, and the report says so."""
+    from meshplan.emit.report import text_report
+
+    plan, plan_dir = _plan(_symbolic_two_dims(), tmp_path, 2, dims={"batch": 4, "seq": 8})
+    assert plan.batch["dim"] == "seq" and plan.batch["axes"] == {"pos": 0, "x": 1, "y": 1}
+    assert "batch: dimension 'seq' 8 (axis 0 of pos, axis 1 of x) rewritten to 4 per microbatch" in text_report(plan)
+    rng = np.random.RandomState(0)
+    _check(plan, plan_dir, {"pos": rng.randn(8).astype(np.float32), "x": rng.randn(4, 8, 4).astype(np.float32)})
 
 
 @pytest.mark.parametrize("batch_dim, message", [
@@ -176,6 +188,11 @@ def test_batch_dim_that_does_not_exist(batch_dim, message):
     with pytest.raises(PlanError) as error:
         batch_layout(_seq_first(), {}, 2, (batch_dim,))
     assert message in str(error.value)
+
+
+def test_batch_dim_left_unknown():
+    with pytest.raises(ModelError, match=r"the batch dimension 'batch' is unknown \(fix it with --dim batch=INT\)"):
+        batch_layout(_symbolic_two_dims(), {"seq": 8}, 2, ("batch",))
 
 
 def test_batch_dim_places_of_different_sizes():
@@ -238,6 +255,16 @@ def test_expansion_left_in_the_graph_follows_the_batch(tmp_path):
     plan, plan_dir = _plan(model, tmp_path, 2)
     assert plan.batch["rewritten"]["shape_constants"] == ["shape"]
     _check(plan, plan_dir, {"x": np.random.RandomState(0).randn(8, 128, 128).astype(np.float32)})
+
+
+def test_computed_tensor_that_cannot_follow_the_batch_is_refused(tmp_path):
+    """ConstantOfShape has no rule that splits its output: its [8, 128, 128] zeros (too
+    large to fold) cannot be made per microbatch."""
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["zeros"]), helper.make_node("Add", ["x", "zeros"], ["y"])]
+    model = _model(nodes, [_vi("x", [8, 128, 128])], [_vi("y", [8, 128, 128])],
+                   [_const("shape", [8, 128, 128], np.int64)])
+    _refused(model, tmp_path, r"tensor 'zeros' \(output of ConstantOfShape node 'ConstantOfShape_0'\) is needed per "
+                              "microbatch along axis 0, which ConstantOfShape cannot give")
 
 
 def test_unnamed_batched_input_is_refused(tmp_path):

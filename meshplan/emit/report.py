@@ -97,7 +97,8 @@ def static_batch_line(batch: dict) -> str:
     axes = batch["axes"]
     places = ", ".join(f"axis {axes[name]} of {name}" for name in batch["batched_inputs"])
     rewritten = batch["rewritten"]
-    return (f"batch: static dimension {batch['size']} ({places}) rewritten to {batch['microbatch_size']} per microbatch: "
+    what = f"dimension {batch['dim']!r}" if batch["dim"] else "static dimension"
+    return (f"batch: {what} {batch['size']} ({places}) rewritten to {batch['microbatch_size']} per microbatch: "
             f"{len(rewritten['shape_constants'])} shape constant(s), {len(rewritten['constants_cut'])} constant(s) "
             "cut to one microbatch")
 
