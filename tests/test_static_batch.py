@@ -225,9 +225,40 @@ def test_reshape_that_cuts_the_batch_unevenly_is_refused(tmp_path):
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"])]
     model = _model(nodes, [_vi("x", [8, 16])], [_vi("y", [4, 32])], [_const("shape", [4, 32], np.int64)])
     _refused(model, tmp_path / "eight", "Reshape node 'Reshape_0' .*: the new shape does not keep each microbatch of 1 "
-             "sample", microbatches=8)
+             r"sample\(s\) inside one dimension", microbatches=8)
     plan, plan_dir = _plan(model, tmp_path / "four", 4)
     _check(plan, plan_dir, {"x": np.arange(128, dtype=np.float32).reshape(8, 16)})
+
+
+def _seq_major(output_flat: bool = False) -> onnx.ModelProto:
+    """What torch's MultiheadAttention does with a batch-first input: x [8, 4, 6] goes
+    seq-first ([4, 8, 6]) and is flattened to [32, 6] for a projection, so the batch sits
+    inside dim 0 after the 4 positions; a constant [32, 5] the same for every sample is
+    added; then back to [8, 4, 5]."""
+    rng = np.random.RandomState(0)
+    per_position = np.repeat(rng.randn(4, 1, 5), 8, axis=1).reshape(32, 5)
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["t", "flat"], ["f"]),
+        helper.make_node("MatMul", ["f", "w"], ["p"]),
+        helper.make_node("Add", ["p", "bias"], ["q"]),
+        helper.make_node("Reshape", ["q", "unflat"], ["u"]),
+        helper.make_node("Transpose", ["u"], ["y"], perm=[1, 0, 2]),
+    ]
+    outputs = [_vi("q", [32, 5])] if output_flat else [_vi("y", [8, 4, 5])]
+    return _model(nodes, [_vi("x", [8, 4, 6])], outputs,
+                  [_const("flat", [32, 6], np.int64), _const("w", rng.randn(6, 5)), _const("bias", per_position),
+                   _const("unflat", [4, 8, 5], np.int64)])
+
+
+def test_batch_inside_a_flattened_dim(tmp_path):
+    plan, plan_dir = _plan(_seq_major(), tmp_path, 4)
+    assert plan.batch["rewritten"] == {"shape_constants": ["flat", "unflat"], "constants_cut": ["bias"]}
+    _check(plan, plan_dir, {"x": np.random.RandomState(1).randn(8, 4, 6).astype(np.float32)})
+
+
+def test_output_with_the_batch_inside_a_dim_is_refused(tmp_path):
+    _refused(_seq_major(output_flat=True), tmp_path, "model output 'q' carries the batch inside its axis 0, after 4 other")
 
 
 def test_constant_that_differs_between_microbatches_is_refused(tmp_path):
