@@ -159,7 +159,7 @@ def _input_axis(text: str, inputs: dict) -> tuple[str, int] | None:
 
 def _static_layout(inputs: list, places: dict[str, tuple[int, int]], microbatches: int) -> dict:
     """The layout of a static batch (rewritten after folding when ``microbatches`` > 1)."""
-    (first, (axis, size)), = list(places.items())[:1]
+    first, (axis, size) = next(iter(places.items()))
     batched = [v.name for v in inputs if v.name in places]
     if microbatches == 1:
         return {"dim": None, "size": size, "microbatch_size": size, "batched_inputs": []}

@@ -16,7 +16,7 @@ from meshplan.inter.pipeline import PlanOptions
 from meshplan.make_plan import batch_layout, make_plan, static_batch_rewrite
 from meshplan.model.load import canonicalize
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
-from sample_models import SAMPLE_DIR
+from sample_models import SAMPLE_DIR, SAMPLES, make_inputs
 from tests.conftest import assert_close, check_against_onnxruntime, run_cli, save_npz
 
 DYNAMO = SAMPLE_DIR / "gpt_dynamo.onnx"
@@ -81,6 +81,20 @@ def test_dynamo_export_sharded_stage(tmp_path):
     assert plan.stages[0].strategies
     inputs = _ids(3)
     assert_close(run_in_process(plan, tmp_path / "plan", inputs), reference_outputs(plan, inputs))
+
+
+def test_exporter_shape_computations_folded_at_a_static_batch(tmp_path):
+    """The GPT sample (its Reshape targets built by Shape -> Gather -> Concat, positions by
+    Range) with its inputs and outputs declared static: folding turns the shape
+    computations into constants holding the batch, which the rewrite then changes."""
+    model = SAMPLES["gpt"].load()
+    for value in list(model.graph.input) + list(model.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_value = {"batch": 4, "seq": 16}[dim.dim_param]
+    plan, plan_dir = _plan(model, tmp_path, 2)
+    assert plan.batch["microbatch_size"] == 2 and len(plan.batch["rewritten"]["shape_constants"]) > 0
+    _check(plan, plan_dir, make_inputs("gpt", {"batch": 4, "seq": 16}, seed=4))
 
 
 # --- small static models ----------------------------------------------------------------
