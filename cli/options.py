@@ -40,6 +40,12 @@ dim_option = click.option(
     help="Fix a symbolic dimension of the model's inputs (repeatable).",
 )
 
+batch_dim_option = click.option(
+    "--batch-dim", "batch_dim", multiple=True, metavar="NAME|INPUT:AXIS",
+    help="The batch that --microbatches splits: a symbolic dimension's name, or the input and axis that hold a "
+         "static batch (repeatable, one per batched input) [default: axis 0 of the inputs].",
+)
+
 mesh_option = click.option("--mesh", callback=parse_mesh_option, metavar="HxD", help="Hosts x devices per host, e.g. 1x4.")
 
 cluster_option = click.option(

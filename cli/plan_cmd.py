@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli.guard import debugging, guard
-from cli.options import cluster_from_options, cluster_option, device_option, dim_option, mesh_option
+from cli.options import batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, mesh_option
 
 
 @click.command()
@@ -20,6 +20,7 @@ from cli.options import cluster_from_options, cluster_option, device_option, dim
 @dim_option
 @click.option("--microbatches", default=1, show_default=True, type=click.IntRange(min=1),
               help="Split the batch into this many pipelined microbatches.")
+@batch_dim_option
 @click.option("--layers", type=click.IntRange(min=1), help="Number of layers to cluster operators into.")
 @click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
 @click.option("--policy", default="auto", show_default=True, type=click.Choice(["auto", "data", "megatron"]),
@@ -34,7 +35,7 @@ from cli.options import cluster_from_options, cluster_option, device_option, dim
               help="Measured costs from meshplan profile (the analytic model fills the gaps).")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max_stages, policy, solver,
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, policy, solver,
          reshard_scheduler, profile_path, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
@@ -54,7 +55,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, layers, max
         cluster = cluster_from_options(mesh, cluster_file, device, default_device)
         started = time.perf_counter()
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
-                              policy=policy, reshard_scheduler=reshard_scheduler)
+                              policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim))
         cost_model, links = None, {}
         if profile_path:
             from meshplan.files import file_sha256

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from cli.guard import debugging, guard
-from cli.options import cluster_from_options, cluster_option, device_option, dim_option, mesh_option
+from cli.options import batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, mesh_option
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
           "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
@@ -96,6 +96,7 @@ class _Bar:
 @dim_option
 @click.option("--microbatches", "microbatch_counts", multiple=True, type=click.IntRange(min=2),
               help="Also profile the shapes a plan with this many microbatches runs (repeatable).")
+@batch_dim_option
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
               help="Execution provider to time on (an unknown one is an error).")
 @click.option("--threads", type=click.IntRange(min=1),
@@ -112,7 +113,7 @@ class _Bar:
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="Rows of the costliest-operator table.")
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path), help="Profile file to write (JSON).")
 @click.pass_context
-def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, provider, threads, cache_path, refresh,
+def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, batch_dim, provider, threads, cache_path, refresh,
             budget_ms, comm_max, comm_budget_ms, top, out_path):
     """Measure what MODEL's operators and the mesh's collectives cost here, for `meshplan plan --profile`.
 
@@ -123,7 +124,7 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, pro
     """
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.model.load import read_model, symbolic_dims
-    from meshplan.make_plan import batch_layout
+    from meshplan.make_plan import batch_layout, static_batch_rewrite
     from meshplan.profile import ProfileOptions, profile_model, write_profile
     from meshplan.profile.variants import sharded_variants
     from meshplan.profile.errors import FailedElsewhere
@@ -137,8 +138,8 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, pro
         symbolic_dims(header)
         dims_sets = [("model", dict(dims))]
         for count in dict.fromkeys(microbatch_counts):
-            _, program_dims = batch_layout(header, dict(dims), count)
-            dims_sets.append((f"microbatches={count}", program_dims))
+            batch, program_dims = batch_layout(header, dict(dims), count, tuple(batch_dim))
+            dims_sets.append((f"microbatches={count}", program_dims, static_batch_rewrite(batch, count)))
         options = ProfileOptions(
             variants=sharded_variants(cluster),
             provider=provider, threads=threads, cache_path=cache_path, refresh=refresh,

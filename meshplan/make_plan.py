@@ -18,31 +18,37 @@ from onnx import numpy_helper
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.analytic import CostModel, compute_dtypes
 from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
-from meshplan.errors import PlanError
+from meshplan.errors import ModelError, PlanError
 from meshplan.model.graph import build_graph
-from meshplan.model.load import canonicalize, read_model, symbolic_dims
+from meshplan.model.load import Rewrite, canonicalize, read_model, symbolic_dims
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
+from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.emit.report import TIMELINE_FILE, render_timeline
 
 
-def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int) -> tuple[dict, dict[str, int]]:
+def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int,
+                 batch_dim: tuple[str, ...] = ()) -> tuple[dict, dict[str, int]]:
     """The batch dimension and the dims the per-device programs are built for.
 
-    With B microbatches the programs run on batch/B samples, so the batch dimension (the
-    symbolic dim at axis 0 of the inputs) is fixed to batch/B before folding.
+    With B microbatches the programs run on batch/B samples. A symbolic batch dimension
+    (the symbolic dim at axis 0 of the inputs, or the one ``batch_dim`` names) is fixed to
+    batch/B before folding when it is at axis 0 of its inputs and of every output. A static
+    one (axis 0 of the inputs whose axis 0 has the first input's size, or the
+    ``INPUT:AXIS`` places ``batch_dim`` names), or a symbolic one elsewhere, is rewritten to
+    batch/B after folding (``static_batch``); its layout lists the batched inputs' axes
+    under ``"axes"``, to which ``plan_model`` adds the outputs'.
     """
     if microbatches < 1:
         raise PlanError(f"--microbatches must be at least 1, got {microbatches}")
     initializers = {t.name for t in model.graph.initializer}
     inputs = [v for v in model.graph.input if v.name not in initializers]
-    batch_dim = None
-    for value in inputs:
-        shape = value.type.tensor_type.shape.dim
-        if shape and shape[0].dim_param:
-            batch_dim = shape[0].dim_param
-            break
+    batch_dim, static = _batch_place(inputs, tuple(batch_dim))
+    if batch_dim is None and static:
+        return _static_layout(inputs, static, microbatches), dict(dims)
+    if batch_dim is not None and batch_dim not in dims and microbatches > 1:
+        raise ModelError(f"the batch dimension {batch_dim!r} is unknown", hint=f"fix it with --dim {batch_dim}=INT")
     if batch_dim is None or batch_dim not in dims:
         size = 1
         for value in inputs:
@@ -52,25 +58,19 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
                 break
         if microbatches > 1:
             raise PlanError(
-                "--microbatches needs a symbolic batch dimension at axis 0 of the model's inputs; this model has none",
-                hint="use --microbatches 1",
+                "--microbatches needs a batch dimension at axis 0 of the model's inputs; this model has none",
+                hint="use --microbatches 1, or name the batch with --batch-dim",
             )
         return {"dim": None, "size": size, "microbatch_size": size, "batched_inputs": []}, dict(dims)
     size = dims[batch_dim]
     if size % microbatches:
         raise PlanError(f"batch dimension {batch_dim!r} = {size} is not divisible by --microbatches {microbatches}")
-    if microbatches > 1:
-        for value in list(inputs) + list(model.graph.output):
-            for axis, dim in enumerate(value.type.tensor_type.shape.dim):
-                if dim.dim_param == batch_dim and axis != 0:
-                    raise PlanError(f"'{value.name}' has the batch dimension at axis {axis}; microbatching needs axis 0")
-        for value in model.graph.output:
-            shape = value.type.tensor_type.shape.dim
-            if not shape or shape[0].dim_param != batch_dim:
-                raise PlanError(
-                    f"model output '{value.name}' is not declared with the batch dimension {batch_dim!r} at axis 0",
-                    hint="use --microbatches 1",
-                )
+    if microbatches > 1 and not _all_at_axis_0(inputs, model.graph.output, batch_dim):
+        # Somewhere else than axis 0, or not declared on an output: rewritten as a static
+        # batch, which finds where each output carries it.
+        places = {v.name: (axis, size) for v in inputs for axis, d in enumerate(v.type.tensor_type.shape.dim)
+                  if d.dim_param == batch_dim}
+        return dict(_static_layout(inputs, places, microbatches), dim=batch_dim), dict(dims)
     program_dims = dict(dims)
     program_dims[batch_dim] = size // microbatches
     batched = [v.name for v in inputs if v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_param == batch_dim]
@@ -78,12 +78,123 @@ def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int
     return layout, program_dims
 
 
+def _all_at_axis_0(inputs: list, outputs, batch_dim: str) -> bool:
+    """Whether every input has the symbolic ``batch_dim`` at axis 0 or not at all, and every
+    output has it at axis 0."""
+    for value in list(inputs) + list(outputs):
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param == batch_dim and axis != 0:
+                return False
+    return all(v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_param == batch_dim for v in outputs)
+
+
+def _shape_text(value: onnx.ValueInfoProto) -> str:
+    return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in value.type.tensor_type.shape.dim) + "]"
+
+
+def _batch_place(inputs: list, batch_dim: tuple[str, ...]) -> tuple[str | None, dict[str, tuple[int, int]]]:
+    """The symbolic batch dim's name, or the static batch: {input: (axis, size)}.
+
+    Without ``batch_dim``: the symbolic dim at axis 0 of the first input that has one,
+    else axis 0 of every input whose axis 0 has the first input's size. ``batch_dim`` is a
+    symbolic dim's name, or ``INPUT:AXIS`` places (repeatable)."""
+    by_name = {v.name: v for v in inputs}
+    listing = ", ".join(f"{v.name} {_shape_text(v)}" for v in inputs) or "none"
+    if not batch_dim:
+        for value in inputs:
+            shape = value.type.tensor_type.shape.dim
+            if shape and shape[0].dim_param:
+                return shape[0].dim_param, {}
+        sized = [v for v in inputs if v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].dim_value]
+        if not sized:
+            return None, {}
+        size = sized[0].type.tensor_type.shape.dim[0].dim_value
+        return None, {v.name: (0, size) for v in sized if v.type.tensor_type.shape.dim[0].dim_value == size}
+    symbolic = {d.dim_param for v in inputs for d in v.type.tensor_type.shape.dim if d.dim_param}
+    places: dict[str, tuple[int, int]] = {}
+    names: set[str] = set()
+    for text in batch_dim:
+        place = _input_axis(text, by_name)
+        if place is None:
+            if text in symbolic:
+                names.add(text)
+                continue
+            raise PlanError(f"--batch-dim {text!r} is neither a symbolic dimension nor INPUT:AXIS of the model's inputs"
+                            f" (inputs: {listing})")
+        name, axis = place
+        dim = by_name[name].type.tensor_type.shape.dim[axis]
+        if dim.dim_param:
+            names.add(dim.dim_param)
+        else:
+            places[name] = (axis, dim.dim_value)
+    if names and places or len(names) > 1:
+        raise PlanError(f"--batch-dim names more than one batch dimension ({', '.join(batch_dim)})")
+    if names:
+        return names.pop(), {}
+    sizes = {size for _, size in places.values()}
+    if len(sizes) > 1:
+        found = ", ".join(f"{name}:{axis} is {size}" for name, (axis, size) in places.items())
+        raise PlanError(f"--batch-dim places have different sizes ({found})")
+    return None, places
+
+
+def _input_axis(text: str, inputs: dict) -> tuple[str, int] | None:
+    """``INPUT:AXIS`` → (input, axis ≥ 0); None when ``text`` has no such form; PlanError
+    for an unknown input or an axis out of range."""
+    name, sep, axis_text = text.rpartition(":")
+    try:
+        axis = int(axis_text)
+    except ValueError:
+        return None
+    if not sep or not name:
+        return None
+    if name not in inputs:
+        listing = ", ".join(f"{v.name} {_shape_text(v)}" for v in inputs.values()) or "none"
+        raise PlanError(f"--batch-dim {text}: the model has no input {name!r} (inputs: {listing})")
+    rank = len(inputs[name].type.tensor_type.shape.dim)
+    if not -rank <= axis < rank:
+        raise PlanError(f"--batch-dim {text}: input '{name}' {_shape_text(inputs[name])} has no axis {axis}")
+    return name, axis % rank
+
+
+def _static_layout(inputs: list, places: dict[str, tuple[int, int]], microbatches: int) -> dict:
+    """The layout of a static batch (rewritten after folding when ``microbatches`` > 1)."""
+    first, (axis, size) = next(iter(places.items()))
+    batched = [v.name for v in inputs if v.name in places]
+    if microbatches == 1:
+        return {"dim": None, "size": size, "microbatch_size": size, "batched_inputs": []}
+    if size % microbatches:
+        raise PlanError(f"the static batch (axis {axis} of input '{first}') = {size} is not divisible by"
+                        f" --microbatches {microbatches}")
+    return {"dim": None, "size": size, "microbatch_size": size // microbatches, "batched_inputs": batched,
+            "axes": {name: places[name][0] for name in batched}}
+
+
+def static_batch_rewrite(batch: dict, microbatches: int) -> Rewrite | None:
+    """What ``canonicalize`` applies to a static batch of layout ``batch`` (None for any
+    other): the rewrite to the microbatch size, which records in ``batch`` the outputs'
+    batch axes and the constants it changed."""
+    if batch.get("axes") is None:
+        return None
+    inputs = dict(batch["axes"])
+
+    def rewrite(model: onnx.ModelProto, read) -> None:
+        done = rewrite_static_batch(model, read, inputs, microbatches)
+        batch["axes"] = done.axes
+        batch["rewritten"] = {"shape_constants": done.shape_constants, "constants_cut": done.constants_cut}
+
+    return rewrite
+
+
 def _full_specs(model: onnx.ModelProto, graph_tensors, names, batch: dict, microbatches: int) -> list[TensorSpec]:
     specs = []
+    axes = batch.get("axes")
     for name in names:
         info = graph_tensors[name]
         shape = list(info.shape)
-        if batch["dim"] and microbatches > 1 and shape:
+        if axes is not None and name in axes:
+            shape[axes[name]] *= microbatches
+        elif axes is None and batch["dim"] and microbatches > 1 and shape:
             shape[0] *= microbatches
         specs.append(TensorSpec(name, shape, info.dtype.name))
     return specs
@@ -105,8 +216,8 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, 
     Returns the plan, the strategies of each sharded stage, the canonical model and its graph."""
     model_path = Path(model_path)
     header = read_model(model_path, load_external_data=False)
-    batch, program_dims = batch_layout(header, dims, options.microbatches)
-    canonical = canonicalize(model_path, program_dims, workdir)
+    batch, program_dims = batch_layout(header, dims, options.microbatches, options.batch_dim)
+    canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches))
     graph = build_graph(canonical.model)
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
     dtypes = compute_dtypes(graph)
@@ -133,7 +244,7 @@ def make_plan(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     header = read_model(model_path, load_external_data=False)
     symbolic_dims(header)  # reject unnamed dynamic dims early
-    batch_layout(header, dims, options.microbatches)  # reject bad batch options before any work
+    batch_layout(header, dims, options.microbatches, options.batch_dim)  # reject bad batch options before any work
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(staging, 0o755)
     try:

@@ -96,7 +96,10 @@ class Plan:
     model: dict                       # {"path", "sha256", "dims"}
     cluster: dict
     microbatches: int
-    batch: dict                       # {"dim": name or None, "size": int, "microbatch_size": int}
+    # {"dim": name or None, "size": int, "microbatch_size": int, "batched_inputs": [names]}; a static
+    # batch rewritten to the microbatch size adds "axes" ({batched input or output: its batch
+    # axis}) and "rewritten" ({"shape_constants": [names], "constants_cut": [names]})
+    batch: dict
     inputs: list[TensorSpec]          # full-batch model inputs
     outputs: list[TensorSpec]         # full-batch model outputs
     stages: list[Stage]

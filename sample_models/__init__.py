@@ -3,6 +3,8 @@
 ``python -m sample_models`` rewrites the committed files ``mlp.onnx``, ``gpt.onnx``
 and ``resnet.onnx`` next to this module; generation is deterministic, so the files
 are byte-identical to what :data:`SAMPLES` entries rebuild in memory.
+``gpt_dynamo.onnx`` is not one of them: torch's dynamo exporter wrote it, and
+``python -m sample_models.gpt_dynamo`` (which needs torch) rewrites it.
 """
 
 from .gpt import make_gpt

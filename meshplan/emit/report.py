@@ -64,6 +64,8 @@ def text_report(plan: Plan) -> str:
         f"{'stage':>5}  {'devices':<12} {'layers':<9} {'ops':>5}  {'mesh':>5} {'sharded':>7}  {'time/mb':>11}  "
         f"{'memory/dev':>11}",
     ]
+    if "rewritten" in plan.batch:
+        lines.insert(1, static_batch_line(plan.batch))
     for stage in plan.stages:
         devices = ",".join(str(d) for d in stage.devices)
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
@@ -88,6 +90,17 @@ def text_report(plan: Plan) -> str:
 
 
 RESHARDINGS_SHOWN = 6
+
+
+def static_batch_line(batch: dict) -> str:
+    """``batch: static dimension 8 (axis 0 of input_ids) rewritten to 2 per microbatch, …``."""
+    axes = batch["axes"]
+    places = ", ".join(f"axis {axes[name]} of {name}" for name in batch["batched_inputs"])
+    rewritten = batch["rewritten"]
+    what = f"dimension {batch['dim']!r}" if batch["dim"] else "static dimension"
+    return (f"batch: {what} {batch['size']} ({places}) rewritten to {batch['microbatch_size']} per microbatch: "
+            f"{len(rewritten['shape_constants'])} shape constant(s), {len(rewritten['constants_cut'])} constant(s) "
+            "cut to one microbatch")
 
 
 def _resharding_line(r) -> str:

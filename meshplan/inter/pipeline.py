@@ -36,6 +36,7 @@ class PlanOptions:
     policy: str = "auto"               # strategy policy inside stages (see policies.py)
     submeshes: tuple[tuple[int, int], ...] | None = None   # submesh shapes stages may use (default: all)
     reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see schedulers.ALGORITHMS)
+    batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
 
 
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:

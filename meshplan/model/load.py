@@ -13,11 +13,14 @@ extracts each stage's subgraph from it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
+from onnx import external_data_helper, numpy_helper
 
 from meshplan.errors import ModelError
 from meshplan.files import file_sha256
@@ -165,8 +168,16 @@ class CanonicalModel:
     model: onnx.ModelProto
 
 
-def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str | os.PathLike) -> CanonicalModel:
-    """Load, check, fix dims, fold and infer shapes; write the result under ``workdir``."""
+# f(folded model, read): rewrites the folded model in place; read(initializer) gives its value
+Rewrite = Callable[[onnx.ModelProto, Callable[[onnx.TensorProto], np.ndarray]], None]
+
+
+def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str | os.PathLike,
+                 rewrite: Rewrite | None = None) -> CanonicalModel:
+    """Load, check, fix dims, fold and infer shapes; write the result under ``workdir``.
+
+    ``rewrite`` (a static batch cut to the microbatch size) changes the folded model
+    before it is checked and written."""
     source = Path(source)
     workdir = Path(workdir)
     original = read_model(source, load_external_data=False)
@@ -175,6 +186,9 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     del original
     held = split_weights(model, source.parent, SMALL_ELEMENTS)
     fold_constants(model, SMALL_ELEMENTS)
+    if rewrite is not None:
+        _name_nodes(model)   # so that what the rewrite refuses is named
+        rewrite(model, _reader(held, source.parent))
     place_parameter_nodes(model)
     check_loads_in_onnxruntime(model)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -189,6 +203,31 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
         source=source, source_sha256=file_sha256(source), dims=dict(dims),
         path=path, model=canonical,
     )
+
+
+def _reader(held: dict[str, bytes], source_dir: Path) -> Callable[[onnx.TensorProto], np.ndarray]:
+    """The value of an initializer of the folded model: loaded, held aside, or read from
+    the source's external data (one tensor at a time)."""
+    def read(tensor: onnx.TensorProto) -> np.ndarray:
+        if is_loaded(tensor):
+            return numpy_helper.to_array(tensor)
+        copy = onnx.TensorProto()
+        copy.CopyFrom(tensor)
+        del copy.external_data[:]
+        copy.data_location = onnx.TensorProto.DEFAULT
+        if tensor.name in held:
+            copy.raw_data = held[tensor.name]
+        else:
+            copy.CopyFrom(tensor)
+            try:
+                external_data_helper.load_external_data_for_tensor(copy, str(source_dir))
+            except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+                raise ModelError(f"cannot read the model's external data: {first_line(exc)}") from exc
+            del copy.external_data[:]
+            copy.data_location = onnx.TensorProto.DEFAULT
+        return numpy_helper.to_array(copy)
+
+    return read
 
 
 def place_parameter_nodes(model: onnx.ModelProto) -> None:

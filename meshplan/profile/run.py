@@ -151,8 +151,9 @@ def profile_model(
 ) -> ProfileRun | None:
     """Profile ``model_path`` for ``cluster``: returns the run on rank 0 (or alone), None on other ranks.
 
-    ``dims_sets`` lists (label, dims): the first is the model as given (label "model");
-    more sets add the signatures of other shapes, e.g. the per-microbatch programs.
+    ``dims_sets`` lists (label, dims) or (label, dims, rewrite): the first is the model as
+    given (label "model"); more sets add the signatures of other shapes, e.g. the
+    per-microbatch programs (a static batch's with the rewrite ``canonicalize`` applies).
     """
     started = time.perf_counter()
     job = _job(cluster)
@@ -233,10 +234,10 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
     sha = None
     program_dims = []
     with tempfile.TemporaryDirectory(prefix="meshplan-profile-") as tmp:
-        for index, (label, dims) in enumerate(dims_sets):
+        for index, (label, dims, *rewrite) in enumerate(dims_sets):
             work = Path(tmp) / f"set{index}"
             work.mkdir()
-            canonical = canonicalize(model_path, dims, work)
+            canonical = canonicalize(model_path, dims, work, *rewrite)
             sha = canonical.source_sha256
             graph = build_graph(canonical.model)
             collect_signatures(graph, canonical.model, canonical.path.parent, label=label,

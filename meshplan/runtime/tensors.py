@@ -38,14 +38,21 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
 
 
 def split_microbatches(inputs: dict[str, np.ndarray], plan: Plan) -> list[dict[str, np.ndarray]]:
-    """The inputs of each microbatch: batched inputs are cut along axis 0, others shared."""
+    """The inputs of each microbatch: batched inputs are cut along their batch axis (axis 0
+    unless the plan's batch lists ``axes``), others shared."""
     count = plan.microbatches
     if count == 1:
         return [inputs]
     size = plan.batch["microbatch_size"]
     batched = set(plan.batch["batched_inputs"])
+    axes = plan.batch.get("axes", {})
+
+    def part(a: np.ndarray, axis: int, mb: int) -> np.ndarray:
+        index = (slice(None),) * axis + (slice(mb * size, (mb + 1) * size),)
+        return np.ascontiguousarray(a[index])
+
     return [
-        {name: np.ascontiguousarray(a[mb * size:(mb + 1) * size]) if name in batched else a for name, a in inputs.items()}
+        {name: part(a, axes.get(name, 0), mb) if name in batched else a for name, a in inputs.items()}
         for mb in range(count)
     ]
 
@@ -53,7 +60,8 @@ def split_microbatches(inputs: dict[str, np.ndarray], plan: Plan) -> list[dict[s
 def join_microbatches(parts: list[dict[str, np.ndarray]], plan: Plan) -> dict[str, np.ndarray]:
     if len(parts) == 1:
         return parts[0]
-    return {spec.name: np.concatenate([p[spec.name] for p in parts], axis=0) for spec in plan.outputs}
+    axes = plan.batch.get("axes", {})
+    return {spec.name: np.concatenate([p[spec.name] for p in parts], axis=axes.get(spec.name, 0)) for spec in plan.outputs}
 
 
 def write_outputs(path: str | Path, outputs: dict[str, np.ndarray]) -> None:
