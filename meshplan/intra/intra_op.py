@@ -155,7 +155,9 @@ class IntraOpPass:
         """The layer's solution with ``param_bytes`` the weights only this layer reads and
         ``slices`` the (initializer, layout) slices of the weights other layers read too."""
         key = (layer, submesh, logical, b_in, b_out, lean)
-        if key not in self._own:
+        if key in self._own:
+            self.stats.cache_hits += 1   # as layer_solution counts a reuse
+        else:
             solution = self.layer_solution(layer, submesh, logical, b_in, b_out, lean)
             mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
             first = self.layering.bounds[layer]
