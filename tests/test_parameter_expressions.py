@@ -16,7 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from meshplan.cost.cluster import load_cluster_file
 from meshplan.inter.pipeline import PlanOptions
+from meshplan.emit.shard import shard_program
 from meshplan.make_plan import make_plan, small_constants
+from meshplan.model.load import fix_dims, infer_shapes
 from meshplan.model.graph import build_graph
 from meshplan.intra.strategies import derive, node_strategies, tied_sources, tied_spec
 from meshplan.sharding import LogicalMesh, ShardingSpec
@@ -165,7 +167,7 @@ def stored(plan_dir: Path, program) -> dict[str, int]:
 
 def layouts_of(names, source: str) -> list[str]:
     """The layouts a program stores ``source`` in (its local names ``source`` or ``source@SPEC``)."""
-    return [n for n in names if n == source or n.startswith(source + "@")]
+    return [n for n in names if n == source or (n.startswith(source + "@") and "/" not in n[len(source):])]
 
 
 def _plan(model: onnx.ModelProto, fraction: float, tmp_path: Path, dims: dict, microbatches: int = 2):
@@ -226,6 +228,23 @@ def test_a_tied_table_takes_one_layout_every_reader_can_use():
     head = next(node for node in graph.nodes if "lm_head/wte_t" in node.inputs)
     specs = {s.inputs[1] for s in node_strategies(head, graph, mesh)}
     assert specs == {ShardingSpec(("R", "R")), ShardingSpec(("S1", "R"))}
+
+
+def test_a_table_needed_whole_and_split_is_stored_whole_and_sliced_on_the_device():
+    """Gather reads the table whole, the head its hidden split: the program stores the
+    table once, whole, and cuts the head's layout from it with a Slice."""
+    model = infer_shapes(fix_dims(tied_gpt2(layers=1), {"batch": 2}))
+    graph, constants = build_graph(model), small_constants(model)
+    mesh = LogicalMesh((1, 4), (0, 1, 2, 3))
+    head = next(node for node in graph.nodes if "lm_head/wte_t" in node.inputs)
+    row_parallel = next(s for s in node_strategies(head, graph, mesh, constants) if s.inputs[1] == ROWS)
+    program = shard_program(model, graph, {head.name: row_parallel}, mesh, 1,
+                            {"input_ids": ShardingSpec(("R", "R"))}, {"logits": ShardingSpec(("R", "R", "R"))})
+    assert layouts_of([t.name for t in program.graph.initializer], "wte") == ["wte"]
+    cut = [node for node in program.graph.node if node.op_type == "Slice" and node.input[0] == "wte"]
+    assert [node.output[0] for node in cut] == ["wte@RS1"]
+    transpose = next(node for node in program.graph.node if node.op_type == "Transpose" and node.input[0] == "wte@RS1")
+    assert transpose.output[0] == "lm_head/wte_t@S1R"
 
 
 def test_a_chain_reading_a_graph_input_is_no_parameter():
