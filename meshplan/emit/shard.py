@@ -13,7 +13,13 @@ rewrites it for the device at one coordinate of the stage's logical mesh:
   and, for ``AllToAll``, ``to_dim`` attributes),
   local slicing as a standard ``Slice``;
 - the stage's inputs arrive, and its outputs leave, in the specs the plan gives them
-  (cross-mesh resharding moves them between stages).
+  (cross-mesh resharding moves them between stages);
+- a parameter expression (a transposed or dequantized weight…) is built on the device
+  from its sources' slices: the chain's nodes are replayed on them, each under the
+  strategy ``derive`` gives it, once per layout the device needs;
+- an initializer is stored once per layout, and where one device needs it whole and
+  also split (a tied embedding), only whole: the split layouts are cut from it by
+  ``Slice`` nodes.
 
 A tensor held with spec X is named ``name@X`` in the program (just ``name`` when
 replicated), so one tensor may exist in several layouts.
@@ -29,7 +35,8 @@ from meshplan.model.graph import Graph
 from meshplan.model.opsets import DEFAULT_OPSET
 from meshplan.reshard.steps import Step, reshard_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec
-from meshplan.intra.strategies import Strategy, local_attributes
+from meshplan.intra.strategies import Strategy, derive, local_attributes, source_specs
+from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 from meshplan.emit.program_weights import PendingSlice, can_defer, placeholder
 
@@ -54,6 +61,10 @@ class _Builder:
         self.available: dict[str, dict[ShardingSpec, str]] = {}
         self.opset = next((o.version for o in stage.opset_import if o.domain in ("", "ai.onnx")), DEFAULT_OPSET)
         self.collectives: list[dict] = []   # what crosses each segment boundary, for plan.json
+        self.constants = {t.name: numpy_helper.to_array(t) for t in stage.graph.initializer
+                          if np.prod(t.dims) <= SMALL_CONSTANT_ELEMENTS and t.data_type != onnx.TensorProto.STRING}
+        self.chain_nodes = {out: node for node in stage.graph.node for out in node.output if out in graph.chains}
+        self.whole: set[str] = set()   # initializers this device also stores whole
         self._resharding: tuple[str, ShardingSpec, ShardingSpec] | None = None   # (tensor, spec, after) of the step emitted
 
     def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:
@@ -77,6 +88,10 @@ class _Builder:
             self.initializers.setdefault(tensor, self.weights[tensor])
             return tensor
         name = local_name(tensor, spec)
+        if tensor in self.whole and not spec.partial and name not in self.initializers:
+            replicated = ShardingSpec.replicated(len(spec.dims))
+            self.available.setdefault(tensor, {})[replicated] = self.weight(tensor, replicated)
+            return self.ensure(tensor, spec)   # local slices of the whole weight
         if name not in self.initializers:
             source = self.weights[tensor]
             slices = spec.local_slices(tuple(source.dims), self.mesh, self.coord)
@@ -92,6 +107,53 @@ class _Builder:
                 part = np.zeros_like(part)
             self.initializers[name] = numpy_helper.from_array(part, name)
         return name
+
+    def needs(self, node, strategy: Strategy) -> None:
+        """Note the initializers ``node`` reads whole under ``strategy`` (``whole``)."""
+        for name, spec in zip(node.input, strategy.inputs):
+            info = self.graph.tensors.get(name) if name else None
+            if info is None or not info.is_param:
+                continue
+            spec = spec or ShardingSpec.replicated(len(info.shape))
+            stored = source_specs(self.graph, name, spec, self.mesh, self.constants, self.opset) or {}
+            self.whole.update(source for source, layout in stored.items() if layout.is_replicated)
+
+    def parameter(self, tensor: str, spec: ShardingSpec | None) -> str:
+        """The local name of parameter expression ``tensor`` in ``spec``, its chain replayed on
+        this device's slices of its sources."""
+        spec = spec or ShardingSpec.replicated(len(self.graph.tensors[tensor].shape))
+        steps = derive(self.graph, tensor, spec, self.mesh, self.constants, self.opset)
+        if steps is None:
+            raise ValueError(f"parameter '{tensor}' cannot be built in layout {spec}")
+        for node, strategy in steps:
+            out, layout = node.outputs[0], strategy.outputs[0]
+            if layout in self.available.get(out, {}):
+                continue
+            rewrites = dict(strategy.rewrites)
+            inputs = []
+            for k, (name, want) in enumerate(zip(node.inputs, strategy.inputs)):
+                if not name:
+                    inputs.append("")
+                elif k in rewrites:
+                    inputs.append(self.constant(f"{node.name}@{layout}/input{k}/local",
+                                                np.array(rewrites[k], dtype=np.int64)))
+                elif name in self.weights:
+                    inputs.append(self.weight(name, want))
+                else:
+                    inputs.append(self.available[name][want])
+            local = onnx.NodeProto()
+            local.CopyFrom(self.chain_nodes[out])
+            local.name = node.name if layout.is_replicated else f"{node.name}@{layout}"
+            del local.input[:]
+            local.input.extend(inputs)
+            del local.output[:]
+            local.output.append(self.provide(out, layout))
+            attrs = local_attributes(node, self.graph, strategy, self.mesh)
+            for attribute in local.attribute:
+                if attribute.name in attrs:
+                    attribute.CopyFrom(helper.make_attribute(attribute.name, attrs[attribute.name]))
+            self.nodes.append(local)
+        return self.available[tensor][spec]
 
     def ensure(self, tensor: str, want: ShardingSpec) -> str:
         """The local name of ``tensor`` in layout ``want``, inserting resharding steps."""
@@ -151,7 +213,10 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
         if value.name not in weights:
             build.provide(value.name, input_specs[value.name])
     by_name = {node.name: node for node in graph.nodes}
-    for node in stage.graph.node:
+    planned = [node for node in stage.graph.node if node.output[0] not in graph.chains]
+    for node in planned:
+        build.needs(node, strategies.get(node.name) or replicated_strategy(node, graph))
+    for node in planned:
         strategy = strategies.get(node.name) or replicated_strategy(node, graph)
         attrs = local_attributes(by_name[node.name], graph, strategy, mesh) if node.name in strategies else {}
         rewrites = dict(strategy.rewrites)
@@ -164,6 +229,8 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
                 inputs.append(build.constant(f"{node.name}/input{k}/local", np.array(rewrites[k], dtype=np.int64)))
             elif name in weights:
                 inputs.append(build.weight(name, spec))
+            elif graph.tensors[name].is_derived:
+                inputs.append(build.parameter(name, spec))
             else:
                 inputs.append(build.ensure(name, spec))
         outputs = [build.provide(name, spec) if name else "" for name, spec in zip(node.output, strategy.outputs)]

@@ -16,7 +16,7 @@ by cross-mesh resharding (see ``meshplan.reshard``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from meshplan.intra.chain import StageSharding, best_chain
 from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
-from meshplan.intra.operator_cost import OperatorCosts
+from meshplan.intra.operator_cost import OperatorCosts, held_bytes
 from meshplan.intra.strategies import Strategy
 from meshplan.sharding import LogicalMesh
 
@@ -60,13 +60,20 @@ class IntraOpPass:
         self.layering = layering
         self.cluster = cluster
         self.stats = IntraOpStats()
-        self.ilp = LayerIlp(graph, OperatorCosts(graph, cost_model, cluster), constants, solver, policy)
+        self.ilp = LayerIlp(graph, OperatorCosts(graph, cost_model, cluster, constants), constants, solver, policy)
         self._producers = graph.producers()
         self._consumers = graph.consumers()
         self._graph_inputs = set(graph.inputs)
         self._cache: dict[tuple, LayerSolution] = {}
         self._splittable: dict[tuple, bool] = {}
         self._layer_keys = layer_fingerprints(graph, layering, constants)
+        owner = layering.layer_of_node()
+        readers: dict[str, set[int]] = {}
+        for i in range(len(graph.nodes)):
+            for source in graph.params_of(i):
+                readers.setdefault(source, set()).add(int(owner[i]))
+        self._shared = {source for source, layers in readers.items() if len(layers) > 1}
+        self._own: dict[tuple, LayerSolution] = {}
 
     # --- one layer ------------------------------------------------------------------
 
@@ -141,8 +148,26 @@ class IntraOpPass:
         return self._chain(start, stop, submesh, logical, lean=True)
 
     def _chain(self, start, stop, submesh, logical, lean: bool) -> StageSharding:
-        return best_chain(range(start, stop), lambda layer, b_in, b_out: self.layer_solution(
+        return best_chain(range(start, stop), lambda layer, b_in, b_out: self._split_weights(
             layer, submesh, logical, b_in, b_out, lean), lean)
+
+    def _split_weights(self, layer, submesh, logical, b_in, b_out, lean) -> LayerSolution:
+        """The layer's solution with ``param_bytes`` the weights only this layer reads and
+        ``slices`` the (initializer, layout) slices of the weights other layers read too."""
+        key = (layer, submesh, logical, b_in, b_out, lean)
+        if key in self._own:
+            self.stats.cache_hits += 1   # as layer_solution counts a reuse
+        else:
+            solution = self.layer_solution(layer, submesh, logical, b_in, b_out, lean)
+            mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+            first = self.layering.bounds[layer]
+            slices: dict = {}
+            for k, strategy in enumerate(solution.strategies):
+                slices.update(self.ilp.costs.param_slices(self.graph.nodes[first + k], strategy, mesh))
+            shared = {key: size for key, size in slices.items() if key[0] in self._shared}
+            own = {key: size for key, size in slices.items() if key[0] not in self._shared}
+            self._own[key] = replace(solution, param_bytes=held_bytes(own), slices=shared)
+        return self._own[key]
 
     def stage_strategies(self, start: int, stop: int, submesh, logical, sharding: StageSharding) -> dict[int, Strategy]:
         chosen: dict[int, Strategy] = {}

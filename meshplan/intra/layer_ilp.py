@@ -7,13 +7,13 @@ A tensor crossing a layer boundary is either replicated (``R``) or split along i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from meshplan.intra.fold import fold_followers
 from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, ShardingSolution, solve
-from meshplan.intra.operator_cost import OperatorCosts
+from meshplan.intra.operator_cost import OperatorCosts, held_bytes
 from meshplan.intra.policies import apply_policy
 from meshplan.intra.strategies import Strategy, node_strategies
 from meshplan.model.graph import Graph
@@ -43,6 +43,7 @@ class LayerSolution:
     param_bytes: float
     variables: int = 0
     constraints: int = 0
+    slices: dict = field(default_factory=dict)   # (initializer, layout) → bytes stored per device
 
 
 class LayerIlp:
@@ -120,5 +121,8 @@ class LayerIlp:
         result = solve(problem, self.solver)
         full = recover(result.choices)
         picked = [choices[index_of[i]][full[index_of[i]]] for i in range(start, stop)]
-        param_bytes = sum(float(nodes[index_of[i]].memory[full[index_of[i]]]) for i in range(start, stop))
-        return LayerSolution(result.objective, picked, param_bytes, result.variables, result.constraints), result
+        slices = {}
+        for i, strategy in zip(range(start, stop), picked):
+            slices.update(self.costs.param_slices(self.graph.nodes[i], strategy, mesh))
+        return LayerSolution(result.objective, picked, held_bytes(slices), result.variables, result.constraints,
+                             slices), result

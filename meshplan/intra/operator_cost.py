@@ -5,15 +5,24 @@ from __future__ import annotations
 
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
-from meshplan.intra.strategies import Strategy
+from meshplan.intra.strategies import Strategy, source_specs
 from meshplan.model.graph import Graph, Node
 from meshplan.reshard.steps import CollectiveModel, MeasuredCollectiveModel, axis_links
-from meshplan.sharding import LogicalMesh
+from meshplan.sharding import LogicalMesh, ShardingSpec
+
+
+def held_bytes(slices: dict[tuple[str, ShardingSpec], int]) -> float:
+    """Bytes a device stores for these (initializer, layout) slices: each layout of an
+    initializer once, and only the whole one where it is also needed whole (the emitter
+    cuts the other layouts from it on the device)."""
+    whole = {name for name, spec in slices if spec.is_replicated}
+    return float(sum(size for (name, spec), size in slices.items() if name not in whole or spec.is_replicated))
 
 
 class OperatorCosts:
-    def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster):
+    def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster, constants=None):
         self.graph, self.cost_model, self.cluster = graph, cost_model, cluster
+        self.constants = constants
 
     def compute_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         """Work splits over every mesh axis that some operand is split or partial along."""
@@ -37,12 +46,25 @@ class OperatorCosts:
         return max(whole - overhead, 0.0) / shards + overhead
 
     def param_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
-        total = 0.0
+        return float(sum(self.param_slices(node, strategy, mesh).values()))
+
+    def param_slices(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> dict[tuple[str, ShardingSpec], int]:
+        """(initializer, layout) → bytes a device stores of it for ``node`` under ``strategy``;
+        a parameter expression is stored as slices of its sources."""
+        found: dict[tuple[str, ShardingSpec], int] = {}
         for name, spec in zip(node.inputs, strategy.inputs):
             info = self.graph.tensors.get(name) if name else None
-            if info is not None and info.is_param:
-                total += spec.local_bytes(info.shape, info.dtype.itemsize, mesh) if spec else info.nbytes
-        return total
+            if info is None or not info.is_param:
+                continue
+            spec = spec or ShardingSpec.replicated(len(info.shape))
+            stored = source_specs(self.graph, name, spec, mesh, self.constants, self.graph.opset)
+            if stored is None:   # not derivable (never offered): held whole
+                stored = {source: ShardingSpec.replicated(len(self.graph.tensors[source].shape))
+                          for source in info.sources}
+            for source, layout in stored.items():
+                held = self.graph.tensors[source]
+                found[(source, layout)] = layout.local_bytes(held.shape, held.dtype.itemsize, mesh)
+        return found
 
     def collectives(self, submesh: tuple[int, int], logical: tuple[int, int]) -> CollectiveModel:
         """Collective costs on this view: the cost model's measured fits when it has them,

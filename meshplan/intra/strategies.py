@@ -26,7 +26,8 @@ from meshplan.ops import entry, ops_with_rules, rule_of
 from meshplan.ops.view import P, R, NoRule, OpView, Place, Rule
 from meshplan.sharding import S0, S01, S1, LogicalMesh, ShardingSpec
 
-__all__ = ["Strategy", "local_attributes", "node_strategies", "ops_with_rules"]
+__all__ = ["Strategy", "derive", "local_attributes", "node_strategies", "ops_with_rules", "rule_strategies",
+           "source_specs", "tied_sources", "tied_spec"]
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,18 @@ def node_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
     ``constants`` holds the values of small initializers (reduction axes, Slice bounds,
     Pad pads…); a rule that needs a value it cannot find offers nothing. ``opset`` is
     the model's default-domain opset (it changes Softmax's semantics); None is read
-    conservatively.
+    conservatively. A parameter expression input must be derivable in its spec from
+    slices of its sources (``derive``), and a tied source takes one layout (``tied_spec``).
     """
+    found = rule_strategies(node, graph, mesh, constants, opset)
+    if not any(name and graph.tensors[name].is_param for name in node.inputs):
+        return found
+    return [s for s in found if s.is_replicated or _parameters_allow(node, s, graph, mesh, constants, opset)]
+
+
+def rule_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
+                    constants: Mapping[str, np.ndarray] | None = None, opset: int | None = None) -> list[Strategy]:
+    """``node_strategies`` as the rules give them, before the parameters' conditions."""
     op = OpView(node, graph, constants or {}, opset)
     replicated = Strategy(
         tuple(None if i is None else ShardingSpec.replicated(len(i.shape)) for i in op.ins),
@@ -141,6 +152,125 @@ def node_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
                 strategy = Strategy(strategy.inputs, strategy.outputs, rewrites)
             found[strategy] = None
     return list(found)
+
+
+# --- parameter expressions ----------------------------------------------------------------
+
+def derive(graph: Graph, tensor: str, spec: ShardingSpec, mesh: LogicalMesh,
+           constants: Mapping[str, np.ndarray] | None = None,
+           opset: int | None = None) -> tuple[tuple[Node, Strategy], ...] | None:
+    """How a device obtains the parameter expression ``tensor`` in ``spec``: the chain's
+    nodes, sources first, each with the strategy that gives its consumer what it needs;
+    the sources are then sliced as those strategies' inputs say. None when no strategy
+    of the chain yields ``spec`` (a plain initializer needs no steps)."""
+    if not graph.tensors[tensor].is_derived:
+        return ()
+    key = ("derive", tensor, spec, mesh.shape, None if constants is None else len(constants))
+    if key not in graph.memo:
+        graph.memo[key] = _derive(graph, tensor, spec, mesh, constants, opset)
+    return graph.memo[key]
+
+
+def _derive(graph, tensor, spec, mesh, constants, opset):
+    node = graph.chains[tensor]
+    for strategy in rule_strategies(node, graph, mesh, constants, opset):
+        if strategy.outputs[0] != spec:
+            continue
+        steps: list[tuple[Node, Strategy]] = []
+        rewritten = dict(strategy.rewrites)
+        for k, (name, want) in enumerate(zip(node.inputs, strategy.inputs)):
+            if not name or k in rewritten:
+                continue
+            found = derive(graph, name, want, mesh, constants, opset)
+            if found is None:
+                break
+            steps.extend(step for step in found if step not in steps)
+        else:
+            return tuple(steps) + ((node, strategy),)
+    return None
+
+
+def source_specs(graph: Graph, tensor: str, spec: ShardingSpec, mesh: LogicalMesh,
+                 constants: Mapping[str, np.ndarray] | None = None,
+                 opset: int | None = None) -> dict[str, ShardingSpec] | None:
+    """The slice of each source initializer a device stores to hold parameter ``tensor`` in
+    ``spec`` (shape inputs a strategy rewrites are not stored); None if not derivable."""
+    steps = derive(graph, tensor, spec, mesh, constants, opset)
+    if steps is None:
+        return None
+    if not steps:
+        return {tensor: spec}
+    found: dict[str, ShardingSpec] = {}
+    for node, strategy in steps:
+        rewritten = dict(strategy.rewrites)
+        for k, (name, want) in enumerate(zip(node.inputs, strategy.inputs)):
+            if name and k not in rewritten and not graph.tensors[name].is_derived:
+                found.setdefault(name, want)
+    return found
+
+
+def tied_sources(graph: Graph) -> dict[str, list[str]]:
+    """Initializers the planner's nodes read in more than one form (the table itself and its
+    transpose, or several slices of one fused weight): source → the forms read."""
+    if "tied" not in graph.memo:
+        forms: dict[str, list[str]] = {}
+        read = {name for node in graph.nodes for name in node.inputs if name and graph.tensors[name].is_param}
+        for name in sorted(read):
+            for source in graph.tensors[name].sources or (name,):
+                forms.setdefault(source, []).append(name)
+        graph.memo["tied"] = {source: names for source, names in forms.items() if len(names) > 1}
+    return graph.memo["tied"]
+
+
+def tied_spec(graph: Graph, source: str, mesh: LogicalMesh, constants=None, opset=None) -> ShardingSpec | None:
+    """The one split layout every device stores a tied ``source`` in on ``mesh``: the first
+    dim split over every mesh axis (of size > 1) that every reader of every form can take;
+    None when there is none (then each reader takes its own layout)."""
+    key = ("tied", source, mesh.shape, None if constants is None else len(constants))
+    if key in graph.memo:
+        return graph.memo[key]
+    info = graph.tensors[source]
+    axes = tuple(a for a in (0, 1) if mesh.shape[a] > 1)
+    placement = {(0,): S0, (1,): S1, (0, 1): S01}.get(axes)
+    choice = None
+    readers = [(form, node) for form in tied_sources(graph)[source] for node in graph.nodes if form in node.inputs]
+    for dim in range(len(info.shape)) if placement else ():
+        dims = ["R"] * len(info.shape)
+        dims[dim] = placement
+        candidate = ShardingSpec(tuple(dims))
+        if not candidate.is_valid_for(info.shape, mesh):
+            continue
+        if all(_reader_takes(graph, form, node, source, candidate, mesh, constants, opset) for form, node in readers):
+            choice = candidate
+            break
+    graph.memo[key] = choice
+    return choice
+
+
+def _reader_takes(graph, form, node, source, candidate, mesh, constants, opset) -> bool:
+    for strategy in rule_strategies(node, graph, mesh, constants, opset):
+        for name, spec in zip(node.inputs, strategy.inputs):
+            if name == form and spec is not None:
+                specs = source_specs(graph, form, spec, mesh, constants, opset)
+                if specs is not None and specs.get(source) == candidate:
+                    return True
+    return False
+
+
+def _parameters_allow(node: Node, strategy: Strategy, graph: Graph, mesh: LogicalMesh, constants, opset) -> bool:
+    tied = tied_sources(graph)
+    for name, spec in zip(node.inputs, strategy.inputs):
+        if not name or spec is None or not graph.tensors[name].is_param:
+            continue
+        specs = source_specs(graph, name, spec, mesh, constants, opset)
+        if specs is None:
+            return False
+        for source, stored in specs.items():
+            if source in tied and not stored.is_replicated:
+                wanted = tied_spec(graph, source, mesh, constants, opset)
+                if wanted is not None and stored != wanted:
+                    return False
+    return True
 
 
 def local_attributes(node: Node, graph: Graph, strategy: Strategy, mesh: LogicalMesh) -> dict:

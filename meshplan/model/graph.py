@@ -1,12 +1,14 @@
 """The planner's view of a canonical model: nodes in topological order and typed tensors.
 
 Built from an ONNX model whose shapes are all static (see ``load.canonicalize``).
-Weight data is never needed here: a parameter's size comes from its dims.
+Weight data is never needed here: a parameter's size comes from its dims. A parameter is
+an initializer or a parameter expression (``param_exprs``): a tensor computed from
+initializers alone, whose chain of nodes is kept apart from ``nodes`` in ``chains``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 import numpy as np
@@ -15,6 +17,7 @@ from onnx import helper
 
 from meshplan.errors import ModelError
 from meshplan.model.opsets import DEFAULT_OPSET
+from meshplan.model.param_exprs import find_chains, sources_of
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,11 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: np.dtype
     is_param: bool = False
+    sources: tuple[str, ...] = ()   # a parameter expression: the initializers it is computed from
+
+    @property
+    def is_derived(self) -> bool:
+        return bool(self.sources)
 
     @property
     def size(self) -> int:
@@ -50,6 +58,8 @@ class Graph:
     inputs: list[str]          # graph inputs that are not parameters
     outputs: list[str]
     opset: int = DEFAULT_OPSET  # version of the default ONNX domain
+    chains: dict[str, Node] = field(default_factory=dict)   # parameter expression → the node computing it
+    memo: dict = field(default_factory=dict, repr=False, compare=False)   # the planner's per-graph caches
 
     def producers(self) -> dict[str, int]:
         """Tensor name → index of the node that produces it."""
@@ -65,11 +75,17 @@ class Graph:
         return found
 
     def params_of(self, index: int) -> list[str]:
-        return [n for n in dict.fromkeys(self.nodes[index].inputs) if n and self.tensors[n].is_param]
+        """The initializers node ``index`` reads, directly or through parameter expressions."""
+        found: dict[str, None] = {}
+        for name in self.nodes[index].inputs:
+            if name and self.tensors[name].is_param:
+                found.update(dict.fromkeys(self.tensors[name].sources or (name,)))
+        return list(found)
 
     @property
     def param_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values() if t.is_param)
+        """Bytes of the stored parameters (each initializer once)."""
+        return sum(t.nbytes for t in self.tensors.values() if t.is_param and not t.is_derived)
 
 
 def _dtype(elem_type: int, name: str) -> np.dtype:
@@ -103,4 +119,10 @@ def build_graph(model: onnx.ModelProto) -> Graph:
         nodes.append(Node(node.name, node.op_type, node.domain or "", tuple(node.input), tuple(node.output), attrs))
     inputs = [v.name for v in g.input if not tensors[v.name].is_param]
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), DEFAULT_OPSET)
-    return Graph(nodes=nodes, tensors=tensors, inputs=inputs, outputs=[v.name for v in g.output], opset=opset)
+    outputs = [v.name for v in g.output]
+    initializers = {t.name for t in g.initializer}
+    chains = find_chains(nodes, initializers, set(outputs))
+    for name in chains:
+        tensors[name] = replace(tensors[name], is_param=True, sources=sources_of(name, chains, initializers))
+    nodes = [node for node in nodes if not (node.outputs and node.outputs[0] in chains)]
+    return Graph(nodes=nodes, tensors=tensors, inputs=inputs, outputs=outputs, opset=opset, chains=chains)
