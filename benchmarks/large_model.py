@@ -11,7 +11,14 @@ the time of a plain copy of the same weight bytes (``shutil.copyfile``, after th
 weights were written, so both read from the same page cache) and the targets:
 peak RSS ≤ 1.5 GiB + 2 × the largest initializer, wall time ≤ 3 × the copy. The exit
 status is 1 when a target is missed or a plan fails. ``--work`` puts the model and the
-plans on a disk with room (the model, plus about the model again per mesh).
+plans on a disk with room (the model, plus what each plan writes: every device's
+weights, so a data-parallel plan writes the model once per replica).
+
+Columns: ``x copy``, the wall time over the plain copy of the model's weights;
+``wrote GB``, what the plan directory holds; ``x copy w``, the wall time over a plain
+copy of that many bytes (at the rate measured); ``x model``, peak RSS over the weight
+bytes. ``--memory-fraction F`` gives each device memory for F of the weights, so that
+plans must split them (as the tests' "devices holding 40% of the parameters").
 """
 
 from __future__ import annotations
@@ -33,9 +40,13 @@ CHILD = """
 import json, resource, sys, time
 from meshplan.cost.cluster import make_cluster, parse_mesh
 from meshplan.make_plan import make_plan
-model, mesh, device, out = sys.argv[1:5]
+from dataclasses import replace
+model, mesh, device, out, memory = sys.argv[1:6]
+cluster = make_cluster(parse_mesh(mesh), device)
+if float(memory) > 0:
+    cluster = replace(cluster, device=replace(cluster.device, memory_bytes=float(memory)))
 started = time.perf_counter()
-plan = make_plan(model, make_cluster(parse_mesh(mesh), device), {"batch": 4, "seq": 512}, out)
+plan = make_plan(model, cluster, {"batch": 4, "seq": 512}, out)
 print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.devices) for s in plan.stages],
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -46,6 +57,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gb", type=float, default=2.0, help="weight bytes of the model, GB (default 2)")
     parser.add_argument("--mesh", nargs="+", default=["1x4"])
     parser.add_argument("--device", default="h100-80g")
+    parser.add_argument("--memory-fraction", type=float, default=0.0,
+                        help="give each device memory for this fraction of the weights (forces splits; default: "
+                             "the device preset's memory)")
     parser.add_argument("--work", type=Path, help="directory for the model and plans (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the model and plans in --work")
     parser.add_argument("--json", type=Path)
@@ -69,13 +83,15 @@ def main(argv=None) -> int:
               f"{largest / 1e6:.0f} MB), written in {written:.0f} s; plain copy of the weights {copy_seconds:.1f} s")
         print(f"targets: peak RSS <= 1.5 GiB + 2 x largest = {bound / GIB:.2f} GiB; wall <= 3 x copy = "
               f"{3 * copy_seconds:.1f} s")
-        header = f"{'mesh':>5} {'plan s':>8} {'x copy':>7} {'peak RSS GiB':>13} {'x model':>8} {'stages':>14}  status"
+        header = (f"{'mesh':>5} {'plan s':>8} {'x copy':>7} {'wrote GB':>8} {'x copy w':>8} {'peak RSS GiB':>13} "
+                  f"{'x model':>8} {'stages':>14}  status")
         print(header)
         print("-" * len(header))
         for mesh in args.mesh:
             out = work_dir / f"plan-{mesh}"
             started = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", CHILD, facts["path"], mesh, args.device, str(out)],
+            memory = args.memory_fraction * facts["weight_bytes"]
+            done = subprocess.run([sys.executable, "-c", CHILD, facts["path"], mesh, args.device, str(out), str(memory)],
                                   capture_output=True, text=True, cwd=REPO)
             wall = time.perf_counter() - started
             if done.returncode:
@@ -86,12 +102,15 @@ def main(argv=None) -> int:
                 continue
             child = json.loads(done.stdout.strip().splitlines()[-1])
             rss = child["peak_rss_bytes"]
+            written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+            copy_written = copy_seconds * written / size       # a plain copy of what the plan wrote
             ok = rss <= bound and wall <= 3 * copy_seconds
             failed |= not ok
-            print(f"{mesh:>5} {wall:>8.1f} {wall / copy_seconds:>7.1f} {rss / GIB:>13.2f} {rss / size:>8.2f} "
+            print(f"{mesh:>5} {wall:>8.1f} {wall / copy_seconds:>7.1f} {written / 1e9:>8.2f} "
+                  f"{wall / copy_written:>8.1f} {rss / GIB:>13.2f} {rss / size:>8.2f} "
                   f"{'+'.join(map(str, child['stages'])):>14}  {'ok' if ok else 'over target'}")
             rows.append({"mesh": mesh, "wall_seconds": wall, "plan_seconds": child["seconds"], "peak_rss_bytes": rss,
-                         "stages": child["stages"], "within_targets": ok})
+                         "written_bytes": written, "stages": child["stages"], "within_targets": ok})
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
     finally:

@@ -23,7 +23,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from meshplan.files import file_sha256
-from meshplan.model.weights import INLINE_BYTES, copy_range, point_to
+from meshplan.model.weights import INLINE_BYTES, copy_range, load_tensor, point_to
 
 CHUNK_BYTES = 16 * 1024 * 1024
 PENDING = "<pending slice>"
@@ -69,9 +69,7 @@ def load_small(model: onnx.ModelProto, base_dir: Path, limit_bytes: int) -> None
     constants emission computes with); larger ones stay references."""
     for tensor in model.graph.initializer:
         if is_external(tensor) and (tensor.data_type in _UNMAPPABLE or nbytes(tensor) <= limit_bytes):
-            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-            tensor.data_location = onnx.TensorProto.DEFAULT
-            del tensor.external_data[:]
+            tensor.CopyFrom(load_tensor(tensor, base_dir))
 
 
 def can_defer(tensor: onnx.TensorProto) -> bool:
@@ -137,12 +135,7 @@ def materialize(tensor: onnx.TensorProto, pending: dict[str, PendingSlice], base
         part = np.zeros(view.shape, dtype=dtype) if job.zero else np.ascontiguousarray(view).view(dtype)
         return numpy_helper.from_array(part, tensor.name)
     if is_external(tensor):
-        loaded = onnx.TensorProto()
-        loaded.CopyFrom(tensor)
-        external_data_helper.load_external_data_for_tensor(loaded, str(base_dir))
-        loaded.data_location = onnx.TensorProto.DEFAULT
-        del loaded.external_data[:]
-        return loaded
+        return load_tensor(tensor, base_dir)
     return tensor
 
 

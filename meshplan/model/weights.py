@@ -10,6 +10,7 @@ neither planning nor emission needs memory for more than one tensor.
 
 from __future__ import annotations
 
+import os
 from math import prod
 from pathlib import Path
 
@@ -48,8 +49,14 @@ def split_weights(model: onnx.ModelProto, source_dir: Path, limit: int) -> dict[
 
 
 def write_weights(model: onnx.ModelProto, held: dict[str, bytes], source_dir: Path, data_path: Path) -> None:
-    """Give every initializer of ``INLINE_BYTES`` or more its place in ``data_path``."""
+    """Give every initializer of ``INLINE_BYTES`` or more its place beside the canonical
+    model: those held in memory in ``data_path``; those in the source's external data
+    files stay where they are, read through a symbolic link to each file beside
+    ``data_path`` (no copy; where no link can be made, the ranges are copied into
+    ``data_path``). Only meshplan reads the canonical model's weights (``load_tensor``,
+    ``copy_range``): onnx's own loader refuses linked data files."""
     offset = 0
+    links: dict[Path, str | None] = {}
     with open(data_path, "wb") as out:
         for tensor in model.graph.initializer:
             data = held.get(tensor.name)
@@ -58,6 +65,13 @@ def write_weights(model: onnx.ModelProto, held: dict[str, bytes], source_dir: Pa
                     continue
                 data = _raw_bytes(tensor)
                 if len(data) < INLINE_BYTES:
+                    continue
+            if data is None:
+                path, start, size = check_range(tensor, source_dir)
+                if path not in links:
+                    links[path] = _link_beside(path, data_path, len(links))
+                if links[path] is not None:
+                    point_to(tensor, links[path], start, size)
                     continue
             if data is not None:
                 out.write(data)
@@ -68,6 +82,18 @@ def write_weights(model: onnx.ModelProto, held: dict[str, bytes], source_dir: Pa
             offset += length
     if offset == 0:
         data_path.unlink()
+
+
+def _link_beside(source: Path, data_path: Path, index: int) -> str | None:
+    """A symbolic link to ``source`` next to ``data_path``: its name, or None if it
+    cannot be made. (Not a hard link: onnx's checker refuses a data file with several
+    links, and the source model is checked again by every later command.)"""
+    name = f"{data_path.name}.source{index}"
+    try:
+        os.symlink(source.resolve(), data_path.with_name(name))
+    except OSError:
+        return None
+    return name
 
 
 def _raw_bytes(tensor: onnx.TensorProto) -> bytes:
@@ -87,12 +113,13 @@ def point_to(tensor: onnx.TensorProto, location: str, offset: int = 0, length: i
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
-    """Copy an external tensor's bytes from the source's data file, chunk by chunk;
-    return how many."""
+def check_range(tensor: onnx.TensorProto, source_dir: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes, checked: named inside the
+    model's directory (a link there, made by ``write_weights``, is followed) and within
+    the file."""
     info = external_data_helper.ExternalDataInfo(tensor)
     base = source_dir.resolve()
-    path = (base / info.location).resolve()
+    path = Path(os.path.normpath(base / info.location))
     start = int(info.offset or 0)
     size = int(info.length) if info.length is not None else _nbytes(tensor)
     problem = None
@@ -104,6 +131,38 @@ def copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
         problem = f"{info.location!r} is shorter than offset {start} + length {size}"
     if problem:
         raise ModelError(f"cannot read the external data of tensor '{tensor.name}': {problem}")
+    return path, start, size
+
+
+def load_tensor(tensor: onnx.TensorProto, base_dir: Path) -> onnx.TensorProto:
+    """A copy of an external ``tensor`` with its bytes inline, read by meshplan itself:
+    the canonical model's data files may be hard links of the source's, which onnx's
+    own loader refuses."""
+    path, start, size = check_range(tensor, base_dir)
+    with open(path, "rb") as source:
+        source.seek(start)
+        data = source.read(size)
+    if len(data) != size:
+        raise ModelError(f"the external data of tensor '{tensor.name}' ends early in {path.name!r}")
+    loaded = onnx.TensorProto()
+    loaded.CopyFrom(tensor)
+    del loaded.external_data[:]
+    loaded.data_location = onnx.TensorProto.DEFAULT
+    loaded.raw_data = data
+    return loaded
+
+
+def tensor_value(tensor: onnx.TensorProto, base_dir: Path | None) -> np.ndarray:
+    """The tensor's value, its external bytes read with ``load_tensor``."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
+        tensor = load_tensor(tensor, Path(base_dir))
+    return numpy_helper.to_array(tensor)
+
+
+def copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
+    """Copy an external tensor's bytes from its data file, chunk by chunk; return how many."""
+    path, start, size = check_range(tensor, source_dir)
+    info = external_data_helper.ExternalDataInfo(tensor)
     with open(path, "rb") as source:
         source.seek(start)
         left = size

@@ -37,6 +37,7 @@ from onnx import helper, numpy_helper
 from meshplan.model.contrib_shapes import infer_with_contrib
 from meshplan.model.graph import Graph, Node, TensorInfo
 from meshplan.model.opsets import DEFAULT_OPSET
+from meshplan.model.weights import tensor_value
 
 # Initializers kept as constants in timing models.
 CONSTANT_INT_ELEMENTS = 4096     # integer initializers up to this many elements (shapes, indices)
@@ -230,7 +231,7 @@ def constant_values(model: onnx.ModelProto, graph: Graph, base_dir: str | Path |
     found = {}
     for tensor in model.graph.initializer:
         if tensor.name in wanted:
-            found[tensor.name] = numpy_helper.to_array(tensor, base_dir=str(base_dir) if base_dir else "")
+            found[tensor.name] = tensor_value(tensor, Path(base_dir) if base_dir else None)
     return found
 
 
