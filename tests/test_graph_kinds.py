@@ -102,3 +102,14 @@ def test_string_inputs_written_by_numpy(tmp_path):
     assert feeds["words"].dtype == object
     got = run_in_process(plan, tmp_path / "plan", feeds)
     assert list(got["same"]) == ["hello", "mesh"]
+
+
+def test_omitted_optional_output(tmp_path):
+    """A node whose optional output is left out ('' among its outputs) plans and runs."""
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "", "inv_std"], axis=-1)
+    path = _save([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8]),
+                  helper.make_tensor_value_info("inv_std", TensorProto.FLOAT, [4, 1])], tmp_path / "m.onnx",
+                 [onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 8, dtype=np.float32), "scale"),
+                  onnx.numpy_helper.from_array(np.zeros(8, np.float32), "bias")])
+    _plan_and_compare(path, {"x": np.random.default_rng(0).random((4, 8)).astype(np.float32)}, tmp_path)
