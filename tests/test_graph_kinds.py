@@ -113,3 +113,26 @@ def test_omitted_optional_output(tmp_path):
                  [onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 8, dtype=np.float32), "scale"),
                   onnx.numpy_helper.from_array(np.zeros(8, np.float32), "bias")])
     _plan_and_compare(path, {"x": np.random.default_rng(0).random((4, 8)).astype(np.float32)}, tmp_path)
+
+
+def test_old_function_body_that_strict_inference_rejects(tmp_path):
+    """onnx's strict inference fails in MeanVarianceNormalization-13's function body (IR 7);
+    lenient inference gives every shape, and the plan matches onnxruntime."""
+    path = _save([helper.make_node("MeanVarianceNormalization", ["x"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])], tmp_path / "mvn.onnx",
+                 opset=13, ir_version=7)
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True)
+    _plan_and_compare(path, {"x": np.random.default_rng(0).random((2, 3, 4, 4)).astype(np.float32)}, tmp_path)
+
+
+def test_sequences_are_one_clear_error(tmp_path):
+    from meshplan.errors import ModelError
+
+    nodes = [helper.make_node("SequenceConstruct", ["x", "x"], ["seq"]),
+             helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=0)]
+    path = _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])], tmp_path / "seq.onnx")
+    with pytest.raises(ModelError, match="'seq' .* is a sequence, not a tensor"):
+        make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())

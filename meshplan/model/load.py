@@ -230,6 +230,11 @@ def _require_static_shapes(model: onnx.ModelProto) -> None:
             if not name:
                 continue
             value = typed.get(name)
+            kind = value.type.WhichOneof("value") if value is not None else None
+            if kind in ("sequence_type", "optional_type", "map_type"):
+                what = {"sequence_type": "a sequence", "optional_type": "an optional", "map_type": "a map"}[kind]
+                raise ModelError(f"value '{name}' (output of {node.op_type} node '{node.name}') is {what}, "
+                                 "not a tensor: meshplan plans tensors only")
             if value is None or not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
                 raise ModelError(
                     f"the shape of tensor '{name}' (output of {node.op_type} node '{node.name}') is unknown after shape inference"
