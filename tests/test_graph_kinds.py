@@ -136,3 +136,17 @@ def test_sequences_are_one_clear_error(tmp_path):
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])], tmp_path / "seq.onnx")
     with pytest.raises(ModelError, match="'seq' .* is a sequence, not a tensor"):
         make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+
+
+def test_zero_dim_inputs_stay_zero_dim(tmp_path):
+    """Inputs read from .npz and host buffers keep 0-d arrays 0-d (numpy's
+    ascontiguousarray would make them 1-d: a BitCast of a scalar would give shape [1])."""
+    from meshplan.runtime.buffers import HOST
+    from meshplan.runtime.tensors import read_inputs
+
+    path = _save([helper.make_node("Identity", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], tmp_path / "s.onnx")
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    np.savez(tmp_path / "in.npz", x=np.array(2.5, np.float32))
+    assert read_inputs(tmp_path / "in.npz", plan)["x"].shape == ()
+    assert HOST.take(np.array(2.5, np.float32), ()).shape == ()
