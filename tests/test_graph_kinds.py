@@ -150,3 +150,15 @@ def test_zero_dim_inputs_stay_zero_dim(tmp_path):
     np.savez(tmp_path / "in.npz", x=np.array(2.5, np.float32))
     assert read_inputs(tmp_path / "in.npz", plan)["x"].shape == ()
     assert HOST.take(np.array(2.5, np.float32), ()).shape == ()
+
+
+def test_shape_known_only_from_a_consumer(tmp_path):
+    """A ReduceSum over axes read from an input has no inferred shape; the Sqrt of it is a
+    graph output whose declared shape it shares (ReduceL2's function body)."""
+    nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=0), helper.make_node("Sqrt", ["s"], ["y"])]
+    path = _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 2]),
+                         helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])], tmp_path / "m.onnx", opset=18)
+    feeds = {"x": np.random.default_rng(0).random((3, 4, 2)).astype(np.float32), "axes": np.array([1], np.int64)}
+    plan = _plan_and_compare(path, feeds, tmp_path)
+    assert [s.shape for s in plan.outputs] == [[3, 2]]
