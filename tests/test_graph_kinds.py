@@ -1,6 +1,7 @@
 """Graphs of every kind onnxruntime runs: 0-d (scalar) tensors (their spec prints and
 parses as '()'), models before IR 4 whose initializers are not graph inputs, omitted
-optional inputs, outputs that fold to constants, string inputs written by numpy."""
+optional inputs and outputs, outputs that fold to constants, string inputs written by
+numpy, shapes onnx's strict or forward inference does not give, sequences (one clear error)."""
 
 from __future__ import annotations
 
