@@ -28,7 +28,7 @@ def unsupported() -> dict[str, tuple[str, str]]:
             section, words = line[4:].strip(), None
         elif line.startswith("Error: `"):
             words = line[len("Error: `"):line.rindex("`")]
-        elif section and line.startswith("- `"):
+        elif section and line.lstrip("- ").startswith("`test_"):     # a bullet or its continuation
             assert words, f"section {section!r} of {DOC.name} names no error words"
             for name in re.findall(r"`(test_[A-Za-z0-9_]+)`", line):
                 listed[name] = (section, words)
