@@ -42,11 +42,12 @@ def run_mpi(ranks: int, *args, timeout: float = 300) -> subprocess.CompletedProc
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def run_mpi_script(name: str, ranks: int = 4, timeout: float = 180) -> list[str]:
-    """Run tests/mpi_scripts/NAME under mpiexec; it must exit 0. Its ``ok``/``FAIL``
-    lines (one per case, printed by rank 0), all of which must be ``ok``."""
+def run_mpi_script(name: str, ranks: int = 4, timeout: float = 180, args=()) -> list[str]:
+    """Run tests/mpi_scripts/NAME (given ``args``) under mpiexec; it must exit 0. Its
+    ``ok``/``FAIL`` lines (one per case, printed by rank 0), all of which must be ``ok``."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [mpiexec_path(), "-n", str(ranks), sys.executable, str(REPO / "tests" / "mpi_scripts" / name)]
+    command = [mpiexec_path(), "-n", str(ranks), sys.executable, str(REPO / "tests" / "mpi_scripts" / name),
+               *map(str, args)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     report = done.stdout + done.stderr
     assert done.returncode == 0, report

@@ -1,6 +1,7 @@
 """Graphs of every kind onnxruntime runs: 0-d (scalar) tensors (their spec prints and
 parses as '()'), models before IR 4 whose initializers are not graph inputs, omitted
-optional inputs, outputs that fold to constants, string inputs written by numpy."""
+optional inputs and outputs, outputs that fold to constants, string inputs written by
+numpy, shapes onnx's strict or forward inference does not give, sequences (one clear error)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,63 @@ def test_string_inputs_written_by_numpy(tmp_path):
     assert feeds["words"].dtype == object
     got = run_in_process(plan, tmp_path / "plan", feeds)
     assert list(got["same"]) == ["hello", "mesh"]
+
+
+def test_omitted_optional_output(tmp_path):
+    """A node whose optional output is left out ('' among its outputs) plans and runs."""
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y", "", "inv_std"], axis=-1)
+    path = _save([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8]),
+                  helper.make_tensor_value_info("inv_std", TensorProto.FLOAT, [4, 1])], tmp_path / "m.onnx",
+                 [onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 8, dtype=np.float32), "scale"),
+                  onnx.numpy_helper.from_array(np.zeros(8, np.float32), "bias")])
+    _plan_and_compare(path, {"x": np.random.default_rng(0).random((4, 8)).astype(np.float32)}, tmp_path)
+
+
+def test_old_function_body_that_strict_inference_rejects(tmp_path):
+    """onnx's strict inference fails in MeanVarianceNormalization-13's function body (IR 7);
+    lenient inference gives every shape, and the plan matches onnxruntime."""
+    path = _save([helper.make_node("MeanVarianceNormalization", ["x"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 4])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])], tmp_path / "mvn.onnx",
+                 opset=13, ir_version=7)
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(onnx.load(str(path)), strict_mode=True)
+    _plan_and_compare(path, {"x": np.random.default_rng(0).random((2, 3, 4, 4)).astype(np.float32)}, tmp_path)
+
+
+def test_sequences_are_one_clear_error(tmp_path):
+    from meshplan.errors import ModelError
+
+    nodes = [helper.make_node("SequenceConstruct", ["x", "x"], ["seq"]),
+             helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=0)]
+    path = _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])], tmp_path / "seq.onnx")
+    with pytest.raises(ModelError, match="'seq' .* is a sequence, not a tensor"):
+        make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+
+
+def test_zero_dim_inputs_stay_zero_dim(tmp_path):
+    """Inputs read from .npz and host buffers keep 0-d arrays 0-d (numpy's
+    ascontiguousarray would make them 1-d: a BitCast of a scalar would give shape [1])."""
+    from meshplan.runtime.buffers import HOST
+    from meshplan.runtime.tensors import read_inputs
+
+    path = _save([helper.make_node("Identity", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], tmp_path / "s.onnx")
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    np.savez(tmp_path / "in.npz", x=np.array(2.5, np.float32))
+    assert read_inputs(tmp_path / "in.npz", plan)["x"].shape == ()
+    assert HOST.take(np.array(2.5, np.float32), ()).shape == ()
+
+
+def test_shape_known_only_from_a_consumer(tmp_path):
+    """A ReduceSum over axes read from an input has no inferred shape; the Sqrt of it is a
+    graph output whose declared shape it shares (ReduceL2's function body)."""
+    nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=0), helper.make_node("Sqrt", ["s"], ["y"])]
+    path = _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 2]),
+                         helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])], tmp_path / "m.onnx", opset=18)
+    feeds = {"x": np.random.default_rng(0).random((3, 4, 2)).astype(np.float32), "axes": np.array([1], np.int64)}
+    plan = _plan_and_compare(path, feeds, tmp_path)
+    assert [s.shape for s in plan.outputs] == [[3, 2]]

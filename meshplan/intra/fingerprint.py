@@ -39,6 +39,9 @@ def layer_fingerprints(graph: Graph, layering: Layering, constants: dict[str, np
                     origin += _chain(graph, name, constants) + ("t" if tied.intersection(info.sources or (name,)) else "")
                 parts.append(f"{origin}:{info.shape}:{info.dtype}")
             for name in node.outputs:
+                if not name:                     # an optional output left out
+                    parts.append("o:-")
+                    continue
                 escapes = name in outputs or any(owner[c] != layer for c in consumers.get(name, []))
                 parts.append(f"o:{graph.tensors[name].shape}:{graph.tensors[name].dtype}:{escapes}")
             digest.update("|".join(parts).encode())

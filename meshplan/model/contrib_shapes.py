@@ -1,8 +1,11 @@
-"""Shapes of onnxruntime's ``com.microsoft`` operators that onnx's shape inference leaves
-unknown (it has no schema for them).
+"""Shapes that onnx's shape inference leaves unknown: the outputs of onnxruntime's
+``com.microsoft`` operators (it has no schema for them), and inputs of same-shape
+operators whose output shape is known (onnx infers forward only: a ReduceSum over axes
+read from an input has no shape, but the Sqrt of it that is a graph output has the shape
+the model declares, and so has the sum).
 
 ``infer_with_contrib`` alternates onnx's inference with these rules until nothing new is
-learnt, so the operators downstream of a contrib op get their shapes too.
+learnt, so the operators downstream get their shapes too.
 """
 
 from __future__ import annotations
@@ -43,6 +46,35 @@ def _known(model: onnx.ModelProto) -> dict[str, tuple[int, list]]:
     return found
 
 
+# Operators (default domain) whose output has the shape of their first input.
+SAME_SHAPE = {
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "BitwiseNot", "Cast", "CastLike", "Ceil", "Celu",
+    "Cos", "Cosh", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "Identity", "IsInf", "IsNaN",
+    "LeakyRelu", "Log", "Mish", "Neg", "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign",
+    "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu",
+}
+
+
+def add_shapes_from_consumers(model: onnx.ModelProto) -> bool:
+    """Give the first input of a same-shape operator its output's static shape where onnx
+    left the input's shape unknown but typed its elements; whether any was added."""
+    known = _known(model)
+    untyped = {v.name: v for v in model.graph.value_info
+               if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type and v.name not in known}
+    added = False
+    for node in reversed(model.graph.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in SAME_SHAPE or not node.input:
+            continue
+        source, result = node.input[0], known.get(node.output[0])
+        if source not in untyped or result is None or not all(isinstance(d, int) for d in result[1]):
+            continue
+        value = untyped.pop(source)
+        value.CopyFrom(helper.make_tensor_value_info(source, value.type.tensor_type.elem_type, result[1]))
+        known[source] = (value.type.tensor_type.elem_type, result[1])
+        added = True
+    return added
+
+
 def add_contrib_shapes(model: onnx.ModelProto) -> bool:
     """Add value_info for the outputs of contrib ops whose inputs are known; whether any was added."""
     known = _known(model)
@@ -69,6 +101,6 @@ def add_contrib_shapes(model: onnx.ModelProto) -> bool:
 def infer_with_contrib(model: onnx.ModelProto, infer: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
     """``infer`` (onnx's shape inference), then contrib shapes, until neither learns more."""
     model = infer(model)
-    while add_contrib_shapes(model):
+    while add_contrib_shapes(model) or add_shapes_from_consumers(model):
         model = infer(model)
     return model

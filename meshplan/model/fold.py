@@ -42,11 +42,26 @@ def first_line(exc: BaseException) -> str:
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx shape inference, strict, with data propagation for shape tensors."""
+    """onnx shape inference, strict, with data propagation for shape tensors.
+
+    Where strict inference rejects a node that onnxruntime runs (onnx's own function
+    body of an operator in an older IR, e.g. MeanVarianceNormalization-13 in IR 7), lenient inference
+    is taken instead if it still gives every node output a static shape."""
+    def infer(strict: bool) -> onnx.ModelProto:
+        return infer_with_contrib(model, lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=strict, data_prop=True))
+
     try:
-        return infer_with_contrib(model, lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True))
+        return infer(True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-        raise ModelError(f"shape inference failed: {first_line(exc)}") from exc
+        error = ModelError(f"shape inference failed: {first_line(exc)}")
+    try:
+        lenient = infer(False)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        raise error from None
+    types = _tensor_types(lenient)
+    if any(name and types.get(name, (0, None))[1] is None for node in lenient.graph.node for name in node.output):
+        raise error
+    return lenient
 
 
 def is_loaded(tensor: onnx.TensorProto) -> bool:

@@ -262,6 +262,10 @@ def place_parameter_nodes(model: onnx.ModelProto) -> None:
     model.graph.node.extend(ordered)
 
 
+STATIC_SHAPES_HINT = ("meshplan plans static shapes; this one is not known from the input shapes alone: it depends "
+                      "on tensor values, or onnx's shape inference cannot follow it")
+
+
 def _require_static_shapes(model: onnx.ModelProto) -> None:
     typed = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input)}
     for node in model.graph.node:
@@ -269,16 +273,23 @@ def _require_static_shapes(model: onnx.ModelProto) -> None:
             if not name:
                 continue
             value = typed.get(name)
+            kind = value.type.WhichOneof("value") if value is not None else None
+            if kind in ("sequence_type", "optional_type", "map_type"):
+                what = {"sequence_type": "a sequence", "optional_type": "an optional", "map_type": "a map"}[kind]
+                raise ModelError(f"value '{name}' (output of {node.op_type} node '{node.name}') is {what}, "
+                                 "not a tensor: meshplan plans tensors only")
+            # Every input dim is fixed by now (fix_dims): what is still unknown depends on
+            # tensor values (an input read as a shape, axes or a size; NonZero) or is beyond
+            # onnx's shape inference.
             if value is None or not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
                 raise ModelError(
-                    f"the shape of tensor '{name}' (output of {node.op_type} node '{node.name}') is unknown after shape inference"
-                )
+                    f"the shape of tensor '{name}' (output of {node.op_type} node '{node.name}') is unknown after shape "
+                    "inference", hint=STATIC_SHAPES_HINT)
             for dim in value.type.tensor_type.shape.dim:
                 if not dim.HasField("dim_value"):
                     raise ModelError(
                         f"tensor '{name}' (output of {node.op_type} node '{node.name}') has a dynamic dimension after folding",
-                        hint="fix the model's symbolic dims with --dim NAME=INT",
-                    )
+                        hint=STATIC_SHAPES_HINT)
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:

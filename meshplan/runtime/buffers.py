@@ -49,7 +49,7 @@ class HostBuffers:
 
     def take(self, x: np.ndarray, box: Box) -> np.ndarray:
         """The contiguous copy of ``x[box]``."""
-        return np.ascontiguousarray(x[box])
+        return np.asarray(x[box], order="C")   # (ascontiguousarray makes 0-d arrays 1-d)
 
     def pack(self, x: np.ndarray, axis: int, k: int) -> np.ndarray:
         """``x`` cut into ``k`` equal pieces along ``axis``, stacked on a new axis 0."""
@@ -137,7 +137,7 @@ class DeviceBuffers:
     def from_host(self, array: np.ndarray) -> DeviceTensor:
         import onnxruntime as ort
 
-        array = np.ascontiguousarray(array)   # in host memory the OrtValue wraps (and keeps) it
+        array = np.asarray(array, order="C")   # 0-d stays 0-d; in host memory the OrtValue wraps (and keeps) it
         value = ort.OrtValue.ortvalue_from_numpy(array, self.device_type, self.device_id)
         return DeviceTensor(value, array.shape, array.dtype)
 

@@ -168,6 +168,12 @@ class MeshCommunicators:
     def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
         return perform(step, array, self.axes[step.axis], self.MPI, self.buffers)
 
+    def free(self) -> None:
+        """Release the axis communicators (collective over each axis group)."""
+        for group in self.axes.values():
+            group.Free()
+        self.axes = {}
+
 
 def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | Path | None,
              repeat: int = 1, provider: str = "auto", transfer: str = "auto") -> RunReport | None:
@@ -193,6 +199,11 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         resharders = _resharders(plan, comm, buffers)
         report = _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators, resharders,
                               buffers)
+        # MPI has a bounded number of communicators: a process that runs plan after plan
+        # must hand them back (every rank reaches here together; a failed run aborts the job).
+        communicators.free()
+        for resharder in resharders:
+            resharder.free()
         if report is not None:
             report.transfer_path = path_text
         return report

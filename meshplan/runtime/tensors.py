@@ -34,7 +34,7 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
             raise RunError(f"input '{spec.name}' has shape {list(array.shape)}, the plan expects {spec.shape}")
         if array.dtype != np.dtype(spec.dtype):
             raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
-    return {spec.name: np.ascontiguousarray(arrays[spec.name]) for spec in plan.inputs}
+    return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs}
 
 
 def split_microbatches(inputs: dict[str, np.ndarray], plan: Plan) -> list[dict[str, np.ndarray]]:
