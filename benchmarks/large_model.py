@@ -37,7 +37,16 @@ sys.path.insert(0, str(REPO))
 
 GIB = 1024**3
 CHILD = """
-import json, resource, sys, time
+import json, sys
+
+
+def peak_rss():
+    # VmHWM: this process image's peak resident set (ru_maxrss would carry the parent's
+    # peak across fork and exec)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+, time
 from meshplan.cost.cluster import make_cluster, parse_mesh
 from meshplan.make_plan import make_plan
 from dataclasses import replace
@@ -48,7 +57,7 @@ if float(memory) > 0:
 started = time.perf_counter()
 plan = make_plan(model, cluster, {"batch": 4, "seq": 512}, out)
 print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.devices) for s in plan.stages],
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": peak_rss()}))
 """
 
 
