@@ -61,6 +61,19 @@ print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.dev
 """
 
 
+def describe(path: Path) -> dict:
+    """The facts ``write_large_llama`` returns, read back from a model it wrote."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    model = onnx.load(str(path), load_external_data=False)
+    lengths = [int(ExternalDataInfo(t).length) for t in model.graph.initializer
+               if t.data_location == onnx.TensorProto.EXTERNAL]
+    layers = sum(1 for t in model.graph.initializer if t.name.endswith(".mlp.down_proj"))
+    return {"path": str(path), "data": str(path.with_name(path.name + ".data")), "layers": layers,
+            "weight_bytes": sum(lengths), "largest_initializer_bytes": max(lengths)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="weight bytes of the model, GB (default 2)")
@@ -70,7 +83,8 @@ def main(argv=None) -> int:
                         help="give each device memory for this fraction of the weights (forces splits; default: "
                              "the device preset's memory)")
     parser.add_argument("--work", type=Path, help="directory for the model and plans (default: a temporary one)")
-    parser.add_argument("--keep", action="store_true", help="keep the model and plans in --work")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the model and plans in --work (a model kept there is planned again, not rewritten)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     from sample_models.large_llama import write_large_llama
@@ -80,7 +94,10 @@ def main(argv=None) -> int:
     rows, failed = [], False
     try:
         started = time.perf_counter()
-        facts = write_large_llama(work_dir / "large.onnx", args.gb)
+        if (work_dir / "large.onnx").exists() and args.keep:
+            facts = describe(work_dir / "large.onnx")    # written by an earlier --keep run
+        else:
+            facts = write_large_llama(work_dir / "large.onnx", args.gb)
         written = time.perf_counter() - started
         size, largest = facts["weight_bytes"], facts["largest_initializer_bytes"]
         started = time.perf_counter()
