@@ -46,7 +46,8 @@ def peak_rss():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
-, time
+
+import time
 from meshplan.cost.cluster import make_cluster, parse_mesh
 from meshplan.make_plan import make_plan
 from dataclasses import replace
