@@ -1,0 +1,140 @@
+"""Data-dependent shapes: NonZero's count and what it flows into get a symbolic dim with
+an upper bound; the planner sizes them at the bound, never splits those dims, keeps each
+such tensor inside one layer (so one stage), and the programs run with the actual size."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from meshplan.cost.cluster import make_cluster
+from meshplan.errors import ModelError
+from meshplan.inter.pipeline import PlanOptions
+from meshplan.intra.strategies import node_strategies
+from meshplan.make_plan import make_plan
+from meshplan.model.bounds import read_bounds
+from meshplan.model.graph import build_graph
+from meshplan.model.layers import blocked_cuts, cluster_layers
+from meshplan.model.load import canonicalize
+from meshplan.runtime.inprocess import reference_outputs, run_in_process
+from meshplan.sharding import LogicalMesh
+from tests.conftest import assert_close, check_against_onnxruntime, run_cli
+
+ROWS, WIDTH = 8, 16
+
+
+def _selected_rows_model(path):
+    """y = x with the rows whose sum is positive replaced by relu(row @ w): NonZero picks
+    the rows (a data-dependent count), Gather, MatMul, ScatterND put them back."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((WIDTH, 2 * WIDTH)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((2 * WIDTH, WIDTH)).astype(np.float32), "w2"),
+             numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array(0, np.float32), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "first"),
+             numpy_helper.from_array(np.array([-1, 2 * WIDTH], np.int64), "flat")]
+    nodes = [
+        helper.make_node("ReduceSum", ["x", "one"], ["sums"], keepdims=0),
+        helper.make_node("Greater", ["sums", "zero"], ["positive"]),
+        helper.make_node("NonZero", ["positive"], ["found"]),
+        helper.make_node("Squeeze", ["found", "first"], ["rows"]),
+        helper.make_node("Gather", ["x", "rows"], ["picked"], axis=0),
+        helper.make_node("MatMul", ["picked", "w"], ["wide"]),
+        helper.make_node("Reshape", ["wide", "flat"], ["wide_flat"]),
+        helper.make_node("Relu", ["wide_flat"], ["act"]),
+        helper.make_node("MatMul", ["act", "w2"], ["narrow"]),
+        helper.make_node("Unsqueeze", ["rows", "one"], ["index"]),
+        helper.make_node("ScatterND", ["x", "index", "narrow"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "selected_rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, WIDTH])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def _inputs(seed=0):
+    return {"x": np.random.default_rng(seed).standard_normal((ROWS, WIDTH)).astype(np.float32)}
+
+
+def test_data_dependent_dims_get_symbols_and_bounds(tmp_path):
+    canonical = canonicalize(_selected_rows_model(tmp_path / "m.onnx"), {}, tmp_path / "work")
+    bounds = read_bounds(canonical.model)
+    graph = build_graph(canonical.model)
+    # NonZero of ROWS booleans selects at most ROWS rows; the Reshape's -1 keeps that bound.
+    for name, shape in [("found", (1, ROWS)), ("rows", (ROWS,)), ("picked", (ROWS, WIDTH)),
+                        ("wide_flat", (ROWS, 2 * WIDTH)), ("narrow", (ROWS, WIDTH))]:
+        info = graph.tensors[name]
+        assert info.shape == shape and info.is_data_dependent, name
+        assert info.dynamic == (len(shape) - 1 if name == "found" else 0,), name
+    assert not graph.tensors["y"].is_data_dependent and not graph.tensors["sums"].is_data_dependent
+    assert set(bounds.values()) == {ROWS}
+    # The canonical file declares the symbols, not the bounds: onnxruntime runs any count.
+    typed = {v.name: v for v in canonical.model.graph.value_info}
+    assert typed["picked"].type.tensor_type.shape.dim[0].dim_param in bounds
+
+
+def test_dynamic_dims_are_never_split(tmp_path):
+    canonical = canonicalize(_selected_rows_model(tmp_path / "m.onnx"), {}, tmp_path / "work")
+    graph = build_graph(canonical.model)
+    mesh = LogicalMesh((2, 2), (0, 1, 2, 3))
+    split_somewhere = False
+    for node in graph.nodes:
+        for strategy in node_strategies(node, graph, mesh):
+            for name, spec in zip(node.inputs + node.outputs, strategy.inputs + strategy.outputs):
+                if not name or spec is None:
+                    continue
+                info = graph.tensors[name]
+                assert all(spec.dims[axis] == "R" for axis in info.dynamic), (node.name, str(strategy))
+                split_somewhere |= info.is_data_dependent and not spec.is_replicated
+    assert split_somewhere   # the MatMuls still split their weights' static dims
+
+
+def test_no_layer_cut_carries_a_data_dependent_tensor(tmp_path):
+    canonical = canonicalize(_selected_rows_model(tmp_path / "m.onnx"), {}, tmp_path / "work")
+    graph = build_graph(canonical.model)
+    blocked = blocked_cuts(graph)
+    names = [n.outputs[0] for n in graph.nodes]
+    # from the cut after NonZero to the cut before the last reader of 'rows' (ScatterND)
+    assert blocked[names.index("found") + 1] and blocked[names.index("y")]
+    assert not blocked[names.index("found")] and not blocked[0]
+    layering = cluster_layers(graph, [1.0] * len(graph.nodes), len(graph.nodes))
+    assert layering.num_layers > 1
+    assert not any(blocked[p] for p in layering.bounds)
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_selected_rows_plan_runs_in_process(mesh, tmp_path):
+    path = _selected_rows_model(tmp_path / "m.onnx")
+    plan = make_plan(path, make_cluster(mesh, "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=4))
+    for seed in range(3):   # different inputs select different numbers of rows
+        feeds = _inputs(seed)
+        assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))
+
+
+@pytest.mark.mpi
+def test_selected_rows_run_under_mpiexec(tmp_path):
+    path = _selected_rows_model(tmp_path / "m.onnx")
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=1))
+    assert any(spec != "R" * len(spec) for s in plan.stages for spec in s.strategies.values())
+    check_against_onnxruntime(plan, tmp_path / "plan", _inputs(1), tmp_path)
+
+
+def test_a_dim_without_a_bound_is_one_error_line(tmp_path):
+    # Range's length is read from a value: no rule bounds it.
+    nodes = [helper.make_node("ReduceMax", ["n"], ["top"], keepdims=0),
+             helper.make_node("Range", ["zero", "top", "step"], ["r"])]
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "step")]
+    graph = helper.make_graph(nodes, "range", [helper.make_tensor_value_info("n", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("r", TensorProto.INT64, [None])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "range.onnx")
+    with pytest.raises(ModelError, match="has a dynamic dimension after folding, with no known upper bound"):
+        canonicalize(tmp_path / "range.onnx", {}, tmp_path / "work")
+    done = run_cli("plan", tmp_path / "range.onnx", "--mesh", "1x2", "-o", tmp_path / "plan")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("meshplan: error:") and "no known upper bound" in done.stderr
