@@ -25,9 +25,10 @@ from tests.conftest import assert_close, check_against_onnxruntime, run_cli
 ROWS, WIDTH = 8, 16
 
 
-def _selected_rows_model(path):
-    """y = x with the rows whose sum is positive replaced by relu(row @ w): NonZero picks
-    the rows (a data-dependent count), Gather, MatMul, ScatterND put them back."""
+def _selected_rows_model(path, expose: bool = False):
+    """y = x with the rows whose sum is positive replaced by relu(row @ w) @ w2: NonZero
+    picks the rows (a data-dependent count), Gather, MatMul, ScatterND put them back.
+    ``expose``: the selected rows' activations are a second model output."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((WIDTH, 2 * WIDTH)).astype(np.float32), "w"),
              numpy_helper.from_array(rng.standard_normal((2 * WIDTH, WIDTH)).astype(np.float32), "w2"),
@@ -49,7 +50,9 @@ def _selected_rows_model(path):
         helper.make_node("ScatterND", ["x", "index", "narrow"], ["y"]),
     ]
     graph = helper.make_graph(nodes, "selected_rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, WIDTH])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, WIDTH])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, WIDTH])]
+                              + ([helper.make_tensor_value_info("act", TensorProto.FLOAT, ["selected", 2 * WIDTH])]
+                                 if expose else []), inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, path)
@@ -57,7 +60,8 @@ def _selected_rows_model(path):
 
 
 def _inputs(seed=0):
-    return {"x": np.random.default_rng(seed).standard_normal((ROWS, WIDTH)).astype(np.float32)}
+    x = np.random.default_rng(seed).standard_normal((ROWS, WIDTH)).astype(np.float32)
+    return {"x": -np.abs(x) if seed == 2 else x}   # seed 2: no row selected
 
 
 def test_data_dependent_dims_get_symbols_and_bounds(tmp_path):
@@ -121,6 +125,17 @@ def test_selected_rows_run_under_mpiexec(tmp_path):
     plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=1))
     assert any(spec != "R" * len(spec) for s in plan.stages for spec in s.strategies.values())
     check_against_onnxruntime(plan, tmp_path / "plan", _inputs(1), tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("seed", [0, 2], ids=["some_rows", "no_rows"])
+def test_a_data_dependent_output_reaches_rank_0_shape_first(seed, tmp_path):
+    path = _selected_rows_model(tmp_path / "m.onnx", expose=True)
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan",
+                     PlanOptions(num_layers=4, submeshes=[(1, 1)]))
+    sent = [t for t in plan.transfers if t.tensor == "act"]
+    assert len(sent) == 1 and sent[0].src_rank == 1 and sent[0].shape == [-1, 2 * WIDTH]
+    check_against_onnxruntime(plan, tmp_path / "plan", _inputs(seed), tmp_path)
 
 
 def test_a_dim_without_a_bound_is_one_error_line(tmp_path):

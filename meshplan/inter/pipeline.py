@@ -266,4 +266,5 @@ def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst
 
 def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:
     info = graph.tensors[name]
-    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, list(info.shape), info.dtype.name)
+    shape = [-1 if axis in info.dynamic else d for axis, d in enumerate(info.shape)]   # data-dependent: sent first
+    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, shape, info.dtype.name)
