@@ -4,8 +4,9 @@
 ``resnet.onnx`` and ``moe.onnx`` (a sparse mixture of experts with data-dependent
 routing) next to this module; generation is deterministic, so the files
 are byte-identical to what :data:`SAMPLES` entries rebuild in memory.
-``gpt_dynamo.onnx`` is not one of them: torch's dynamo exporter wrote it, and
-``python -m sample_models.gpt_dynamo`` (which needs torch) rewrites it.
+``gpt_dynamo.onnx`` and ``mixtral_dynamo.onnx`` are not among them: torch's dynamo
+exporter wrote them, and ``python -m sample_models.gpt_dynamo`` (which needs torch) and
+``python -m sample_models.mixtral_dynamo`` (torch and transformers) rewrite them.
 """
 
 from .gpt import make_gpt
