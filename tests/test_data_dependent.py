@@ -14,7 +14,7 @@ from meshplan.errors import ModelError
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.intra.strategies import node_strategies
 from meshplan.make_plan import make_plan
-from meshplan.model.bounds import read_bounds
+from meshplan.model.bounds import read_bounds, read_sampled
 from meshplan.model.graph import build_graph
 from meshplan.model.layers import blocked_cuts, cluster_layers
 from meshplan.model.load import canonicalize
@@ -138,18 +138,50 @@ def test_a_data_dependent_output_reaches_rank_0_shape_first(seed, tmp_path):
     check_against_onnxruntime(plan, tmp_path / "plan", _inputs(seed), tmp_path)
 
 
-def test_a_dim_without_a_bound_is_one_error_line(tmp_path):
-    # Range's length is read from a value: no rule bounds it.
+def _range_model(path):
+    """r = arange(max(n)): no rule bounds the length (a value read as a size)."""
     nodes = [helper.make_node("ReduceMax", ["n"], ["top"], keepdims=0),
-             helper.make_node("Range", ["zero", "top", "step"], ["r"])]
+             helper.make_node("Range", ["zero", "top", "step"], ["r"]),
+             helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["rf", "rf"], ["y"])]
     inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "step")]
     graph = helper.make_graph(nodes, "range", [helper.make_tensor_value_info("n", TensorProto.INT64, [3])],
-                              [helper.make_tensor_value_info("r", TensorProto.INT64, [None])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["length"])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    onnx.save(model, tmp_path / "range.onnx")
+    onnx.save(model, path)
+    return path
+
+
+def test_a_dim_no_rule_bounds_takes_a_sample_runs_size(tmp_path):
+    path = _range_model(tmp_path / "range.onnx")
+    canonical = canonicalize(path, {}, tmp_path / "work")
+    graph = build_graph(canonical.model)
+    sampled = read_sampled(canonical.model)
+    assert graph.tensors["r"].is_data_dependent and graph.tensors["y"].is_data_dependent
+    symbol = next(d.dim_param for v in canonical.model.graph.value_info if v.name == "r"
+                  for d in v.type.tensor_type.shape.dim)
+    assert sampled == [symbol] and read_bounds(canonical.model)[symbol] == graph.tensors["r"].shape[0] > 0
+    assert not (tmp_path / "work" / "sample-run.onnx").exists()
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    for top in (0, 5, 300):   # any length runs, whatever the sample gave
+        feeds = {"n": np.array([1, top, 2], np.int64)}
+        out = run_in_process(plan, tmp_path / "plan", feeds)
+        assert out["y"].shape == (max(top, 2),)
+        assert_close(out, reference_outputs(plan, feeds))
+
+
+def test_a_dim_without_a_bound_or_a_sample_is_one_error_line(tmp_path):
+    # StringSplit's width is the most pieces of a string: no rule, and no random strings.
+    node = helper.make_node("StringSplit", ["s"], ["pieces", "counts"], delimiter=" ")
+    graph = helper.make_graph([node], "split", [helper.make_tensor_value_info("s", TensorProto.STRING, [2])],
+                              [helper.make_tensor_value_info("pieces", TensorProto.STRING, [2, None]),
+                               helper.make_tensor_value_info("counts", TensorProto.INT64, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "split.onnx")
     with pytest.raises(ModelError, match="has a dynamic dimension after folding, with no known upper bound"):
-        canonicalize(tmp_path / "range.onnx", {}, tmp_path / "work")
-    done = run_cli("plan", tmp_path / "range.onnx", "--mesh", "1x2", "-o", tmp_path / "plan")
+        canonicalize(tmp_path / "split.onnx", {}, tmp_path / "work")
+    done = run_cli("plan", tmp_path / "split.onnx", "--mesh", "1x2", "-o", tmp_path / "plan")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("meshplan: error:") and "no known upper bound" in done.stderr

@@ -11,7 +11,11 @@ planner sizes such a tensor at its bound (cost, memory), never splits its bounde
 and keeps it inside one stage; the programs declare the symbol, so onnxruntime runs them
 with the actual size.
 
-A dim with no rule below stays an error (the loader's "dynamic dimension after folding").
+A dim no rule below bounds (a Range over a computed length, a Loop's iterations) takes the
+size one onnxruntime run on sample inputs gives it (``sample``; the loader's): an
+estimate, listed under ``SAMPLED_KEY``. Nothing correct depends on a bound (such a dim is
+never split and the programs declare it without a size): costs and memory do. Where the
+sample run fails too, the loader's error ("dynamic dimension after folding") stands.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import onnx
 from onnx import helper
 
 BOUNDS_KEY = "meshplan.dim_bounds"
+SAMPLED_KEY = "meshplan.dim_sampled"
 SYMBOL_PREFIX = "dd"
 
 # ops whose output dim i (aligned from the right) is at most the largest input dim i
@@ -96,6 +101,8 @@ def _bound(node: onnx.NodeProto, ins: list[list[int] | None], out_dims: list[int
         return None
     size = prod(first) if first is not None else None
     op = node.op_type
+    if size is None and op in ("NonZero", "Compress", "Unique", "TopK", "Reshape", "Flatten"):
+        return None
     if op == "NonZero":
         return size
     if op in ("Compress", "Unique", "TopK"):
@@ -132,13 +139,18 @@ def _bound(node: onnx.NodeProto, ins: list[list[int] | None], out_dims: list[int
     return None
 
 
-def bound_dynamic_dims(model: onnx.ModelProto, on_unbounded: Callable[[onnx.NodeProto, str], None]) -> None:
+def bound_dynamic_dims(model: onnx.ModelProto, on_unbounded: Callable[[onnx.NodeProto, str], None],
+                       sample: Callable[[], dict[str, tuple[int, ...]]] | None = None) -> None:
     """Give every data-dependent dim of an inferred ``model`` a bound, in place (see the
-    module's doc). ``on_unbounded(node, tensor)`` is called (and must raise) for a dim
-    without a rule."""
+    module's doc). A dim no rule bounds takes its size in ``sample()`` (every node output's
+    shape in one run on sample inputs; called once, when first needed): an estimate,
+    recorded under ``SAMPLED_KEY``. ``on_unbounded(node, tensor)`` is called (and must
+    raise) for a dim neither gives."""
     bounds = read_bounds(model)
     typed = _typed(model)
     fresh = 0
+    sampled: list[str] = []
+    observed: dict[str, tuple[int, ...]] | None = None
     for node in model.graph.node:
         ins = None
         for index, name in enumerate(node.output):
@@ -152,6 +164,10 @@ def bound_dynamic_dims(model: onnx.ModelProto, on_unbounded: Callable[[onnx.Node
             for axis in missing:
                 static = [d.dim_value if d.HasField("dim_value") else None for d in dims]
                 bound = _bound(node, ins, static, axis)
+                if bound is None and sample is not None:
+                    observed = sample() if observed is None else observed
+                    if name in observed and len(observed[name]) == len(dims):
+                        bound = observed[name][axis]
                 if bound is None:
                     on_unbounded(node, name)
                     raise AssertionError("on_unbounded must raise")
@@ -159,5 +175,24 @@ def bound_dynamic_dims(model: onnx.ModelProto, on_unbounded: Callable[[onnx.Node
                     while f"{SYMBOL_PREFIX}{fresh}" in bounds:
                         fresh += 1
                     dims[axis].dim_param = f"{SYMBOL_PREFIX}{fresh}"
+                if _bound(node, ins, static, axis) is None:
+                    sampled.append(dims[axis].dim_param)
                 bounds[dims[axis].dim_param] = max(int(bound), 0)
     _write_bounds(model, bounds)
+    _write_list(model, SAMPLED_KEY, sampled)
+
+
+def read_sampled(model: onnx.ModelProto) -> list[str]:
+    """The symbols whose bound is a sample run's size, not a bound."""
+    for prop in model.metadata_props:
+        if prop.key == SAMPLED_KEY:
+            return list(json.loads(prop.value))
+    return []
+
+
+def _write_list(model: onnx.ModelProto, key: str, values: list[str]) -> None:
+    kept = [p for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if values:
+        model.metadata_props.append(onnx.StringStringEntryProto(key=key, value=json.dumps(sorted(set(values)))))

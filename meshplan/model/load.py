@@ -199,7 +199,7 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     canonical = set_ir_version(infer_shapes(model))
     _name_nodes(canonical)
     _require_tensors(canonical)
-    bound_dynamic_dims(canonical, _unbounded)
+    bound_dynamic_dims(canonical, _unbounded, lambda: _sample_shapes(canonical, workdir))
     _require_static_shapes(canonical)
     onnx.save_model(canonical, str(path))
     return CanonicalModel(
@@ -282,9 +282,44 @@ def _require_tensors(model: onnx.ModelProto) -> None:
                                  "not a tensor: meshplan plans tensors only")
 
 
+def _sample_shapes(model: onnx.ModelProto, workdir: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every node output in one onnxruntime CPU run of ``model`` (its weights in
+    ``workdir``) on random inputs (``inputs.random_inputs``); empty where the run fails."""
+    import onnxruntime as ort
+
+    from meshplan.model.inputs import random_inputs
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    typed = {v.name: v for v in list(probe.graph.value_info) + list(probe.graph.output)}
+    declared = {v.name for v in probe.graph.output}
+    for node in probe.graph.node:
+        for name in node.output:
+            value = typed.get(name)
+            if name and name not in declared and value is not None and value.type.HasField("tensor_type"):
+                probe.graph.output.append(onnx.helper.make_tensor_value_info(name, value.type.tensor_type.elem_type, None))
+                declared.add(name)
+    path = workdir / "sample-run.onnx"
+    try:
+        onnx.save_model(probe, str(path))
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 4   # a failing run is an answer here, not something to print
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        quiet = ort.RunOptions()
+        quiet.log_severity_level = 4
+        names = [o.name for o in session.get_outputs()]
+        values = session.run(names, random_inputs(model, {}), quiet)
+        return {name: tuple(np.shape(value)) for name, value in zip(names, values)}
+    except Exception:  # onnxruntime raises several unrelated exception types; so may random inputs
+        return {}
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def _unbounded(node: onnx.NodeProto, name: str) -> None:
     raise ModelError(f"tensor '{name}' (output of {node.op_type} node '{node.name}') has a dynamic dimension after "
-                     "folding, with no known upper bound", hint=STATIC_SHAPES_HINT)
+                     "folding, with no known upper bound (and a sample run did not give it)", hint=STATIC_SHAPES_HINT)
 
 
 def _require_static_shapes(model: onnx.ModelProto) -> None:
