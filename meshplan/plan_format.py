@@ -71,8 +71,10 @@ class Resharding:
 
 @dataclass
 class Transfer:
-    """A model output sent from the stage that computes it to rank 0, for every microbatch.
-    A data-dependent dim is -1 in ``shape``: the sender sends the actual shape first."""
+    """A tensor sent whole from the first device of the stage that computes it, for every
+    microbatch: a model output to rank 0 (``dst_stage`` OUTPUT_COLLECTOR), or a
+    data-dependent tensor to one device of a later stage. A data-dependent dim is -1 in
+    ``shape``: the sender sends the actual shape first."""
 
     tensor: str
     src_stage: int

@@ -1,6 +1,6 @@
 """Data-dependent shapes: NonZero's count and what it flows into get a symbolic dim with
-an upper bound; the planner sizes them at the bound, never splits those dims, keeps each
-such tensor inside one layer (so one stage), and the programs run with the actual size."""
+an upper bound; the planner sizes them at the bound and never splits those dims; one
+crossing stages goes whole, its shape first; the programs run with the actual size."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from meshplan.intra.strategies import node_strategies
 from meshplan.make_plan import make_plan
 from meshplan.model.bounds import read_bounds, read_sampled
 from meshplan.model.graph import build_graph
-from meshplan.model.layers import blocked_cuts, cluster_layers
 from meshplan.model.load import canonicalize
 from meshplan.runtime.inprocess import reference_outputs, run_in_process
 from meshplan.sharding import LogicalMesh
@@ -97,17 +96,29 @@ def test_dynamic_dims_are_never_split(tmp_path):
     assert split_somewhere   # the MatMuls still split their weights' static dims
 
 
-def test_no_layer_cut_carries_a_data_dependent_tensor(tmp_path):
-    canonical = canonicalize(_selected_rows_model(tmp_path / "m.onnx"), {}, tmp_path / "work")
-    graph = build_graph(canonical.model)
-    blocked = blocked_cuts(graph)
-    names = [n.outputs[0] for n in graph.nodes]
-    # from the cut after NonZero to the cut before the last reader of 'rows' (ScatterND)
-    assert blocked[names.index("found") + 1] and blocked[names.index("y")]
-    assert not blocked[names.index("found")] and not blocked[0]
-    layering = cluster_layers(graph, [1.0] * len(graph.nodes), len(graph.nodes))
-    assert layering.num_layers > 1
-    assert not any(blocked[p] for p in layering.bounds)
+def _cut_through(path, tmp_path):
+    """The selected-rows model on four one-device stages: data-dependent tensors cross."""
+    plan = make_plan(path, make_cluster((1, 4), "cpu"), {}, tmp_path / "plan",
+                     PlanOptions(num_layers=len(onnx.load(str(path)).graph.node), submeshes=[(1, 1)]))
+    assert len(plan.stages) == 4
+    crossing = [t for t in plan.transfers if t.dst_stage >= 0]
+    assert crossing and all(t.is_dynamic for t in crossing)   # sent whole, shape first
+    assert not any(r.tensor == t.tensor for r in plan.reshardings for t in crossing)
+    return plan
+
+
+def test_data_dependent_tensors_cross_stages_in_process(tmp_path):
+    plan = _cut_through(_selected_rows_model(tmp_path / "m.onnx"), tmp_path)
+    for seed in range(3):
+        feeds = _inputs(seed)
+        assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("seed", [0, 2], ids=["some_rows", "no_rows"])
+def test_data_dependent_tensors_cross_stages_under_mpiexec(seed, tmp_path):
+    plan = _cut_through(_selected_rows_model(tmp_path / "m.onnx"), tmp_path)
+    check_against_onnxruntime(plan, tmp_path / "plan", _inputs(seed), tmp_path, "--repeat", "2")
 
 
 @pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2)], ids=lambda m: f"{m[0]}x{m[1]}")

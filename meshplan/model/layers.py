@@ -7,10 +7,6 @@ dynamic programming: split the node sequence into L layers, each costing at most
 ``(1 + slack)`` times the average, minimising the total bytes crossing the cuts. Cuts
 are restricted to a bounded set of candidate positions (the cheapest cut in each of a
 few hundred equal-cost windows), which keeps the DP fast on graphs of any size.
-
-No cut carries a data-dependent tensor (``TensorInfo.dynamic``: its size is known only
-at run time), so such a tensor lives inside one layer, hence one pipeline stage, from
-its producer to its last reader.
 """
 
 from __future__ import annotations
@@ -62,20 +58,6 @@ def cut_traffic(graph: Graph) -> np.ndarray:
     return traffic
 
 
-def blocked_cuts(graph: Graph) -> np.ndarray:
-    """blocked[p]: a cut just before node p (p = 0..n) would carry a data-dependent tensor."""
-    n = len(graph.nodes)
-    diff = np.zeros(n + 2, dtype=np.int64)
-    producers = graph.producers()
-    for name, readers in graph.consumers().items():
-        if name in producers and graph.tensors[name].is_data_dependent:
-            start, stop = producers[name] + 1, readers[-1]
-            if stop >= start:
-                diff[start] += 1
-                diff[stop + 1] -= 1
-    return np.cumsum(diff)[: n + 1] > 0
-
-
 def cluster_layers(graph: Graph, node_seconds: list[float], num_layers: int, slack: float = 0.3) -> Layering:
     """Split the nodes into at most ``num_layers`` layers (fewer when the graph is small)."""
     n = len(graph.nodes)
@@ -86,9 +68,6 @@ def cluster_layers(graph: Graph, node_seconds: list[float], num_layers: int, sla
         return Layering((0, n), traffic)
     prefix = np.concatenate([[0.0], np.cumsum(cost)])
     candidates = _candidate_cuts(prefix, traffic, max(MAX_CANDIDATES, 4 * num_layers))
-    blocked = blocked_cuts(graph)
-    if blocked.any():
-        candidates = candidates[~blocked[candidates]]
     num_layers = min(num_layers, len(candidates) + 1)
     positions = np.concatenate([[0], candidates, [n]])
     cap = (1.0 + slack) * prefix[-1] / num_layers

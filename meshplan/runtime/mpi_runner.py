@@ -232,7 +232,9 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
     B = plan.microbatches
     arriving = [(r, x) for r, x in zip(plan.reshardings, resharders) if r.dst_stage == stage.index]
     leaving = [(r, x) for r, x in zip(plan.reshardings, resharders) if r.src_stage == stage.index]
-    incoming = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.src_rank != rank]
+    incoming = [(i, t) for i, t in enumerate(plan.transfers)
+                if t.dst_rank == rank and t.src_rank != rank and t.dst_stage == OUTPUT_COLLECTOR]
+    whole = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.dst_stage == stage.index]
     outgoing = [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank and t.dst_rank != rank]
     local_outputs = [t for t in plan.transfers if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank]
     shape_tag = len(plan.transfers)
@@ -258,6 +260,14 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
             waited = MPI.Wtime()
             for r, resharder in arriving:
                 feeds[local_name(r.tensor, ShardingSpec.parse(r.dst_spec))] = resharder.run(None)
+            for i, t in whole:   # a data-dependent tensor from an earlier stage: its shape, then it
+                shape = t.shape
+                if t.is_dynamic:
+                    shape = np.empty(len(t.shape), dtype=np.int64)
+                    comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
+                value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
+                comm.Recv(byte_view(value), source=t.src_rank, tag=i)
+                feeds[t.tensor] = buffers.from_host(value)
             for name in stage.inputs:
                 if name in micro_inputs[mb]:   # model inputs: every rank reads them (replicated)
                     feeds[name] = buffers.from_host(micro_inputs[mb][name])
