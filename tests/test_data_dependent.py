@@ -196,3 +196,49 @@ def test_a_dim_without_a_bound_or_a_sample_is_one_error_line(tmp_path):
     done = run_cli("plan", tmp_path / "split.onnx", "--mesh", "1x2", "-o", tmp_path / "plan")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("meshplan: error:") and "no known upper bound" in done.stderr
+
+
+def _bound_case(name):
+    """(nodes, inputs, initializers, output, expected shape at the bound) for one rule."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    scalar = lambda n, v, dt=np.int64: numpy_helper.from_array(np.array(v, dt), n)   # noqa: E731
+    return {
+        "compress_axis": ([helper.make_node("ReduceSum", ["x", "one"], ["sums"], keepdims=0),
+                           helper.make_node("Greater", ["sums", "zero"], ["mask"]),
+                           helper.make_node("Compress", ["x", "mask"], ["y"], axis=0)],
+                          [("x", f, [6, 5])], [scalar("zero", 0.0, np.float32), scalar("one", [1])], "y", (6, 5)),
+        "unique": ([helper.make_node("Unique", ["x"], ["y", "first", "inverse", "counts"], sorted=1)],
+                   [("x", f, [4, 3])], [], "y", (12,)),
+        "top_k_computed_k": ([helper.make_node("ReduceMax", ["k_src"], ["kmax"], axes=[1], keepdims=0),
+                              helper.make_node("Cast", ["kmax"], ["k1"], to=i64),
+                              helper.make_node("Clip", ["k1", "kzero", "seven"], ["k"]),
+                              helper.make_node("TopK", ["x", "k"], ["y", "idx"], axis=1)],
+                             [("x", f, [2, 7]), ("k_src", f, [1, 3])],
+                             [scalar("kzero", 0), scalar("seven", 7)], "y", (2, 7)),
+        "nms": ([helper.make_node("NonMaxSuppression", ["boxes", "scores", "limit"], ["y"])],
+                [("boxes", f, [2, 5, 4]), ("scores", f, [2, 3, 5])], [scalar("limit", [4])], "y", (30, 3)),
+        "concat_of_two": ([helper.make_node("NonZero", ["x"], ["a"]),
+                           helper.make_node("NonZero", ["z"], ["b"]),
+                           helper.make_node("Concat", ["a", "b"], ["y"], axis=1)],
+                          [("x", f, [3, 2]), ("z", f, [4, 2])], [], "y", (2, 14)),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["compress_axis", "unique", "top_k_computed_k", "nms", "concat_of_two"])
+def test_each_rule_bounds_its_output(name, tmp_path):
+    nodes, inputs, inits, output, expected = _bound_case(name)
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                              [helper.make_tensor_value_info(output, TensorProto.INT64 if name in ("nms", "concat_of_two")
+                                                             else TensorProto.FLOAT, [None] * len(expected))],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    canonical = canonicalize(tmp_path / "m.onnx", {}, tmp_path / "work")
+    info = build_graph(canonical.model).tensors[output]
+    assert info.shape == expected and info.is_data_dependent
+    assert read_sampled(canonical.model) == []   # bounded by a rule, not by a sample run
+    plan = make_plan(tmp_path / "m.onnx", make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions())
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, _, s in inputs}
+    assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))

@@ -107,7 +107,10 @@ def _bound(node: onnx.NodeProto, ins: list[list[int] | None], out_dims: list[int
         return size
     if op in ("Compress", "Unique", "TopK"):
         along = _attr(node, "axis", -1 if op == "TopK" else None)
-        return size if along is None else first[along % len(first)]
+        if along is None:
+            return size
+        along %= len(first)
+        return first[axis] if axis != along and out_rank == len(first) else first[along]
     if op == "NonMaxSuppression":
         scores = ins[1]
         if scores is None or any(d is None for d in scores):
