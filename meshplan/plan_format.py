@@ -71,7 +71,10 @@ class Resharding:
 
 @dataclass
 class Transfer:
-    """A model output sent from the stage that computes it to rank 0, for every microbatch."""
+    """A tensor sent whole from the first device of the stage that computes it, for every
+    microbatch: a model output to rank 0 (``dst_stage`` OUTPUT_COLLECTOR), or a
+    data-dependent tensor to one device of a later stage. A data-dependent dim is -1 in
+    ``shape``: the sender sends the actual shape first."""
 
     tensor: str
     src_stage: int
@@ -80,6 +83,10 @@ class Transfer:
     dst_rank: int
     shape: list[int]
     dtype: str
+
+    @property
+    def is_dynamic(self) -> bool:
+        return any(d < 0 for d in self.shape)
 
 
 @dataclass

@@ -87,6 +87,16 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), [output], name=name, **attrs))
         return output
 
+    def node(self, op_type: str, inputs: Sequence[str], name: str, outputs: Sequence[str], **attrs) -> list[str]:
+        """Append one node named ``name`` with several outputs, each tensor called
+        ``name/<output>``; return their names."""
+        if name in self._node_names:
+            raise ValueError(f"node {name!r} defined twice")
+        self._node_names.add(name)
+        names = [f"{name}/{label}" for label in outputs]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=name, **attrs))
+        return names
+
     def build(self, doc: str = "") -> onnx.ModelProto:
         """Assemble the model with opset 17 and IR version 8."""
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs,

@@ -12,6 +12,7 @@ import onnx
 from .gpt import make_gpt
 from meshplan.model.inputs import random_inputs
 from .mlp import make_mlp
+from .moe import make_moe
 from .resnet import make_resnet
 
 SAMPLE_DIR = Path(__file__).resolve().parent
@@ -58,6 +59,9 @@ SAMPLES: dict[str, SampleModel] = {
                 "4-layer GPT decoder, hidden 128, 4 heads, vocab 512, max_seq 64"),
         _sample("resnet", make_resnet, {"batch": 4},
                 "ResNet with basic blocks (2, 2, 2), widths (16, 32, 64), 32x32 images"),
+        _sample("moe", make_moe, {"batch": 2, "seq": 8},
+                "2-layer Mixtral-style sparse MoE decoder, hidden 32, 4 experts of ffn 64, top-2 routing "
+                "(NonZero per expert), vocab 128"),
     )
 }
 

@@ -62,7 +62,7 @@ def test_symbolic_input_dims():
     dims = {name: [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
                    for i in _model(name).graph.input] for name in NAMES}
     assert dims == {"mlp": [["batch", 64]], "gpt": [["batch", "seq"]],
-                    "resnet": [["batch", 3, 32, 32]]}
+                    "resnet": [["batch", 3, 32, 32]], "moe": [["batch", "seq"]]}
 
 
 @pytest.mark.parametrize("batch, seq", [(1, 5), (2, 64)])

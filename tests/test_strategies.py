@@ -553,6 +553,21 @@ def test_embedding_strategies():
     assert {"RR,RS1->RS1R", "RS1,RR->RRS1", "RR,S1R->S1RR"} <= seen
 
 
+def test_gather_nd_strategies():
+    # stacked expert weights [experts, out, in] gathered per token-expert pair (the
+    # batched-experts export of a sparse MoE): split on out or in, or on the lookups
+    model = one_node("GatherND", [("idx", TensorProto.INT64, [6, 1])], ["Y"], initializers=[("stack", rand([4, 8, 6]))],
+                     node_inputs=["stack", "idx"])
+    seen = strings(check_node_model(model, {"idx": RNG.integers(0, 4, [6, 1]).astype(np.int64)}, meshes=[(1, 2), (2, 2)]))
+    assert {"RS1R,RR->RS1R", "RRS1,RR->RRS1", "RRR,S1R->S1RR"} <= seen
+    assert not any(s.startswith("S") for s in seen)   # the addressed (expert) dim stays whole
+    # several addressed dims and a multi-dim lookup
+    model = one_node("GatherND", [("X", FLOAT, [3, 4, 6]), ("i", TensorProto.INT64, [2, 2, 2])], ["Y"])
+    feeds = {"X": rand([3, 4, 6]), "i": np.stack([RNG.integers(0, 3, [2, 2]), RNG.integers(0, 4, [2, 2])], -1)}
+    seen = strings(check_node_model(model, feeds, meshes=[(1, 2), (2, 2)]))
+    assert "RRS1,RRR->RRS1" in seen and "RRR,S1RR->S1RR" in seen
+
+
 # --- pooling, batch norm, pad, expand ----------------------------------------------------
 
 @SETTINGS

@@ -70,7 +70,10 @@ class _Builder:
     def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:
         info = self.graph.tensors[tensor]
         elem = helper.np_dtype_to_tensor_dtype(info.dtype)
-        self.value_info[name] = helper.make_tensor_value_info(name, elem, spec.local_shape(info.shape, self.mesh))
+        shape = list(spec.local_shape(info.shape, self.mesh))
+        for axis in info.dynamic:    # data-dependent: never split, its size known at run time
+            shape[axis] = None
+        self.value_info[name] = helper.make_tensor_value_info(name, elem, shape)
 
     def provide(self, tensor: str, spec: ShardingSpec) -> str:
         name = local_name(tensor, spec)

@@ -203,8 +203,9 @@ def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster) -> list[lis
 def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, layouts: dict[int, tuple[str, str]],
                     cluster: Cluster, scheduler: str) -> tuple[list[Transfer], list[Resharding]]:
     """Fill each stage's inputs and outputs with their specs; plan the cross-mesh
-    resharding of every tensor that goes from one stage to another, and the transfers
-    that bring model outputs to rank 0."""
+    resharding of every tensor that goes from one stage to another (a data-dependent one
+    goes whole, by transfers: its shape first), and the transfers that bring model outputs
+    to rank 0."""
     producers = graph.producers()
     inputs = set(graph.inputs)
     outputs = set(graph.outputs)
@@ -219,6 +220,7 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
                     needed.append(name)
         stage.inputs = needed
     reshardings: list[Resharding] = []
+    between: list[Transfer] = []
     for stage in stages:
         for name in stage.inputs:
             if name in inputs:
@@ -227,12 +229,19 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
             src = stages[node_stage[producers[name]]]
             if name not in src.outputs:
                 src.outputs.append(name)
+            if graph.tensors[name].is_data_dependent:
+                # its size is known at run time only: whole, one transfer per device of the
+                # destination, the shape sent first
+                stage.input_specs[name] = str(_spec("R", graph, name, stage))
+                src.output_specs[name] = str(_spec("R", graph, name, src))
+                between.extend(_transfer(graph, name, src, stage.index, rank) for rank in stage.devices)
+                continue
             dst_spec = _spec(layouts[stage.index][0], graph, name, stage)
             stage.input_specs[name] = str(dst_spec)
             src_spec = _spec("R" if name in outputs else layouts[src.index][1], graph, name, src)
             src.output_specs[name] = str(src_spec)
             reshardings.append(_resharding(graph, name, src, src_spec, stage, dst_spec, cluster, scheduler))
-    transfers = []
+    transfers = between
     for name in graph.outputs:
         if name not in producers:
             raise PlanError(f"model output '{name}' is not computed by any operator")
@@ -266,4 +275,5 @@ def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst
 
 def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:
     info = graph.tensors[name]
-    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, list(info.shape), info.dtype.name)
+    shape = [-1 if axis in info.dynamic else d for axis, d in enumerate(info.shape)]   # data-dependent: sent first
+    return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, shape, info.dtype.name)

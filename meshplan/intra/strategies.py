@@ -151,7 +151,21 @@ def rule_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
                     continue
                 strategy = Strategy(strategy.inputs, strategy.outputs, rewrites)
             found[strategy] = None
+    if any(info is not None and info.is_data_dependent for info in op.ins + op.outs):
+        return [s for s in found if _keeps_dynamic_whole(s, op.ins + op.outs)]
     return list(found)
+
+
+def _keeps_dynamic_whole(strategy: Strategy, infos) -> bool:
+    """A data-dependent dim is never split (its size is known only at run time), and a
+    node that reads or writes such a tensor takes no shape-constant rewrite (its shape
+    constants may follow the run-time size)."""
+    if strategy.rewrites:
+        return False
+    for info, spec in zip(infos, strategy.inputs + strategy.outputs):
+        if info is not None and spec is not None and any(spec.dims[axis] != R for axis in info.dynamic):
+            return False
+    return True
 
 
 # --- parameter expressions ----------------------------------------------------------------

@@ -16,6 +16,7 @@ import onnx
 from onnx import helper
 
 from meshplan.errors import ModelError
+from meshplan.model.bounds import read_bounds
 from meshplan.model.opsets import DEFAULT_OPSET
 from meshplan.model.param_exprs import find_chains, sources_of
 
@@ -27,6 +28,11 @@ class TensorInfo:
     dtype: np.dtype
     is_param: bool = False
     sources: tuple[str, ...] = ()   # a parameter expression: the initializers it is computed from
+    dynamic: tuple[int, ...] = ()   # data-dependent dims (``bounds``): ``shape`` holds their upper bounds
+
+    @property
+    def is_data_dependent(self) -> bool:
+        return bool(self.dynamic)
 
     @property
     def is_derived(self) -> bool:
@@ -95,21 +101,25 @@ def _dtype(elem_type: int, name: str) -> np.dtype:
         raise ModelError(f"tensor '{name}' has an unsupported element type {elem_type}") from exc
 
 
-def _value_info(value: onnx.ValueInfoProto) -> TensorInfo:
+def _value_info(value: onnx.ValueInfoProto, bounds: dict[str, int]) -> TensorInfo:
     tensor_type = value.type.tensor_type
-    shape = tuple(d.dim_value for d in tensor_type.shape.dim)
-    return TensorInfo(value.name, shape, _dtype(tensor_type.elem_type, value.name))
+    dims = tensor_type.shape.dim
+    shape = tuple(bounds[d.dim_param] if d.dim_param in bounds else d.dim_value for d in dims)
+    dynamic = tuple(axis for axis, d in enumerate(dims) if d.dim_param in bounds)
+    return TensorInfo(value.name, shape, _dtype(tensor_type.elem_type, value.name), dynamic=dynamic)
 
 
 def build_graph(model: onnx.ModelProto) -> Graph:
-    """Graph of a canonical model (static shapes everywhere, nodes topologically sorted)."""
+    """Graph of a canonical model (static shapes everywhere but bounded data-dependent
+    dims, nodes topologically sorted)."""
     g = model.graph
+    bounds = read_bounds(model)
     tensors: dict[str, TensorInfo] = {}
     for init in g.initializer:
         tensors[init.name] = TensorInfo(init.name, tuple(init.dims), _dtype(init.data_type, init.name), True)
     for value in list(g.input) + list(g.value_info) + list(g.output):
         if value.name not in tensors and value.type.HasField("tensor_type"):
-            tensors[value.name] = _value_info(value)
+            tensors[value.name] = _value_info(value, bounds)
     nodes = []
     for node in g.node:
         for out in node.output:

@@ -24,6 +24,7 @@ from onnx import external_data_helper, numpy_helper
 
 from meshplan.errors import ModelError
 from meshplan.files import file_sha256
+from meshplan.model.bounds import bound_dynamic_dims, read_bounds
 from meshplan.model.fold import SMALL_ELEMENTS, first_line, fold_constants, infer_shapes, is_loaded
 from meshplan.model.opsets import MAX_IR_VERSION, set_ir_version
 from meshplan.model.weights import split_weights, write_weights
@@ -197,6 +198,8 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     del held
     canonical = set_ir_version(infer_shapes(model))
     _name_nodes(canonical)
+    _require_tensors(canonical)
+    bound_dynamic_dims(canonical, _unbounded, lambda: _sample_shapes(canonical, workdir))
     _require_static_shapes(canonical)
     onnx.save_model(canonical, str(path))
     return CanonicalModel(
@@ -262,34 +265,84 @@ def place_parameter_nodes(model: onnx.ModelProto) -> None:
     model.graph.node.extend(ordered)
 
 
-STATIC_SHAPES_HINT = ("meshplan plans static shapes; this one is not known from the input shapes alone: it depends "
-                      "on tensor values, or onnx's shape inference cannot follow it")
+STATIC_SHAPES_HINT = ("meshplan plans static shapes, and data-dependent ones with an upper bound (NonZero, Compress, "
+                      "Unique, TopK, NonMaxSuppression and what they flow into); this one is not known from the input "
+                      "shapes alone: it depends on tensor values, or onnx's shape inference cannot follow it")
+
+
+def _require_tensors(model: onnx.ModelProto) -> None:
+    typed = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input)}
+    for node in model.graph.node:
+        for name in node.output:
+            value = typed.get(name) if name else None
+            kind = value.type.WhichOneof("value") if value is not None else None
+            if kind in ("sequence_type", "optional_type", "map_type"):
+                what = {"sequence_type": "a sequence", "optional_type": "an optional", "map_type": "a map"}[kind]
+                raise ModelError(f"value '{name}' (output of {node.op_type} node '{node.name}') is {what}, "
+                                 "not a tensor: meshplan plans tensors only")
+
+
+def _sample_shapes(model: onnx.ModelProto, workdir: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every node output in one onnxruntime CPU run of ``model`` (its weights in
+    ``workdir``) on random inputs (``inputs.random_inputs``); empty where the run fails."""
+    import onnxruntime as ort
+
+    from meshplan.model.inputs import random_inputs
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    typed = {v.name: v for v in list(probe.graph.value_info) + list(probe.graph.output)}
+    declared = {v.name for v in probe.graph.output}
+    for node in probe.graph.node:
+        for name in node.output:
+            value = typed.get(name)
+            if name and name not in declared and value is not None and value.type.HasField("tensor_type"):
+                probe.graph.output.append(onnx.helper.make_tensor_value_info(name, value.type.tensor_type.elem_type, None))
+                declared.add(name)
+    path = workdir / "sample-run.onnx"
+    try:
+        onnx.save_model(probe, str(path))
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 4   # a failing run is an answer here, not something to print
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        quiet = ort.RunOptions()
+        quiet.log_severity_level = 4
+        names = [o.name for o in session.get_outputs()]
+        values = session.run(names, random_inputs(model, {}), quiet)
+        return {name: tuple(np.shape(value)) for name, value in zip(names, values)}
+    except Exception:  # onnxruntime raises several unrelated exception types; so may random inputs
+        return {}
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _unbounded(node: onnx.NodeProto, name: str) -> None:
+    raise ModelError(f"tensor '{name}' (output of {node.op_type} node '{node.name}') has a dynamic dimension after "
+                     "folding, with no known upper bound (and a sample run did not give it)", hint=STATIC_SHAPES_HINT)
 
 
 def _require_static_shapes(model: onnx.ModelProto) -> None:
+    """Every node output is a tensor with a known shape: each dim a number, or a
+    data-dependent symbol with a bound (``bounds``)."""
+    _require_tensors(model)
+    bounds = read_bounds(model)
     typed = {v.name: v for v in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input)}
     for node in model.graph.node:
         for name in node.output:
             if not name:
                 continue
             value = typed.get(name)
-            kind = value.type.WhichOneof("value") if value is not None else None
-            if kind in ("sequence_type", "optional_type", "map_type"):
-                what = {"sequence_type": "a sequence", "optional_type": "an optional", "map_type": "a map"}[kind]
-                raise ModelError(f"value '{name}' (output of {node.op_type} node '{node.name}') is {what}, "
-                                 "not a tensor: meshplan plans tensors only")
             # Every input dim is fixed by now (fix_dims): what is still unknown depends on
-            # tensor values (an input read as a shape, axes or a size; NonZero) or is beyond
-            # onnx's shape inference.
+            # tensor values (an input read as a shape, axes or a size) with no bound, or is
+            # beyond onnx's shape inference.
             if value is None or not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
                 raise ModelError(
                     f"the shape of tensor '{name}' (output of {node.op_type} node '{node.name}') is unknown after shape "
                     "inference", hint=STATIC_SHAPES_HINT)
             for dim in value.type.tensor_type.shape.dim:
-                if not dim.HasField("dim_value"):
-                    raise ModelError(
-                        f"tensor '{name}' (output of {node.op_type} node '{node.name}') has a dynamic dimension after folding",
-                        hint=STATIC_SHAPES_HINT)
+                if not dim.HasField("dim_value") and dim.dim_param not in bounds:
+                    _unbounded(node, name)
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:

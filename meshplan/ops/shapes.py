@@ -174,3 +174,18 @@ def _gather(op: OpView) -> list[Rule]:
     rules: list[Rule] = [((R, e), (axis + e,)) for e in range(q)]
     rules += [((d, R), (d if d < axis else d + q - 1,)) for d in range(op.rank) if d != axis]
     return rules + [((P, R), (P,))]
+
+
+@rule("GatherND", flops=no_flops, heavy=True)
+def _gather_nd(op: OpView) -> list[Rule]:
+    """Without batch dims: the lookups (the indices' leading dims) split with the data
+    replicated; the data split on a dim the indices do not address (stacked expert weights
+    [experts, out, in] gathered per token: ``out`` or ``in``) with the indices replicated;
+    linear in the data."""
+    if op.attr("batch_dims", 0) != 0:
+        raise NoRule
+    q = len(op.shape(1))
+    k = op.shape(1)[-1]
+    rules: list[Rule] = [((R, e), (e,)) for e in range(q - 1)]
+    rules += [((d, R), (q - 1 + d - k,)) for d in range(k, op.rank)]
+    return rules + [((P, R), (P,))]

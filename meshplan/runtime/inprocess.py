@@ -10,7 +10,7 @@ import numpy as np
 
 from meshplan.errors import PlanError
 from meshplan.files import file_sha256
-from meshplan.plan_format import Plan, local_name
+from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name
 from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import apply_steps
 from meshplan.reshard.tasks import CrossMeshTransfer
@@ -45,6 +45,9 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
                 target = local_name(r.tensor, ShardingSpec.parse(r.dst_spec))
                 for rank in stage.devices:
                     local[rank][target] = moved[rank]
+            for t in plan.transfers:   # data-dependent tensors, whole
+                if t.dst_stage == stage.index:
+                    local[t.dst_rank][t.tensor] = held[t.src_rank][t.tensor]
             held.update(_run_stage(stage, runners, local))
         lead = held[0]
         outputs.append({spec.name: lead[spec.name] if spec.name in lead else _output_of(plan, held, spec.name)
@@ -54,7 +57,7 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
 
 def _output_of(plan: Plan, held, name: str) -> np.ndarray:
     for transfer in plan.transfers:
-        if transfer.tensor == name:
+        if transfer.tensor == name and transfer.dst_stage == OUTPUT_COLLECTOR:
             return held[transfer.src_rank][name]
     raise PlanError(f"no stage of the plan computes model output '{name}'")
 

@@ -232,25 +232,42 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
     B = plan.microbatches
     arriving = [(r, x) for r, x in zip(plan.reshardings, resharders) if r.dst_stage == stage.index]
     leaving = [(r, x) for r, x in zip(plan.reshardings, resharders) if r.src_stage == stage.index]
-    incoming = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.src_rank != rank]
+    incoming = [(i, t) for i, t in enumerate(plan.transfers)
+                if t.dst_rank == rank and t.src_rank != rank and t.dst_stage == OUTPUT_COLLECTOR]
+    whole = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.dst_stage == stage.index]
     outgoing = [(i, t) for i, t in enumerate(plan.transfers) if t.src_rank == rank and t.dst_rank != rank]
     local_outputs = [t for t in plan.transfers if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank]
+    shape_tag = len(plan.transfers)
     trace: list[dict] = []
     latencies = []
     results: list[dict[str, np.ndarray]] = []
     for iteration in range(repeat):
         wait_all([comm.Ibarrier()], MPI)
         origin = MPI.Wtime()
-        received = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming for mb in range(B)}
+        received = {(i, mb): np.empty(t.shape, dtype=t.dtype) for i, t in incoming if not t.is_dynamic
+                    for mb in range(B)}
         requests = {key: comm.Irecv(byte_view(buf), source=plan.transfers[key[0]].src_rank, tag=key[0])
                     for key, buf in received.items()}
-        sends = []
+        # a data-dependent output: its shape comes first, on its own tag
+        shapes = {(i, mb): np.empty(len(t.shape), dtype=np.int64) for i, t in incoming if t.is_dynamic
+                  for mb in range(B)}
+        shape_requests = [comm.Irecv(buf, source=plan.transfers[i].src_rank, tag=shape_tag + i)
+                          for (i, _), buf in shapes.items()]
+        sends, sent = [], []
         results = [dict() for _ in range(B)]
         for mb in range(B):
             feeds = {}
             waited = MPI.Wtime()
             for r, resharder in arriving:
                 feeds[local_name(r.tensor, ShardingSpec.parse(r.dst_spec))] = resharder.run(None)
+            for i, t in whole:   # a data-dependent tensor from an earlier stage: its shape, then it
+                shape = t.shape
+                if t.is_dynamic:
+                    shape = np.empty(len(t.shape), dtype=np.int64)
+                    comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
+                value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
+                comm.Recv(byte_view(value), source=t.src_rank, tag=i)
+                feeds[t.tensor] = buffers.from_host(value)
             for name in stage.inputs:
                 if name in micro_inputs[mb]:   # model inputs: every rank reads them (replicated)
                     feeds[name] = buffers.from_host(micro_inputs[mb][name])
@@ -264,12 +281,20 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
             for r, resharder in leaving:
                 resharder.run(outs[local_name(r.tensor, ShardingSpec.parse(r.src_spec))])
             for i, t in outgoing:
-                sends.append(comm.Isend(byte_view(np.ascontiguousarray(buffers.to_host(outs[t.tensor]))),
-                                        dest=t.dst_rank, tag=i))
+                data = np.ascontiguousarray(buffers.to_host(outs[t.tensor]))
+                if t.is_dynamic:
+                    sent.append(np.array(data.shape, dtype=np.int64))
+                    sends.append(comm.Isend(sent[-1], dest=t.dst_rank, tag=shape_tag + i))
+                sent.append(data)
+                sends.append(comm.Isend(byte_view(data), dest=t.dst_rank, tag=i))
             for t in local_outputs:
                 results[mb][t.tensor] = buffers.to_host(outs[t.tensor])
-        collected = [requests[(i, mb)] for i, t in incoming if t.dst_stage == OUTPUT_COLLECTOR for mb in range(B)]
-        wait_all(collected + sends, MPI)
+        collected = [requests[(i, mb)] for i, t in incoming if t.dst_stage == OUTPUT_COLLECTOR and not t.is_dynamic
+                     for mb in range(B)]
+        wait_all(collected + shape_requests + sends, MPI)
+        for (i, mb), shape in shapes.items():   # in microbatch order, as they were sent
+            received[(i, mb)] = np.empty(tuple(int(d) for d in shape), dtype=plan.transfers[i].dtype)
+            comm.Recv(byte_view(received[(i, mb)]), source=plan.transfers[i].src_rank, tag=i)
         for i, t in incoming:
             if t.dst_stage == OUTPUT_COLLECTOR:
                 for mb in range(B):
