@@ -2,8 +2,9 @@
 
 A program without collectives is one segment loaded straight from its file (external
 weights included). Otherwise each run of standard nodes between two collectives becomes
-its own in-memory model, whose external weights are read from their file and handed to
-onnxruntime as arrays (so no protobuf ever holds them: programs over 2 GB work); the
+its own in-memory model that still names its weights' external data, which onnxruntime
+reads from the program's folder itself (no protobuf and no numpy array ever holds them:
+programs over 2 GB work, and each weight is held once, on the device that runs it); the
 collective that follows a segment is performed by the caller (mpi4py communicators under
 mpiexec, numpy in the in-process executor).
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from meshplan.errors import RunError
 from meshplan.reshard.kinds import kind_of_op
@@ -57,7 +58,7 @@ class ProgramRunner:
             self.segments = [Segment(session, session.input_names, session.output_names, None)]
             self.providers = session.providers
             return
-        model = header   # weights stay in their files; segments get them as arrays
+        model = header   # weights stay in their files; onnxruntime reads each segment's own
         graph = model.graph
         typed = {v.name: v for v in list(graph.input) + list(graph.output) + list(graph.value_info)}
         weights = {t.name: t for t in graph.initializer}
@@ -92,9 +93,7 @@ class ProgramRunner:
                 )
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
                 sub_model.ir_version = model.ir_version
-                external = {t.name: numpy_helper.to_array(t, str(path.parent)) for t in used
-                            if t.data_location == onnx.TensorProto.EXTERNAL}
-                session = StageSession(sub_model.SerializeToString(), providers, threads, external)
+                session = StageSession(sub_model.SerializeToString(), providers, threads, path.parent.resolve())
             self.segments.append(Segment(session, inputs, outputs, collective))
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
