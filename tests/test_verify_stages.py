@@ -92,3 +92,30 @@ def test_cli_stages_flag_and_automatic_choice(two_stages, tmp_path, monkeypatch)
     assert not staged.needs_stages(plan)
     monkeypatch.setattr(staged, "available_memory", lambda: 2 * 10**5)
     assert staged.needs_stages(plan)
+
+
+def test_half_precision_pieces_equal_the_whole_model(tmp_path, monkeypatch):
+    """A float16 chain cut into one-node pieces: handing float32 between pieces gives the
+    whole model's outputs bit for bit; handing float16 (rounding at every cut) would not."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, weights, previous = [], [], "x"
+    for i in range(4):
+        weights.append(numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float16), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [previous, f"w{i}"], [f"h{i}"]),
+                  helper.make_node("Tanh", [f"h{i}"], [f"t{i}"])]
+        previous = f"t{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [8, 64])],
+                              [helper.make_tensor_value_info(previous, TensorProto.FLOAT16, [8, 64])], weights)
+    path = tmp_path / "chain.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan")
+    inputs = {"x": rng.standard_normal((8, 64)).astype(np.float16)}
+    whole = reference_outputs(plan, inputs)[previous]
+    result = verify_by_stages(plan, tmp_path / "plan", inputs, piece_bytes=1)
+    assert all(s.ok for s in result.stages)
+    assert np.array_equal(result.reference[previous], whole)
+    monkeypatch.setattr(staged, "_half", lambda value: False)
+    rounded = verify_by_stages(plan, tmp_path / "plan", inputs, piece_bytes=1).reference[previous]
+    assert not np.array_equal(rounded, whole)
