@@ -118,7 +118,7 @@ def run_and_verify(plan_dir: Path, work_dir: Path, model_bytes: int, whole: bool
         rss = record["peak_rss_bytes"]
         print(f"      meshplan verify {flag}: peak RSS {rss / GIB:.2f} GiB ({rss / model_bytes:.2f} x model), "
               f"{time.perf_counter() - started:.1f} s")
-        result[f"verify{flag.replace('-', '_')}_peak_rss_bytes"] = rss
+        result[f"verify_{flag.lstrip('-').replace('-', '_')}_peak_rss_bytes"] = rss
     return result
 
 
