@@ -72,7 +72,13 @@ def _verify_by_stages(the_plan, plan_dir, inputs, outputs_path, model_path, rtol
     result = verify_by_stages(the_plan, plan_dir, inputs, model_path, rtol=rtol, atol=atol)
     ok = True
     for stage in result.stages:
-        ranks = f"rank {stage.devices[0]}" if len(stage.devices) == 1 else f"ranks {stage.devices[0]}-{stage.devices[-1]}"
+        devices = stage.devices
+        if len(devices) == 1:
+            ranks = f"rank {devices[0]}"
+        elif devices == list(range(devices[0], devices[-1] + 1)):
+            ranks = f"ranks {devices[0]}-{devices[-1]}"
+        else:
+            ranks = "ranks " + ",".join(map(str, devices))
         worst = max((c.max_abs for c in stage.comparisons), default=0.0)
         click.echo(f"stage {stage.index} ({ranks}; {stage.weight_bytes / 1e9:.2f} GB of weights in "
                    f"{stage.pieces} reference piece(s)): max abs err {worst:.3g} {'ok' if stage.ok else 'MISMATCH'}")

@@ -119,3 +119,13 @@ def test_half_precision_pieces_equal_the_whole_model(tmp_path, monkeypatch):
     monkeypatch.setattr(staged, "_half", lambda value: False)
     rounded = verify_by_stages(plan, tmp_path / "plan", inputs, piece_bytes=1).reference[previous]
     assert not np.array_equal(rounded, whole)
+
+
+def test_stages_with_a_missing_model_is_one_line(two_stages, tmp_path):
+    plan, plan_dir, inputs = two_stages
+    in_path = save_npz(tmp_path / "in.npz", inputs)
+    done = run_cli("verify", plan_dir, "--inputs", in_path, "--stages", "--model", tmp_path / "gone.onnx")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("meshplan: error:")] == \
+        [f"meshplan: error: the planned model {tmp_path / 'gone.onnx'} is not there "
+         "(pass its new location with --model)"], done.stderr
