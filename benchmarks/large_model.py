@@ -46,17 +46,28 @@ sys.path.insert(0, str(REPO))
 GIB = 1024**3
 # ``meshplan verify`` in this process, then its peak RSS as the last line.
 VERIFY_CHILD = """
-import json, resource, sys
+import json, sys
 from cli.main import main
+from meshplan.runtime.mpi_runner import peak_rss_bytes
 try:
     main(sys.argv[1:], standalone_mode=False)
 except SystemExit as exc:
     if exc.code:
         raise
-print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
 """
 CHILD = """
-import json, resource, sys, time
+import json, sys
+
+
+def peak_rss():
+    # VmHWM: this process image's peak resident set (ru_maxrss would carry the parent's
+    # peak across fork and exec)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+import time
 from meshplan.cost.cluster import make_cluster, parse_mesh
 from meshplan.make_plan import make_plan
 from dataclasses import replace
@@ -67,7 +78,7 @@ if float(memory) > 0:
 started = time.perf_counter()
 plan = make_plan(model, cluster, {"batch": int(batch), "seq": int(seq)}, out)
 print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.devices) for s in plan.stages],
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": peak_rss()}))
 """
 
 
@@ -122,6 +133,19 @@ def run_and_verify(plan_dir: Path, work_dir: Path, model_bytes: int, whole: bool
     return result
 
 
+def describe(path: Path) -> dict:
+    """The facts ``write_large_llama`` returns, read back from a model it wrote."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    model = onnx.load(str(path), load_external_data=False)
+    lengths = [int(ExternalDataInfo(t).length) for t in model.graph.initializer
+               if t.data_location == onnx.TensorProto.EXTERNAL]
+    layers = sum(1 for t in model.graph.initializer if t.name.endswith(".mlp.down_proj"))
+    return {"path": str(path), "data": str(path.with_name(path.name + ".data")), "layers": layers,
+            "weight_bytes": sum(lengths), "largest_initializer_bytes": max(lengths)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="weight bytes of the model, GB (default 2)")
@@ -137,7 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--whole-verify", action="store_true",
                         help="with --run: also verify with the whole model at once, for comparison")
     parser.add_argument("--work", type=Path, help="directory for the model and plans (default: a temporary one)")
-    parser.add_argument("--keep", action="store_true", help="keep the model and plans in --work")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the model and plans in --work (a model kept there is planned again, not rewritten)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     from sample_models.large_llama import write_large_llama
@@ -147,7 +172,10 @@ def main(argv=None) -> int:
     rows, failed = [], False
     try:
         started = time.perf_counter()
-        facts = write_large_llama(work_dir / "large.onnx", args.gb)
+        if (work_dir / "large.onnx").exists() and args.keep:
+            facts = describe(work_dir / "large.onnx")    # written by an earlier --keep run
+        else:
+            facts = write_large_llama(work_dir / "large.onnx", args.gb)
         written = time.perf_counter() - started
         size, largest = facts["weight_bytes"], facts["largest_initializer_bytes"]
         started = time.perf_counter()

@@ -14,6 +14,7 @@ onnx saves a model with its weights inline (the bytes are the same either way).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -22,7 +23,6 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
-from meshplan.files import file_sha256
 from meshplan.model.weights import INLINE_BYTES, copy_range, load_tensor, point_to
 
 CHUNK_BYTES = 16 * 1024 * 1024
@@ -153,7 +153,8 @@ def write_program(model: onnx.ModelProto, pending: dict[str, PendingSlice], base
         return []
     data_path = path.with_name(path.name + ".data")
     offset = 0
-    with open(data_path, "wb") as out:
+    with open(data_path, "wb") as file:
+        out = _Hashing(file)
         for tensor in model.graph.initializer:
             if tensor.name in pending:
                 length = write_slice(pending[tensor.name], base_dir, out)
@@ -168,4 +169,19 @@ def write_program(model: onnx.ModelProto, pending: dict[str, PendingSlice], base
             point_to(tensor, data_path.name, offset, length)
             offset += length
     onnx.save_model(model, str(path))
-    return [{"file": data_path.name, "sha256": file_sha256(data_path)}]
+    return [{"file": data_path.name, "sha256": out.hexdigest()}]
+
+
+class _Hashing:
+    """A file being written and the SHA-256 of what went into it (no second read)."""
+
+    def __init__(self, file):
+        self.file = file
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()

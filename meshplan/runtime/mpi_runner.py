@@ -300,10 +300,20 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports kilobytes)."""
+    """This process's peak resident set so far: VmHWM where /proc has it (ru_maxrss would
+    carry the peak of the process it was forked from across exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
+    import sys
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    scale = 1 if sys.platform == "darwin" else 1024     # bytes on macOS, kilobytes elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _gather_memory(plan: Plan, plan_dir: Path, comm) -> np.ndarray | None:
