@@ -1,7 +1,8 @@
 """Planning a model of a chosen size: peak memory and wall time against a plain copy.
 
     python benchmarks/large_model.py [--gb 2] [--mesh 1x4 [2x4 ...]] [--device h100-80g]
-        [--work DIR] [--keep] [--json PATH]
+        [--memory-fraction F] [--batch 4] [--seq 512] [--run] [--whole-verify] [--work DIR] [--keep]
+        [--json PATH]
 
 Writes a Llama-style float16 decoder of about ``--gb`` GB straight to external data
 (``sample_models/large_llama.py``: 0.4 GB layers, never holding the model whole), then
@@ -19,12 +20,19 @@ Columns: ``x copy``, the wall time over the plain copy of the model's weights;
 copy of that many bytes (at the rate measured); ``x model``, peak RSS over the weight
 bytes. ``--memory-fraction F`` gives each device memory for F of the weights, so that
 plans must split them (as the tests' "devices holding 40% of the parameters").
+
+``--run`` also runs each plan, ``mpiexec -n N meshplan run`` (CPU provider), and prints
+every rank's peak RSS next to its program's bytes (from the run's trace), then
+``meshplan verify --stages`` on the run's outputs and its peak RSS; ``--whole-verify``
+adds ``meshplan verify --whole-model`` (the whole model in onnxruntime and every program
+in one process: several times the model's bytes) for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +44,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 GIB = 1024**3
+# ``meshplan verify`` in this process, then its peak RSS as the last line.
+VERIFY_CHILD = """
+import json, sys
+from cli.main import main
+from meshplan.runtime.mpi_runner import peak_rss_bytes
+try:
+    main(sys.argv[1:], standalone_mode=False)
+except SystemExit as exc:
+    if exc.code:
+        raise
+print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+"""
 CHILD = """
 import json, sys
 
@@ -51,15 +71,66 @@ import time
 from meshplan.cost.cluster import make_cluster, parse_mesh
 from meshplan.make_plan import make_plan
 from dataclasses import replace
-model, mesh, device, out, memory = sys.argv[1:6]
+model, mesh, device, out, memory, batch, seq = sys.argv[1:8]
 cluster = make_cluster(parse_mesh(mesh), device)
 if float(memory) > 0:
     cluster = replace(cluster, device=replace(cluster.device, memory_bytes=float(memory)))
 started = time.perf_counter()
-plan = make_plan(model, cluster, {"batch": 4, "seq": 512}, out)
+plan = make_plan(model, cluster, {"batch": int(batch), "seq": int(seq)}, out)
 print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.devices) for s in plan.stages],
                   "peak_rss_bytes": peak_rss()}))
 """
+
+
+def _child_rss(command: list[str]) -> tuple[dict | None, str]:
+    """Run ``meshplan`` COMMAND in a child process: (its peak RSS record, or None, and its output)."""
+    done = subprocess.run([sys.executable, "-c", VERIFY_CHILD, *command], capture_output=True, text=True, cwd=REPO)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return None, done.stdout + done.stderr
+    return json.loads(lines[-1]), done.stdout
+
+
+def run_and_verify(plan_dir: Path, work_dir: Path, model_bytes: int, whole: bool) -> dict:
+    """``mpiexec -n N meshplan run`` on the plan (each rank's peak RSS and program bytes),
+    then ``meshplan verify --stages`` (and ``--whole-model``) on its outputs (peak RSS)."""
+    import numpy as np
+
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    ranks = len(plan["programs"])
+    shape = next(i["shape"] for i in plan["inputs"] if i["name"] == "input_ids")
+    inputs = work_dir / "inputs.npz"
+    np.savez(inputs, input_ids=np.random.default_rng(0).integers(0, 32000, size=shape, dtype=np.int64))
+    trace, outputs = work_dir / "trace.json", work_dir / "outputs.npz"
+    mpiexec = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    started = time.perf_counter()
+    done = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "cli.main", "run", str(plan_dir),
+                           "--inputs", str(inputs), "--output", str(outputs), "--trace", str(trace),
+                           "--provider", "cpu"], capture_output=True, text=True, cwd=REPO)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"      run failed: {last}")
+        return {"error": f"run: {last}"}
+    print(f"      meshplan run on {ranks} ranks: {time.perf_counter() - started:.1f} s")
+    memory = [e["args"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "M"]
+    print(f"      {'rank':>4} {'program GB':>10} {'peak RSS GiB':>13} {'x program':>9}")
+    for rank, row in enumerate(memory):
+        print(f"      {rank:>4} {row['program_bytes'] / 1e9:>10.2f} {row['peak_rss_bytes'] / GIB:>13.2f} "
+              f"{row['peak_rss_bytes'] / row['program_bytes']:>9.2f}")
+    result = {"ranks": memory}
+    for flag in ["--stages"] + (["--whole-model"] if whole else []):
+        started = time.perf_counter()
+        record, text = _child_rss(["verify", str(plan_dir), "--inputs", str(inputs), "--outputs", str(outputs), flag])
+        if record is None:
+            last = (text.strip().splitlines() or ["(no output)"])[-1]
+            print(f"      meshplan verify {flag} failed: {last}")
+            result["error"] = f"verify {flag}: {last}"
+            continue
+        rss = record["peak_rss_bytes"]
+        print(f"      meshplan verify {flag}: peak RSS {rss / GIB:.2f} GiB ({rss / model_bytes:.2f} x model), "
+              f"{time.perf_counter() - started:.1f} s")
+        result[f"verify_{flag.lstrip('-').replace('-', '_')}_peak_rss_bytes"] = rss
+    return result
 
 
 def describe(path: Path) -> dict:
@@ -83,6 +154,12 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-fraction", type=float, default=0.0,
                         help="give each device memory for this fraction of the weights (forces splits; default: "
                              "the device preset's memory)")
+    parser.add_argument("--batch", type=int, default=4, help="the batch dimension to plan for (default 4)")
+    parser.add_argument("--seq", type=int, default=512, help="the sequence length to plan for (default 512)")
+    parser.add_argument("--run", action="store_true",
+                        help="also run each plan under mpiexec and verify it stage by stage: peak RSS per rank")
+    parser.add_argument("--whole-verify", action="store_true",
+                        help="with --run: also verify with the whole model at once, for comparison")
     parser.add_argument("--work", type=Path, help="directory for the model and plans (default: a temporary one)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the model and plans in --work (a model kept there is planned again, not rewritten)")
@@ -118,7 +195,8 @@ def main(argv=None) -> int:
             out = work_dir / f"plan-{mesh}"
             started = time.perf_counter()
             memory = args.memory_fraction * facts["weight_bytes"]
-            done = subprocess.run([sys.executable, "-c", CHILD, facts["path"], mesh, args.device, str(out), str(memory)],
+            done = subprocess.run([sys.executable, "-c", CHILD, facts["path"], mesh, args.device, str(out), str(memory),
+                                   str(args.batch), str(args.seq)],
                                   capture_output=True, text=True, cwd=REPO)
             wall = time.perf_counter() - started
             if done.returncode:
@@ -138,6 +216,10 @@ def main(argv=None) -> int:
                   f"{'+'.join(map(str, child['stages'])):>14}  {'ok' if ok else 'over target'}")
             rows.append({"mesh": mesh, "wall_seconds": wall, "plan_seconds": child["seconds"], "peak_rss_bytes": rss,
                          "written_bytes": written, "stages": child["stages"], "within_targets": ok})
+            if args.run:
+                ran = run_and_verify(out, work_dir, size, args.whole_verify)
+                rows[-1].update(ran)
+                failed |= "error" in ran
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
     finally:

@@ -50,7 +50,7 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
     if report is None:
         return
     if trace_path:
-        write_trace(trace_path, report.trace_events, report.ranks)
+        write_trace(trace_path, report.trace_events, report.ranks, report.memory_rows())
     latency = report.median_latency
     click.echo(f"ran {report.ranks} rank(s) on {report.provider}; transfer path: {report.transfer_path}")
     click.echo(
@@ -61,6 +61,10 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
         f"estimate: latency {human_seconds(report.estimate_seconds)}, "
         f"throughput {report.batch_size / report.estimate_seconds:.1f} samples/s"
     )
+    for row in report.memory_rows():
+        rss, held = row["peak_rss_bytes"], row["program_bytes"]
+        click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, program {held / 2**30:.2f} GiB"
+                   + (f" ({rss / held:.1f}x)" if held >= 2**20 else ""))
     if output_path:
         click.echo(f"wrote {output_path}")
     if trace_path:

@@ -23,17 +23,29 @@ from cli.guard import debugging, guard
 @click.option("--atol", type=float,
               help="Absolute tolerance for every output [default: by dtype: float32 1e-4, float16/bfloat16 8 eps, "
                    "integers and bool 0].")
+@click.option("--stages/--whole-model", "by_stages", default=None,
+              help="Compare stage by stage (the original model's subgraph of each stage, fed the reference "
+                   "outputs of the stage before; memory for one piece of a stage at a time), or run the whole "
+                   "model at once [default: stage by stage when the model's weights exceed half of the memory "
+                   "available].")
 @click.pass_context
-def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol):
+def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_stages):
     """Run all of a plan's programs in one process and compare with onnxruntime on the original model."""
     from meshplan.plan_format import read_plan
     from meshplan.runtime.inprocess import compare_outputs, reference_outputs, run_in_process
+    from meshplan.runtime.staged import needs_stages
     from meshplan.runtime.tensors import read_inputs
 
     with guard(debugging(ctx)):
         started = time.perf_counter()
         the_plan = read_plan(plan_dir)
         inputs = read_inputs(inputs_path, the_plan)
+        why = "--stages" if by_stages else None
+        if by_stages is None and needs_stages(the_plan, model_path):
+            why = "the model's weights exceed half of the memory available"
+        if why:
+            _verify_by_stages(the_plan, plan_dir, inputs, outputs_path, model_path, rtol, atol, why, started)
+            return
         expected = reference_outputs(the_plan, inputs, model_path)
         checks = [("in-process", run_in_process(the_plan, plan_dir, inputs))]
         if outputs_path:
@@ -49,6 +61,42 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol):
         click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify against single-device onnxruntime")
         if not ok:
             sys.exit(1)
+
+
+def _verify_by_stages(the_plan, plan_dir, inputs, outputs_path, model_path, rtol, atol, why, started):
+    from meshplan.runtime.inprocess import compare_outputs
+    from meshplan.runtime.staged import verify_by_stages
+
+    click.echo(f"stage by stage ({why}): each stage's programs and the original model's subgraph of that stage, "
+               "fed the reference outputs of the stages before")
+    result = verify_by_stages(the_plan, plan_dir, inputs, model_path, rtol=rtol, atol=atol)
+    ok = True
+    for stage in result.stages:
+        devices = stage.devices
+        if len(devices) == 1:
+            ranks = f"rank {devices[0]}"
+        elif devices == list(range(devices[0], devices[-1] + 1)):
+            ranks = f"ranks {devices[0]}-{devices[-1]}"
+        else:
+            ranks = "ranks " + ",".join(map(str, devices))
+        worst = max((c.max_abs for c in stage.comparisons), default=0.0)
+        click.echo(f"stage {stage.index} ({ranks}; {stage.weight_bytes / 1e9:.2f} GB of weights in "
+                   f"{stage.pieces} reference piece(s)): max abs err {worst:.3g} {'ok' if stage.ok else 'MISMATCH'}")
+        for c in stage.comparisons:
+            click.echo(f"  {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
+                       f"(rtol {c.rtol:g}, atol {c.atol:g}) {'ok' if c.ok else 'MISMATCH'}")
+        ok &= stage.ok
+    if outputs_path:
+        for c in compare_outputs(_read_outputs(outputs_path), result.reference, rtol, atol):
+            status = "ok" if c.ok else "MISMATCH"
+            click.echo(f"{outputs_path}: {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
+                       f"(rtol {c.rtol:g}, atol {c.atol:g}) {status}")
+            ok &= c.ok
+    verdict = "PASSED" if ok else "FAILED"
+    click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify stage by stage against "
+               "single-device onnxruntime")
+    if not ok:
+        sys.exit(1)
 
 
 def _read_outputs(path: Path):

@@ -232,6 +232,24 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, 
     return plan, shardings, canonical, graph
 
 
+def canonical_for_plan(plan: Plan, model_path: str | os.PathLike, workdir: Path):
+    """The canonical model a plan was made from, canonicalised again into ``workdir`` from
+    ``model_path`` (the planned model; its weights stay in their files): the same dims,
+    batch layout and microbatch size as planning used, so its tensor names and shapes are
+    the plan's."""
+    header = read_model(Path(model_path), load_external_data=False)
+    batch = plan.batch
+    if batch.get("dim"):
+        batch_dim = (batch["dim"],)
+    elif batch.get("axes"):
+        batch_dim = tuple(f"{name}:{axis}" for name, axis in batch["axes"].items() if name in batch["batched_inputs"])
+    else:
+        batch_dim = ()
+    layout, program_dims = batch_layout(header, plan.model.get("dims", {}), plan.microbatches, batch_dim)
+    del header
+    return canonicalize(model_path, program_dims, workdir, static_batch_rewrite(layout, plan.microbatches))
+
+
 def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,

@@ -86,13 +86,18 @@ def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str
     only the optimisations that keep its arithmetic (basic level): extended fusions may
     compute another thing (e.g. dequantize-then-MatMul fused into integer products), and
     the reference is the user's computation."""
+    session = StageSession(checked_model_path(plan, model_path), providers_for(provider), optimization="basic")
+    return session.run(inputs)
+
+
+def checked_model_path(plan: Plan, model_path: str | Path | None = None) -> Path:
+    """The planned model's file (``model_path`` where it moved), checked against the plan's hash."""
     path = Path(model_path or plan.model["path"])
     if not path.is_file():
         raise PlanError(f"the planned model {path} is not there", hint="pass its new location with --model")
     if file_sha256(path) != plan.model_sha256:
         raise PlanError(f"model {path} was changed after planning (sha256 mismatch)", hint="re-run meshplan plan")
-    session = StageSession(path, providers_for(provider), optimization="basic")
-    return session.run(inputs)
+    return path
 
 
 # float16 and bfloat16 outputs pass within this many machine epsilons (relative, and

@@ -56,6 +56,13 @@ class RunReport:
     estimate_seconds: float
     batch_size: int
     trace_events: list[dict] = field(default_factory=list)
+    peak_rss_bytes: list[int] = field(default_factory=list)   # per rank: the process's peak resident memory
+    program_bytes: list[int] = field(default_factory=list)    # per rank: its program file and weights files
+
+    def memory_rows(self) -> list[dict]:
+        """Per rank: its peak resident set (host memory) next to its program's bytes."""
+        return [{"rank": rank, "peak_rss_bytes": rss, "program_bytes": held}
+                for rank, (rss, held) in enumerate(zip(self.peak_rss_bytes, self.program_bytes))]
 
     @property
     def median_latency(self) -> float:
@@ -199,6 +206,10 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         resharders = _resharders(plan, comm, buffers)
         report = _run_started(plan, session, micro_inputs, output_path, repeat, comm, MPI, communicators, resharders,
                               buffers)
+        memory = _gather_memory(plan, plan_dir, comm)
+        if report is not None:
+            report.peak_rss_bytes = [int(m) for m in memory[:, 0]]
+            report.program_bytes = [int(m) for m in memory[:, 1]]
         # MPI has a bounded number of communicators: a process that runs plan after plan
         # must hand them back (every rank reaches here together; a failed run aborts the job).
         communicators.free()
@@ -313,6 +324,33 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
     )
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far: VmHWM where /proc has it (ru_maxrss would
+    carry the peak of the process it was forked from across exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    scale = 1 if sys.platform == "darwin" else 1024     # bytes on macOS, kilobytes elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _gather_memory(plan: Plan, plan_dir: Path, comm) -> np.ndarray | None:
+    """[peak RSS, program bytes] of every rank, on rank 0 (a [ranks, 2] array; None elsewhere)."""
+    program = plan.program_of_rank(comm.rank)
+    held = sum((plan_dir / f).stat().st_size for f in [program.file] + [d["file"] for d in program.data_files])
+    mine = np.array([peak_rss_bytes(), held], dtype=np.int64)
+    everyone = np.empty((comm.size, 2), dtype=np.int64) if comm.rank == 0 else None
+    comm.Gather(mine, everyone, root=0)
+    return everyone
+
+
 def _event(name: str, rank: int, start: float, duration: float, mb: int) -> dict:
     return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6,
             "args": {"microbatch": mb}}
@@ -335,10 +373,14 @@ def _gather_trace(events: list[dict], comm, MPI) -> list[dict]:
     return []
 
 
-def write_trace(path: str | Path, events: list[dict], ranks: int) -> None:
-    """Chrome trace format (opens in Perfetto or chrome://tracing); one process per rank."""
+def write_trace(path: str | Path, events: list[dict], ranks: int, memory: list[dict] | None = None) -> None:
+    """Chrome trace format (opens in Perfetto or chrome://tracing); one process per rank,
+    its metadata also giving the rank's peak RSS and program bytes where ``memory`` has them
+    (``RunReport.memory_rows``)."""
     from meshplan.files import atomic_write_bytes
 
-    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(ranks)]
+    extra = {row["rank"]: {k: v for k, v in row.items() if k != "rank"} for row in memory or []}
+    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}", **extra.get(r, {})}}
+            for r in range(ranks)]
     body = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
     atomic_write_bytes(Path(path), json.dumps(body).encode())

@@ -2,8 +2,9 @@
 
 A program without collectives is one segment loaded straight from its file (external
 weights included). Otherwise each run of standard nodes between two collectives becomes
-its own in-memory model, whose external weights are read from their file and handed to
-onnxruntime as arrays (so no protobuf ever holds them: programs over 2 GB work); the
+its own in-memory model that still names its weights' external data, which onnxruntime
+reads from the program's folder itself (no protobuf and no numpy array ever holds them:
+programs over 2 GB work, and each weight is held once, on the device that runs it); the
 collective that follows a segment is performed by the caller (mpi4py communicators under
 mpiexec, numpy in the in-process executor).
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from meshplan.errors import RunError
 from meshplan.reshard.kinds import kind_of_op
@@ -33,10 +34,21 @@ class Collective:
 
 @dataclass
 class Segment:
-    session: StageSession | None          # None for an empty run between two collectives
+    session: StageSession | None          # None for an empty run between two collectives, or not open
     inputs: list[str]
     outputs: list[str]
     collective: Collective | None          # performed after the segment
+    source: Path | bytes | None = None     # what the session is made from (None: no nodes)
+    weights_dir: Path | None = None        # where a segment's external weights lie
+
+    def open(self, providers: list[str], threads: int = 0) -> None:
+        """Create the session (and so load the segment's weights) if it is not open."""
+        if self.session is None and self.source is not None:
+            self.session = StageSession(self.source, providers, threads, self.weights_dir)
+
+    def close(self) -> None:
+        """Drop the session and the weights it holds (``open`` loads them again)."""
+        self.session = None
 
 
 def _collective(node: onnx.NodeProto) -> Collective:
@@ -50,14 +62,20 @@ def _collective(node: onnx.NodeProto) -> Collective:
 
 
 class ProgramRunner:
-    def __init__(self, path: Path, providers: list[str], threads: int = 0):
+    def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False):
+        """``lazy``: open no session yet; the caller opens and closes each segment
+        (``Segment.open``/``close``), so that only the segments it runs hold weights."""
         header = onnx.load(str(path), load_external_data=False)
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
-            session = StageSession(path, providers, threads)
-            self.segments = [Segment(session, session.input_names, session.output_names, None)]
-            self.providers = session.providers
+            weights = {t.name for t in header.graph.initializer}
+            segment = Segment(None, [v.name for v in header.graph.input if v.name not in weights],
+                              [v.name for v in header.graph.output], None, path)
+            if not lazy:
+                segment.open(providers, threads)
+            self.segments = [segment]
+            self.providers = segment.session.providers if segment.session else providers
             return
-        model = header   # weights stay in their files; segments get them as arrays
+        model = header   # weights stay in their files; onnxruntime reads each segment's own
         graph = model.graph
         typed = {v.name: v for v in list(graph.input) + list(graph.output) + list(graph.value_info)}
         weights = {t.name: t for t in graph.initializer}
@@ -84,7 +102,7 @@ class ProgramRunner:
             inputs = [i for i in consumed if i not in weights and i not in produced]
             outputs = [o for o in produced if o in needed_later[index]]
             collective = collectives[index] if index < len(collectives) else None
-            session = None
+            source = None
             if nodes:
                 used = [weights[i] for i in consumed if i in weights]
                 sub = helper.make_graph(
@@ -92,10 +110,11 @@ class ProgramRunner:
                 )
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
                 sub_model.ir_version = model.ir_version
-                external = {t.name: numpy_helper.to_array(t, str(path.parent)) for t in used
-                            if t.data_location == onnx.TensorProto.EXTERNAL}
-                session = StageSession(sub_model.SerializeToString(), providers, threads, external)
-            self.segments.append(Segment(session, inputs, outputs, collective))
+                source = sub_model.SerializeToString()
+            segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve())
+            if not lazy:
+                segment.open(providers, threads)
+            self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
     def run(self, feeds: dict, collective_fn, buffers=HOST) -> dict:

@@ -13,6 +13,10 @@ from meshplan.plan_format import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
 
+# onnxruntime's session option: the folder that the external data of a model loaded from
+# bytes is read from (paths in the model are relative to it and may not leave it).
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+
 
 def providers_for(choice: str, device_id: int = 0) -> list:
     """onnxruntime's providers for ``choice``; CUDA runs on GPU ``device_id``."""
@@ -45,17 +49,18 @@ class StageSession:
     """One rank's program in onnxruntime."""
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
-                 external: dict[str, np.ndarray] | None = None, optimization: str = "all"):
-        """``external``: values of initializers the model stores as external data (given
-        in memory, so a model built in memory needs no file and no 2 GB protobuf).
+                 weights_dir: Path | None = None, optimization: str = "all"):
+        """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
+        where the external data files of a model given as bytes lie; onnxruntime reads
+        them itself, straight into the memory it runs from (the host for the CPU provider,
+        the GPU for CUDA), so no second copy of a weight stays behind in this process.
         ``optimization``: ``"all"`` (onnxruntime's default) or ``"basic"`` (only rewrites
         that keep the arithmetic: constant folding, redundant nodes)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        if external:
-            self._external = [ort.OrtValue.ortvalue_from_numpy(a) for a in external.values()]  # kept alive
-            options.add_external_initializers(list(external), self._external)
+        if weights_dir is not None:
+            options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
         options.log_severity_level = 3
         if optimization == "basic":
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
