@@ -48,7 +48,7 @@ GIB = 1024**3
 VERIFY_CHILD = """
 import json, sys
 from cli.main import main
-from meshplan.runtime.mpi_runner import peak_rss_bytes
+from meshplan.process_memory import peak_rss_bytes
 try:
     main(sys.argv[1:], standalone_mode=False)
 except SystemExit as exc:
@@ -57,17 +57,8 @@ except SystemExit as exc:
 print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
 """
 CHILD = """
-import json, sys
-
-
-def peak_rss():
-    # VmHWM: this process image's peak resident set (ru_maxrss would carry the parent's
-    # peak across fork and exec)
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
-
-import time
+import json, sys, time
+from meshplan.process_memory import peak_rss_bytes
 from meshplan.cost.cluster import make_cluster, parse_mesh
 from meshplan.make_plan import make_plan
 from dataclasses import replace
@@ -78,7 +69,7 @@ if float(memory) > 0:
 started = time.perf_counter()
 plan = make_plan(model, cluster, {"batch": int(batch), "seq": int(seq)}, out)
 print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.devices) for s in plan.stages],
-                  "peak_rss_bytes": peak_rss()}))
+                  "peak_rss_bytes": peak_rss_bytes()}))
 """
 
 

@@ -47,23 +47,15 @@ def test_model_over_2gb(tmp_path):
 
 PLAN_CHILD = """
 import json, sys
-
-
-def peak_rss():
-    # VmHWM: this process image's peak resident set (ru_maxrss would carry the parent's
-    # peak across fork and exec)
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
-
 from dataclasses import replace
+from meshplan.process_memory import peak_rss_bytes
 from meshplan.cost.cluster import make_cluster
 from meshplan.make_plan import make_plan
 model, out, memory = sys.argv[1], sys.argv[2], float(sys.argv[3])
 cluster = make_cluster((1, 4), "cpu")
 cluster = replace(cluster, device=replace(cluster.device, memory_bytes=memory))
 plan = make_plan(model, cluster, {"batch": 1, "seq": 8}, out)
-print(json.dumps({"peak_rss_bytes": peak_rss(),
+print(json.dumps({"peak_rss_bytes": peak_rss_bytes(),
                   "stages": [len(s.devices) for s in plan.stages]}))
 """
 
@@ -72,7 +64,7 @@ print(json.dumps({"peak_rss_bytes": peak_rss(),
 VERIFY_CHILD = """
 import json, sys
 from cli.main import main
-from meshplan.runtime.mpi_runner import peak_rss_bytes
+from meshplan.process_memory import peak_rss_bytes
 try:
     main(sys.argv[1:], standalone_mode=False)
 except SystemExit as exc:

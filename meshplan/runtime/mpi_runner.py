@@ -28,6 +28,7 @@ from meshplan.reshard.steps import Step
 from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.mpi_support import cuda_aware, load_mpi
+from meshplan.process_memory import peak_rss_bytes
 from meshplan.rank_layout import RankLayout, gather_layout, launch_advice, layout_mismatch
 from meshplan.providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
 from meshplan.runtime.buffers import HOST, DeviceBuffers, byte_view
@@ -322,23 +323,6 @@ def _run_started(plan: Plan, session: ProgramRunner, micro_inputs, output_path, 
         latencies=latencies, estimate_seconds=plan.estimate["latency_seconds"],
         batch_size=plan.batch["size"], trace_events=events,
     )
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far: VmHWM where /proc has it (ru_maxrss would
-    carry the peak of the process it was forked from across exec), else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    import sys
-
-    scale = 1 if sys.platform == "darwin" else 1024     # bytes on macOS, kilobytes elsewhere
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _gather_memory(plan: Plan, plan_dir: Path, comm) -> np.ndarray | None:

@@ -24,6 +24,7 @@ from onnx import helper
 
 from meshplan.errors import PlanError
 from meshplan.model.weights import load_tensor
+from meshplan.process_memory import available_memory
 from meshplan.plan_format import Plan, local_name
 from meshplan.reshard.steps import apply_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec
@@ -70,18 +71,6 @@ def model_weight_bytes(path: Path) -> int:
     """The bytes of a model file's initializers (read without their data)."""
     header = onnx.load(str(path), load_external_data=False)
     return sum(tensor_bytes(t) for t in header.graph.initializer)
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def needs_stages(plan: Plan, model_path: str | Path | None = None) -> bool:
