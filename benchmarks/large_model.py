@@ -44,18 +44,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 GIB = 1024**3
-# ``meshplan verify`` in this process, then its peak RSS as the last line.
-VERIFY_CHILD = """
-import json, sys
-from cli.main import main
-from meshplan.process_memory import peak_rss_bytes
-try:
-    main(sys.argv[1:], standalone_mode=False)
-except SystemExit as exc:
-    if exc.code:
-        raise
-print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
-"""
 CHILD = """
 import json, sys, time
 from meshplan.process_memory import peak_rss_bytes
@@ -75,11 +63,13 @@ print(json.dumps({"seconds": time.perf_counter() - started, "stages": [len(s.dev
 
 def _child_rss(command: list[str]) -> tuple[dict | None, str]:
     """Run ``meshplan`` COMMAND in a child process: (its peak RSS record, or None, and its output)."""
-    done = subprocess.run([sys.executable, "-c", VERIFY_CHILD, *command], capture_output=True, text=True, cwd=REPO)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
+    from meshplan.testing.child_memory import peak_of, run_measured
+
+    done = run_measured(command, REPO)
+    peak = peak_of(done)
+    if peak is None:
         return None, done.stdout + done.stderr
-    return json.loads(lines[-1]), done.stdout
+    return {"peak_rss_bytes": peak}, done.stdout
 
 
 def run_and_verify(plan_dir: Path, work_dir: Path, model_bytes: int, whole: bool) -> dict:

@@ -60,18 +60,6 @@ print(json.dumps({"peak_rss_bytes": peak_rss_bytes(),
 """
 
 
-# ``meshplan verify`` in this process, then its peak RSS as the last line.
-VERIFY_CHILD = """
-import json, sys
-from cli.main import main
-from meshplan.process_memory import peak_rss_bytes
-try:
-    main(sys.argv[1:], standalone_mode=False)
-except SystemExit as exc:
-    if exc.code:
-        raise
-print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
-"""
 
 
 @pytest.mark.mpi
@@ -88,6 +76,7 @@ def test_two_gigabyte_decoder_plans_in_bounded_memory_and_runs(tmp_path):
     import subprocess
     import sys
 
+    from meshplan.testing.child_memory import peak_of, run_measured
     from sample_models.large_llama import write_large_llama
     from tests.conftest import REPO, load_npz, run_mpi
 
@@ -112,13 +101,12 @@ def test_two_gigabyte_decoder_plans_in_bounded_memory_and_runs(tmp_path):
     assert len(ranks) == 4
     for rank in ranks:
         assert rank["peak_rss_bytes"] <= 0.5 * 2**30 + 2.25 * rank["program_bytes"], rank
-    done = subprocess.run([sys.executable, "-c", VERIFY_CHILD, "verify", str(tmp_path / "plan"), "--inputs",
-                           str(tmp_path / "in.npz"), "--outputs", str(tmp_path / "out.npz"), "--stages"],
-                          capture_output=True, text=True, cwd=REPO, timeout=900)
+    done = run_measured(["verify", tmp_path / "plan", "--inputs", tmp_path / "in.npz", "--outputs",
+                         tmp_path / "out.npz", "--stages"], REPO, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("stage by stage") and "PASSED" in lines[-2], done.stdout
     assert any(line.startswith("stage 0 (ranks 0-3") for line in lines), done.stdout
-    peak = json.loads(lines[-1])["peak_rss_bytes"]
+    peak = peak_of(done)
     assert peak <= 2**30 + 3 * largest and peak < size, (peak, size, largest)
     assert np.isfinite(load_npz(tmp_path / "out.npz")["logits"].astype(np.float32)).all()
