@@ -1,7 +1,13 @@
 # meshplan: `make demo` runs the main job on a sample model, `make test` runs the tests.
-# Both create the virtual environment (.venv) first when it is missing or stale.
+# Both create the virtual environment (.venv) first when it is missing or stale: it holds
+# exactly the versions in uv.lock (the set the tests passed with), installed by uv, which
+# `make` itself installs into .tools/ at a pinned version. `make lock` re-resolves uv.lock
+# from pyproject.toml's ranges (README: "Dependencies and the lock").
 
 PYTHON ?= python3
+UV_VERSION := 0.13.8
+TOOLS := .tools
+UV := $(TOOLS)/bin/uv
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -10,18 +16,26 @@ MESH ?= 1x4
 DEMO_MODEL ?= sample_models/gpt.onnx
 DEMO_DIMS ?= --dim batch=8 --dim seq=32
 DEMO := demo
+# uv uses the interpreter $(PYTHON) names and never downloads one.
+UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PROJECT_ENVIRONMENT=$(VENV)
 
-.PHONY: all venv demo test test-all bench clean samples
+.PHONY: all venv demo test test-all bench clean samples lock
 
 all: test
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,mpi]"
+$(UV):
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -qq --disable-pip-version-check uv==$(UV_VERSION)
+
+# --locked: install uv.lock as it is, and stop if pyproject.toml changed without it.
+$(STAMP): pyproject.toml uv.lock | $(UV)
+	$(UV_ENV) $(UV) sync --quiet --locked --extra test --extra mpi --python $(PYTHON)
 	touch $(STAMP)
+
+lock: | $(UV)
+	$(UV_ENV) $(UV) lock --quiet --upgrade --python $(PYTHON)
 
 demo: $(STAMP)
 	@mkdir -p $(DEMO)
@@ -50,4 +64,4 @@ samples: $(STAMP)
 	$(BIN)/python -m sample_models
 
 clean:
-	rm -rf $(VENV) $(DEMO) bench-out .pytest_cache
+	rm -rf $(VENV) $(TOOLS) $(DEMO) bench-out .pytest_cache

@@ -19,11 +19,13 @@ from cli.options import dim_option
 def inputs(ctx, model, dims, seed, output_path):
     """Write random, valid inputs for MODEL (token ids stay inside their embedding table)."""
     from meshplan.model.inputs import random_inputs
-    from meshplan.model.load import read_model
+    from meshplan.model.load import fix_dims, read_model
     from meshplan.runtime.tensors import write_outputs
 
     with guard(debugging(ctx)):
-        feeds = random_inputs(read_model(model, load_external_data=False), dims, seed)
+        header = read_model(model, load_external_data=False)
+        fix_dims(header, dims)   # unknown, missing or bad --dim: one line naming it
+        feeds = random_inputs(header, dims, seed)
         write_outputs(output_path, feeds)
         shapes = ", ".join(f"{n} {list(a.shape)} {a.dtype}" for n, a in feeds.items())
         click.echo(f"wrote {output_path}: {shapes}")

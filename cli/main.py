@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from cli.doctor_cmd import doctor
 from cli.inputs_cmd import inputs
 from cli.plan_cmd import plan
 from cli.profile_cmd import profile
@@ -25,7 +26,7 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-for command in (plan, run, verify, inputs, profile):
+for command in (plan, run, verify, inputs, profile, doctor):
     main.add_command(command)
 
 if __name__ == "__main__":

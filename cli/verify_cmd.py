@@ -53,9 +53,7 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
         ok = True
         for label, actual in checks:
             for c in compare_outputs(actual, expected, rtol, atol):
-                status = "ok" if c.ok else "MISMATCH"
-                click.echo(f"{label}: {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
-                           f"(rtol {c.rtol:g}, atol {c.atol:g}) {status}")
+                click.echo(f"{label}: {c.name}: {_describe(c)}")
                 ok &= c.ok
         verdict = "PASSED" if ok else "FAILED"
         click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify against single-device onnxruntime")
@@ -83,20 +81,26 @@ def _verify_by_stages(the_plan, plan_dir, inputs, outputs_path, model_path, rtol
         click.echo(f"stage {stage.index} ({ranks}; {stage.weight_bytes / 1e9:.2f} GB of weights in "
                    f"{stage.pieces} reference piece(s)): max abs err {worst:.3g} {'ok' if stage.ok else 'MISMATCH'}")
         for c in stage.comparisons:
-            click.echo(f"  {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
-                       f"(rtol {c.rtol:g}, atol {c.atol:g}) {'ok' if c.ok else 'MISMATCH'}")
+            click.echo(f"  {c.name}: {_describe(c)}")
         ok &= stage.ok
     if outputs_path:
         for c in compare_outputs(_read_outputs(outputs_path), result.reference, rtol, atol):
-            status = "ok" if c.ok else "MISMATCH"
-            click.echo(f"{outputs_path}: {c.name}: max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} "
-                       f"(rtol {c.rtol:g}, atol {c.atol:g}) {status}")
+            click.echo(f"{outputs_path}: {c.name}: {_describe(c)}")
             ok &= c.ok
     verdict = "PASSED" if ok else "FAILED"
     click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify stage by stage against "
                "single-device onnxruntime")
     if not ok:
         sys.exit(1)
+
+
+def _describe(c) -> str:
+    """One comparison: the worst errors and the tolerance, or for values without a distance
+    (strings) how many elements differ."""
+    status = "ok" if c.ok else "MISMATCH"
+    if c.exact:
+        return f"{c.differing} of {c.elements} element(s) differ (compared exactly) {status}"
+    return f"max abs err {c.max_abs:.3g}, max rel err {c.max_rel:.3g} (rtol {c.rtol:g}, atol {c.atol:g}) {status}"
 
 
 def _read_outputs(path: Path):

@@ -25,6 +25,7 @@ from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
+from meshplan.intra.ilp import check_solver
 from meshplan.emit.report import TIMELINE_FILE, render_timeline
 
 
@@ -263,6 +264,7 @@ def make_plan(
     header = read_model(model_path, load_external_data=False)
     symbolic_dims(header)  # reject unnamed dynamic dims early
     batch_layout(header, dims, options.microbatches, options.batch_dim)  # reject bad batch options before any work
+    check_solver(options.solver)  # and a solver that does not load here
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(staging, 0o755)
     try:

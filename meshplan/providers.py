@@ -28,27 +28,41 @@ def cuda_provider(device_id: int = 0) -> tuple[str, dict]:
 def cuda_usable() -> bool:
     """True when onnxruntime's CUDA provider actually loads (its libraries and a GPU exist):
     the GPU build lists it as available even on machines without either."""
+    return cuda_problem() is None
+
+
+@lru_cache(maxsize=None)
+def cuda_problem() -> str | None:
+    """Why onnxruntime's CUDA provider cannot run here (one line), or None when it can."""
     import onnxruntime as ort
 
     if CUDA not in ort.get_available_providers():
-        return False
-    if _probe(ort):
-        return True
+        return "this onnxruntime build has no CUDA provider (install onnxruntime-gpu)"
+    failure = _probe(ort)
+    if failure is None:
+        return None
     # pip-installed CUDA libraries (onnxruntime-gpu[cuda,cudnn]) are found once preloaded;
     # without them there is nothing to preload (and preload_dlls would print its failures).
     preload = getattr(ort, "preload_dlls", None)
-    if preload is None or importlib.util.find_spec("nvidia") is None:
-        return False
+    if preload is not None and importlib.util.find_spec("nvidia") is not None:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                preload()
+        except Exception:  # the libraries would not load: the provider stays unusable
+            pass
+        else:
+            failure = _probe(ort)
+            if failure is None:
+                return None
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            preload()
-    except Exception:  # the libraries would not load: the provider stays unusable
-        return False
-    return _probe(ort)
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver here (libcuda.so.1 does not load)"
+    return f"the CUDA provider does not start: {failure}"
 
 
-def _probe(ort) -> bool:
-    """Can a session start on the CUDA provider?"""
+def _probe(ort) -> str | None:
+    """Can a session start on the CUDA provider? None if so, else why not (one line)."""
     from onnx import TensorProto, helper
 
     probe = helper.make_model(
@@ -60,9 +74,9 @@ def _probe(ort) -> bool:
     ort.set_default_logger_severity(4)  # a failed load of the CUDA library logs loudly
     try:
         session = ort.InferenceSession(probe.SerializeToString(), providers=[cuda_provider()], enable_fallback=0)
-        return CUDA in session.get_providers()
-    except Exception:  # any failure to start the provider means: no CUDA here
-        return False
+        return None if CUDA in session.get_providers() else "onnxruntime fell back to another provider"
+    except Exception as exc:  # any failure to start the provider means: no CUDA here
+        return (" ".join(str(exc).split()) or type(exc).__name__)[:200]
     finally:
         ort.set_default_logger_severity(3)
 

@@ -76,3 +76,51 @@ def test_deterministic_and_reports_size():
 def test_unknown_solver():
     with pytest.raises(PlanError, match="unknown ILP solver"):
         solve(ShardingProblem([IlpNode("a", np.array([1.0]))]), "gurobi")
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_nothing_to_choose_needs_no_solver_and_prints_nothing(solver, capfd):
+    """Every node fixed, under a memory bound: answered without a solver (CBC would print
+    "Model has no variables" on the terminal), infeasible memory still an error."""
+    problem = ShardingProblem([IlpNode("a", np.array([1.0]), np.array([5.0])),
+                               IlpNode("b", np.array([np.inf, 2.0]), np.array([1.0, 1.0]))],
+                              [IlpEdge(0, 1, np.array([[0.5, 0.25]]))], memory_limit=10.0)
+    got = solve(problem, solver)
+    assert got.choices == [0, 1] and got.objective == pytest.approx(3.25) and got.variables == 0
+    problem.memory_limit = 5.5
+    with pytest.raises(PlanError, match="memory"):
+        solve(problem, solver)
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_solvers_print_nothing_of_their_own(solver, capfd):
+    rng = np.random.default_rng(3)
+    solve(random_problem(rng, nodes=6, memory=True), solver)
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_a_solver_that_does_not_load_is_one_line_with_the_remedy(tmp_path):
+    """python-mip's own loader logs its failure; meshplan keeps that off the terminal and
+    says which solver, why, and what to do (in a fresh process: loading happens once)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = ("import numpy as np\n"
+              "from meshplan.errors import PlanError\n"
+              "from meshplan.intra.ilp import IlpNode, ShardingProblem, solve, solver_problem\n"
+              "problem = ShardingProblem([IlpNode('a', np.array([1.0, 2.0]))])\n"
+              "assert solve(problem, 'cbc').choices == [0]\n"
+              "try:\n    solve(problem, 'highs')\nexcept PlanError as exc:\n    print('error:', exc)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PMIP_HIGHS_LIBRARY=str(tmp_path / "libhighs.so"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("error: the HiGHS solver does not load: ") and "--solver cbc" in line
+    assert "libhighs.so" in line

@@ -23,6 +23,8 @@ short by either limit carries a ``warning`` that the plan's solver statistics re
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +33,12 @@ import numpy as np
 from meshplan.errors import PlanError
 
 SOLVERS = ("cbc", "highs")
+SOLVER_NAMES = {"cbc": "CBC", "highs": "HiGHS"}
+# What to do when a solver does not load: the other one, or the package that brings it.
+REMEDIES = {
+    "cbc": "use --solver highs, or reinstall mip's CBC: pip install --force-reinstall 'mip>=1.17,<3' cbcbox",
+    "highs": "use --solver cbc, or install a HiGHS that mip can load: pip install 'highspy>=1.9,<1.16'",
+}
 MAX_NODES = 100_000        # branch-and-bound nodes: the work limit (deterministic)
 SAFETY_SECONDS = 600.0     # wall-clock safety stop (reported, never silent)
 clock = time.perf_counter  # the time source for statistics and the safety check
@@ -68,6 +76,58 @@ class ShardingSolution:
     warning: str | None = None        # why the solution may not be optimal, when it may not be
 
 
+class _Kept(logging.Handler):
+    """Keeps python-mip's log records (its solver loaders log failures at import) off the
+    terminal; ``solver_problem`` quotes them."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+_MIP_LOG = _Kept()
+
+
+def _mip():
+    """python-mip, imported with its log records kept (see ``_Kept``)."""
+    logger = logging.getLogger("mip")
+    if _MIP_LOG not in logger.handlers:
+        logger.addHandler(_MIP_LOG)
+        logger.propagate = False
+    import mip
+
+    return mip
+
+
+@functools.cache
+def solver_problem(solver: str) -> str | None:
+    """Why ``solver`` ("cbc" or "highs") cannot solve here, in one line ending with the
+    remedy; None when it loads. Tried once per process."""
+    if solver not in SOLVERS:
+        return f"unknown ILP solver {solver!r} (choose from {', '.join(SOLVERS)})"
+    name = SOLVER_NAMES[solver]
+    try:
+        mip = _mip()
+        mip.Model(solver_name=mip.CBC if solver == "cbc" else mip.HIGHS)
+    except Exception as exc:  # python-mip raises several types for a library it cannot load
+        said = [m for m in _MIP_LOG.messages if name.lower() in m.lower()]
+        reason = said[0] if said else str(exc) or type(exc).__name__
+        reason = " ".join(reason.split()).split("  Additionally")[0].split(" Additionally,")[0]
+        reason = reason.split("library: ", 1)[-1] if reason.startswith("An error occurred") else reason
+        return f"the {name} solver does not load: {reason[:200]} ({REMEDIES[solver]})"
+    return None
+
+
+def check_solver(solver: str) -> None:
+    """Raise the one-line ``PlanError`` of ``solver_problem`` when ``solver`` cannot solve here."""
+    problem = solver_problem(solver)
+    if problem:
+        raise PlanError(problem)
+
+
 def evaluate(problem: ShardingProblem, choices: list[int]) -> float:
     """Objective of a full assignment (inf if it breaks a constraint)."""
     total = sum(float(node.costs[c]) for node, c in zip(problem.nodes, choices))
@@ -84,8 +144,7 @@ def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NO
     """Optimal strategy per node. Deterministic for the same problem unless the wall-clock
     safety stop (``time_limit``, default ``SAFETY_SECONDS``) cuts the search short."""
     time_limit = SAFETY_SECONDS if time_limit is None else time_limit
-    if solver not in SOLVERS:
-        raise PlanError(f"unknown ILP solver {solver!r} (choose from {', '.join(SOLVERS)})")
+    check_solver(solver)
     started = clock()
     nodes = problem.nodes
     allowed = [np.isfinite(n.costs) for n in nodes]
@@ -119,11 +178,14 @@ def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NO
         raise PlanError("no feasible sharding: fixed strategies conflict")
 
     free = [i for i in range(len(nodes)) if i not in fixed]
-    if not free and problem.memory_limit is None:
+    if not free:   # nothing to choose: no solver (which would say so on the terminal)
         choices = [fixed[i] for i in range(len(nodes))]
-        return ShardingSolution(choices, evaluate(problem, choices), clock() - started, 0, 0, solver)
+        objective = evaluate(problem, choices)
+        if np.isinf(objective):
+            raise PlanError("no sharding fits the device memory")
+        return ShardingSolution(choices, objective, clock() - started, 0, 0, solver)
 
-    import mip
+    mip = _mip()
 
     model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC if solver == "cbc" else mip.HIGHS)
     model.verbose = 0

@@ -115,17 +115,24 @@ HALF_PRECISION_EPS_MULTIPLE = 8
 FLOAT32_TOLERANCE = (1e-3, 1e-4)
 
 
+def is_numeric(dtype) -> bool:
+    """Whether values of ``dtype`` have a distance (numbers, bool); strings and other
+    objects compare only as equal or not."""
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"   # bfloat16, float8, int4
+
+
 def default_tolerance(dtype) -> tuple[float, float]:
     """(rtol, atol) for comparing outputs of ``dtype`` with a single-device run: float32
-    and wider 1e-3 / 1e-4, float16 and bfloat16 a multiple of their epsilon, integers and
-    bool exactly (0, 0)."""
+    and wider 1e-3 / 1e-4, float16 and bfloat16 a multiple of their epsilon, integers,
+    bool, strings and other non-numeric values exactly (0, 0)."""
     import ml_dtypes
 
     dtype = np.dtype(dtype)
     if dtype == ml_dtypes.bfloat16 or dtype == np.float16:
         eps = float(ml_dtypes.finfo(dtype).eps)
         return HALF_PRECISION_EPS_MULTIPLE * eps, HALF_PRECISION_EPS_MULTIPLE * eps
-    if dtype.kind in "biu":
+    if dtype.kind in "biu" or not is_numeric(dtype):
         return 0.0, 0.0
     return FLOAT32_TOLERANCE
 
@@ -151,6 +158,17 @@ class Comparison:
     ok: bool
     rtol: float = FLOAT32_TOLERANCE[0]
     atol: float = FLOAT32_TOLERANCE[1]
+    # Non-numeric outputs (strings): compared for equality only; ``differing`` elements of
+    # ``elements`` differ (the errors above are then 0 or inf).
+    exact: bool = False
+    differing: int = 0
+    elements: int = 0
+
+    def merged(self, other: "Comparison") -> "Comparison":
+        """The worse of two comparisons of one output (e.g. over microbatches)."""
+        return Comparison(self.name, max(self.max_abs, other.max_abs), max(self.max_rel, other.max_rel),
+                          self.ok and other.ok, other.rtol, other.atol, self.exact or other.exact,
+                          self.differing + other.differing, self.elements + other.elements)
 
 
 def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray],
@@ -161,8 +179,15 @@ def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarra
     for name, want in expected.items():
         out_rtol, out_atol = tolerance_for(want.dtype, rtol, atol)
         got = actual.get(name)
-        if got is None or got.shape != want.shape:
-            results.append(Comparison(name, float("inf"), float("inf"), False, out_rtol, out_atol))
+        exact = not is_numeric(want.dtype)
+        if got is None or got.shape != want.shape or exact and is_numeric(got.dtype):
+            results.append(Comparison(name, float("inf"), float("inf"), False, out_rtol, out_atol, exact,
+                                      int(want.size), int(want.size)))
+            continue
+        if exact:
+            differing = int(np.count_nonzero(got.astype(str) != want.astype(str)))
+            error = 0.0 if differing == 0 else float("inf")
+            results.append(Comparison(name, error, error, differing == 0, 0.0, 0.0, True, differing, int(want.size)))
             continue
         diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
         max_abs = float(diff.max()) if diff.size else 0.0

@@ -40,11 +40,12 @@ class Segment:
     collective: Collective | None          # performed after the segment
     source: Path | bytes | None = None     # what the session is made from (None: no nodes)
     weights_dir: Path | None = None        # where a segment's external weights lie
+    label: str | None = None               # what errors call it
 
     def open(self, providers: list[str], threads: int = 0) -> None:
         """Create the session (and so load the segment's weights) if it is not open."""
         if self.session is None and self.source is not None:
-            self.session = StageSession(self.source, providers, threads, self.weights_dir)
+            self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label)
 
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
@@ -111,7 +112,8 @@ class ProgramRunner:
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
                 sub_model.ir_version = model.ir_version
                 source = sub_model.SerializeToString()
-            segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve())
+            segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
+                              f"{path.name} (segment {index})")
             if not lazy:
                 segment.open(providers, threads)
             self.segments.append(segment)

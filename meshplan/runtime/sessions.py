@@ -49,7 +49,7 @@ class StageSession:
     """One rank's program in onnxruntime."""
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
-                 weights_dir: Path | None = None, optimization: str = "all"):
+                 weights_dir: Path | None = None, optimization: str = "all", label: str | None = None):
         """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
         where the external data files of a model given as bytes lie; onnxruntime reads
         them itself, straight into the memory it runs from (the host for the CPU provider,
@@ -61,7 +61,7 @@ class StageSession:
         options = ort.SessionOptions()
         if weights_dir is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
-        options.log_severity_level = 3
+        options.log_severity_level = 4   # errors reach the user as RunError lines, not onnxruntime's log
         if optimization == "basic":
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         # Dequantize-then-compute stays that: onnxruntime's QDQ fusions would quantize
@@ -71,7 +71,8 @@ class StageSession:
             options.intra_op_num_threads = threads
             if threads == 1:  # many small sessions share the cores: don't spin-wait
                 options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        label = "a program segment" if isinstance(source, bytes) else Path(source).name
+        label = label or ("a program segment" if isinstance(source, bytes) else Path(source).name)
+        self.label = label
         try:
             self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
                                                 providers=providers)
@@ -83,8 +84,17 @@ class StageSession:
         self.providers = self.session.get_providers()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds})
+        try:
+            values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds})
+        except Exception as exc:  # onnxruntime raises several unrelated exception types
+            raise self._failed(exc) from exc
         return dict(zip(self.output_names, values))
+
+    def _failed(self, exc: Exception) -> RunError:
+        """onnxruntime's error while running (bad input values, e.g. an index out of
+        range) as one line naming the model."""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return RunError(f"onnxruntime failed running {self.label}: {text[:400]}")
 
     def run_bound(self, feeds: dict, buffers) -> dict:
         """The device path: ``feeds`` are ``DeviceTensor``\\ s, bound as they are (IOBinding);
@@ -96,6 +106,9 @@ class StageSession:
                 binding.bind_ortvalue_input(name, feeds[name].value)
         for name in self.output_names:
             binding.bind_output(name, buffers.device_type, buffers.device_id)
-        self.session.run_with_iobinding(binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:  # onnxruntime raises several unrelated exception types
+            raise self._failed(exc) from exc
         binding.synchronize_outputs()
         return {name: buffers.wrap(value) for name, value in zip(self.output_names, binding.get_outputs())}

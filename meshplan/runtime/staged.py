@@ -351,7 +351,5 @@ def _compare(actual: list[dict], expected: list[dict], rtol, atol) -> list[Compa
             if c.name not in merged:
                 merged[c.name] = c
             else:
-                m = merged[c.name]
-                merged[c.name] = Comparison(c.name, max(m.max_abs, c.max_abs), max(m.max_rel, c.max_rel),
-                                            m.ok and c.ok, c.rtol, c.atol)
+                merged[c.name] = merged[c.name].merged(c)
     return list(merged.values())

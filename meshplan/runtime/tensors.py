@@ -22,7 +22,9 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
-        raise RunError(f"cannot read inputs {path}: not a valid .npz file ({str(exc).splitlines()[0][:200]})") from None
+        hint = "save string tensors as numpy str arrays (dtype str), not objects" if "Object arrays" in str(exc) else None
+        raise RunError(f"cannot read inputs {path}: not a valid .npz file ({str(exc).splitlines()[0][:200]})",
+                       hint=hint) from None
     for spec in plan.inputs:
         if spec.name not in arrays:
             raise RunError(f"inputs file {path} has no array '{spec.name}' (the model's inputs: "
@@ -72,5 +74,13 @@ def write_outputs(path: str | Path, outputs: dict[str, np.ndarray]) -> None:
     if not path.parent.is_dir():
         raise RunError(f"output directory does not exist: {path.parent}")
     buffer = io.BytesIO()
-    np.savez(buffer, **outputs)
+    np.savez(buffer, **{name: _storable(a) for name, a in outputs.items()})
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def _storable(array: np.ndarray) -> np.ndarray:
+    """onnxruntime returns string tensors as object arrays, which .npz stores only by
+    pickling (and readers then refuse): write them as numpy str arrays."""
+    if array.dtype == object:
+        return np.asarray(array, dtype=str)
+    return array

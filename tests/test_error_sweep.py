@@ -1,0 +1,200 @@
+"""Every command's error paths, swept: a bad file, bad dims, bad inputs, inputs that make
+onnxruntime fail while running, a rank failing, a missing solver. Each must end with a
+non-zero exit and no traceback anywhere in its output; user errors with exactly one
+``meshplan: error:`` line (malformed options are click's usage errors, exit 2).
+
+The table must cover every command of ``meshplan``: a new command without error cases
+fails ``test_every_command_is_swept``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from cli.main import main as cli_group
+from sample_models import SAMPLES, make_inputs
+from tests.backend_cases import all_cases
+from tests.conftest import run_cli, run_mpi, save_npz
+
+GPT = SAMPLES["gpt"]
+DIMS = ("--dim", "batch=4", "--dim", "seq=16")
+NO_HIGHS = {"PMIP_HIGHS_LIBRARY": "/nonexistent/libhighs.so"}
+NO_CBC = {"PMIP_CBC_LIBRARY": "/nonexistent/libCbc.so"}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    args: tuple                   # CLI arguments; "{name}" placeholders name files of the fixture
+    fragment: str = ""            # must appear in the error line
+    ranks: int = 0                # > 0: under mpiexec -n ranks
+    env: dict = field(default_factory=dict)
+    code: int = 1                 # 2: a click usage error
+
+
+CASES = [
+    # plan
+    Case("plan-not-onnx", ("plan", "{garbage}", "--mesh", "1x2", "-o", "{out}"), "not an ONNX model"),
+    Case("plan-missing-file", ("plan", "{missing}", "--mesh", "1x2", "-o", "{out}"), "not found"),
+    Case("plan-dim-not-int", ("plan", GPT.path, "--mesh", "1x2", "--dim", "batch=four", "-o", "{out}"), code=2),
+    Case("plan-unknown-dim", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--dim", "heads=2", "-o", "{out}"),
+         "unknown dimension 'heads'"),
+    Case("plan-dim-left-open", ("plan", GPT.path, "--mesh", "1x2", "--dim", "batch=4", "-o", "{out}"), "'seq'"),
+    Case("plan-bad-mesh", ("plan", GPT.path, "--mesh", "2by2", *DIMS, "-o", "{out}"), code=2),
+    Case("plan-missing-highs", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--solver", "highs", "-o", "{out}"),
+         "the HiGHS solver does not load", env=NO_HIGHS),
+    Case("plan-missing-cbc", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "-o", "{out}"),
+         "the CBC solver does not load", env=NO_CBC),
+    Case("plan-bad-cluster-file", ("plan", GPT.path, "--cluster", "{garbage}", *DIMS, "-o", "{out}"), "cluster"),
+    # verify
+    Case("verify-missing-plan", ("verify", "{missing}", "--inputs", "{inputs}"), "plan directory not found"),
+    Case("verify-garbage-inputs", ("verify", "{plan}", "--inputs", "{garbage}"), "not a valid .npz"),
+    Case("verify-wrong-shape", ("verify", "{plan}", "--inputs", "{short}"), "shape"),
+    Case("verify-index-out-of-range", ("verify", "{plan}", "--inputs", "{out_of_range}"),
+         "onnxruntime failed running"),
+    Case("verify-garbage-outputs", ("verify", "{plan}", "--inputs", "{inputs}", "--outputs", "{garbage}"),
+         "not a valid .npz"),
+    # run (under mpiexec)
+    Case("run-missing-plan", ("run", "{missing}", "--inputs", "{inputs}"), "plan directory not found", ranks=2),
+    Case("run-garbage-inputs", ("run", "{plan}", "--inputs", "{garbage}"), "not a valid .npz", ranks=2),
+    Case("run-wrong-rank-count", ("run", "{plan}", "--inputs", "{inputs}"), "the plan needs 2 ranks", ranks=3),
+    Case("run-index-out-of-range", ("run", "{plan}", "--inputs", "{out_of_range}", "--output", "{out}.npz"),
+         "onnxruntime failed running", ranks=2),
+    # inputs
+    Case("inputs-not-onnx", ("inputs", "{garbage}", "-o", "{out}.npz"), "not an ONNX model"),
+    Case("inputs-unknown-dim", ("inputs", GPT.path, *DIMS, "--dim", "heads=2", "-o", "{out}.npz"),
+         "unknown dimension 'heads'"),
+    Case("inputs-dim-not-int", ("inputs", GPT.path, "--dim", "seq=x", "-o", "{out}.npz"), code=2),
+    # profile
+    Case("profile-not-onnx", ("profile", "{garbage}", "--mesh", "1x2", "--cache", "{cache}", "-o", "{out}"),
+         "not an ONNX model"),
+    Case("profile-unknown-dim", ("profile", GPT.path, "--mesh", "1x2", *DIMS, "--dim", "heads=2", "--cache",
+                                 "{cache}", "-o", "{out}"), "unknown dimension 'heads'"),
+    Case("profile-unknown-provider", ("profile", GPT.path, "--mesh", "1x2", *DIMS, "--provider", "tpu",
+                                      "--cache", "{cache}", "-o", "{out}"), "unknown provider"),
+    Case("profile-garbage-cluster", ("profile", GPT.path, "--cluster", "{garbage}", *DIMS, "--cache", "{cache}",
+                                     "-o", "{out}"), "cluster"),
+    # doctor
+    Case("doctor-missing-plan", ("doctor", "--plan", "{missing}"), "plan directory not found"),
+    Case("doctor-missing-cbc", ("doctor",), "the CBC solver does not load", env=NO_CBC),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    plan = root / "plan"
+    done = run_cli("plan", GPT.path, "--mesh", "1x2", "--device", "cpu", *DIMS, "-o", plan)
+    assert done.returncode == 0, done.stderr
+    good = make_inputs("gpt", {"batch": 4, "seq": 16}, seed=0)
+    bad = {k: v.copy() for k, v in good.items()}
+    bad["input_ids"][0, 0] = 10**6
+    (root / "garbage").write_bytes(b"PK\x03\x04 neither a zip nor a protobuf \x00\xff" * 4)
+    return {
+        "plan": plan, "garbage": root / "garbage", "missing": root / "missing",
+        "inputs": save_npz(root / "in.npz", good), "out_of_range": save_npz(root / "bad.npz", bad),
+        "short": save_npz(root / "short.npz", {"input_ids": good["input_ids"][:, :8]}),
+    }
+
+
+def _arguments(case: Case, files: dict, tmp_path) -> list[str]:
+    names = {**{k: str(v) for k, v in files.items()}, "out": str(tmp_path / "out"),
+             "cache": str(tmp_path / "cache.sqlite")}
+    return [str(a).format(**names) if isinstance(a, str) else str(a) for a in case.args]
+
+
+def _check(case: Case, done: subprocess.CompletedProcess, tmp_path) -> None:
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output
+    assert done.returncode == case.code, (done.returncode, output)
+    if case.code == 2:
+        assert "Error:" in done.stderr, output
+        return
+    ours = [line for line in done.stderr.splitlines() if line.startswith("meshplan: error:")]
+    if case.ranks:   # every failing rank may say its line; all must be the same kind
+        assert ours and all(case.fragment in line for line in ours), output
+    else:
+        assert len(ours) == 1 and case.fragment in ours[0], output
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("out")]
+    assert leftovers == [], leftovers   # nothing half-written
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.ranks], ids=lambda c: c.id)
+def test_error_path(case, files, tmp_path, monkeypatch):
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
+    _check(case, run_cli(*_arguments(case, files, tmp_path), timeout=180), tmp_path)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", [c for c in CASES if c.ranks], ids=lambda c: c.id)
+def test_error_path_under_mpiexec(case, files, tmp_path):
+    _check(case, run_mpi(case.ranks, *_arguments(case, files, tmp_path), timeout=180), tmp_path)
+
+
+def test_every_command_is_swept():
+    swept = {c.args[0] for c in CASES}
+    assert set(cli_group.commands) <= swept, set(cli_group.commands) - swept
+
+
+STRING_CASES = ("test_string_concat_zero_dimensional", "test_string_split_maxsplit")
+
+
+@pytest.mark.parametrize("name", STRING_CASES)
+def test_string_outputs_verify_exactly(name, tmp_path):
+    """String outputs are compared for equality (onnx backend cases with string tensors),
+    in process and from a run's outputs file."""
+    (case,) = [c for c in all_cases() if c.name == name]
+    import onnx
+
+    model = tmp_path / "model.onnx"
+    onnx.save(case.model, model)
+    inputs = save_npz(tmp_path / "in.npz", {k: np.asarray(v, dtype=str) if v.dtype == object else v
+                                            for k, v in case.inputs.items()})
+    done = run_cli("plan", model, "--mesh", "1x2", "--device", "cpu", "-o", tmp_path / "plan")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("verify", tmp_path / "plan", "--inputs", inputs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compared exactly) ok" in done.stdout and "PASSED" in done.stdout
+    wrong = {name: np.asarray(value, dtype=str) if value.dtype == object else value
+             for name, value in case.outputs.items()}
+    strings = next(n for n, v in wrong.items() if v.dtype.kind == "U")
+    wrong[strings] = np.full_like(wrong[strings], "not it")
+    done = run_cli("verify", tmp_path / "plan", "--inputs", inputs, "--outputs", save_npz(tmp_path / "o.npz", wrong))
+    assert done.returncode == 1 and "MISMATCH" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.mpi
+def test_string_outputs_of_a_run_are_readable_by_verify(tmp_path):
+    (case,) = [c for c in all_cases() if c.name == "test_string_split_maxsplit"]
+    import onnx
+
+    model = tmp_path / "model.onnx"
+    onnx.save(case.model, model)
+    inputs = save_npz(tmp_path / "in.npz", {k: np.asarray(v, dtype=str) for k, v in case.inputs.items()})
+    assert run_cli("plan", model, "--mesh", "1x2", "--device", "cpu", "-o", tmp_path / "plan").returncode == 0
+    done = run_mpi(2, "run", tmp_path / "plan", "--inputs", inputs, "--output", tmp_path / "out.npz")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("verify", tmp_path / "plan", "--inputs", inputs, "--outputs", tmp_path / "out.npz")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("compared exactly) ok") == 2
+
+
+def test_both_solvers_plan_the_sample_alike_and_print_nothing_of_their_own(tmp_path):
+    import json
+
+    latency = {}
+    for solver in ("cbc", "highs"):
+        done = run_cli("plan", GPT.path, "--mesh", "1x2", "--device", "cpu", *DIMS, "--solver", solver,
+                       "-o", tmp_path / solver)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == ""
+        assert done.stdout.splitlines()[-1].startswith("PASSED |")
+        plan = json.loads((tmp_path / solver / "plan.json").read_text())
+        assert plan["solver"]["ilp"]["solver"] == solver and plan["solver"]["ilp"]["solved"] > 0
+        latency[solver] = plan["estimate"]["latency_seconds"]
+    assert latency["highs"] == pytest.approx(latency["cbc"], rel=1e-6)   # both optimal
