@@ -40,9 +40,14 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 from meshplan.errors import ClusterError
 
