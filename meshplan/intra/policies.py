@@ -5,7 +5,8 @@ split activations along their first (batch) dimension and replicate every weight
 replicated strategy only where nothing can be split): pure data parallelism. ``megatron`` fixes every weight-bearing matrix product to the
 Megatron-LM pattern — column-parallel when it widens the hidden size (QKV, first MLP
 layer), row-parallel with a partial result when it narrows it (output projection, second
-MLP layer) — and leaves the rest to the ILP. Together with the stage DP's choice of
+MLP layer) — splits attention operators (GroupQueryAttention) by heads where they can be,
+and leaves the rest to the ILP. Together with the stage DP's choice of
 submeshes they give the baselines meshplan's plans are measured against.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from meshplan.intra.strategies import Strategy
 from meshplan.model.graph import Graph, Node
-from meshplan.ops import MATRIX, entry
+from meshplan.ops import ATTENTION, MATRIX, entry
 
 POLICIES = ("auto", "data", "megatron")
 
@@ -46,8 +47,17 @@ def _weight_dims(node: Node, graph: Graph) -> tuple[int, int, int, int] | None:
     return weight.shape[0], weight.shape[1], 0, 1
 
 
+def _by_heads(strategy: Strategy) -> bool:
+    """An attention operator's output split on its last (heads × head size) dim."""
+    out = strategy.outputs[0]
+    return out is not None and out.dims[-1] != "R"
+
+
 def _megatron(node: Node, graph: Graph, strategy: Strategy) -> bool:
-    if entry(node.op_type, node.domain).policy != MATRIX or len(node.inputs) < 2:
+    policy = entry(node.op_type, node.domain).policy
+    if policy == ATTENTION:
+        return _by_heads(strategy)
+    if policy != MATRIX or len(node.inputs) < 2:
         return True
     dims = _weight_dims(node, graph)
     if dims is None:

@@ -192,20 +192,27 @@ def _small_values(model: onnx.ModelProto) -> dict:
 
 
 def add_contrib_shapes(model: onnx.ModelProto) -> bool:
-    """Add value_info for the outputs of contrib ops whose inputs are known; whether any was added."""
+    """Add value_info for the outputs of contrib ops whose inputs are known; whether any was
+    added. A graph output whose declared static shape the operator contradicts takes the
+    operator's (GroupQueryAttention's present key and value are declared with the total
+    sequence length, but are the past's buffer where past and present share one)."""
     known = _known(model)
     outputs = {v.name: v for v in model.graph.output}
     values = None
     added = False
     for node in model.graph.node:
         rule = RULES.get(("" if node.domain in ("", "ai.onnx") else node.domain, node.op_type))
-        if rule is None or all(not name or name in known for name in node.output):
+        if rule is None or all(not name or (name in known and name not in outputs) for name in node.output):
             continue
         values = _small_values(model) if values is None else values
         found = rule(node, known, values)
         for name, typed in zip(node.output, found or []):
-            if not name or name in known:
+            if not name:
                 continue
+            if name in known:
+                static = all(isinstance(d, int) for d in typed[1])
+                if name not in outputs or not static or list(known[name][1]) == list(typed[1]):
+                    continue
             value = helper.make_tensor_value_info(name, *typed)
             if name in outputs:
                 outputs[name].CopyFrom(value)
