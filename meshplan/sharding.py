@@ -294,7 +294,7 @@ class ShardingSpec:
 def take(array, slices: tuple):
     """``array`` cut by ``local_slices``: slices, and index arrays one dim at a time."""
     plain = tuple(s if isinstance(s, slice) else slice(None) for s in slices)
-    part = array[plain]
+    part = array[plain + (...,)]
     for d, s in enumerate(slices):
         if not isinstance(s, slice):
             part = np.take(part, s, axis=d)

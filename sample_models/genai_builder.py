@@ -48,10 +48,10 @@ CONFIGS = {
     "llama": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
     "phi3": ("Phi3Config", dict(num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False,
-                                pad_token_id=0, original_max_position_embeddings=128)),
+                                pad_token_id=0, original_max_position_embeddings=1024)),
 }
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
+              max_position_embeddings=1024, bos_token_id=0, eos_token_id=1)
 
 
 def model_dir(name: str, precision: str) -> Path:

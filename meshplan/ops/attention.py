@@ -16,6 +16,9 @@ packed form (key and value omitted: ``[batch, seq, (Nq + 2·Nkv)·head_size]``, 
 key and value columns one after the other) is split per segment (``intra.segments``), so
 the projection that computes it is split so too. seqlens_k, total_sequence_length and the
 cos/sin caches are read whole by every device.
+
+The present key and value are the operator's ``cache_outputs``: memory a device holds for
+as long as the model runs, so the planner counts each device's share with its weights.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _gqa_local_attrs(op: OpView, ins: list, outs: list) -> dict:
 
 
 @rule("GroupQueryAttention", domain=MICROSOFT, flops=_gqa_flops, heavy=True, policy=ATTENTION, segments=_gqa_segments,
-      local_attrs=_gqa_local_attrs)
+      local_attrs=_gqa_local_attrs, cache_outputs=(PRESENT_KEY, PRESENT_VALUE))
 def _group_query_attention(op: OpView) -> list[Rule]:
     """Batch: every batched operand's dim 0 (seqlens_k [batch] too). Heads: the query
     (packed or not), key, value and output on their last dim, the cache on dim 1, the
@@ -126,8 +129,14 @@ def _mha_local_attrs(op: OpView, ins: list, outs: list) -> dict:
     return {"num_heads": ins[0][2] // (op.shape(0)[2] // op.attr("num_heads"))}
 
 
+def _mha_whole_heads(op: OpView, inputs, outputs, mesh) -> tuple | None:
+    """A heads split leaves each device whole heads."""
+    size = op.shape(0)[2] // op.attr("num_heads")
+    return () if inputs[0].local_shape(op.shape(0), mesh)[2] % size == 0 else None
+
+
 @rule("MultiHeadAttention", domain=MICROSOFT, flops=_mha_flops, heavy=True, policy=ATTENTION,
-      local_attrs=_mha_local_attrs)
+      local_attrs=_mha_local_attrs, rewrite=_mha_whole_heads, cache_outputs=(1, 2))
 def _multi_head_attention(op: OpView) -> list[Rule]:
     """Separate 3-D query, key and value (no packed forms, no bias, no cache indirection):
     batch everywhere it is; heads on the query, key, value and output's last dim and the
