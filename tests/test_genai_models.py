@@ -185,3 +185,34 @@ def test_kv_cache_per_rank_is_its_heads_share(name, heads, tmp_path):
         assert rank_heads == {max(1, heads // 4)}
         assert held[rank] == total * max(1, heads // 4) // heads, (rank, held[rank], total)
     assert sum(held.values()) == total * (2 if heads == 2 else 1)   # a shared head counts on both its ranks
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (1, 4)])
+def test_plain_op_attention_under_megatron(mesh, tmp_path):
+    """Attention written in plain ops (``sample_models.llama``: Reshape to heads, MatMul,
+    Softmax), one sequence: under megatron the Q, K and V projections are column-parallel
+    (they are reshaped into heads, whether they widen or not), the output projection
+    row- or column-parallel, every attention operator can split by heads, and the plan
+    matches onnxruntime."""
+    from meshplan.intra.strategies import node_strategies
+    from meshplan.model.graph import build_graph
+    from meshplan.model.load import canonicalize
+    from meshplan.sharding import LogicalMesh
+    from sample_models import make_inputs
+    from sample_models.llama import make_llama
+
+    path = tmp_path / "llama.onnx"
+    onnx.save(make_llama(), str(path))
+    dims_ = {"batch": 1, "seq": 8}
+    plan = make_plan(path, make_cluster(mesh, "cpu"), dims_, tmp_path / "plan", PlanOptions(policy="megatron", max_stages=1))
+    chosen = {op: s for stage in plan.stages for op, s in stage.strategies.items()}
+    for layer in range(2):
+        for role in "qkv":
+            assert chosen[f"layer{layer}/attn/{role}_proj/matmul"] == "RRR,RS1->RRS1"
+    graph = build_graph(canonicalize(path, dims_, tmp_path / "canonical").model)
+    logical = LogicalMesh(mesh, tuple(range(mesh[0] * mesh[1])))
+    for node in graph.nodes:
+        if node.name.endswith(("attn/softmax", "attn/scores", "attn/context")):
+            assert any(str(s).split("->")[1].startswith("RS1") for s in node_strategies(node, graph, logical)), node.name
+    feeds = make_inputs(onnx.load(str(path)), dims_, seed=5)
+    assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))
