@@ -248,3 +248,26 @@ def test_contrib_shapes_are_inferred():
     assert graph.tensors["output"].shape == (2, 3, 128)
     assert graph.tensors["present_key"].shape == (2, 2, 8, 16)   # the shared buffer's capacity
     assert strings(node_strategies(graph.nodes[0], graph, mesh_of((1, 2))))
+
+
+def test_segmented_specs():
+    """A packed [Q | K | V] dim split by heads: each device one chunk of every segment; a
+    segment of fewer heads than devices has each head on several devices; resharding it
+    never reduce-scatters into it (a device's part is not one run), and round trips."""
+    from meshplan.reshard.steps import reshard_steps
+    from meshplan.testing.reshard import shard, unshard
+
+    segments = {1: ((8, 4), (2, 1), (2, 1))}   # 4 query heads of 2, one key and one value head
+    mesh = mesh_of((1, 2))
+    split = ShardingSpec.parse("RS1").with_segments(segments)
+    assert split.local_shape((3, 12), mesh) == (3, 8)   # 4 query columns + the shared K and V (2 each)
+    assert split.local_indices(1, 12, mesh, (0, 0)).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert split.local_indices(1, 12, mesh, (0, 1)).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    full = np.arange(36.0).reshape(3, 12)
+    assert np.array_equal(unshard(shard(full, split, mesh), split, mesh), full)
+    partial = ShardingSpec.parse("RR+P1").with_segments(segments)
+    steps = reshard_steps(partial, split)
+    assert [s.kind.name for s in steps] == ["all_reduce", "slice"]
+    plain = ShardingSpec.parse("RS1")
+    assert [s.kind.name for s in reshard_steps(ShardingSpec.parse("RR+P1"), plain)] == ["reduce_scatter"]
+    assert not ShardingSpec.parse("RS1").with_segments({1: ((9, 3), (3, 1))}).is_valid_for((3, 12), mesh_of((1, 4)))
