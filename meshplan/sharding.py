@@ -16,8 +16,10 @@ A placement is the tuple of mesh axes that split a dimension, major first (R: ()
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
+
+import numpy as np
 
 R, S0, S1, S01 = "R", "S0", "S1", "S01"
 PLACEMENTS = (R, S0, S1, S01)
@@ -92,10 +94,52 @@ class LogicalMesh:
         return self.position(coord, tuple(a for a in (0, 1) if a not in mesh_axes(axis)))[0]
 
 
+# A dim's segments: ((size, heads), ...) in order, summing to the dim's size.
+Segments = tuple[tuple[int, int], ...]
+
+
+def segment_count(heads: int, shards: int) -> int:
+    """How many chunks a segment of ``heads`` heads is cut into over ``shards`` devices:
+    one per device, or one per head where there are fewer heads than devices (each head
+    then held by ``shards / heads`` devices)."""
+    return min(heads, shards)
+
+
+def segments_fit(segments: Segments, shards: int) -> bool:
+    """Every segment splits over ``shards`` devices in whole heads (or whole heads each
+    held by an equal number of devices)."""
+    for size, heads in segments:
+        count = segment_count(heads, shards)
+        if heads < 1 or size % heads or heads % count or shards % count:
+            return False
+    return True
+
+
+def segment_indices(segments: Segments, index: int, shards: int) -> np.ndarray:
+    """The positions along a segmented dim held by device ``index`` of ``shards``: in each
+    segment, chunk ``index * count // shards`` of its ``count`` equal chunks, concatenated."""
+    pieces, offset = [], 0
+    for size, heads in segments:
+        count = segment_count(heads, shards)
+        chunk = size // count
+        start = offset + (index * count // shards) * chunk
+        pieces.append(np.arange(start, start + chunk))
+        offset += size
+    return np.concatenate(pieces)
+
+
 @dataclass(frozen=True)
 class ShardingSpec:
+    """``segments`` (dim → its segments) describes the tensor, not the layout: a split of a
+    segmented dim holds a chunk of every segment (a packed QKV projection split by heads:
+    each device its query, key and value columns), and a segment of fewer heads than
+    devices has each head held by several devices (key/value heads shared by the devices
+    whose query heads read them). Every spec of one tensor carries the same segments, so
+    they take no part in equality or in the printed form."""
+
     dims: tuple[str, ...]
     partial: tuple[int, ...] = ()     # mesh axes the tensor is a partial sum over, sorted
+    segments: tuple[tuple[int, Segments], ...] = field(default=(), compare=False)
 
     def __post_init__(self):
         for placement in self.dims:
@@ -149,11 +193,22 @@ class ShardingSpec:
         """The mesh axes that split dimension ``dim``, major first."""
         return placement_axes(self.dims[dim])
 
+    def with_segments(self, segments) -> "ShardingSpec":
+        """The same layout of a tensor whose dims have ``segments`` (dim → segments)."""
+        found = tuple(sorted((int(d), tuple(segs)) for d, segs in dict(segments).items() if d < len(self.dims)))
+        return ShardingSpec(self.dims, self.partial, found)
+
+    def segments_of(self, dim: int) -> Segments | None:
+        return dict(self.segments).get(dim)
+
+    def _like(self, dims, partial) -> "ShardingSpec":
+        return ShardingSpec(tuple(dims), tuple(partial), self.segments)
+
     def refined(self, dim: int, axis: int) -> "ShardingSpec":
         """``dim`` split further along mesh ``axis`` (0, 1 or ``BOTH_AXES``), as the minor
         split; ValueError if no placement does that."""
         placement = placement_of(self.dim_axes(dim) + mesh_axes(axis))
-        return ShardingSpec(self.dims[:dim] + (placement,) + self.dims[dim + 1:], self.partial)
+        return self._like(self.dims[:dim] + (placement,) + self.dims[dim + 1:], self.partial)
 
     def coarsened(self, dim: int, axis: int) -> "ShardingSpec":
         """``dim`` no longer split along mesh ``axis``, its minor split; ValueError otherwise."""
@@ -161,37 +216,95 @@ class ShardingSpec:
         if axes[len(axes) - len(removed):] != removed:
             raise ValueError(f"dimension {dim} of {self} is not split last along mesh axis {axis}")
         placement = placement_of(axes[:len(axes) - len(removed)])
-        return ShardingSpec(self.dims[:dim] + (placement,) + self.dims[dim + 1:], self.partial)
+        return self._like(self.dims[:dim] + (placement,) + self.dims[dim + 1:], self.partial)
 
     def reduced(self, axis: int) -> "ShardingSpec":
         """No longer partial along mesh ``axis`` (0, 1 or ``BOTH_AXES``)."""
-        return ShardingSpec(self.dims, tuple(a for a in self.partial if a not in mesh_axes(axis)))
+        return self._like(self.dims, tuple(a for a in self.partial if a not in mesh_axes(axis)))
 
     def normalised(self, mesh: LogicalMesh) -> "ShardingSpec":
         """The same layout without splits along mesh axes of size 1."""
         def placement(p: str) -> str:
             return placement_of(tuple(a for a in placement_axes(p) if mesh.shape[a] > 1))
 
-        return ShardingSpec(tuple(placement(p) for p in self.dims), self.partial)
+        return self._like(tuple(placement(p) for p in self.dims), self.partial)
 
     def shards(self, dim: int, mesh: LogicalMesh) -> int:
         return prod(mesh.axis_size(a) for a in self.dim_axes(dim))
 
+    def segmented(self, dim: int, mesh: LogicalMesh) -> Segments | None:
+        """The segments of ``dim`` where they change what a split holds, else None."""
+        segments = self.segments_of(dim) if self.segments else None
+        shards = self.shards(dim, mesh)
+        if segments is None or shards == 1:
+            return None
+        if len(segments) == 1 and segment_count(segments[0][1], shards) == shards:
+            return None   # one segment cut once per device: the plain split
+        return segments
+
+    def dim_fits(self, dim: int, size: int, mesh: LogicalMesh) -> bool:
+        """Whether dim ``dim`` of ``size`` splits as this spec says."""
+        shards = self.shards(dim, mesh)
+        segments = self.segments_of(dim) if self.segments and shards > 1 else None
+        if segments is not None:
+            return sum(s for s, _ in segments) == size and segments_fit(segments, shards)
+        return size % shards == 0
+
     def is_valid_for(self, shape: tuple[int, ...], mesh: LogicalMesh) -> bool:
         """Rank matches and every split dimension divides evenly."""
-        return len(shape) == len(self.dims) and all(size % self.shards(d, mesh) == 0 for d, size in enumerate(shape))
+        return len(shape) == len(self.dims) and all(self.dim_fits(d, size, mesh) for d, size in enumerate(shape))
+
+    def local_size(self, dim: int, size: int, mesh: LogicalMesh) -> int:
+        segments = self.segmented(dim, mesh)
+        if segments is None:
+            return size // self.shards(dim, mesh)
+        shards = self.shards(dim, mesh)
+        return sum(s // segment_count(h, shards) for s, h in segments)
 
     def local_shape(self, shape: tuple[int, ...], mesh: LogicalMesh) -> tuple[int, ...]:
-        return tuple(size // self.shards(d, mesh) for d, size in enumerate(shape))
+        return tuple(self.local_size(d, size, mesh) for d, size in enumerate(shape))
+
+    def local_indices(self, dim: int, size: int, mesh: LogicalMesh, coord: tuple[int, int]) -> np.ndarray:
+        """The positions along ``dim`` that the device at ``coord`` holds, in its order."""
+        index, count = mesh.position(coord, self.dim_axes(dim))
+        segments = self.segmented(dim, mesh)
+        if segments is None:
+            step = size // count
+            return np.arange(index * step, (index + 1) * step)
+        return segment_indices(segments, index, count)
 
     def local_bytes(self, shape: tuple[int, ...], itemsize: int, mesh: LogicalMesh) -> int:
         return prod(self.local_shape(shape, mesh)) * itemsize
 
-    def local_slices(self, shape: tuple[int, ...], mesh: LogicalMesh, coord: tuple[int, int]) -> tuple[slice, ...]:
-        """The part of the full tensor that the device at ``coord`` holds."""
+    def local_slices(self, shape: tuple[int, ...], mesh: LogicalMesh, coord: tuple[int, int]) -> tuple:
+        """The part of the full tensor that the device at ``coord`` holds: a slice per dim,
+        or the positions it holds (an int array) along a segmented dim (``take`` applies
+        either)."""
         out = []
         for d, size in enumerate(shape):
+            if self.segmented(d, mesh) is not None:
+                out.append(self.local_indices(d, size, mesh, coord))
+                continue
             index, count = mesh.position(coord, self.dim_axes(d))
             step = size // count
             out.append(slice(index * step, (index + 1) * step))
         return tuple(out)
+
+
+def take(array, slices: tuple):
+    """``array`` cut by ``local_slices``: slices, and index arrays one dim at a time."""
+    plain = tuple(s if isinstance(s, slice) else slice(None) for s in slices)
+    part = array[plain + (...,)]
+    for d, s in enumerate(slices):
+        if not isinstance(s, slice):
+            part = np.take(part, s, axis=d)
+    return part
+
+
+def put(array, slices: tuple, value) -> None:
+    """Write ``value`` into the part of ``array`` that ``local_slices`` names."""
+    if all(isinstance(s, slice) for s in slices):
+        array[slices] = value
+        return
+    index = tuple(np.arange(n)[s] for n, s in zip(array.shape, slices))
+    array[np.ix_(*index)] = value

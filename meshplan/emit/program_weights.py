@@ -24,6 +24,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from meshplan.model.weights import INLINE_BYTES, copy_range, load_tensor, point_to
+from meshplan.sharding import take
 
 CHUNK_BYTES = 16 * 1024 * 1024
 PENDING = "<pending slice>"
@@ -120,7 +121,7 @@ def _write_zeros(count: int, out) -> int:
 
 def write_slice(pending: PendingSlice, base_dir: Path, out) -> int:
     """Stream a pending slice into ``out``; return the bytes written."""
-    view = _source_view(pending.source, base_dir)[pending.slices]
+    view = take(_source_view(pending.source, base_dir), pending.slices)
     if pending.zero:
         return _write_zeros(view.size * view.itemsize, out)
     return _write_array(view, out)
@@ -130,7 +131,7 @@ def materialize(tensor: onnx.TensorProto, pending: dict[str, PendingSlice], base
     """``tensor`` with its bytes inline (a pending slice read, an external one loaded)."""
     if tensor.name in pending:
         job = pending[tensor.name]
-        view = _source_view(job.source, base_dir)[job.slices]
+        view = take(_source_view(job.source, base_dir), job.slices)
         dtype = helper.tensor_dtype_to_np_dtype(job.source.data_type)
         part = np.zeros(view.shape, dtype=dtype) if job.zero else np.ascontiguousarray(view).view(dtype)
         return numpy_helper.from_array(part, tensor.name)

@@ -15,6 +15,7 @@ import onnx
 
 from meshplan.model.graph import Graph
 from meshplan.model.load import set_ir_version
+from meshplan.model.ort_schemas import register_onnxruntime_schemas
 from meshplan.files import file_sha256
 from meshplan.plan_format import Plan, Program
 from meshplan.emit.program_weights import load_small, write_program
@@ -41,6 +42,7 @@ def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
     A one-device stage's program is its subgraph as cut; each device of a larger stage
     gets that subgraph sharded for its coordinate (see ``shard_emit``)."""
     canonical = onnx.load(str(canonical_path), load_external_data=False)
+    register_onnxruntime_schemas()   # programs are checked as their model was
     extractor = onnx.utils.Extractor(canonical)
     base_dir = canonical_path.parent
     programs = []

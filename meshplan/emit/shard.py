@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 from meshplan.model.graph import Graph
 from meshplan.model.opsets import DEFAULT_OPSET
 from meshplan.reshard.steps import Step, reshard_steps
-from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.sharding import LogicalMesh, ShardingSpec, take
 from meshplan.intra.strategies import Strategy, derive, local_attributes, source_specs
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
@@ -105,7 +105,7 @@ class _Builder:
                 self.pending[name] = PendingSlice(source, tuple(slices), zero)
                 return name
             full = numpy_helper.to_array(source)
-            part = np.ascontiguousarray(full[slices])
+            part = np.ascontiguousarray(take(full, slices))
             if zero:
                 part = np.zeros_like(part)
             self.initializers[name] = numpy_helper.from_array(part, name)
@@ -165,7 +165,9 @@ class _Builder:
             return have[want]
         source = min(have, key=lambda s: len(reshard_steps(s, want)))
         spec, name = source, have[source]
-        for step in reshard_steps(source, want):
+        segments = dict(source.segments) | dict(want.segments)   # the tensor's, whichever spec carries them
+        spec = spec.with_segments(segments)
+        for step in reshard_steps(spec, want.with_segments(segments)):
             after = step.spec_after(spec)
             self._resharding = (tensor, spec, after)
             step.kind.emit(step, self, name, local_name(tensor, after))
@@ -173,18 +175,54 @@ class _Builder:
         return name
 
     def collective(self, step: Step, source: str, out: str) -> None:
-        """The step's collective node (``meshplan`` domain); ``ensure`` calls it through the step's kind."""
+        """The step's collective node (``meshplan`` domain); ``ensure`` calls it through the step's kind.
+        An all-gather of a segmented dim gathers the devices' parts in group order, then a
+        ``Gather`` puts the dim back in order (and keeps one copy of a head several devices hold)."""
         tensor, spec, after = self._resharding
         attrs = step.attributes()
         op = step.kind.op_type
-        self.nodes.append(helper.make_node(op, [source], [out], name=f"{out}/{step.kind}", domain=COLLECTIVE_DOMAIN,
+        gathered = out
+        reorder = step.dim is not None and op == "AllGather" and self._reordered(tensor, spec, after, step.dim)
+        if reorder:
+            gathered = f"{out}/gathered"
+        self.nodes.append(helper.make_node(op, [source], [gathered], name=f"{out}/{step.kind}", domain=COLLECTIVE_DOMAIN,
                                            **attrs))
         self.collectives.append({"tensor": tensor, "op": op, **attrs, "from_spec": str(spec), "to_spec": str(after)})
+        if reorder:
+            size = self.graph.tensors[tensor].shape[step.dim]
+            group = next(g for g in self.mesh.axis_groups(step.axis) if self.mesh.ranks[self._index()] in g)
+            held = np.concatenate([spec.local_indices(step.dim, size, self.mesh, self.mesh.coord(r)) for r in group])
+            info = self.graph.tensors[tensor]
+            shape = list(spec.local_shape(info.shape, self.mesh))
+            shape[step.dim] = len(held)
+            self.value_info[gathered] = helper.make_tensor_value_info(
+                gathered, helper.np_dtype_to_tensor_dtype(info.dtype), shape)
+            self._take(gathered, out, step.dim, held, after.local_indices(step.dim, size, self.mesh, self.coord))
+
+    def _index(self) -> int:
+        return self.coord[0] * self.mesh.shape[1] + self.coord[1]
+
+    def _reordered(self, tensor: str, spec: ShardingSpec, after: ShardingSpec, dim: int) -> bool:
+        return spec.segmented(dim, self.mesh) is not None or after.segmented(dim, self.mesh) is not None
+
+    def _take(self, source: str, out: str, dim: int, held: np.ndarray, wanted: np.ndarray) -> None:
+        """``out`` = the positions ``wanted`` (of the full dim) picked from ``source``, which
+        holds the positions ``held`` along ``dim``, by a ``Gather``."""
+        first = {}
+        for position, index in enumerate(held.tolist()):
+            first.setdefault(index, position)
+        picks = self.constant(f"{out}/indices", np.array([first[i] for i in wanted.tolist()], dtype=np.int64))
+        self.nodes.append(helper.make_node("Gather", [source, picks], [out], name=f"{out}/reorder", axis=dim))
 
     def local_slice(self, step: Step, source: str, out: str) -> None:
         """A standard ``Slice`` keeping this device's chunk of ``step.dim``; ``ensure`` calls it
         through the step's kind."""
-        tensor, spec, _ = self._resharding
+        tensor, spec, after = self._resharding
+        if self._reordered(tensor, spec, after, step.dim):
+            full = self.graph.tensors[tensor].shape[step.dim]
+            self._take(source, out, step.dim, spec.local_indices(step.dim, full, self.mesh, self.coord),
+                       after.local_indices(step.dim, full, self.mesh, self.coord))
+            return
         size = spec.local_shape(self.graph.tensors[tensor].shape, self.mesh)[step.dim]
         index = self.mesh.axis_index(self.coord, step.axis)
         chunk = size // self.mesh.axis_size(step.axis)

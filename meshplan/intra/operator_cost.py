@@ -7,6 +7,7 @@ from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
 from meshplan.intra.strategies import Strategy, source_specs
 from meshplan.model.graph import Graph, Node
+from meshplan.ops import entry
 from meshplan.reshard.steps import CollectiveModel, MeasuredCollectiveModel, axis_links
 from meshplan.sharding import LogicalMesh, ShardingSpec
 
@@ -50,8 +51,16 @@ class OperatorCosts:
 
     def param_slices(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> dict[tuple[str, ShardingSpec], int]:
         """(initializer, layout) → bytes a device stores of it for ``node`` under ``strategy``;
-        a parameter expression is stored as slices of its sources."""
+        a parameter expression is stored as slices of its sources. An operator's cache
+        outputs (an attention's present key and value, ``OpEntry.cache_outputs``) are held
+        like weights: (tensor, layout) → the device's share."""
         found: dict[tuple[str, ShardingSpec], int] = {}
+        for index in entry(node.op_type, node.domain).cache_outputs:
+            name = node.outputs[index] if index < len(node.outputs) else ""
+            spec = strategy.outputs[index] if index < len(strategy.outputs) else None
+            if name and spec is not None:
+                info = self.graph.tensors[name]
+                found[(name, spec)] = spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
         for name, spec in zip(node.inputs, strategy.inputs):
             info = self.graph.tensors.get(name) if name else None
             if info is None or not info.is_param:

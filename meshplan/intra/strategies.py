@@ -21,6 +21,7 @@ from typing import Mapping
 
 import numpy as np
 
+from meshplan.intra.segments import consistent, tensor_segments
 from meshplan.model.graph import Graph, Node
 from meshplan.ops import entry, ops_with_rules, rule_of
 from meshplan.ops.view import P, R, NoRule, OpView, Place, Rule
@@ -72,8 +73,10 @@ def _allowed(op: OpView, rule: Rule, partial_bias: int | None) -> bool:
     return True
 
 
-def _combine(p0: Place | None, p1: Place | None, shape: tuple[int, ...], mesh: LogicalMesh) -> ShardingSpec | None | bool:
-    """The spec of one operand under rule placements for axis 0 and 1; False if it does not fit."""
+def _combine(p0: Place | None, p1: Place | None, shape: tuple[int, ...], mesh: LogicalMesh,
+             segments=None) -> ShardingSpec | None | bool:
+    """The spec of one operand under rule placements for axis 0 and 1 (of a tensor whose
+    dims have ``segments``); False if it does not fit."""
     if p0 is None:
         return None
     dims = ["R"] * len(shape)
@@ -87,9 +90,16 @@ def _combine(p0: Place | None, p1: Place | None, shape: tuple[int, ...], mesh: L
     elif p1 != R:
         dims[p1] = S01 if dims[p1] == S0 else S1
     spec = ShardingSpec(tuple(dims), tuple(partial))
+    if segments:
+        spec = spec.with_segments(segments)
     for d, size in enumerate(shape):
         shards = spec.shards(d, mesh)
-        if shards > 1 and (size < shards or size % shards):
+        if shards == 1:
+            continue
+        if segments and d in segments:
+            if not spec.dim_fits(d, size, mesh):
+                return False
+        elif size < shards or size % shards:
             return False
     return spec
 
@@ -135,14 +145,17 @@ def rule_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
     rules = [everything_r] + [r for r in dict.fromkeys(rules) if r != everything_r and _allowed(op, r, op_entry.partial_bias)]
     per_axis = [rules if mesh.shape[axis] > 1 else [everything_r] for axis in (0, 1)]
     shapes = [None if i is None else i.shape for i in op.ins + op.outs]
+    segmented = tensor_segments(graph)
+    operand_segments = [segmented.get(name) if name else None for name in list(node.inputs) + list(node.outputs)]
     rewrite = op_entry.rewrite
     found: dict[Strategy, None] = {replicated: None}
     for r0 in per_axis[0]:
         for r1 in per_axis[1]:
             if _conflicts(r0, r1):
                 continue
-            specs = [_combine(a, b, shape, mesh) for a, b, shape in zip(r0[0] + r0[1], r1[0] + r1[1], shapes)]
-            if any(s is False for s in specs):
+            specs = [_combine(a, b, shape, mesh, segs)
+                     for a, b, shape, segs in zip(r0[0] + r0[1], r1[0] + r1[1], shapes, operand_segments)]
+            if any(s is False for s in specs) or (op_entry.segments is None and not consistent(specs, shapes, mesh)):
                 continue
             strategy = Strategy(tuple(specs[:len(op.ins)]), tuple(specs[len(op.ins):]))
             if rewrite is not None:

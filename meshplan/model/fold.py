@@ -53,8 +53,11 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     Where strict inference rejects a node that onnxruntime runs (onnx's own function
     body of an operator in an older IR, e.g. MeanVarianceNormalization-13 in IR 7), lenient inference
     is taken instead if it still gives every node output a static shape."""
+    def onnx_infer(strict: bool):
+        return lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=strict, data_prop=True)
+
     def infer(strict: bool) -> onnx.ModelProto:
-        return infer_with_contrib(model, lambda m: onnx.shape_inference.infer_shapes(m, strict_mode=strict, data_prop=True))
+        return infer_with_contrib(model, onnx_infer(strict), onnx_infer(False))
 
     try:
         return infer(True)

@@ -27,6 +27,7 @@ from meshplan.files import file_sha256
 from meshplan.model.bounds import bound_dynamic_dims, read_bounds
 from meshplan.model.fold import SMALL_ELEMENTS, first_line, fold_constants, infer_shapes, is_loaded
 from meshplan.model.opsets import MAX_IR_VERSION, set_ir_version
+from meshplan.model.ort_schemas import register_onnxruntime_schemas
 from meshplan.model.weights import split_weights, write_weights
 
 __all__ = ["MAX_IR_VERSION", "CanonicalModel", "canonicalize", "check_model", "fix_dims", "infer_shapes",
@@ -54,7 +55,10 @@ def read_model(path: str | os.PathLike, load_external_data: bool = True) -> onnx
 def check_model(path: str | os.PathLike) -> None:
     """Run onnx's checker on a file path (the path form handles models over 2 GB). Models
     before IR 4 must list their initializers as graph inputs, and many do not although
-    onnxruntime runs them: such a model is checked as if it listed them."""
+    onnxruntime runs them: such a model is checked as if it listed them. Operators that
+    onnxruntime defines in the default domain (SimplifiedLayerNormalization) are checked
+    against onnxruntime's schemas (``ort_schemas``)."""
+    register_onnxruntime_schemas()
     try:
         onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, DecodeError, ValueError) as exc:

@@ -1,11 +1,11 @@
 """The op registry: one entry per ONNX op type (sharding rule, FLOP formula, heaviness,
 policy class), defined in the module of its family."""
 
-from meshplan.ops import contractions, pointwise, quantized, reductions, shapes  # noqa: F401  (they define the entries)
-from meshplan.ops.registry import MATRIX, OpEntry, entry, heavy_ops, ops_with_rules, rule_of
+from meshplan.ops import attention, contractions, fused_norms, pointwise, quantized, reductions, shapes  # noqa: F401  (they define the entries)
+from meshplan.ops.registry import ATTENTION, MATRIX, OpEntry, entry, heavy_ops, ops_with_rules, rule_of
 from meshplan.ops.view import SMALL_CONSTANT_ELEMENTS, OpView
 
-__all__ = ["MATRIX", "OpEntry", "OpView", "SMALL_CONSTANT_ELEMENTS", "entry", "heavy_ops", "ops_with_rules", "rule_of", "node_flops"]
+__all__ = ["ATTENTION", "MATRIX", "OpEntry", "OpView", "SMALL_CONSTANT_ELEMENTS", "entry", "heavy_ops", "ops_with_rules", "rule_of", "node_flops"]
 
 
 def node_flops(node, graph) -> float:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from math import prod
 
+import numpy as np
+
 from meshplan.ops.contractions import einsum_rules, matmul_labels, product_flops
 from meshplan.ops.registry import MATRIX, define, per_element, rule
 from meshplan.ops.view import P, R, OpView, Rule, need
@@ -110,3 +112,35 @@ def _nbits_whole_bytes(op: OpView, inputs, mesh) -> tuple | None:
         return ()
     blocks = inputs[1].local_shape(op.shape(1), mesh)[1]
     return () if blocks == op.shape(1)[1] or blocks * op.attr("bits", 4) % 8 == 0 else None
+
+
+# --- com.microsoft GatherBlockQuantized -------------------------------------------------------
+# Inputs: data (int4/uint4, or uint8 packing 8 / bits values per byte along quantize_axis),
+# indices, scales (data's shape with quantize_axis in blocks of block_size), zero_points
+# (like data, or packed like it); output: the scales' type, data's shape (unpacked) with
+# gather_axis replaced by the indices' shape. onnxruntime-genai's tied int4 embedding.
+
+@rule("GatherBlockQuantized", domain=MICROSOFT, flops=per_element(2), heavy=True)
+def _gather_block_quantized(op: OpView) -> list[Rule]:
+    """The lookups split with the table whole; the table split on a dim it is not gathered
+    along (an embedding's hidden dim), its scales and zero points with it; along the
+    quantized axis only in whole blocks (the table's and the scales' dims divide alike),
+    and not with packed zero points (two blocks per byte)."""
+    data = op.shape(0)
+    rank = len(data)
+    gather_axis = op.axis(op.attr("gather_axis", 0), rank)
+    quantize_axis = op.axis(op.attr("quantize_axis", 1), rank)
+    q = len(op.shape(1))
+    rules: list[Rule] = [((R, e, R, R), (gather_axis + e,)) for e in range(q)]
+    block = op.attr("block_size", 128)
+    packed = 8 // op.attr("bits", 4) if op.ins[0].dtype == np.uint8 else 1
+    for d in range(rank):
+        if d == gather_axis:
+            continue
+        if d == quantize_axis:
+            whole_blocks = data[d] * packed % block == 0 and op.shape(2)[d] * block == data[d] * packed
+            if not whole_blocks or (op.has_input(3) and op.ins[3].dtype == np.uint8):
+                continue
+        out = d if d < gather_axis else d + q - 1
+        rules.append(((d, R, d, d), (out,)))
+    return rules

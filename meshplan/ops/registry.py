@@ -22,8 +22,12 @@ RewriteFn = Callable[[OpView, tuple, tuple, object], tuple | None]
 # f(op, local input shapes, local output shapes): the attributes that change on a device
 # (MatMulNBits' K and N), by name
 LocalAttrsFn = Callable[[OpView, list, list], dict]
+# f(op): the segments of its operands' dims (operand index over inputs then outputs → dim →
+# ((size, heads), ...)): a packed QKV input split by heads, key/value heads fewer than devices
+SegmentsFn = Callable[[OpView], dict]
 
 MATRIX = "matrix"   # policy class: a weight-bearing matrix product (Megatron's column/row split)
+ATTENTION = "attention"   # policy class: attention over heads (Megatron splits it by heads)
 
 
 def per_element(count: float) -> FlopsFn:
@@ -49,6 +53,8 @@ class OpEntry:
     domain: str = ""
     partial_bias: int | None = None     # input index of a weight that may be partial (held by one device)
     local_attrs: LocalAttrsFn | None = None
+    segments: SegmentsFn | None = None
+    cache_outputs: tuple[int, ...] = ()   # outputs a device keeps between calls (an attention's present key/value)
 
 
 _ENTRIES: dict[tuple[str, str], OpEntry] = {}
@@ -61,14 +67,15 @@ def _domain(domain: str | None) -> str:
 
 def define(*op_types: str, rule: RuleFn | None = None, flops: FlopsFn | None = None, heavy: bool = False,
            policy: str | None = None, rewrite: RewriteFn | None = None, domain: str = "",
-           partial_bias: int | None = None, local_attrs: LocalAttrsFn | None = None) -> None:
+           partial_bias: int | None = None, local_attrs: LocalAttrsFn | None = None,
+           segments: SegmentsFn | None = None, cache_outputs: tuple[int, ...] = ()) -> None:
     """Register one entry for each of ``op_types`` (an op type is defined once per domain)."""
     for op_type in op_types:
         key = (_domain(domain), op_type)
         if key in _ENTRIES:
             raise ValueError(f"op {op_type} is defined twice")
         _ENTRIES[key] = OpEntry(op_type, rule, flops or per_element(1), heavy, policy, rewrite, key[0],
-                                partial_bias, local_attrs)
+                                partial_bias, local_attrs, segments, tuple(cache_outputs))
 
 
 def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:

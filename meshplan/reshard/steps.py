@@ -83,7 +83,6 @@ def _is_prefix(axes: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return target[: len(axes)] == axes
 
 
-@lru_cache(maxsize=65536)
 def reshard_steps(src: ShardingSpec, dst: ShardingSpec) -> tuple[Step, ...]:
     """The collectives that turn a tensor laid out as ``src`` into ``dst`` (same mesh).
 
@@ -91,8 +90,17 @@ def reshard_steps(src: ShardingSpec, dst: ShardingSpec) -> tuple[Step, ...]:
     dst does not keep (reduce-scatter when dst splits a dim along that axis and the dim
     can take it, else all-reduce), then the splits dst does not share — an all-to-all
     when dst splits another dim along that axis next, else an all-gather — then the
-    remaining slices. A partial axis in dst must already be partial in src.
+    remaining slices. A partial axis in dst must already be partial in src. A segmented
+    dim (``ShardingSpec.segments``) is never reduce-scattered into nor moved by an
+    all-to-all: a device's part of it is not one run of the dim; all-gathers and slices of
+    it are emitted with the reordering they need.
     """
+    segmented = frozenset(dict(src.segments)) | frozenset(dict(dst.segments))
+    return _plan_steps(src, dst, segmented)
+
+
+@lru_cache(maxsize=65536)
+def _plan_steps(src: ShardingSpec, dst: ShardingSpec, segmented: frozenset) -> tuple[Step, ...]:
     if len(src.dims) != len(dst.dims):
         raise ValueError(f"cannot reshard {src} to {dst}: ranks differ ({len(src.dims)} vs {len(dst.dims)})")
     if not set(dst.partial) <= set(src.partial):
@@ -119,7 +127,8 @@ def reshard_steps(src: ShardingSpec, dst: ShardingSpec) -> tuple[Step, ...]:
     for a in sorted(partial - set(dst.partial)):
         target_dim = next((d for d, target in enumerate(want) if a in target), None)
         partial.discard(a)
-        if target_dim is not None and _is_prefix(state[target_dim] + (a,), want[target_dim]):
+        if (target_dim is not None and target_dim not in segmented
+                and _is_prefix(state[target_dim] + (a,), want[target_dim])):
             steps.append(Step(REDUCE_SCATTER, a, target_dim))
             state[target_dim] = state[target_dim] + (a,)
         else:
@@ -131,6 +140,8 @@ def reshard_steps(src: ShardingSpec, dst: ShardingSpec) -> tuple[Step, ...]:
             # The split moves to a dim that needs this axis next: one all-to-all, not a
             # gather followed by a slice.
             to = next((e for e in range(len(state)) if e != d and _is_prefix(state[e] + (axis,), want[e])), None)
+            if d in segmented or to in segmented:
+                to = None
             if to is not None:
                 steps.append(Step(ALL_TO_ALL, axis, d, to))
                 state[to] = state[to] + (axis,)

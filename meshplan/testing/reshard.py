@@ -11,7 +11,7 @@ from typing import Mapping
 import numpy as np
 
 from meshplan.reshard.steps import Coord, Step, apply_steps
-from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.sharding import LogicalMesh, ShardingSpec, put, take
 
 
 def _addends(full: np.ndarray, count: int) -> list[np.ndarray]:
@@ -48,7 +48,7 @@ def shard(full: np.ndarray, spec: ShardingSpec, mesh: LogicalMesh) -> dict[Coord
     if not spec.is_valid_for(full.shape, mesh):
         raise ValueError(f"spec {spec} does not fit shape {full.shape} on mesh {mesh.shape}")
     addends = _addends(full, mesh.position((0, 0), spec.partial)[1])
-    return {c: addends[mesh.position(c, spec.partial)[0]][spec.local_slices(full.shape, mesh, c) + (...,)].copy()
+    return {c: take(addends[mesh.position(c, spec.partial)[0]], spec.local_slices(full.shape, mesh, c)).copy()
             for c in _coords(mesh)}
 
 
@@ -57,13 +57,17 @@ def unshard(locals_: Mapping[Coord, np.ndarray], spec: ShardingSpec, mesh: Logic
     first = np.asarray(locals_[(0, 0)])
     if first.ndim != len(spec.dims):
         raise ValueError(f"local arrays have rank {first.ndim}, spec {spec} has rank {len(spec.dims)}")
-    shape = tuple(size * spec.shards(d, mesh) for d, size in enumerate(first.shape))
+    def full_size(d: int, size: int) -> int:
+        segmented = spec.segmented(d, mesh)
+        return sum(s for s, _ in segmented) if segmented else size * spec.shards(d, mesh)
+
+    shape = tuple(full_size(d, size) for d, size in enumerate(first.shape))
     pieces: dict[int, np.ndarray] = {}
     for c in _coords(mesh):
         index = mesh.position(c, spec.partial)[0]
         if index not in pieces:
             pieces[index] = np.empty(shape, dtype=first.dtype)
-        pieces[index][spec.local_slices(shape, mesh, c)] = locals_[c]
+        put(pieces[index], spec.local_slices(shape, mesh, c), locals_[c])
     total = pieces[0].copy()
     for k in sorted(pieces)[1:]:
         total += pieces[k]
