@@ -23,18 +23,22 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
             arrays = {name: archive[name] for name in archive.files}
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise RunError(f"cannot read inputs {path}: not a valid .npz file ({str(exc).splitlines()[0][:200]})") from None
+    optional = {entry["input"] for entry in plan.state}   # state starts empty when not given
     for spec in plan.inputs:
+        if spec.name not in arrays and spec.name in optional:
+            continue
         if spec.name not in arrays:
             raise RunError(f"inputs file {path} has no array '{spec.name}' (the model's inputs: "
                            f"{', '.join(s.name for s in plan.inputs)})")
         array = arrays[spec.name]
         if array.dtype.kind == "U" and np.dtype(spec.dtype) == np.dtype(object):
             array = arrays[spec.name] = array.astype(object)   # numpy writes str arrays as fixed-width unicode
-        if list(array.shape) != list(spec.shape):
+        if len(array.shape) != len(spec.shape) or any(
+                isinstance(want, int) and want >= 0 and want != size for want, size in zip(spec.shape, array.shape)):
             raise RunError(f"input '{spec.name}' has shape {list(array.shape)}, the plan expects {spec.shape}")
         if array.dtype != np.dtype(spec.dtype):
             raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
-    return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs}
+    return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs if spec.name in arrays}
 
 
 def split_microbatches(inputs: dict[str, np.ndarray], plan: Plan) -> list[dict[str, np.ndarray]]:
