@@ -266,22 +266,29 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
 
 
 def _state_spec(graph: Graph, name: str, stage: Stage, strategies: dict[str, Strategy]) -> ShardingSpec:
-    """The layout a state input is held in: what its first reader in ``stage`` takes (replicated
-    on one device, or where that layout does not fit its paired output)."""
+    """The layout a state input is held in: the one its paired output is made in (so that it
+    leaves with no resharding), else what its first reader that reads more than its shape
+    takes; replicated on one device, or where that layout does not fit both tensors."""
     info = graph.tensors[name]
     mesh = _mesh(stage)
+    output = next((o for o, i in graph.state.items() if i == name), None)
+    candidates = []
     for node in graph.nodes:
-        if name in node.inputs and node.name in stage.operators:
-            strategy = strategies.get(node.name)
-            spec = strategy.inputs[node.inputs.index(name)] if strategy is not None else None
-            output = next((o for o, i in graph.state.items() if i == name), None)
-            if spec is None or spec.partial or not spec.is_valid_for(info.split_sizes, mesh):
-                break
-            if output is not None:
-                out = graph.tensors[output]
-                if len(out.shape) != len(info.shape) or not spec.is_valid_for(out.split_sizes, mesh):
-                    break
-            return spec
+        if node.name not in stage.operators or node.name not in strategies:
+            continue
+        strategy = strategies[node.name]
+        if output is not None and output in node.outputs:
+            candidates.insert(0, strategy.outputs[node.outputs.index(output)])
+        elif name in node.inputs and node.op_type != "Shape":
+            candidates.append(strategy.inputs[node.inputs.index(name)])
+    for spec in candidates:
+        if spec is None or spec.partial or not spec.is_valid_for(info.split_sizes, mesh):
+            continue
+        if output is not None:
+            out = graph.tensors[output]
+            if len(out.shape) != len(info.shape) or not spec.is_valid_for(out.split_sizes, mesh):
+                continue
+        return spec
     return ShardingSpec.replicated(len(info.shape))
 
 

@@ -390,6 +390,12 @@ def derive_dims(model: onnx.ModelProto, sizes: Sizes) -> Sizes:
     rest = [u for u in unknown if u not in derived]
     if rest:
         derived.update(_fit_from_graph(model, sizes, rest))
+    rest = [u for u in rest if u not in derived]
+    if rest and sizes.fixed:
+        # sizes of 1 (or 0) say little (a dim of 1 broadcasts against anything): fit again with
+        # the fixed dims moving too, then read the forms at their sizes
+        moving = {n: DimRange(max(v, 2), max(v, 2) + 8) for n, v in sizes.fixed.items()}
+        derived.update(_fit_from_graph(model, Sizes({}, {**moving, **sizes.ranges}), rest))
     missing = [u for u in rest if u not in derived]
     if missing:
         name = missing[0]

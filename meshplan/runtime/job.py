@@ -297,6 +297,7 @@ class Job:
             self._match(spec, array.shape, found, checks)
             feeds.append(np.ascontiguousarray(array))
         by_name = {t.name: t for t in self.plan.inputs}
+        self._check_ranges(found, {})
         for name in self.state_inputs:
             shape = np.shape(given_state[name]) if name in given_state else self.state_shapes.get(name)
             if shape is not None:
@@ -308,10 +309,7 @@ class Job:
         if self.sizes is not None:
             for name, r in self.sizes.ranges.items():
                 values.setdefault(name, r.lo)    # an unset state, and nothing else says: the bottom
-                if not r.accepts(values[name]):
-                    where = f" (input '{found[name][1]}' axis {found[name][2]})" if name in found else ""
-                    raise RunError(f"{name} = {values[name]}{where} is not a size this plan accepts: "
-                                   f"{r.describe()}")
+            self._check_ranges(found, values)
             values = self.sizes.resolve({n: values[n] for n in self.sizes.ranges})
         for dim, size, where, axis in checks:
             want = values.get(dim)
@@ -330,6 +328,16 @@ class Job:
                                "from the call's sizes", hint="set it with set_state, or pass it as an input")
             create[name] = shape
         return feeds, values, create
+
+    def _check_ranges(self, found: dict, values: dict) -> None:
+        """Every free dim's size is one its range accepts."""
+        if self.sizes is None:
+            return
+        for name, r in self.sizes.ranges.items():
+            size = values.get(name, found[name][0] if name in found else None)
+            if size is not None and not r.accepts(size):
+                where = f" (input '{found[name][1]}' axis {found[name][2]})" if name in found else ""
+                raise RunError(f"{name} = {size}{where} is not a size this plan accepts: {r.describe()}")
 
     def _match(self, spec, shape, found, checks) -> None:
         if len(shape) != len(spec.shape):
