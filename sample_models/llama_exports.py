@@ -36,12 +36,19 @@ KV_HEADS = 2
 HEAD_SIZE = 8
 
 
-def build_model():
+SIZES = {   # name → (hidden, intermediate, layers, vocab): "tiny" is the committed one
+    "tiny": (64, 128, LAYERS, VOCAB),
+    "large": (1024, 2816, 8, 16384),   # ~130M parameters, for benchmarks/resident.py (not committed)
+}
+
+
+def build_model(size: str = "tiny"):
     """The transformers model, seeded."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+    hidden, intermediate, layers, vocab = SIZES[size]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=8, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
                          tie_word_embeddings=False)
     config._attn_implementation = "eager"
@@ -53,11 +60,11 @@ def build_model():
     return model
 
 
-def export_optimum(path: Path = OPTIMUM_PATH) -> Path:
+def export_optimum(path: Path = OPTIMUM_PATH, size: str = "tiny") -> Path:
     """optimum's exporter on a saved copy of the model (it loads models by folder)."""
     from optimum.exporters.onnx import main_export
 
-    model = build_model()
+    model = build_model(size)
     with tempfile.TemporaryDirectory() as tmp:
         source, out = Path(tmp) / "model", Path(tmp) / "onnx"
         model.save_pretrained(source)
@@ -70,11 +77,11 @@ def export_optimum(path: Path = OPTIMUM_PATH) -> Path:
     return path
 
 
-def export_dynamo(path: Path = DYNAMO_PATH) -> Path:
+def export_dynamo(path: Path = DYNAMO_PATH, size: str = "tiny") -> Path:
     import torch
     from transformers import DynamicCache
 
-    model = build_model()
+    model = build_model(size)
 
     class WithCache(torch.nn.Module):
         def __init__(self):
@@ -83,22 +90,24 @@ def export_dynamo(path: Path = DYNAMO_PATH) -> Path:
 
         def forward(self, input_ids, attention_mask, position_ids, *past):
             cache = DynamicCache(config=model.config)
-            for layer in range(LAYERS):
+            for layer in range(model.config.num_hidden_layers):
                 cache.update(past[2 * layer], past[2 * layer + 1], layer)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=cache, use_cache=True)
             present = []
-            for layer in range(LAYERS):
+            for layer in range(model.config.num_hidden_layers):
                 present.extend([out.past_key_values.layers[layer].keys, out.past_key_values.layers[layer].values])
             return (out.logits, *present)
 
     batch, seq, past_len = 2, 3, 5
-    ids = torch.randint(0, VOCAB, (batch, seq))
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
     positions = torch.arange(past_len, past_len + seq).unsqueeze(0).expand(batch, -1)
-    past = [torch.randn(batch, KV_HEADS, past_len, HEAD_SIZE) for _ in range(2 * LAYERS)]
-    names = [f"past_key_values.{layer}.{kind}" for layer in range(LAYERS) for kind in ("key", "value")]
-    outputs = ["logits"] + [f"present.{layer}.{kind}" for layer in range(LAYERS) for kind in ("key", "value")]
+    layers = model.config.num_hidden_layers
+    head = model.config.hidden_size // model.config.num_attention_heads
+    past = [torch.randn(batch, KV_HEADS, past_len, head) for _ in range(2 * layers)]
+    names = [f"past_key_values.{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")]
+    outputs = ["logits"] + [f"present.{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")]
     auto = torch.export.Dim.AUTO
     dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, tuple({0: auto, 2: auto} for _ in names))
     program = torch.onnx.export(WithCache().eval(), (ids, mask, positions, *past), dynamo=True,
@@ -111,7 +120,12 @@ def export_dynamo(path: Path = DYNAMO_PATH) -> Path:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["optimum", "dynamo"])
+    parser.add_argument("--large", type=Path, metavar="PATH",
+                        help="write the large dynamo export here instead (benchmarks/resident.py)")
     args = parser.parse_args()
+    if args.large:
+        print(f"wrote {export_dynamo(args.large, 'large')}")
+        raise SystemExit(0)
     if args.only in (None, "optimum"):
         print(f"wrote {export_optimum()}")
     if args.only in (None, "dynamo"):

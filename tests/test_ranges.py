@@ -210,6 +210,60 @@ def test_a_cnn_planned_for_a_range_of_batches_runs_each(tmp_path):
     assert sum(line.startswith("ok ") and "matches" in line for line in lines) == 6
 
 
+def write_buffer_model(path, cap: int = 8, width: int = 4, out: int = 16):
+    """A model with fixed-capacity state: ``cache_out`` is ``cache_in`` [batch, cap, width]
+    with row ``pos`` replaced by ``x``; ``y`` = (sum of the rows) @ w."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(1).standard_normal((width, out)).astype(np.float32)
+    nodes = [
+        helper.make_node("Range", ["zero", "cap", "one"], ["rows"]),
+        helper.make_node("Equal", ["rows", "pos"], ["hit"]),
+        helper.make_node("Cast", ["hit"], ["hitf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["hitf", "axes02"], ["onehot"]),
+        helper.make_node("Sub", ["onef", "onehot"], ["keep"]),
+        helper.make_node("Mul", ["cache_in", "keep"], ["kept"]),
+        helper.make_node("Unsqueeze", ["x", "axes1"], ["row"]),
+        helper.make_node("Mul", ["row", "onehot"], ["written"]),
+        helper.make_node("Add", ["kept", "written"], ["cache_out"]),
+        helper.make_node("ReduceSum", ["cache_out", "axes1"], ["total"], keepdims=0),
+        helper.make_node("MatMul", ["total", "w"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(cap, np.int64), "cap"),
+             numpy_helper.from_array(np.array(1, np.int64), "one"), numpy_helper.from_array(np.array(1, np.float32), "onef"),
+             numpy_helper.from_array(np.array([0, 2], np.int64), "axes02"),
+             numpy_helper.from_array(np.array([1], np.int64), "axes1"), numpy_helper.from_array(weight, "w")]
+    graph = helper.make_graph(nodes, "buffer", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info("cache_in", TensorProto.FLOAT, ["batch", cap, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", out]),
+         helper.make_tensor_value_info("cache_out", TensorProto.FLOAT, ["batch", cap, width])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.mpi
+def test_fixed_capacity_state_is_updated_in_place_on_its_ranks(tmp_path):
+    model = write_buffer_model(tmp_path / "buffer.onnx")
+    plan_dir = _plan(model, tmp_path / "p", "1x2", "--state", "cache_out=cache_in", dims=["batch=1:4"])
+    lines = run_mpi_script("fixed_state_case.py", ranks=2, args=[plan_dir, 6])
+    assert len(lines) == 3
+
+
+def test_memory_counts_state_at_its_largest(tmp_path):
+    """On one device the stage's memory with state exceeds the one without by exactly the
+    cache at the top of every range."""
+    from meshplan.plan_format import read_plan
+
+    dims = [a for d in RANGES[OPTIMUM] for a in ("--dim", d)]
+    assert run_cli("plan", OPTIMUM, "--mesh", "1x1", "-o", tmp_path / "a", *dims).returncode == 0
+    assert run_cli("plan", OPTIMUM, "--mesh", "1x1", "-o", tmp_path / "b", "--no-state", *dims).returncode == 0
+    with_state, without = read_plan(tmp_path / "a"), read_plan(tmp_path / "b")
+    cache = 4 * (4 * 2 * (63 + 64) * 8 * 4)   # four present tensors [4, 2, 127, 8] of float32
+    assert with_state.stages[0].memory_bytes - without.stages[0].memory_bytes == cache
+
+
 @pytest.mark.mpi
 def test_meshplan_run_takes_any_size_the_plan_accepts(tmp_path):
     """One ranged plan, two `meshplan run`s at different sizes, each checked by verify;

@@ -101,7 +101,11 @@ class LayerIlp:
                 if where is not None and start <= where < stop:
                     continue
                 if name in self._state_inputs:
-                    continue   # state arrives in whatever layout its reader takes (it stays there between calls)
+                    # state arrives in whatever layout its reader takes (it stays there between
+                    # calls), but whole: a state is never held as addends
+                    costs = costs + np.array([float("inf") if s.inputs[k] is not None and s.inputs[k].partial else 0.0
+                                              for s in strategies])
+                    continue
                 kind = "R" if name in inputs_set else b_in
                 arriving = boundary_spec(kind, tensors[name].split_sizes, mesh)
                 costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
@@ -112,7 +116,10 @@ class LayerIlp:
                 read_outside = any(not (start <= c < stop) for c in self._consumers.get(name, []))
                 leaves = name in self._outputs or read_outside
                 if leaves and name in self._state_outputs and not read_outside:
-                    continue   # state stays in the layout it is made in
+                    # state stays in the layout it is made in (whole: never as addends)
+                    costs = costs + np.array([float("inf") if s.outputs[k] is not None and s.outputs[k].partial else 0.0
+                                              for s in strategies])
+                    continue
                 if leaves:
                     kind = "R" if name in self._outputs and name not in self._state_outputs else b_out
                     target = boundary_spec(kind, tensors[name].split_sizes, mesh)

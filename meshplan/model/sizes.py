@@ -389,6 +389,7 @@ def derive_dims(model: onnx.ModelProto, sizes: Sizes) -> Sizes:
             derived[name] = form
     rest = [u for u in unknown if u not in derived]
     if rest:
+        model = _without_large_data(model)
         derived.update(_fit_from_graph(model, sizes, rest))
     rest = [u for u in rest if u not in derived]
     if rest and sizes.fixed:
@@ -413,6 +414,23 @@ def probe_point(sizes: Sizes) -> dict[str, int]:
         if point[name] == r.cost_size and r.hi > r.lo:
             point[name] = r.lo + r.step if r.lo + r.step != r.cost_size else r.lo
     return point
+
+
+def _without_large_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose large initializers keep their dims and type but not their
+    bytes (probing reads shapes and small constants only)."""
+    from meshplan.model.fold import SMALL_ELEMENTS
+
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    for tensor in light.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and math.prod(tensor.dims) > SMALL_ELEMENTS:
+            for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                tensor.ClearField(name)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            tensor.external_data.add(key="location", value="<shape only>")
+    return light
 
 
 def _probe(sizes: Sizes, shift: str | None = None) -> dict[str, int]:
