@@ -32,7 +32,6 @@ Every rank counts the bytes it sends per tensor during each call (``moved_bytes`
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +39,9 @@ import numpy as np
 
 from meshplan.errors import MeshplanError, RunError
 from meshplan.model.sizes import Sizes, expression_form
+from meshplan.runtime.call_sizes import CallSizes
 from meshplan.process_memory import peak_rss_bytes
-from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, read_plan
+from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan
 from meshplan.runtime.buffers import byte_view
 from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, ReportedElsewhere, _agree, _resharders, _world,
                                          choose_buffers)
@@ -284,8 +284,7 @@ class Job:
         if extra:
             raise RunError(f"the model has no input {extra[0]!r} (inputs: {', '.join(sorted(names | set(self.state_inputs)))})")
         feeds = []
-        found: dict[str, tuple[int, str, int]] = {}   # dim name → (size, input, axis)
-        checks: list[tuple[str, int, str, int]] = []
+        sizes = CallSizes(self.sizes)
         for spec in self.inputs:
             if spec.name not in plain:
                 raise RunError(f"input '{spec.name}' is missing")
@@ -294,30 +293,18 @@ class Job:
                 array = array.astype(object)
             if array.dtype != np.dtype(spec.dtype):
                 raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
-            self._match(spec, array.shape, found, checks)
-            feeds.append(np.ascontiguousarray(array))
+            sizes.add(spec, array.shape)
+            feeds.append(np.asarray(array, order="C"))
+        sizes.check_ranges()
         by_name = {t.name: t for t in self.plan.inputs}
-        self._check_ranges(found, {})
         for name in self.state_inputs:
             shape = np.shape(given_state[name]) if name in given_state else self.state_shapes.get(name)
             if shape is not None:
                 if name in given_state and np.asarray(given_state[name]).dtype != np.dtype(by_name[name].dtype):
                     raise RunError(f"state '{name}' has dtype {np.asarray(given_state[name]).dtype}, "
                                    f"the plan expects {by_name[name].dtype}")
-                self._match(by_name[name], shape, found, checks)
-        values = {n: v[0] for n, v in found.items()}
-        if self.sizes is not None:
-            for name, r in self.sizes.ranges.items():
-                values.setdefault(name, r.lo)    # an unset state, and nothing else says: the bottom
-            self._check_ranges(found, values)
-            values = self.sizes.resolve({n: values[n] for n in self.sizes.ranges})
-        for dim, size, where, axis in checks:
-            want = values.get(dim)
-            if want is None:
-                form = expression_form(dim, set(values))
-                want = form(values) if form is not None else None
-            if want is not None and want != size:
-                raise RunError(f"input '{where}' axis {axis} is {size}, but {dim} = {want} at this call's sizes")
+                sizes.add(by_name[name], shape)
+        values = sizes.values()
         create = {}
         for name in self.state_inputs:
             if name in given_state or self.state_shapes.get(name) is not None:
@@ -328,33 +315,6 @@ class Job:
                                "from the call's sizes", hint="set it with set_state, or pass it as an input")
             create[name] = shape
         return feeds, values, create
-
-    def _check_ranges(self, found: dict, values: dict) -> None:
-        """Every free dim's size is one its range accepts."""
-        if self.sizes is None:
-            return
-        for name, r in self.sizes.ranges.items():
-            size = values.get(name, found[name][0] if name in found else None)
-            if size is not None and not r.accepts(size):
-                where = f" (input '{found[name][1]}' axis {found[name][2]})" if name in found else ""
-                raise RunError(f"{name} = {size}{where} is not a size this plan accepts: {r.describe()}")
-
-    def _match(self, spec, shape, found, checks) -> None:
-        if len(shape) != len(spec.shape):
-            raise RunError(f"input '{spec.name}' has {len(shape)} dims, the plan expects {len(spec.shape)} "
-                           f"({spec.shape})")
-        for axis, (want, size) in enumerate(zip(spec.shape, shape)):
-            if isinstance(want, str):
-                if self.sizes is not None and want in self.sizes.ranges:
-                    if want in found and found[want][0] != size:
-                        first = found[want]
-                        raise RunError(f"input '{spec.name}' axis {axis} is {size} but input '{first[1]}' axis "
-                                       f"{first[2]} is {first[0]}: both are {want}")
-                    found.setdefault(want, (size, spec.name, axis))
-                else:
-                    checks.append((want, size, spec.name, axis))
-            elif want >= 0 and want != size:
-                raise RunError(f"input '{spec.name}' has shape {list(shape)}, the plan expects {spec.shape}")
 
     def _fill_run(self, header: np.ndarray, feeds: list[np.ndarray], create: dict, wanted: dict) -> None:
         k = 2
@@ -424,7 +384,7 @@ class Job:
 
         self._send_header(self._header(SET_STATE, fill))
         try:
-            self._scatter_state({n: np.ascontiguousarray(v) for n, v in values.items()})
+            self._scatter_state({n: np.asarray(v, order="C") for n, v in values.items()})
         except Exception as exc:
             raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
         for name, value in values.items():
@@ -491,7 +451,7 @@ class Job:
         self.sent[key] = self.sent.get(key, 0) + int(nbytes)
 
     def _run_call(self, header: np.ndarray, feeds: list[np.ndarray] | None) -> dict[str, np.ndarray]:
-        plan, stage, rank, comm, b = self.plan, self.stage, self.rank, self.comm, self.buffers
+        plan, stage, rank, b = self.plan, self.stage, self.rank, self.buffers
         MPI = self.MPI
         self.sent = {}
         self.program_seconds = 0.0
@@ -508,11 +468,13 @@ class Job:
                 continue
             array = feeds[index] if rank == 0 else np.empty(shape, dtype=spec.dtype)
             if group.Get_size() > 1:
-                if array.dtype == object:
-                    raise RunError(f"input '{spec.name}' holds strings, which cannot be sent to other ranks")
-                group.Bcast(byte_view(array), root=0)
+                if np.dtype(spec.dtype) == np.dtype(object):
+                    array, sent = _bcast_strings(group, array if rank == 0 else None, shape)
+                else:
+                    group.Bcast(byte_view(array), root=0)
+                    sent = array.nbytes
                 if rank == 0:
-                    self._send(spec.name, array.nbytes * (group.Get_size() - 1))
+                    self._send(spec.name, sent * (group.Get_size() - 1))
             received[spec.name] = array
         create = {}
         for spec in self.state_entries_specs():
@@ -588,17 +550,16 @@ class Job:
                     spec = self.state_specs[entry["input"]]
                     self.state[entry["input"]] = outs[local_name(entry["output"], spec)]
             for i, t in outgoing:
-                data = np.ascontiguousarray(b.to_host(outs[t.tensor]))
+                data = np.asarray(b.to_host(outs[t.tensor]), order="C")
                 if t.dst_stage == OUTPUT_COLLECTOR:
-                    data = np.ascontiguousarray(data[wanted[t.tensor][:data.ndim]])
+                    data = _take(data, wanted[t.tensor])
                 kept.append(np.array(data.shape, dtype=np.int64))
                 sends.append(comm.Isend(kept[-1], dest=t.dst_rank, tag=shape_tag + i))
                 kept.append(data)
                 sends.append(comm.Isend(byte_view(data), dest=t.dst_rank, tag=i))
                 self._send(t.tensor, data.nbytes)
             for t in local_outputs:
-                data = b.to_host(outs[t.tensor])
-                results[mb][t.tensor] = np.ascontiguousarray(data[wanted[t.tensor][:np.ndim(data)]])
+                results[mb][t.tensor] = _take(b.to_host(outs[t.tensor]), wanted[t.tensor])
         for mb in range(B):
             for i, t in incoming:
                 spec = next(o for o in plan.outputs if o.name == t.tensor)
@@ -636,7 +597,7 @@ class Job:
             if self.rank in holders:
                 if name not in self.state:
                     raise RunError(f"state '{name}' is not set")
-                local = np.ascontiguousarray(self.buffers.to_host(self.state[name]))
+                local = np.asarray(self.buffers.to_host(self.state[name]), order="C")
                 if self.rank == 0:
                     pieces[0] = local
                 else:
@@ -677,7 +638,7 @@ class Job:
             if self.rank == 0:
                 whole = values[name]
                 for r in stage.devices:
-                    piece = np.ascontiguousarray(whole[spec.local_slices(whole.shape, mesh, mesh.coord(r))])
+                    piece = np.asarray(whole[spec.local_slices(whole.shape, mesh, mesh.coord(r))], order="C")
                     if r == 0:
                         self.state[name] = self.buffers.from_host(piece)
                     else:
@@ -716,6 +677,33 @@ class Job:
             stats.trace.extend(item["trace"])
             stats.peak_rss_bytes.append(item["rss"])
         return stats
+
+
+def _take(data: np.ndarray, index: tuple) -> np.ndarray:
+    """``data[index]`` as a C-contiguous array (a 0-d one stays 0-d)."""
+    index = index[:np.ndim(data)]
+    return np.asarray(data[index] if index else data, order="C")
+
+
+def _bcast_strings(group, array: np.ndarray | None, shape: tuple) -> tuple[np.ndarray, int]:
+    """A string tensor from the group's rank 0 to the others, as bytes: each item's UTF-8
+    length, then every item's bytes."""
+    count = int(np.prod(shape))
+    if array is not None:
+        items = [str(x).encode() for x in array.reshape(-1)]
+        lengths = np.array([len(b) for b in items], dtype=np.int64)
+        data = np.frombuffer(b"".join(items), dtype=np.uint8).copy()
+    else:
+        lengths = np.empty(count, dtype=np.int64)
+    group.Bcast(lengths, root=0)
+    if array is None:
+        data = np.empty(int(lengths.sum()), dtype=np.uint8)
+    group.Bcast(data, root=0)
+    if array is not None:
+        return array, lengths.nbytes + data.nbytes
+    raw, offsets = data.tobytes(), np.concatenate([[0], np.cumsum(lengths)])
+    items = [raw[offsets[i]:offsets[i + 1]].decode() for i in range(count)]
+    return np.array(items, dtype=object).reshape(shape), lengths.nbytes + data.nbytes
 
 
 def _nbytes(buffers, value) -> int:

@@ -1,10 +1,12 @@
-"""The per-rank executor under mpiexec.
+"""``meshplan run`` under mpiexec, and what every driver of a job shares.
 
-Each rank loads its own program, receives its stage's boundary tensors for every
-microbatch by cross-mesh resharding (broadcasts and sends on group communicators),
-runs them in order (fill-drain), performs the collectives inside its stage's mesh, and
-hands its outputs on — all with mpi4py's buffer-based calls (never pickled objects).
-Rank 0 also collects the model outputs and writes them once.
+``run_rank`` is a driver of the resident job (``job.Job``): every rank loads its program
+once, then rank 0 makes ``--repeat`` calls on one inputs file and writes the outputs once.
+In each call a rank receives its stage's boundary tensors for every microbatch by
+cross-mesh resharding (broadcasts and sends on group communicators), runs them in order
+(fill-drain), performs the collectives inside its stage's mesh, and hands its outputs on —
+all with mpi4py's buffer-based calls (never pickled objects). This module also holds the
+start-up agreement, the mesh communicators, the transfer path and the trace writer.
 
 Failure handling: start-up checks (plan, rank count, files, inputs) run on every rank
 and the ranks agree on the outcome with one Allreduce, so all of them exit 1 and the
@@ -14,7 +16,6 @@ lowest failing rank reports; a failure after that aborts the whole job.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -23,16 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.errors import MeshplanError, RunError
-from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, read_plan
+from meshplan.plan_format import Plan
 from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import Step
 from meshplan.reshard.tasks import CrossMeshTransfer
-from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.sharding import LogicalMesh
 from meshplan.mpi_support import cuda_aware, load_mpi
 from meshplan.process_memory import peak_rss_bytes
-from meshplan.rank_layout import RankLayout, gather_layout, launch_advice, layout_mismatch
-from meshplan.providers import CPU, CUDA, cuda_device_count, cuda_provider, cuda_usable
-from meshplan.runtime.buffers import HOST, DeviceBuffers, byte_view
+from meshplan.providers import CPU, CUDA, cuda_provider
+from meshplan.runtime.buffers import HOST, DeviceBuffers
 from meshplan.runtime.collectives import axis_communicator, perform
 from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
 from meshplan.runtime.tensors import read_inputs, write_outputs
@@ -176,7 +176,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     job = Job(plan_dir, provider, transfer, check=check)
     if not job.is_driver:
         job.serve()
-        job_memory = _gather_memory(job.plan, plan_dir, _world()[1])
+        _gather_memory(job.plan, plan_dir, _world()[1])
         return None
     plan = job.plan
     inputs = held["inputs"]
@@ -237,26 +237,6 @@ def _gather_memory(plan: Plan, plan_dir: Path, comm) -> np.ndarray | None:
     return everyone
 
 
-def _event(name: str, rank: int, start: float, duration: float, mb: int) -> dict:
-    return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6,
-            "args": {"microbatch": mb}}
-
-
-def _gather_trace(events: list[dict], comm, MPI) -> list[dict]:
-    """Collect every rank's events on rank 0 as bytes (Gatherv on a byte buffer)."""
-    payload = np.frombuffer(json.dumps(events).encode(), dtype=np.uint8)
-    counts = np.zeros(comm.size, dtype=np.int64) if comm.rank == 0 else None
-    comm.Gather(np.array([len(payload)], dtype=np.int64), counts, root=0)
-    if comm.rank == 0:
-        received = np.empty(int(counts.sum()), dtype=np.uint8)
-        comm.Gatherv(payload, [received, counts, MPI.BYTE], root=0)
-        merged, offset = [], 0
-        for count in counts:
-            merged.extend(json.loads(received[offset:offset + count].tobytes() or b"[]"))
-            offset += count
-        return merged
-    comm.Gatherv(payload, None, root=0)
-    return []
 
 
 def write_trace(path: str | Path, events: list[dict], ranks: int, memory: list[dict] | None = None) -> None:

@@ -38,6 +38,10 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
             raise RunError(f"input '{spec.name}' has shape {list(array.shape)}, the plan expects {spec.shape}")
         if array.dtype != np.dtype(spec.dtype):
             raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
+    if plan.sizes:   # a ranged plan: the sizes must be ones it accepts, and agree
+        from meshplan.runtime.call_sizes import check_inputs
+
+        check_inputs(plan, {name: np.shape(a) for name, a in arrays.items()})
     return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs if spec.name in arrays}
 
 
