@@ -137,7 +137,10 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
                                        lambda: "cpu" if resolve_provider(provider) == CPU else DEFAULT_DEVICE)
         header = read_model(model, load_external_data=False)
         symbolic_dims(header)
-        dims = fixed_dims(dims)   # a range is profiled at its cost size
+        from meshplan.model.sizes import derive_dims, split_dims
+
+        # a range is profiled at its cost size; dims that follow from the given ones are derived
+        dims = derive_dims(header, split_dims(fixed_dims(dims))).resolve({})
         dims_sets = [("model", dict(dims))]
         for count in dict.fromkeys(microbatch_counts):
             batch, program_dims = batch_layout(header, dict(dims), count, tuple(batch_dim))

@@ -10,6 +10,7 @@ ranks (tests/mpi_scripts/generate_case.py).
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -284,3 +285,26 @@ def test_meshplan_run_takes_any_size_the_plan_accepts(tmp_path):
     done = run_mpi(2, "run", plan_dir, "--inputs", inputs)
     assert done.returncode == 1
     assert "batch_size = 5 (input 'input_ids' axis 0) is not a size this plan accepts: 1 to 4" in done.stderr
+
+
+def test_a_calls_sizes_are_checked_in_one_line_each(tmp_path):
+    """What rank 0 refuses before any rank hears of a call (and verify before it runs)."""
+    from meshplan.errors import RunError
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.call_sizes import check_inputs, shape_at
+
+    plan = read_plan(_plan(OPTIMUM, tmp_path / "p", "1x2", "--device", "cpu"))
+    good = {n: a.shape for n, a in _llm_feeds(2, 3, 4).items()}
+    values = check_inputs(plan, good)
+    assert values["past_sequence_length + sequence_length"] == 7
+    assert shape_at(["batch_size", 2, "past_sequence_length + sequence_length", 8], values) == (2, 2, 7, 8)
+    cases = [({"input_ids": (2, 65), "position_ids": (2, 65), "attention_mask": (2, 69)}, "sequence_length = 65 (input 'input_ids' axis 1) is not a size this plan "
+                                      "accepts: 1 to 64"),
+             ({"position_ids": (3, 3)}, "input 'position_ids' axis 0 is 3 but input 'input_ids' axis 0 is 2: both "
+                                        "are batch_size"),
+             ({"attention_mask": (2, 8)}, "input 'attention_mask' axis 1 is 8, but past_sequence_length + "
+                                          "sequence_length = 7 at this call's sizes"),
+             ({"past_key_values.0.key": (2, 3, 4, 8)}, "has shape [2, 3, 4, 8], the plan expects")]
+    for change, message in cases:
+        with pytest.raises(RunError, match=re.escape(message)):
+            check_inputs(plan, {**good, **change})

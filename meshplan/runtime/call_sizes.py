@@ -79,3 +79,22 @@ def check_inputs(plan, shapes: dict[str, tuple]) -> dict[str, int]:
         if spec.name in shapes:
             found.add(spec, shapes[spec.name])
     return found.values()
+
+
+def shape_at(shape: list, values: dict[str, int]) -> tuple | None:
+    """A spec's shape at a call's sizes; None where a dim does not follow from them."""
+    out = []
+    for d in shape:
+        if isinstance(d, str):
+            if d in values:
+                out.append(values[d])
+                continue
+            form = expression_form(d, set(values))
+            if form is None:
+                return None
+            out.append(form(values))
+        elif d < 0:
+            return None
+        else:
+            out.append(int(d))
+    return tuple(out)

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.errors import MeshplanError, RunError
-from meshplan.model.sizes import Sizes, expression_form
-from meshplan.runtime.call_sizes import CallSizes
+from meshplan.model.sizes import Sizes
+from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan
 from meshplan.runtime.buffers import byte_view
@@ -309,7 +309,7 @@ class Job:
         for name in self.state_inputs:
             if name in given_state or self.state_shapes.get(name) is not None:
                 continue
-            shape = _evaluate(by_name[name].shape, values)
+            shape = shape_at(by_name[name].shape, values)
             if shape is None:
                 raise RunError(f"state '{name}' is not set and its shape {by_name[name].shape} does not follow "
                                "from the call's sizes", hint="set it with set_state, or pass it as an input")
@@ -338,7 +338,7 @@ class Job:
     def _track_state(self, values: dict) -> None:
         by_name = {t.name: t for t in self.plan.outputs}
         for entry in self.state_entries:
-            self.state_shapes[entry["input"]] = _evaluate(by_name[entry["output"]].shape, values)
+            self.state_shapes[entry["input"]] = shape_at(by_name[entry["output"]].shape, values)
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -709,25 +709,6 @@ def _bcast_strings(group, array: np.ndarray | None, shape: tuple) -> tuple[np.nd
 def _nbytes(buffers, value) -> int:
     shape = buffers.shape(value)
     return int(np.prod(shape)) * np.dtype(value.dtype).itemsize
-
-
-def _evaluate(shape: list, values: dict[str, int]) -> tuple | None:
-    """A spec's shape at the call's sizes; None where a dim does not follow from them."""
-    out = []
-    for d in shape:
-        if isinstance(d, str):
-            if d in values:
-                out.append(values[d])
-                continue
-            form = expression_form(d, set(values))
-            if form is None:
-                return None
-            out.append(form(values))
-        elif d < 0:
-            return None
-        else:
-            out.append(int(d))
-    return tuple(out)
 
 
 def _event(name: str, rank: int, start: float, duration: float, mb: int) -> dict:

@@ -13,8 +13,10 @@ from meshplan.files import atomic_write_bytes
 from meshplan.plan_format import Plan
 
 
-def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
-    """Read an .npz of model inputs and check names, shapes and dtypes against the plan."""
+def read_inputs(path: str | Path, plan: Plan, empty_state: bool = False) -> dict[str, np.ndarray]:
+    """Read an .npz of model inputs and check names, shapes and dtypes against the plan.
+    State inputs may be missing (the job starts them empty); with ``empty_state`` they are
+    then made here, as zeros at the call's sizes."""
     path = Path(path)
     if not path.is_file():
         raise RunError(f"inputs file not found: {path}")
@@ -41,7 +43,19 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
     if plan.sizes:   # a ranged plan: the sizes must be ones it accepts, and agree
         from meshplan.runtime.call_sizes import check_inputs
 
-        check_inputs(plan, {name: np.shape(a) for name, a in arrays.items()})
+        values = check_inputs(plan, {name: np.shape(a) for name, a in arrays.items()})
+    else:
+        values = dict(plan.model.get("dims", {}))
+    if empty_state:
+        from meshplan.runtime.call_sizes import shape_at
+
+        for spec in plan.inputs:
+            if spec.name in optional and spec.name not in arrays:
+                shape = shape_at(spec.shape, values)
+                if shape is None:
+                    raise RunError(f"inputs file {path} has no state '{spec.name}' and its shape {spec.shape} does "
+                                   "not follow from the other inputs")
+                arrays[spec.name] = np.zeros(shape, dtype=spec.dtype)
     return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs if spec.name in arrays}
 
 
