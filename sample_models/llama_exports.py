@@ -16,8 +16,10 @@ heads (head size 8), intermediate 128, vocab 256, random weights (seeded):
 Regenerating them needs torch (CPU is enough), transformers, onnxscript and optimum-onnx,
 none of them dependencies of meshplan: ``python -m sample_models.llama_exports`` rewrites
 the committed files. The tests use the committed files and never import torch. torch
-2.13.0 (CPU), transformers 5.23.0 and optimum-onnx 0.1.0 wrote them; other versions may
-export different graphs.
+2.13.0 (CPU) wrote both; the dynamo export with transformers 5.23.0, the optimum one with
+optimum-onnx 0.1.0 and transformers 4.57.6 (optimum-onnx 0.1.0 needs transformers < 4.58,
+and onnxruntime for its dynamic-axes check); other versions may export different graphs.
+``--large PATH`` writes a 130M-parameter dynamo export for ``benchmarks/resident.py``.
 """
 
 from __future__ import annotations
