@@ -11,18 +11,28 @@ import click
 from meshplan.cost.cluster import DEVICE_PRESETS, Cluster, load_cluster_file, make_cluster, parse_mesh
 
 
-def parse_dims(ctx, param, values) -> dict[str, int]:
-    """``--dim NAME=INT`` (repeatable) → {NAME: INT}."""
-    dims: dict[str, int] = {}
+def parse_dims(ctx, param, values) -> dict:
+    """``--dim NAME=INT`` or ``--dim NAME=LO:HI[:STEP][@SIZE]`` (repeatable) → {NAME: INT or DimRange}.
+    The last ``=`` splits, so a name may hold one (exporters write ``past + seq``)."""
+    from meshplan.model.sizes import parse_size
+
+    dims: dict = {}
     for text in values:
-        name, sep, value = text.partition("=")
+        name, sep, value = text.rpartition("=")
         if not sep or not name.strip():
-            raise click.BadParameter(f"expected NAME=INT, got {text!r}", ctx, param)
+            raise click.BadParameter(f"expected NAME=INT or NAME=LO:HI, got {text!r}", ctx, param)
         try:
-            dims[name.strip()] = int(value)
-        except ValueError:
-            raise click.BadParameter(f"{name.strip()}={value!r} is not an integer", ctx, param) from None
+            dims[name.strip()] = parse_size(value)
+        except ValueError as exc:
+            raise click.BadParameter(f"{name.strip()}: {exc}", ctx, param) from None
     return dims
+
+
+def fixed_dims(dims: dict) -> dict[str, int]:
+    """Each ranged dim at its cost size (commands that work at one size)."""
+    from meshplan.model.sizes import DimRange
+
+    return {name: value.cost_size if isinstance(value, DimRange) else value for name, value in dims.items()}
 
 
 def parse_mesh_option(ctx, param, value) -> tuple[int, int] | None:
@@ -36,8 +46,10 @@ def parse_mesh_option(ctx, param, value) -> tuple[int, int] | None:
 
 
 dim_option = click.option(
-    "--dim", "dims", multiple=True, callback=parse_dims, metavar="NAME=INT",
-    help="Fix a symbolic dimension of the model's inputs (repeatable).",
+    "--dim", "dims", multiple=True, callback=parse_dims, metavar="NAME=INT|LO:HI[:STEP][@SIZE]",
+    help="Fix a symbolic dimension of the model's inputs to a size (0 included), or let it range from LO to HI "
+         "(in steps of STEP; costs taken at SIZE, default HI). Dims that follow from the others are derived "
+         "(repeatable).",
 )
 
 batch_dim_option = click.option(

@@ -33,10 +33,14 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
               help="How cross-mesh resharding tasks are ordered and given senders.")
 @click.option("--profile", "profile_path", type=click.Path(path_type=Path),
               help="Measured costs from meshplan profile (the analytic model fills the gaps).")
+@click.option("--state", "state_pairs", multiple=True, metavar="OUT=IN",
+              help="Output OUT is state: kept on its devices to be input IN of the next call (repeatable) "
+                   "[default: present.N.* = past_key_values.N.* pairs found by name].")
+@click.option("--no-state", is_flag=True, help="No state: every output goes to rank 0.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, policy, solver,
-         reshard_scheduler, profile_path, out_dir):
+         reshard_scheduler, profile_path, state_pairs, no_state, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.emit.report import TIMELINE_FILE, text_report
@@ -67,7 +71,17 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             profile = load_profile(profile_path, file_sha256(model), cluster)
             cluster, links = with_measured_links(cluster, profile)
             cost_model = ProfiledCostModel(cluster, profile)
-        result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model)
+        state = None
+        if no_state or state_pairs:
+            if no_state and state_pairs:
+                raise click.UsageError("--state and --no-state exclude each other")
+            state = {}
+            for text in state_pairs:
+                out, sep, name = text.partition("=")
+                if not sep or not out or not name:
+                    raise click.BadParameter(f"expected OUT=IN, got {text!r}", param_hint="--state")
+                state[out] = name
+        result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state)
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "

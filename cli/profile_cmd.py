@@ -14,7 +14,8 @@ from pathlib import Path
 import click
 
 from cli.guard import debugging, guard
-from cli.options import batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, mesh_option
+from cli.options import (batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, fixed_dims,
+                         mesh_option)
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
           "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
@@ -136,6 +137,10 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
                                        lambda: "cpu" if resolve_provider(provider) == CPU else DEFAULT_DEVICE)
         header = read_model(model, load_external_data=False)
         symbolic_dims(header)
+        from meshplan.model.sizes import derive_dims, split_dims
+
+        # a range is profiled at its cost size; dims that follow from the given ones are derived
+        dims = derive_dims(header, split_dims(fixed_dims(dims))).resolve({})
         dims_sets = [("model", dict(dims))]
         for count in dict.fromkeys(microbatch_counts):
             batch, program_dims = batch_layout(header, dict(dims), count, tuple(batch_dim))

@@ -39,7 +39,7 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
     with guard(debugging(ctx)):
         started = time.perf_counter()
         the_plan = read_plan(plan_dir)
-        inputs = read_inputs(inputs_path, the_plan)
+        inputs = read_inputs(inputs_path, the_plan, empty_state=True)
         why = "--stages" if by_stages else None
         if by_stages is None and needs_stages(the_plan, model_path):
             why = "the model's weights exceed half of the memory available"

@@ -21,6 +21,8 @@ from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
 from meshplan.errors import ModelError, PlanError
 from meshplan.model.graph import build_graph
 from meshplan.model.load import Rewrite, canonicalize, read_model, symbolic_dims
+from meshplan.model.sizes import Sizes, derive_dims, split_dims
+from meshplan.model.views import canonicalize_ranged
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
@@ -210,17 +212,124 @@ def small_constants(model: onnx.ModelProto, limit: int = SMALL_CONSTANT_ELEMENTS
     return found
 
 
-def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], workdir: Path,
-               options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None):
-    """Load, canonicalise (into ``workdir``) and plan, without writing programs.
+def state_pairs(header: onnx.ModelProto, given: dict[str, str] | None) -> dict[str, str]:
+    """State output → the input it becomes: ``given`` (``--state OUT=IN``; an empty dict turns
+    state off), else the pairs found by name (``present.N.key`` → ``past_key_values.N.key``,
+    ``present…`` → ``past…``) with the same element type and rank."""
+    initializers = {t.name for t in header.graph.initializer}
+    inputs = {v.name: v for v in header.graph.input if v.name not in initializers}
+    outputs = {v.name: v for v in header.graph.output}
+    if given is not None:
+        for out, name in given.items():
+            if out not in outputs:
+                raise PlanError(f"--state {out}={name}: the model has no output {out!r}")
+            if name not in inputs:
+                raise PlanError(f"--state {out}={name}: the model has no input {name!r}")
+            a, b = outputs[out].type.tensor_type, inputs[name].type.tensor_type
+            if a.elem_type != b.elem_type or len(a.shape.dim) != len(b.shape.dim):
+                raise PlanError(f"--state {out}={name}: the output and the input differ in element type or rank")
+        if len(set(given.values())) != len(given):
+            raise PlanError("--state names one input for two outputs")
+        return dict(given)
+    found = {}
+    for out, value in outputs.items():
+        candidates = []
+        if out.startswith("present."):
+            candidates.append("past_key_values." + out[len("present."):])
+        if out.startswith("present"):
+            candidates.append("past" + out[len("present"):])
+        for name in candidates:
+            if name in inputs and name not in found.values():
+                a, b = value.type.tensor_type, inputs[name].type.tensor_type
+                if a.elem_type == b.elem_type and len(a.shape.dim) == len(b.shape.dim):
+                    found[out] = name
+                    break
+    return found
+
+
+def _ranged_specs(header: onnx.ModelProto, graph_tensors, names, fixed: dict[str, int]) -> list[TensorSpec]:
+    """Full specs of a ranged plan's inputs or outputs: a dim that follows the sizes is its
+    name in the model (a free or derived dim), or -1 where the model names none."""
+    declared = {v.name: v for v in list(header.graph.input) + list(header.graph.output)}
+    specs = []
+    for name in names:
+        info = graph_tensors[name]
+        shape = list(info.shape)
+        value = declared.get(name)
+        dims = value.type.tensor_type.shape.dim if value is not None else []
+        for axis in info.ranged:
+            param = dims[axis].dim_param if axis < len(dims) else ""
+            shape[axis] = param if param and param not in fixed else -1
+        for axis in info.dynamic:
+            shape[axis] = -1
+        specs.append(TensorSpec(name, shape, info.dtype.name))
+    return specs
+
+
+def _plan_ranged(model_path: Path, header, cluster: Cluster, sizes: Sizes, workdir: Path, options: PlanOptions,
+                 cost_model, state: dict[str, str]):
+    if options.microbatches > 1:
+        raise PlanError("--microbatches needs fixed sizes; a plan for ranges of sizes runs one batch at a time",
+                        hint="use --microbatches 1, or fix the dims with --dim NAME=INT")
+    canonical, views = canonicalize_ranged(model_path, sizes, workdir)
+    graph = build_graph(canonical.model, views)
+    graph.state = dict(state)
+    cost = sizes.point("cost")
+    batch_dim, _ = _batch_place([v for v in header.graph.input if v.name in set(graph.inputs)], ())
+    size = cost.get(batch_dim, 1) if batch_dim else 1
+    batch = {"dim": batch_dim, "size": size, "microbatch_size": size, "batched_inputs": []}
+    model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(sizes.fixed)}
+    dtypes = compute_dtypes(graph)
+    if dtypes != ["float32"]:
+        model_info["compute_dtypes"] = dtypes
+    plan, shardings = plan_pipeline(
+        graph, cluster, options, model_info, batch,
+        _ranged_specs(header, graph.tensors, graph.inputs, sizes.fixed),
+        _ranged_specs(header, graph.tensors, graph.outputs, sizes.fixed),
+        small_constants(canonical.model), cost_model,
+    )
+    plan.sizes = sizes.to_dict()
+    return plan, shardings, canonical, graph
+
+
+def _record_state(plan: Plan, state: dict[str, str]) -> None:
+    for output, name in state.items():
+        holder = next((s for s in plan.stages if name in s.inputs), None)
+        maker = next((s for s in plan.stages if output in s.outputs), None)
+        stage = holder or maker
+        plan.state.append({"output": output, "input": name, "stage": stage.index,
+                           "spec": stage.input_specs.get(name) or stage.output_specs.get(output)})
+
+
+def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, workdir: Path,
+               options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None,
+               state: dict[str, str] | None = None):
+    """Load, canonicalise (into ``workdir``) and plan, without writing programs. ``dims``
+    maps each named dim to a size or a ``DimRange``; the model's other dims are derived
+    from them. ``state``: see ``state_pairs``.
 
     Returns the plan, the strategies of each sharded stage, the canonical model and its graph."""
     model_path = Path(model_path)
     header = read_model(model_path, load_external_data=False)
+    sizes = derive_dims(header, split_dims(dims))
+    pairs = state_pairs(header, state)
+    if pairs and options.microbatches > 1:
+        raise PlanError("state (" + ", ".join(f"{o}={i}" for o, i in pairs.items()) + ") needs --microbatches 1",
+                        hint="or turn state off with --no-state")
+    if sizes.is_ranged:
+        plan, shardings, canonical, graph = _plan_ranged(model_path, header, cluster, sizes, workdir, options,
+                                                         cost_model, pairs)
+        _record_state(plan, pairs)
+        return plan, shardings, canonical, graph
+    given = dict(dims)
+    dims = sizes.resolve({})
     batch, program_dims = batch_layout(header, dims, options.microbatches, options.batch_dim)
     canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches))
     graph = build_graph(canonical.model)
-    model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
+    graph.state = dict(pairs)
+    model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": given}
+    if sizes.derived:
+        model_info["dims"] = dims
     dtypes = compute_dtypes(graph)
     if dtypes != ["float32"]:                 # recorded where not float32 alone, as the report reads it
         model_info["compute_dtypes"] = dtypes
@@ -230,6 +339,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, 
         _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
         small_constants(canonical.model), cost_model,
     )
+    _record_state(plan, pairs)
     return plan, shardings, canonical, graph
 
 
@@ -238,6 +348,9 @@ def canonical_for_plan(plan: Plan, model_path: str | os.PathLike, workdir: Path)
     ``model_path`` (the planned model; its weights stay in their files): the same dims,
     batch layout and microbatch size as planning used, so its tensor names and shapes are
     the plan's."""
+    if plan.is_ranged:
+        raise PlanError("meshplan verify --stages runs plans for one size; this plan is for ranges of sizes",
+                        hint="use --whole-model")
     header = read_model(Path(model_path), load_external_data=False)
     batch = plan.batch
     if batch.get("dim"):
@@ -254,7 +367,7 @@ def canonical_for_plan(plan: Plan, model_path: str | os.PathLike, workdir: Path)
 def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | None = None, state: dict[str, str] | None = None,
 ) -> Plan:
     model_path = Path(model_path)
     out_dir = Path(out_dir)
@@ -263,14 +376,15 @@ def make_plan(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     header = read_model(model_path, load_external_data=False)
     symbolic_dims(header)  # reject unnamed dynamic dims early
-    batch_layout(header, dims, options.microbatches, options.batch_dim)  # reject bad batch options before any work
+    if not split_dims(dims).is_ranged:   # reject bad batch options before any work
+        batch_layout(header, derive_dims(header, split_dims(dims)).resolve({}), options.microbatches, options.batch_dim)
     check_solver(options.solver)  # and a solver that does not load here
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(staging, 0o755)
     try:
         workdir = staging / ".work"
         workdir.mkdir()
-        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model)
+        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model, state)
         emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))

@@ -15,7 +15,7 @@ from pathlib import Path
 from meshplan.errors import PlanError
 from meshplan.files import atomic_write_bytes, read_json
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2             # 2: ranged sizes and state (a plan without them is written as 1)
 PLAN_FILE = "plan.json"
 OUTPUT_COLLECTOR = -1          # dst_stage of a transfer that brings a model output to rank 0
 COLLECTIVE_DOMAIN = "meshplan"  # the domain of the collective nodes in the programs
@@ -29,7 +29,7 @@ def local_name(tensor: str, spec) -> str:
 @dataclass
 class TensorSpec:
     name: str
-    shape: list[int]
+    shape: list            # ints; in a ranged plan a dim that follows the sizes is its name (``Plan.sizes``)
     dtype: str
 
 
@@ -116,9 +116,18 @@ class Plan:
     estimate: dict
     solver: dict                      # what the search did: counts and sizes, never wall-clock times
     format_version: int = FORMAT_VERSION
+    # A ranged plan: ``meshplan.model.sizes.Sizes.to_dict()`` (fixed, ranged and derived dims)
+    sizes: dict = field(default_factory=dict)
+    # State: [{"output", "input", "stage", "spec"}], each output kept on its stage's devices in
+    # ``spec`` to be the next call's ``input``
+    state: list = field(default_factory=list)
     # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
     # written, so that the same command writes the same plan on any machine.
     timings: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_ranged(self) -> bool:
+        return bool(self.sizes.get("ranges"))
 
     @property
     def num_ranks(self) -> int:
@@ -143,6 +152,10 @@ class Plan:
     def to_dict(self) -> dict:
         body = asdict(self)
         body.pop("timings")
+        for key in ("sizes", "state"):   # absent when unused: such a plan reads as format 1
+            if not body[key]:
+                body.pop(key)
+        body["format_version"] = FORMAT_VERSION if ("sizes" in body or "state" in body) else 1
         body = {"format_version": body.pop("format_version"), "model_sha256": self.model_sha256, **body}
         body["checksum"] = _checksum(body)
         return body
@@ -170,6 +183,7 @@ class Plan:
                 reshardings=[Resharding(**r) for r in data["reshardings"]],
                 programs=[Program(**p) for p in data["programs"]],
                 estimate=data["estimate"], solver=data["solver"], format_version=version,
+                sizes=data.get("sizes", {}), state=data.get("state", []),
             )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan.json is malformed ({exc})") from None

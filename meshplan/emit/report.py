@@ -66,6 +66,10 @@ def text_report(plan: Plan) -> str:
     ]
     if "rewritten" in plan.batch:
         lines.insert(1, static_batch_line(plan.batch))
+    if plan.sizes:
+        lines.insert(1, sizes_line(plan))
+    if plan.state:
+        lines.insert(1, state_line(plan))
     for stage in plan.stages:
         devices = ",".join(str(d) for d in stage.devices)
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
@@ -90,6 +94,24 @@ def text_report(plan: Plan) -> str:
 
 
 RESHARDINGS_SHOWN = 6
+
+
+def sizes_line(plan: Plan) -> str:
+    """``sizes: batch 1 to 4 (costed at 4), …; memory at the top of every range; derived: …``."""
+    from meshplan.model.sizes import Sizes
+
+    sizes = Sizes.from_dict(plan.sizes)
+    text = ", ".join(f"{n} {r.describe()} (costed at {r.cost_size})" for n, r in sizes.ranges.items())
+    derived = [f"{n}" if f.text == n else f"{n} = {f.text}" for n, f in sizes.derived.items()]
+    return (f"sizes: {text}; memory at the top of every range"
+            + (f"; derived: {', '.join(derived)}" if derived else ""))
+
+
+def state_line(plan: Plan) -> str:
+    """``state: 4 output(s) kept on their devices for the next call (present.0.key -> … in RS1RR on stage 0, …)``."""
+    shown = ", ".join(f"{s['output']} -> {s['input']} ({s['spec']}, stage {s['stage']})" for s in plan.state[:2])
+    more = f", … {len(plan.state) - 2} more" if len(plan.state) > 2 else ""
+    return f"state: {len(plan.state)} output(s) kept on their devices for the next call: {shown}{more}"
 
 
 def static_batch_line(batch: dict) -> str:

@@ -37,6 +37,7 @@ from meshplan.reshard.steps import Step, reshard_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec, take
 from meshplan.intra.strategies import Strategy, derive, local_attributes, source_specs
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
+from meshplan.ops.view import LocalShape
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 from meshplan.emit.program_weights import PendingSlice, can_defer, placeholder
 
@@ -66,12 +67,13 @@ class _Builder:
         self.chain_nodes = {out: node for node in stage.graph.node for out in node.output if out in graph.chains}
         self.whole: set[str] = set()   # initializers this device also stores whole
         self._resharding: tuple[str, ShardingSpec, ShardingSpec] | None = None   # (tensor, spec, after) of the step emitted
+        self.pending_after: list[onnx.NodeProto] = []   # nodes that go right after the node being emitted
 
     def _describe(self, name: str, tensor: str, spec: ShardingSpec) -> None:
         info = self.graph.tensors[tensor]
         elem = helper.np_dtype_to_tensor_dtype(info.dtype)
         shape = list(spec.local_shape(info.shape, self.mesh))
-        for axis in info.dynamic:    # data-dependent: never split, its size known at run time
+        for axis in info.dynamic + info.ranged:   # data-dependent or ranged: its size known at run time
             shape[axis] = None
         self.value_info[name] = helper.make_tensor_value_info(name, elem, shape)
 
@@ -137,6 +139,8 @@ class _Builder:
             for k, (name, want) in enumerate(zip(node.inputs, strategy.inputs)):
                 if not name:
                     inputs.append("")
+                elif k in rewrites and isinstance(rewrites[k], LocalShape):
+                    inputs.append(self.local_shape_input(f"{node.name}@{layout}/input{k}", name, rewrites[k]))
                 elif k in rewrites:
                     inputs.append(self.constant(f"{node.name}@{layout}/input{k}/local",
                                                 np.array(rewrites[k], dtype=np.int64)))
@@ -227,6 +231,9 @@ class _Builder:
         index = self.mesh.axis_index(self.coord, step.axis)
         chunk = size // self.mesh.axis_size(step.axis)
         base = f"{out}/slice"
+        if step.dim in self.graph.tensors[tensor].ranged:   # its size follows the call: bounds computed then
+            self._runtime_slice(source, out, base, step.dim, index, self.mesh.axis_size(step.axis))
+            return
         if self.opset < 10:  # Slice took attributes before opset 10
             self.nodes.append(helper.make_node("Slice", [source], [out], name=base, starts=[index * chunk],
                                                ends=[(index + 1) * chunk], axes=[step.dim]))
@@ -235,6 +242,52 @@ class _Builder:
         ends = self.constant(f"{base}/ends", np.array([(index + 1) * chunk], dtype=np.int64))
         axes = self.constant(f"{base}/axes", np.array([step.dim], dtype=np.int64))
         self.nodes.append(helper.make_node("Slice", [source, starts, ends, axes], [out], name=base))
+
+
+    def _runtime_slice(self, source: str, out: str, base: str, dim: int, index: int, pieces: int) -> None:
+        """Slice piece ``index`` of ``pieces`` of ``dim``, its bounds from the tensor's shape at run time."""
+        size = f"{base}/size"
+        self.nodes.append(helper.make_node("Shape", [source], [size], name=size, start=dim, end=dim + 1))
+        chunk = f"{base}/chunk"
+        self.nodes.append(helper.make_node("Div", [size, self.constant(f"{base}/pieces", np.array([pieces], np.int64))],
+                                           [chunk], name=chunk))
+        starts, ends = f"{base}/starts", f"{base}/ends"
+        self.nodes.append(helper.make_node("Mul", [chunk, self.constant(f"{base}/index", np.array([index], np.int64))],
+                                           [starts], name=starts))
+        self.nodes.append(helper.make_node("Add", [starts, chunk], [ends], name=ends))
+        axes = self.constant(f"{base}/axes", np.array([dim], dtype=np.int64))
+        self.nodes.append(helper.make_node("Slice", [source, starts, ends, axes], [out], name=base))
+
+    def local_shape_input(self, base: str, name: str, rewrite: LocalShape) -> str:
+        """A shape input divided by the split at every size (``LocalShape``): computed now for a
+        constant, by Div/Where nodes for one computed at run time."""
+        if name in self.constants:
+            return self.constant(f"{base}/local", np.array(rewrite.apply(self.constants[name].reshape(-1)),
+                                                           dtype=np.int64))
+        source = self.ensure(name, ShardingSpec.replicated(len(self.graph.tensors[name].shape)))
+        divisors = self.constant(f"{base}/divisors", np.array(rewrite.divisors, dtype=np.int64))
+        divided, keep, local = f"{base}/divided", f"{base}/keep", f"{base}/local"
+        two = self.constant(f"{base}/two", np.array(2, dtype=np.int64))
+        self.nodes.append(helper.make_node("Div", [source, divisors], [divided], name=divided))
+        self.nodes.append(helper.make_node("Less", [source, two], [keep], name=keep))
+        self.nodes.append(helper.make_node("Where", [keep, source, divided], [local], name=local))
+        return local
+
+    def global_shape(self, node: onnx.NodeProto, spec: ShardingSpec, out: str) -> str:
+        """A Shape node on a split tensor: the local shape times the split, so that every shape
+        computation downstream sees the whole tensor's (as in the model). Returns the name the
+        Shape node writes."""
+        rank = len(spec.dims)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        start, end = attrs.get("start", 0), attrs.get("end", rank)
+        start, end = (start + rank if start < 0 else start), (end + rank if end < 0 else end)
+        shards = np.array([spec.shards(d, self.mesh) for d in range(rank)][max(start, 0):min(end, rank)], np.int64)
+        if not spec.split_axes() or (shards == 1).all():
+            return out
+        local = f"{out}/local"
+        factor = self.constant(f"{out}/shards", shards)
+        self.pending_after.append(helper.make_node("Mul", [local, factor], [out], name=f"{out}/whole"))
+        return local
 
 
 def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, Strategy],
@@ -266,15 +319,25 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
             spec = strategy.inputs[k] if k < len(strategy.inputs) else None
             if not name:
                 inputs.append("")
+            elif k in rewrites and isinstance(rewrites[k], LocalShape):
+                inputs.append(build.local_shape_input(f"{node.name}/input{k}", name, rewrites[k]))
             elif k in rewrites:
                 inputs.append(build.constant(f"{node.name}/input{k}/local", np.array(rewrites[k], dtype=np.int64)))
             elif name in weights:
                 inputs.append(build.weight(name, spec))
             elif graph.tensors[name].is_derived:
                 inputs.append(build.parameter(name, spec))
+            elif node.op_type == "Shape" and k == 0 and spec not in build.available.get(name, {}) \
+                    and build.available.get(name):
+                # a shape is the same in any layout: read the tensor as it is held (no gather)
+                spec = next(iter(build.available[name]))
+                strategy = Strategy((spec,) + strategy.inputs[1:], strategy.outputs, strategy.rewrites)
+                inputs.append(build.available[name][spec])
             else:
                 inputs.append(build.ensure(name, spec))
         outputs = [build.provide(name, spec) if name else "" for name, spec in zip(node.output, strategy.outputs)]
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and strategy.inputs[0] is not None:
+            outputs[0] = build.global_shape(node, strategy.inputs[0], outputs[0])
         local = onnx.NodeProto()
         local.CopyFrom(node)
         del local.input[:]
@@ -285,6 +348,8 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
             if attribute.name in attrs:
                 attribute.CopyFrom(helper.make_attribute(attribute.name, attrs[attribute.name]))
         build.nodes.append(local)
+        build.nodes.extend(build.pending_after)
+        build.pending_after.clear()
     outputs = [build.value_info[build.ensure(v.name, output_specs[v.name])] for v in stage.graph.output]
     inputs = [build.value_info[local_name(v.name, input_specs[v.name])] for v in stage.graph.input if v.name not in weights]
     boundary = {v.name for v in inputs + outputs}

@@ -126,7 +126,8 @@ def plan_pipeline(
     node_stage = np.empty(len(graph.nodes), dtype=np.int64)
     for stage in stages:
         node_stage[layering.bounds[stage.layers[0]]:layering.bounds[stage.layers[1]]] = stage.index
-    transfers, reshardings = _connect_stages(graph, stages, node_stage, layouts, cluster, options.reshard_scheduler)
+    transfers, reshardings = _connect_stages(graph, stages, node_stage, layouts, cluster, options.reshard_scheduler,
+                                             shardings)
     for resharding in reshardings:   # a stage's time includes handing its outputs on
         stages[resharding.src_stage].seconds += resharding.seconds
 
@@ -201,11 +202,15 @@ def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster) -> list[lis
 
 
 def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, layouts: dict[int, tuple[str, str]],
-                    cluster: Cluster, scheduler: str) -> tuple[list[Transfer], list[Resharding]]:
+                    cluster: Cluster, scheduler: str,
+                    shardings: dict[int, dict[str, Strategy]] | None = None) -> tuple[list[Transfer], list[Resharding]]:
     """Fill each stage's inputs and outputs with their specs; plan the cross-mesh
-    resharding of every tensor that goes from one stage to another (a data-dependent one
-    goes whole, by transfers: its shape first), and the transfers that bring model outputs
-    to rank 0."""
+    resharding of every tensor that goes from one stage to another (a data-dependent one,
+    or one whose size follows the call's in a ranged plan, goes whole, by transfers: its
+    shape first), and the transfers that bring model outputs to rank 0. State (an output
+    that is the next call's input, ``graph.state``) stays where it is: its input arrives in
+    the layout its reader takes and its output leaves in that same layout, on the same
+    devices, with no transfer."""
     producers = graph.producers()
     inputs = set(graph.inputs)
     outputs = set(graph.outputs)
@@ -221,15 +226,19 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
         stage.inputs = needed
     reshardings: list[Resharding] = []
     between: list[Transfer] = []
+    state_inputs = {i: o for o, i in graph.state.items()}
     for stage in stages:
         for name in stage.inputs:
+            if name in state_inputs:
+                stage.input_specs[name] = str(_state_spec(graph, name, stage, (shardings or {}).get(stage.index, {})))
+                continue
             if name in inputs:
                 stage.input_specs[name] = str(_spec("R", graph, name, stage))   # read from the inputs file
                 continue
             src = stages[node_stage[producers[name]]]
             if name not in src.outputs:
                 src.outputs.append(name)
-            if graph.tensors[name].is_data_dependent:
+            if graph.tensors[name].is_data_dependent or graph.tensors[name].ranged:
                 # its size is known at run time only: whole, one transfer per device of the
                 # destination, the shape sent first
                 stage.input_specs[name] = str(_spec("R", graph, name, stage))
@@ -248,9 +257,51 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
         src = stages[node_stage[producers[name]]]
         if name not in src.outputs:
             src.outputs.append(name)
+        if name in graph.state:
+            src.output_specs[name] = _state_output_spec(graph, name, graph.state[name], src, stages)
+            continue
         src.output_specs[name] = str(_spec("R", graph, name, src))
         transfers.append(_transfer(graph, name, src, OUTPUT_COLLECTOR, 0))
     return transfers, reshardings
+
+
+def _state_spec(graph: Graph, name: str, stage: Stage, strategies: dict[str, Strategy]) -> ShardingSpec:
+    """The layout a state input is held in: the one its paired output is made in (so that it
+    leaves with no resharding), else what its first reader that reads more than its shape
+    takes; replicated on one device, or where that layout does not fit both tensors."""
+    info = graph.tensors[name]
+    mesh = _mesh(stage)
+    output = next((o for o, i in graph.state.items() if i == name), None)
+    candidates = []
+    for node in graph.nodes:
+        if node.name not in stage.operators or node.name not in strategies:
+            continue
+        strategy = strategies[node.name]
+        if output is not None and output in node.outputs:
+            candidates.insert(0, strategy.outputs[node.outputs.index(output)])
+        elif name in node.inputs and node.op_type != "Shape":
+            candidates.append(strategy.inputs[node.inputs.index(name)])
+    for spec in candidates:
+        if spec is None or spec.partial or not spec.is_valid_for(info.split_sizes, mesh):
+            continue
+        if output is not None:
+            out = graph.tensors[output]
+            if len(out.shape) != len(info.shape) or not spec.is_valid_for(out.split_sizes, mesh):
+                continue
+        return spec
+    return ShardingSpec.replicated(len(info.shape))
+
+
+def _state_output_spec(graph: Graph, output: str, state_input: str, src: Stage, stages: list[Stage]) -> str:
+    """A state output leaves in its input's layout, from the stage that holds that input."""
+    holders = [s for s in stages if state_input in s.inputs]
+    if not holders:   # the next call does not read it: it is only kept
+        return str(ShardingSpec.replicated(len(graph.tensors[output].shape)))
+    if len(holders) > 1 or holders[0].index != src.index:
+        raise PlanError(f"state {output} -> {state_input}: the output is made in stage {src.index} but the input is "
+                        f"read in stage(s) {', '.join(str(s.index) for s in holders)}; state must stay on one set "
+                        "of devices", hint="plan with --max-stages 1, or without --state for this pair")
+    return src.input_specs[state_input]
 
 
 def _mesh(stage: Stage) -> LogicalMesh:
@@ -258,7 +309,7 @@ def _mesh(stage: Stage) -> LogicalMesh:
 
 
 def _spec(kind: str, graph: Graph, name: str, stage: Stage) -> ShardingSpec:
-    return boundary_spec(kind, graph.tensors[name].shape, _mesh(stage))
+    return boundary_spec(kind, graph.tensors[name].split_sizes, _mesh(stage))
 
 
 def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst: Stage, dst_spec: ShardingSpec,
@@ -275,5 +326,6 @@ def _resharding(graph: Graph, name: str, src: Stage, src_spec: ShardingSpec, dst
 
 def _transfer(graph: Graph, name: str, src: Stage, dst_stage: int, dst_rank: int) -> Transfer:
     info = graph.tensors[name]
-    shape = [-1 if axis in info.dynamic else d for axis, d in enumerate(info.shape)]   # data-dependent: sent first
+    # data-dependent or ranged: the actual shape is sent first
+    shape = [-1 if axis in info.dynamic or axis in info.ranged else d for axis, d in enumerate(info.shape)]
     return Transfer(name, src.index, dst_stage, src.devices[0], dst_rank, shape, info.dtype.name)

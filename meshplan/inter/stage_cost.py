@@ -16,7 +16,7 @@ from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass
-from meshplan.model.layers import Layering
+from meshplan.model.layers import Layering, cut_traffic
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,32 @@ class StageCosts:
         self._param_uses = np.cumsum(uses, axis=1)
         self._param_sizes = np.array([graph.tensors[p].nbytes for p in params], dtype=np.float64)
         self._layer_peak = self._peak_activation_per_layer(owner)
+        # memory counts a ranged plan's activations at its largest sizes
+        self._cut_peak = cut_traffic(graph, peak=True)[bounds] if graph.views else self._cut_bytes
+        # state (an output that is the next call's input) stays on the devices between calls,
+        # at its largest size: held like a weight by the stage that makes it
+        state = np.zeros(self.num_layers + 1)
+        producers = graph.producers()
+        for name in graph.state:
+            if name in producers:
+                state[owner[producers[name]] + 1] += graph.tensors[name].peak_nbytes
+        self._state_prefix = np.cumsum(state)
+        # ... and on one stage: the layers that read a state input or make its output stay together
+        consumers = graph.consumers()
+        self._state_spans = []
+        for output, name in graph.state.items():
+            layers = [int(owner[i]) for i in consumers.get(name, [])]
+            if output in producers:
+                layers.append(int(owner[producers[output]]))
+            if layers:
+                self._state_spans.append((min(layers), max(layers)))
 
     def _peak_activation_per_layer(self, owner: np.ndarray) -> np.ndarray:
         """A simple liveness bound per layer: the largest sum of one node's inputs and outputs."""
         peak = np.zeros(self.num_layers)
         tensors = self.graph.tensors
         for i, node in enumerate(self.graph.nodes):
-            live = sum(tensors[n].nbytes for n in set(node.inputs) | set(node.outputs) if n and not tensors[n].is_param)
+            live = sum(tensors[n].peak_nbytes for n in set(node.inputs) | set(node.outputs) if n and not tensors[n].is_param)
             peak[owner[i]] = max(peak[owner[i]], live)
         return peak
 
@@ -104,15 +123,19 @@ class StageCosts:
         """Seconds per microbatch, weights and activations per device, of layers [start, stop)
         on ``submesh`` viewed as ``logical``: one device runs them whole; larger submeshes
         shard them with the intra-operator ILP."""
+        last = stop - 1
+        if any(start <= hi and last >= lo and not (start <= lo and last >= hi) for lo, hi in self._state_spans):
+            return INFEASIBLE   # the stage would hold part of a state's readers and makers
         send = self.send_seconds(stop)
-        activations = float(self._layer_peak[start:stop].max()) + float(self._cut_bytes[start])
+        activations = float(self._layer_peak[start:stop].max()) + float(self._cut_peak[start])
+        state = float(self._state_prefix[stop] - self._state_prefix[start])
         if submesh == (1, 1):
-            return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop), activations)
+            return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop) + state, activations)
         if self.intra_op is None:
             return INFEASIBLE
         sharded = self.intra_op.stage(start, stop, submesh, logical)
         devices = submesh[0] * submesh[1]
-        return StageCost(sharded.seconds + send, sharded.param_bytes, activations / devices)
+        return StageCost(sharded.seconds + send, sharded.param_bytes + state / devices, activations / devices)
 
     def tables(self, submeshes: list[tuple[int, int]]):
         """Arrays (L, L, S, K) of seconds, parameter bytes and activation bytes for the DP.

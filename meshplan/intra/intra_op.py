@@ -127,7 +127,7 @@ class IntraOpPass:
                 names = {n for i in range(start, stop) for n in self.graph.nodes[i].outputs
                          if n and any(not (start <= c < stop) for c in self._consumers.get(n, []))}
             self._splittable[key] = any(
-                not boundary_spec("B", self.graph.tensors[n].shape, mesh).is_replicated for n in names)
+                not boundary_spec("B", self.graph.tensors[n].split_sizes, mesh).is_replicated for n in names)
         return kind if self._splittable[key] else "R"
 
     def _solve_layer(self, layer, submesh, logical, b_in, b_out, memory_limit=None) -> LayerSolution:

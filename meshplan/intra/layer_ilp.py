@@ -18,10 +18,13 @@ from meshplan.intra.policies import apply_policy
 from meshplan.intra.strategies import Strategy, node_strategies
 from meshplan.model.graph import Graph
 from meshplan.ops import entry
-from meshplan.reshard.steps import reshard_seconds
+from meshplan.reshard.steps import reshard_seconds, reshard_steps
 from meshplan.sharding import R, S0, S01, S1, LogicalMesh, ShardingSpec
 
 BOUNDARY_KINDS = ("R", "B")
+# Seconds added to any resharding of a state tensor that moves bytes: state stays where it
+# is made (a plan moves the cache only where nothing else can run, e.g. no rule splits its reader).
+STATE_MOVE_PENALTY = 1.0
 
 
 def boundary_spec(kind: str, shape: tuple[int, ...], mesh: LogicalMesh) -> ShardingSpec:
@@ -56,6 +59,8 @@ class LayerIlp:
         self._producers = graph.producers()
         self._consumers = graph.consumers()
         self._outputs = set(graph.outputs)
+        self._state_outputs = set(graph.state)
+        self._state_inputs = set(graph.state.values())
 
     def solve(self, start: int, stop: int, submesh, logical, b_in: str, b_out: str,
               memory_limit: float | None = None) -> tuple[LayerSolution, ShardingSolution]:
@@ -68,14 +73,20 @@ class LayerIlp:
         choices: list[list[Strategy]] = []
         inputs_set = set(self.graph.inputs)
 
+        state = self._state_outputs | self._state_inputs
+
         def reshard(src: ShardingSpec, dst: ShardingSpec | None, name: str) -> float:
             if dst is None:
                 return 0.0
             info = tensors[name]
             try:
-                return reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
+                seconds = reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
             except ValueError:
                 return float("inf")
+            if name in state and seconds < float("inf") and any(step.kind.name != "slice"
+                                                                 for step in reshard_steps(src, dst)):
+                seconds += STATE_MOVE_PENALTY
+            return seconds
 
         for i in range(start, stop):
             node = self.graph.nodes[i]
@@ -89,18 +100,29 @@ class LayerIlp:
                 where = self._producers.get(name)
                 if where is not None and start <= where < stop:
                     continue
+                if name in self._state_inputs:
+                    # state arrives in whatever layout its reader takes (it stays there between
+                    # calls), but whole: a state is never held as addends
+                    costs = costs + np.array([float("inf") if s.inputs[k] is not None and s.inputs[k].partial else 0.0
+                                              for s in strategies])
+                    continue
                 kind = "R" if name in inputs_set else b_in
-                arriving = boundary_spec(kind, tensors[name].shape, mesh)
+                arriving = boundary_spec(kind, tensors[name].split_sizes, mesh)
                 costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
             # Outputs that leave the layer are handed on in the boundary layout.
             for k, name in enumerate(node.outputs):
                 if not name:
                     continue
-                leaves = name in self._outputs or any(
-                    not (start <= c < stop) for c in self._consumers.get(name, []))
+                read_outside = any(not (start <= c < stop) for c in self._consumers.get(name, []))
+                leaves = name in self._outputs or read_outside
+                if leaves and name in self._state_outputs and not read_outside:
+                    # state stays in the layout it is made in (whole: never as addends)
+                    costs = costs + np.array([float("inf") if s.outputs[k] is not None and s.outputs[k].partial else 0.0
+                                              for s in strategies])
+                    continue
                 if leaves:
-                    kind = "R" if name in self._outputs else b_out
-                    target = boundary_spec(kind, tensors[name].shape, mesh)
+                    kind = "R" if name in self._outputs and name not in self._state_outputs else b_out
+                    target = boundary_spec(kind, tensors[name].split_sizes, mesh)
                     costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
             index_of[i] = len(nodes)
             nodes.append(IlpNode(node.name, costs, memory))

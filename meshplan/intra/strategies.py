@@ -120,6 +120,11 @@ def node_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
     slices of its sources (``derive``), and a tied source takes one layout (``tied_spec``).
     """
     found = rule_strategies(node, graph, mesh, constants, opset)
+    if graph.views and any(name and graph.tensors[name].ranged for name in node.inputs + node.outputs):
+        # a ranged plan: the strategy must hold at the other sizes looked at too
+        for view in graph.views.values():
+            held = {(s.inputs, s.outputs) for s in rule_strategies(node, view, mesh, constants, opset)}
+            found = [s for s in found if (s.inputs, s.outputs) in held]
     if not any(name and graph.tensors[name].is_param for name in node.inputs):
         return found
     return [s for s in found if s.is_replicated or _parameters_allow(node, s, graph, mesh, constants, opset)]
@@ -144,7 +149,7 @@ def rule_strategies(node: Node, graph: Graph, mesh: LogicalMesh,
     everything_r = _normalize(op, ((), tuple(R for _ in op.outs)))
     rules = [everything_r] + [r for r in dict.fromkeys(rules) if r != everything_r and _allowed(op, r, op_entry.partial_bias)]
     per_axis = [rules if mesh.shape[axis] > 1 else [everything_r] for axis in (0, 1)]
-    shapes = [None if i is None else i.shape for i in op.ins + op.outs]
+    shapes = [None if i is None else i.split_sizes for i in op.ins + op.outs]
     segmented = tensor_segments(graph)
     operand_segments = [segmented.get(name) if name else None for name in list(node.inputs) + list(node.outputs)]
     rewrite = op_entry.rewrite

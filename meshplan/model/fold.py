@@ -77,13 +77,22 @@ def is_loaded(tensor: onnx.TensorProto) -> bool:
     return tensor.data_location != onnx.TensorProto.EXTERNAL
 
 
-def fold_constants(model: onnx.ModelProto, limit: int = SMALL_ELEMENTS) -> onnx.ModelProto:
-    """Fold ``model`` in place (see the module's description) and return it."""
+def fold_constants(model: onnx.ModelProto, limit: int = SMALL_ELEMENTS,
+                   seen: dict[str, tuple[int, ...]] | None = None) -> onnx.ModelProto:
+    """Fold ``model`` in place (see the module's description) and return it. ``seen``, when
+    given, receives the static shape of every tensor any pass knew, folded ones included
+    (the shapes of a model whose nodes folding removes)."""
     overridable = {value.name for value in model.graph.input}
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
                  if t.name not in overridable and is_loaded(t) and prod(t.dims) <= limit}
-    while _fold_pass(model, constants, _tensor_types(infer_shapes(model)), limit):
-        pass
+    while True:
+        types = _tensor_types(infer_shapes(model))
+        if seen is not None:
+            seen.update((name, shape) for name, (_, shape) in types.items() if shape is not None)
+        if not _fold_pass(model, constants, types, limit):
+            break
+    if seen is not None:
+        seen.update((name, tuple(np.shape(value))) for name, value in constants.items())
     drop_dead_code(model)
     del model.graph.value_info[:]
     return model

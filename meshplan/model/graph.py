@@ -29,6 +29,22 @@ class TensorInfo:
     is_param: bool = False
     sources: tuple[str, ...] = ()   # a parameter expression: the initializers it is computed from
     dynamic: tuple[int, ...] = ()   # data-dependent dims (``bounds``): ``shape`` holds their upper bounds
+    # A plan for ranges of sizes (``views``): ``shape`` is at the cost sizes, ``peak`` at the
+    # top of every range, ``ranged`` the dims that follow the sizes of a call and ``grains``
+    # per dim the gcd of every size it takes (a split must divide it).
+    ranged: tuple[int, ...] = ()
+    peak: tuple[int, ...] | None = None
+    grains: tuple[int, ...] | None = None
+
+    @property
+    def split_sizes(self) -> tuple[int, ...]:
+        """What a split of each dim must divide: its size, or for a ranged dim every size."""
+        return self.shape if self.grains is None else self.grains
+
+    @property
+    def peak_nbytes(self) -> int:
+        """Bytes at the largest sizes the plan accepts."""
+        return prod(self.shape if self.peak is None else self.peak) * self.dtype.itemsize
 
     @property
     def is_data_dependent(self) -> bool:
@@ -66,6 +82,10 @@ class Graph:
     opset: int = DEFAULT_OPSET  # version of the default ONNX domain
     chains: dict[str, Node] = field(default_factory=dict)   # parameter expression → the node computing it
     memo: dict = field(default_factory=dict, repr=False, compare=False)   # the planner's per-graph caches
+    # A ranged plan: the same graph at other sizes ("top": every range at its top; "probe":
+    # sizes unlike the cost sizes), at each of which a strategy must hold too.
+    views: dict = field(default_factory=dict, repr=False, compare=False)
+    state: dict[str, str] = field(default_factory=dict)   # state output → the input it becomes in the next call
 
     def producers(self) -> dict[str, int]:
         """Tensor name → index of the node that produces it."""
@@ -109,9 +129,11 @@ def _value_info(value: onnx.ValueInfoProto, bounds: dict[str, int]) -> TensorInf
     return TensorInfo(value.name, shape, _dtype(tensor_type.elem_type, value.name), dynamic=dynamic)
 
 
-def build_graph(model: onnx.ModelProto) -> Graph:
+def build_graph(model: onnx.ModelProto, views=None) -> Graph:
     """Graph of a canonical model (static shapes everywhere but bounded data-dependent
-    dims, nodes topologically sorted)."""
+    dims, nodes topologically sorted). A ranged model's shapes come from ``views``
+    (``views.SizeViews``: the model at its cost and top sizes); its ``top`` is the same
+    graph at the top sizes."""
     g = model.graph
     bounds = read_bounds(model)
     tensors: dict[str, TensorInfo] = {}
@@ -119,7 +141,12 @@ def build_graph(model: onnx.ModelProto) -> Graph:
         tensors[init.name] = TensorInfo(init.name, tuple(init.dims), _dtype(init.data_type, init.name), True)
     for value in list(g.input) + list(g.value_info) + list(g.output):
         if value.name not in tensors and value.type.HasField("tensor_type"):
-            tensors[value.name] = _value_info(value, bounds)
+            tensors[value.name] = _value_info(value, bounds) if views is None else views.info(value)
+    if views is not None:
+        for node in g.node:
+            for name in node.output:
+                if name and name not in tensors:
+                    tensors[name] = views.info_of(name)
     nodes = []
     for node in g.node:
         for out in node.output:
@@ -135,4 +162,14 @@ def build_graph(model: onnx.ModelProto) -> Graph:
     for name in chains:
         tensors[name] = replace(tensors[name], is_param=True, sources=sources_of(name, chains, initializers))
     nodes = [node for node in nodes if not (node.outputs and node.outputs[0] in chains)]
-    return Graph(nodes=nodes, tensors=tensors, inputs=inputs, outputs=outputs, opset=opset, chains=chains)
+    graph = Graph(nodes=nodes, tensors=tensors, inputs=inputs, outputs=outputs, opset=opset, chains=chains)
+    if views is not None:
+        for label, shapes in (("top", None), ("probe", views.probe)):
+            if shapes is None:
+                other = {name: replace(info, shape=info.peak) if info.peak is not None else info
+                         for name, info in tensors.items()}
+            else:
+                other = {name: replace(info, shape=shapes.get(name, info.shape)) for name, info in tensors.items()}
+            graph.views[label] = Graph(nodes=nodes, tensors=other, inputs=inputs, outputs=outputs, opset=opset,
+                                       chains=chains)
+    return graph

@@ -37,8 +37,12 @@ class Layering:
         return owner
 
 
-def cut_traffic(graph: Graph) -> np.ndarray:
-    """bytes[p] = activation bytes crossing a cut placed just before node p (p = 0..n)."""
+def cut_traffic(graph: Graph, peak: bool = False) -> np.ndarray:
+    """bytes[p] = activation bytes crossing a cut placed just before node p (p = 0..n); at
+    the largest sizes a ranged plan accepts with ``peak``."""
+    def size(name: str) -> int:
+        return graph.tensors[name].peak_nbytes if peak else graph.tensors[name].nbytes
+
     n = len(graph.nodes)
     diff = np.zeros(n + 2, dtype=np.float64)
     producers = graph.producers()
@@ -47,12 +51,12 @@ def cut_traffic(graph: Graph) -> np.ndarray:
             continue  # graph inputs and weights are read by each stage directly
         start, stop = producers[name] + 1, readers[-1]
         if stop >= start:
-            diff[start] += graph.tensors[name].nbytes
-            diff[stop + 1] -= graph.tensors[name].nbytes
+            diff[start] += size(name)
+            diff[stop + 1] -= size(name)
     for name in graph.outputs:  # graph outputs leave their stage for the output writer
         if name in producers:
-            diff[producers[name] + 1] += graph.tensors[name].nbytes
-            diff[n + 1] -= graph.tensors[name].nbytes
+            diff[producers[name] + 1] += size(name)
+            diff[n + 1] -= size(name)
     traffic = np.cumsum(diff)[: n + 1]
     traffic[0] = traffic[n] = 0.0
     return traffic

@@ -104,17 +104,18 @@ def symbolic_dims(model: onnx.ModelProto) -> dict[str, list[str]]:
     return found
 
 
-def fix_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
+def fix_dims(model: onnx.ModelProto, dims: dict[str, int], symbolic: tuple[str, ...] = ()) -> onnx.ModelProto:
     """Return a copy whose graph inputs/outputs have the named dims set to integers.
 
-    Unknown names in ``dims`` and symbolic dims left unset are errors naming them.
+    Unknown names in ``dims`` and symbolic dims left unset (other than ``symbolic``, which
+    stay symbolic: ranged and derived dims) are errors naming them. A size may be 0.
     """
     present = symbolic_dims(model)
     unknown = sorted(set(dims) - set(present))
     if unknown:
         have = ", ".join(sorted(present)) or "none"
         raise ModelError(f"unknown dimension {unknown[0]!r} in --dim (the model's symbolic dims: {have})")
-    missing = sorted(set(present) - set(dims))
+    missing = sorted(set(present) - set(dims) - set(symbolic))
     if missing:
         name = missing[0]
         raise ModelError(
@@ -122,8 +123,8 @@ def fix_dims(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
             hint=f"fix it with --dim {name}=INT",
         )
     for name, value in dims.items():
-        if value <= 0:
-            raise ModelError(f"dimension {name!r} must be positive, got {value}")
+        if value < 0:
+            raise ModelError(f"dimension {name!r} cannot be negative, got {value}")
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
     for value in list(fixed.graph.input) + list(fixed.graph.output) + list(fixed.graph.value_info):

@@ -10,7 +10,7 @@ import numpy as np
 
 from meshplan.ops.pointwise import broadcast
 from meshplan.ops.registry import define, no_flops, rule
-from meshplan.ops.view import P, R, NoRule, OpView, Rule, need
+from meshplan.ops.view import P, R, LocalShape, NoRule, OpView, Rule, need
 
 
 def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -52,11 +52,18 @@ def _reshape(op: OpView) -> list[Rule]:
 
 
 def _rewrite_to_local_shape(index: int):
-    """The shape input ``index`` becomes the local output shape (needs an initializer)."""
+    """The shape input ``index`` becomes the local output shape (needs an initializer). In a
+    ranged plan, where the output's size follows the call's, the input is divided by the
+    split instead (``LocalShape``: the same entries for every size, computed at run time
+    where the input is)."""
     def rewrite(op: OpView, inputs, outputs, mesh):
         local = outputs[0].local_shape(op.out_shape, mesh)
         if local == tuple(op.out_shape):
             return ()
+        if op.outs[0].ranged or (op.graph.views and op.has_input(index) and not op.is_constant(index)):
+            divisors = tuple(outputs[0].shards(d, mesh) for d in range(len(op.out_shape)))
+            length = op.shape(index)[0] if op.shape(index) else len(divisors)
+            return ((index, LocalShape(divisors[len(divisors) - length:])),)
         return ((index, local),) if op.is_constant(index) else None
     return rewrite
 
@@ -75,7 +82,16 @@ define("Reshape", rule=_reshape, flops=no_flops, rewrite=_rewrite_to_local_shape
 define("Squeeze", rule=_reshape, flops=no_flops, rewrite=_squeeze_keeps_split_dims)
 define("Flatten", "Unsqueeze", rule=_reshape, flops=no_flops)
 # Data movement without a rule.
-define("GatherElements", "Shape", "ConstantOfShape", "Range", flops=no_flops)
+define("GatherElements", "ConstantOfShape", "Range", flops=no_flops)
+
+
+@rule("Shape", flops=no_flops)
+def _shape(op: OpView) -> list[Rule]:
+    """The shape of a tensor split anywhere (or partial) is one replicated vector: the
+    emitter scales the local shape back to the whole tensor's by the split. (Ranged plans,
+    where shapes are computed at run time; elsewhere shapes are folded.)"""
+    need(op.graph.views)
+    return [((d,), (R,)) for d in range(op.rank)] + [((P,), (R,))]
 
 
 @rule("Transpose", flops=no_flops)
@@ -132,6 +148,10 @@ def _slice(op: OpView) -> list[Rule]:
         starts, ends, axes, steps = (op.ints(None, i) for i in (1, 2, 3, 4))
         if (op.has_input(3) and axes is None) or (op.has_input(4) and steps is None):
             return linear
+    if (starts is None or ends is None) and axes is not None and op.graph.views:
+        # bounds computed at run time: the dims they cut are cut, the others are whole
+        cut = {op.axis(a) for a in axes}
+        return [((d,), (d,)) for d in range(len(shape)) if d not in cut] + linear
     if starts is None or ends is None:
         return linear
     axes = [op.axis(a) for a in (axes if axes is not None else range(len(starts)))]

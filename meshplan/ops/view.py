@@ -8,6 +8,7 @@ and each device holds an addend of the product.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
@@ -78,6 +79,20 @@ class OpView:
     def axis(self, value: int, rank: int | None = None) -> int:
         rank = self.rank if rank is None else rank
         return value + rank if value < 0 else value
+
+
+@dataclass(frozen=True)
+class LocalShape:
+    """A strategy's rewrite of a shape input that holds at every size (a ranged plan): each
+    entry divided by ``divisors[i]`` (how many pieces the output's dim i is split into)
+    where it is 2 or more, kept where it is 0, 1 or -1 (copy, broadcast, infer). The
+    emitter computes it for a constant input and inserts Div/Where nodes for one computed
+    at run time. ``divisors`` is aligned with the input's entries."""
+
+    divisors: tuple[int, ...]
+
+    def apply(self, values) -> tuple[int, ...]:
+        return tuple(int(v) // k if v >= 2 else int(v) for v, k in zip(values, self.divisors))
 
 
 class NoRule(Exception):

@@ -36,6 +36,7 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
         held: dict[int, dict[str, np.ndarray]] = {}   # rank → its local tensors
         for stage in plan.stages:
             local = {rank: {n: feeds[n] for n in stage.inputs if n in feeds} for rank in stage.devices}
+            _split_state_inputs(plan, stage, local)
             for r, transfer, schedule in transfers:
                 if r.dst_stage != stage.index:
                     continue
@@ -50,9 +51,42 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
                     local[t.dst_rank][t.tensor] = held[t.src_rank][t.tensor]
             held.update(_run_stage(stage, runners, local))
         lead = held[0]
-        outputs.append({spec.name: lead[spec.name] if spec.name in lead else _output_of(plan, held, spec.name)
+        kept = {s["output"]: s for s in plan.state}
+        outputs.append({spec.name: _state_output(plan, held, kept[spec.name]) if spec.name in kept
+                        else lead[spec.name] if spec.name in lead else _output_of(plan, held, spec.name)
                         for spec in plan.outputs})
     return join_microbatches(outputs, plan)
+
+
+def _split_state_inputs(plan: Plan, stage, local: dict[int, dict[str, np.ndarray]]) -> None:
+    """State inputs held split: each device gets its slice, under the program's name for it."""
+    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+    for entry in plan.state:
+        spec = ShardingSpec.parse(entry["spec"])
+        if entry["stage"] != stage.index or spec.is_replicated:
+            continue
+        for rank in stage.devices:
+            if entry["input"] in local[rank]:
+                whole = local[rank].pop(entry["input"])
+                box = spec.local_slices(whole.shape, mesh, mesh.coord(rank))
+                local[rank][local_name(entry["input"], spec)] = np.ascontiguousarray(whole[box])
+
+
+def _state_output(plan: Plan, held, entry: dict) -> np.ndarray:
+    """A state output put together from the slices its stage's devices hold."""
+    stage = plan.stages[entry["stage"]]
+    spec = ShardingSpec.parse(entry["spec"])
+    name = local_name(entry["output"], spec)
+    if spec.is_replicated:
+        return held[stage.devices[0]][name]
+    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+    pieces = {rank: held[rank][name] for rank in stage.devices}
+    first = pieces[stage.devices[0]]
+    shape = tuple(n * spec.shards(d, mesh) for d, n in enumerate(first.shape))
+    whole = np.empty(shape, dtype=first.dtype)
+    for rank, piece in pieces.items():
+        whole[spec.local_slices(shape, mesh, mesh.coord(rank))] = piece
+    return whole
 
 
 def _output_of(plan: Plan, held, name: str) -> np.ndarray:

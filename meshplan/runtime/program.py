@@ -119,8 +119,9 @@ class ProgramRunner:
             self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
-    def run(self, feeds: dict, collective_fn, buffers=HOST) -> dict:
-        """Run every segment; ``collective_fn(step, tensor) -> tensor`` performs collectives.
+    def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None) -> dict:
+        """Run every segment; ``collective_fn(step, tensor) -> tensor`` performs collectives
+        (``observe(name, tensor)``, when given, sees each collective's input first).
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
@@ -135,5 +136,7 @@ class ProgramRunner:
                     values.update(segment.session.run_bound(feeds_now, buffers))
             if segment.collective is not None:
                 c = segment.collective
+                if observe is not None:
+                    observe(c.input, values[c.input])
                 values[c.output] = collective_fn(c.step, values[c.input])
         return values

@@ -13,8 +13,10 @@ from meshplan.files import atomic_write_bytes
 from meshplan.plan_format import Plan
 
 
-def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
-    """Read an .npz of model inputs and check names, shapes and dtypes against the plan."""
+def read_inputs(path: str | Path, plan: Plan, empty_state: bool = False) -> dict[str, np.ndarray]:
+    """Read an .npz of model inputs and check names, shapes and dtypes against the plan.
+    State inputs may be missing (the job starts them empty); with ``empty_state`` they are
+    then made here, as zeros at the call's sizes."""
     path = Path(path)
     if not path.is_file():
         raise RunError(f"inputs file not found: {path}")
@@ -25,18 +27,38 @@ def read_inputs(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
         hint = "save string tensors as numpy str arrays (dtype str), not objects" if "Object arrays" in str(exc) else None
         raise RunError(f"cannot read inputs {path}: not a valid .npz file ({str(exc).splitlines()[0][:200]})",
                        hint=hint) from None
+    optional = {entry["input"] for entry in plan.state}   # state starts empty when not given
     for spec in plan.inputs:
+        if spec.name not in arrays and spec.name in optional:
+            continue
         if spec.name not in arrays:
             raise RunError(f"inputs file {path} has no array '{spec.name}' (the model's inputs: "
                            f"{', '.join(s.name for s in plan.inputs)})")
         array = arrays[spec.name]
         if array.dtype.kind == "U" and np.dtype(spec.dtype) == np.dtype(object):
             array = arrays[spec.name] = array.astype(object)   # numpy writes str arrays as fixed-width unicode
-        if list(array.shape) != list(spec.shape):
+        if len(array.shape) != len(spec.shape) or any(
+                isinstance(want, int) and want >= 0 and want != size for want, size in zip(spec.shape, array.shape)):
             raise RunError(f"input '{spec.name}' has shape {list(array.shape)}, the plan expects {spec.shape}")
         if array.dtype != np.dtype(spec.dtype):
             raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
-    return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs}
+    if plan.sizes:   # a ranged plan: the sizes must be ones it accepts, and agree
+        from meshplan.runtime.call_sizes import check_inputs
+
+        values = check_inputs(plan, {name: np.shape(a) for name, a in arrays.items()})
+    else:
+        values = dict(plan.model.get("dims", {}))
+    if empty_state:
+        from meshplan.runtime.call_sizes import shape_at
+
+        for spec in plan.inputs:
+            if spec.name in optional and spec.name not in arrays:
+                shape = shape_at(spec.shape, values)
+                if shape is None:
+                    raise RunError(f"inputs file {path} has no state '{spec.name}' and its shape {spec.shape} does "
+                                   "not follow from the other inputs")
+                arrays[spec.name] = np.zeros(shape, dtype=spec.dtype)
+    return {spec.name: np.asarray(arrays[spec.name], order="C") for spec in plan.inputs if spec.name in arrays}
 
 
 def split_microbatches(inputs: dict[str, np.ndarray], plan: Plan) -> list[dict[str, np.ndarray]]:

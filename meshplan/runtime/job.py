@@ -1,0 +1,733 @@
+"""A resident job: a plan loaded once on every rank, serving calls driven from rank 0.
+
+Under ``mpiexec`` every rank constructs ``Job(plan_dir)`` (collective): it checks the plan
+and its program, loads the program's sessions, and builds every communicator once (mesh
+axes, cross-mesh resharding groups, one broadcast group per model input). Then rank 0,
+the *driver*, makes calls (``run``, ``reset_state``, ``get_state``, ``set_state``) and
+the other ranks, the *workers*, ``serve``: each call starts with a small broadcast header
+(an int64 vector whose length the plan fixes: the operation, the call's input shapes, the
+state to create, the outputs asked for) and goes on with buffer-based transfers only.
+``close`` (or leaving the ``with`` block) sends the header that ends the workers' loop::
+
+    with meshplan.Job("plan/") as job:
+        if job is not None:                       # rank 0; the others served inside ``with``
+            out = job.run({"input_ids": ids, ...}, outputs={"logits": np.s_[:, -1:]})
+
+Each call has its own sizes (within the plan's ranges, ``plan.sizes``). A call the
+driver can check is refused there, with one line, before any rank hears of it: the job
+stays usable. A rank that fails during a call ends the whole job (one line on stderr,
+then ``MPI_Abort``): the others are waiting on it.
+
+State (``plan.state``): a state output is kept by the ranks that make it, in its
+planned layout, and is the next call's input on those ranks: it never goes to rank 0 nor
+between ranks, unless ``get_state``/``set_state`` ask. An unset state input is created
+as zeros at the call's sizes (its free dims that no other input gives at the bottom of
+their range: an empty cache).
+
+Only what rank 0 asks for reaches it: ``run(..., outputs=[names])`` or a dict of names to
+slices (``{"logits": np.s_[:, -1:]}``: the source rank cuts the slice before sending).
+Every rank counts the bytes it sends per tensor during each call (``moved_bytes``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from meshplan.errors import MeshplanError, RunError
+from meshplan.model.sizes import Sizes
+from meshplan.runtime.call_sizes import CallSizes, shape_at
+from meshplan.process_memory import peak_rss_bytes
+from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan
+from meshplan.runtime.buffers import byte_view
+from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, ReportedElsewhere, _agree, _resharders, _world,
+                                         choose_buffers)
+from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.sessions import check_program_files, providers_for
+from meshplan.runtime.tensors import join_microbatches, split_microbatches
+from meshplan.runtime.waiting import set_sleeping, wait_all
+from meshplan.sharding import LogicalMesh, ShardingSpec
+
+CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS = range(6)
+END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
+_SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
+
+
+@dataclass
+class CallStats:
+    """What one call did on every rank (``Job.stats``): seconds in the programs and bytes
+    sent, per tensor (a tensor's name without its layout)."""
+
+    program_seconds: list[float] = field(default_factory=list)     # per rank
+    sent_bytes: list[dict[str, int]] = field(default_factory=list)  # per rank: tensor → bytes
+    state_bytes: list[int] = field(default_factory=list)            # per rank: bytes of the state it holds
+    trace: list[dict] = field(default_factory=list)                 # Chrome trace events of the call
+    peak_rss_bytes: list[int] = field(default_factory=list)         # per rank
+
+    def bytes_of(self, names) -> int:
+        names = set(names)
+        return sum(n for per_rank in self.sent_bytes for t, n in per_rank.items() if t in names)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(sum(per_rank.values()) for per_rank in self.sent_bytes)
+
+
+def _base(name: str) -> str:
+    return name.split("@", 1)[0]
+
+
+class Job:
+    """See the module's description. Construct on every rank (collective)."""
+
+    def __init__(self, plan_dir: str | Path, provider: str = "auto", transfer: str = "auto", comm=None, check=None):
+        """``check(plan)``, when given, runs on rank 0 with the start-up checks: its error
+        stops every rank as theirs do."""
+        from meshplan.rank_layout import gather_layout, launch_advice, layout_mismatch
+
+        MPI, world = _world()
+        world = comm if comm is not None else world
+        self.MPI = MPI
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        layout = gather_layout(world, MPI)
+        error = None
+        try:
+            plan_dir = Path(plan_dir)
+            plan = read_plan(plan_dir)
+            if self.size != plan.num_ranks:
+                raise RunError(f"the plan needs {plan.num_ranks} ranks but the job has {self.size}",
+                               hint=f"start it as mpiexec -n {plan.num_ranks} ...")
+            hosts, per_host = plan.cluster["mesh"]
+            mismatch = layout_mismatch(layout, hosts, per_host)
+            if mismatch:
+                raise RunError(mismatch, hint=launch_advice(per_host))
+            path = check_program_files(plan, plan_dir, plan.program_of_rank(self.rank))
+            import os
+
+            from meshplan.providers import CUDA, cuda_device_count, cuda_usable
+
+            threads = max(1, (os.cpu_count() or 1) // layout.local_size)
+            device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
+            session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
+            buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
+            set_sleeping(session.providers[0] != CUDA)
+            if check is not None and self.rank == 0:
+                check(plan)
+        except MeshplanError as exc:
+            error = exc
+        except Exception as exc:  # must still reach the agreement, or the others wait forever
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            error = RunError(f"rank {self.rank} could not start: {text}")
+        _agree(world, MPI, error)
+        try:
+            self.plan, self.plan_dir, self.session, self.buffers = plan, plan_dir, session, buffers
+            self.transfer_path, self.provider = path_text, session.providers[0]
+            self.comm = world.Dup()
+            self.communicators = MeshCommunicators(plan, self.comm, MPI, buffers)
+            self.resharders = _resharders(plan, self.comm, buffers)
+            self._setup()
+        except Exception as exc:
+            raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
+        self.closed = False
+
+    # --- set-up shared by every rank -------------------------------------------------------
+
+    def _setup(self) -> None:
+        plan = self.plan
+        self.stage = plan.stage_of_rank(self.rank)
+        self.mesh = LogicalMesh(tuple(self.stage.logical_mesh), tuple(self.stage.devices))
+        self.sizes = Sizes.from_dict(plan.sizes) if plan.sizes else None
+        self.state_entries = list(plan.state)
+        self.state_inputs = {s["input"]: s for s in plan.state}
+        self.state_outputs = {s["output"]: s for s in plan.state}
+        self.inputs = [t for t in plan.inputs if t.name not in self.state_inputs]
+        self.outputs = [t for t in plan.outputs if t.name not in self.state_outputs]
+        self.state_specs = {s["input"]: ShardingSpec.parse(s["spec"]) for s in plan.state}
+        # one broadcast group per model input: rank 0 and the ranks whose stage reads it
+        self.groups = []
+        for spec in self.inputs:
+            readers = {r for s in plan.stages if spec.name in s.inputs for r in s.devices} | {0}
+            color = 0 if self.rank in readers else self.MPI.UNDEFINED
+            group = self.comm.Split(color, self.rank)
+            self.groups.append(group if self.rank in readers else None)
+        self.header_size = 2 + sum(len(t.shape) for t in self.inputs) + sum(1 + len(t.shape) for t in self.state_entries_specs()) \
+            + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
+        self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
+        self.state_shapes: dict[str, tuple | None] = {}   # on rank 0: each state's whole shape, where known
+        self.calls = 0
+        self.sent: dict[str, int] = {}
+        self.program_seconds = 0.0
+        self.trace: list[dict] = []
+
+    def state_entries_specs(self):
+        by_name = {t.name: t for t in self.plan.inputs}
+        return [by_name[s["input"]] for s in self.state_entries]
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def state_names(self) -> dict[str, str]:
+        """State output → the input it becomes."""
+        return {s["output"]: s["input"] for s in self.state_entries}
+
+    # --- the with-statement idiom (mpi4py's MPICommExecutor) ------------------------------------
+
+    def __enter__(self):
+        if self.is_driver:
+            return self
+        try:
+            self.serve()
+        except JobFailure as exc:
+            fail(exc)
+        return None
+
+    def __exit__(self, kind, exc, tb):
+        if not self.is_driver:
+            return False
+        if isinstance(exc, JobFailure):
+            fail(exc)
+        if not self.closed:
+            try:
+                self.close()
+            except JobFailure as failure:
+                fail(failure)
+        return False
+
+    # --- the driver -----------------------------------------------------------------------------
+
+    def _header(self, op: int, fill=None) -> np.ndarray:
+        header = np.zeros(self.header_size, dtype=np.int64)
+        header[0], header[1] = op, self.calls
+        if fill is not None:
+            fill(header)
+        return header
+
+    def _send_header(self, header: np.ndarray) -> None:
+        self.comm.Bcast(header, root=0)
+
+    def close(self) -> None:
+        """End the workers' loop (driver). The job's communicators are released on every rank."""
+        self._require_driver("close")
+        if self.closed:
+            return
+        self._send_header(self._header(CLOSE))
+        self._free()
+
+    def _free(self) -> None:
+        self.closed = True
+        try:
+            self.communicators.free()
+            for resharder in self.resharders:
+                resharder.free()
+            for group in self.groups:
+                if group is not None:
+                    group.Free()
+            self.comm.Free()
+        except Exception as exc:
+            raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
+
+    def _require_driver(self, what: str) -> None:
+        if not self.is_driver:
+            raise RunError(f"Job.{what} is for rank 0 (the driver); the other ranks serve")
+        if getattr(self, "closed", False):
+            raise RunError(f"Job.{what}: the job is closed")
+
+    def run(self, inputs: dict[str, np.ndarray], outputs=None) -> dict[str, np.ndarray]:
+        """One call (driver): ``inputs`` maps the model's inputs to arrays (state inputs may be
+        left out: the held state is used; given, they replace it). ``outputs``: the names to
+        bring to rank 0 (default: every output that is not state), or a dict of names to
+        slices. Returns those outputs."""
+        self._require_driver("run")
+        given_state = {n: v for n, v in inputs.items() if n in self.state_inputs}
+        plain = {n: v for n, v in inputs.items() if n not in self.state_inputs}
+        wanted = self._wanted(outputs)
+        feeds, values, create = self._check_call(plain, given_state)
+        if given_state:
+            self.set_state(given_state)
+        header = self._header(RUN, lambda h: self._fill_run(h, feeds, create, wanted))
+        self._send_header(header)
+        try:
+            result = self._run_call(header, feeds)
+        except Exception as exc:
+            raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
+        self.calls += 1
+        self._track_state(values)
+        return result
+
+    def _wanted(self, outputs) -> dict[str, tuple]:
+        names = [t.name for t in self.outputs]
+        if outputs is None:
+            return {n: () for n in names}
+        chosen = outputs if isinstance(outputs, dict) else {n: () for n in outputs}
+        wanted = {}
+        for name, index in chosen.items():
+            if name in self.state_outputs:
+                raise RunError(f"output '{name}' is state: read it with get_state")
+            if name not in names:
+                raise RunError(f"the model has no output {name!r} (outputs: {', '.join(names)})")
+            index = index if isinstance(index, tuple) else (index,)
+            if not all(isinstance(s, slice) and s.step in (None, 1) for s in index):
+                raise RunError(f"output '{name}': ask for slices with step 1 (np.s_[:, -1:]), got {index!r}")
+            wanted[name] = index
+        return wanted
+
+    def _check_call(self, plain: dict, given_state: dict):
+        """The call's feeds in plan order, every dim's size, and the state to create (its whole
+        shape) — or RunError, one line, before any rank hears of the call."""
+        names = {t.name for t in self.inputs}
+        extra = sorted(set(plain) - names)
+        if extra:
+            raise RunError(f"the model has no input {extra[0]!r} (inputs: {', '.join(sorted(names | set(self.state_inputs)))})")
+        feeds = []
+        sizes = CallSizes(self.sizes)
+        for spec in self.inputs:
+            if spec.name not in plain:
+                raise RunError(f"input '{spec.name}' is missing")
+            array = np.asarray(plain[spec.name])
+            if array.dtype.kind == "U" and np.dtype(spec.dtype) == np.dtype(object):
+                array = array.astype(object)
+            if array.dtype != np.dtype(spec.dtype):
+                raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
+            sizes.add(spec, array.shape)
+            feeds.append(np.asarray(array, order="C"))
+        sizes.check_ranges()
+        by_name = {t.name: t for t in self.plan.inputs}
+        for name in self.state_inputs:
+            shape = np.shape(given_state[name]) if name in given_state else self.state_shapes.get(name)
+            if shape is not None:
+                if name in given_state and np.asarray(given_state[name]).dtype != np.dtype(by_name[name].dtype):
+                    raise RunError(f"state '{name}' has dtype {np.asarray(given_state[name]).dtype}, "
+                                   f"the plan expects {by_name[name].dtype}")
+                sizes.add(by_name[name], shape)
+        values = sizes.values()
+        create = {}
+        for name in self.state_inputs:
+            if name in given_state or self.state_shapes.get(name) is not None:
+                continue
+            shape = shape_at(by_name[name].shape, values)
+            if shape is None:
+                raise RunError(f"state '{name}' is not set and its shape {by_name[name].shape} does not follow "
+                               "from the call's sizes", hint="set it with set_state, or pass it as an input")
+            create[name] = shape
+        return feeds, values, create
+
+    def _fill_run(self, header: np.ndarray, feeds: list[np.ndarray], create: dict, wanted: dict) -> None:
+        k = 2
+        for spec, array in zip(self.inputs, feeds):
+            header[k:k + len(spec.shape)] = array.shape
+            k += len(spec.shape)
+        for spec in self.state_entries_specs():
+            if spec.name in create:
+                header[k] = 1
+                header[k + 1:k + 1 + len(spec.shape)] = create[spec.name]
+            k += 1 + len(spec.shape)
+        for spec in self.outputs:
+            if spec.name in wanted:
+                header[k] = 1
+                box = list(wanted[spec.name]) + [slice(None)] * (len(spec.shape) - len(wanted[spec.name]))
+                for d, s in enumerate(box[:len(spec.shape)]):
+                    header[k + 1 + 2 * d] = 0 if s.start is None else s.start
+                    header[k + 2 + 2 * d] = END if s.stop is None else s.stop
+            k += 1 + 2 * len(spec.shape)
+
+    def _track_state(self, values: dict) -> None:
+        by_name = {t.name: t for t in self.plan.outputs}
+        for entry in self.state_entries:
+            self.state_shapes[entry["input"]] = shape_at(by_name[entry["output"]].shape, values)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def reset_state(self) -> None:
+        """Forget every state: the next call starts from empty (driver)."""
+        self._require_driver("reset_state")
+        self._send_header(self._header(RESET))
+        self.state.clear()
+        self.state_shapes = {}
+
+    def get_state(self, names=None) -> dict[str, np.ndarray]:
+        """The held state, gathered on rank 0, by input name (default: all) (driver)."""
+        self._require_driver("get_state")
+        chosen = self._state_mask(names)
+        self._send_header(self._header(GET_STATE, lambda h: self._fill_mask(h, chosen)))
+        try:
+            return self._gather_state(chosen)
+        except Exception as exc:
+            raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
+
+    def set_state(self, values: dict[str, np.ndarray]) -> None:
+        """Replace state inputs by these arrays (each sent to the ranks that hold it, in its
+        layout) (driver)."""
+        self._require_driver("set_state")
+        by_name = {t.name: t for t in self.plan.inputs}
+        for name, value in values.items():
+            if name not in self.state_inputs:
+                raise RunError(f"{name!r} is not a state input (state: {', '.join(self.state_inputs) or 'none'})")
+            array = np.asarray(value)
+            if array.ndim != len(by_name[name].shape) or array.dtype != np.dtype(by_name[name].dtype):
+                raise RunError(f"state '{name}' needs {len(by_name[name].shape)} dims of {by_name[name].dtype}, "
+                               f"got {list(array.shape)} {array.dtype}")
+            self._check_divides(name, array.shape)
+        chosen = [s["input"] in values for s in self.state_entries]
+
+        def fill(header):
+            self._fill_mask(header, chosen)
+            k = 2 + sum(len(t.shape) for t in self.inputs)
+            for spec in self.state_entries_specs():
+                if spec.name in values:
+                    header[k + 1:k + 1 + len(spec.shape)] = np.shape(values[spec.name])
+                k += 1 + len(spec.shape)
+
+        self._send_header(self._header(SET_STATE, fill))
+        try:
+            self._scatter_state({n: np.asarray(v, order="C") for n, v in values.items()})
+        except Exception as exc:
+            raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
+        for name, value in values.items():
+            self.state_shapes[name] = tuple(np.shape(value))
+
+    def _check_divides(self, name: str, shape) -> None:
+        entry = self.state_inputs[name]
+        stage = self.plan.stages[entry["stage"]]
+        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+        spec = self.state_specs[name]
+        if not spec.is_valid_for(tuple(shape), mesh):
+            raise RunError(f"state '{name}' of shape {list(shape)} cannot be split as the plan holds it ({spec} "
+                           f"over {stage.logical_mesh[0]}x{stage.logical_mesh[1]} devices)")
+
+    def _state_mask(self, names) -> list[bool]:
+        if names is None:
+            return [True] * len(self.state_entries)
+        names = [names] if isinstance(names, str) else list(names)
+        for name in names:
+            if name not in self.state_inputs:
+                raise RunError(f"{name!r} is not a state input (state: {', '.join(self.state_inputs) or 'none'})")
+        return [s["input"] in names for s in self.state_entries]
+
+    def _fill_mask(self, header: np.ndarray, chosen: list[bool]) -> None:
+        header[self.header_size - len(chosen):] = chosen
+
+    def stats(self) -> CallStats:
+        """What the last call did on every rank (driver; collective under the hood)."""
+        self._require_driver("stats")
+        self._send_header(self._header(STATS))
+        return self._gather_stats()
+
+    # --- the workers -----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Wait for calls from rank 0 and take part in them until the job closes (workers)."""
+        if self.is_driver:
+            raise RunError("Job.serve is for the workers; rank 0 drives")
+        header = np.empty(self.header_size, dtype=np.int64)
+        try:
+            while True:
+                self.comm.Bcast(header, root=0)
+                op = int(header[0])
+                if op == CLOSE:
+                    break
+                if op == RUN:
+                    self._run_call(header, None)
+                elif op == RESET:
+                    self.state.clear()
+                elif op == GET_STATE:
+                    self._gather_state(list(header[self.header_size - len(self.state_entries):].astype(bool)))
+                elif op == SET_STATE:
+                    self._scatter_state(None, header)
+                elif op == STATS:
+                    self._gather_stats()
+        except Exception as exc:
+            raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
+        self._free()
+
+    # --- one call on every rank ------------------------------------------------------------------
+
+    def _send(self, tensor: str, nbytes: int) -> None:
+        key = _base(tensor)
+        self.sent[key] = self.sent.get(key, 0) + int(nbytes)
+
+    def _run_call(self, header: np.ndarray, feeds: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+        plan, stage, rank, b = self.plan, self.stage, self.rank, self.buffers
+        MPI = self.MPI
+        self.sent = {}
+        self.program_seconds = 0.0
+        origin = MPI.Wtime()
+        self.trace = []
+        # the call's inputs, from rank 0 to the ranks that read them
+        k = 2
+        received: dict[str, np.ndarray] = {}
+        for index, spec in enumerate(self.inputs):
+            shape = tuple(int(d) for d in header[k:k + len(spec.shape)])
+            k += len(spec.shape)
+            group = self.groups[index]
+            if group is None:
+                continue
+            array = feeds[index] if rank == 0 else np.empty(shape, dtype=spec.dtype)
+            if group.Get_size() > 1:
+                if np.dtype(spec.dtype) == np.dtype(object):
+                    array, sent = _bcast_strings(group, array if rank == 0 else None, shape)
+                else:
+                    group.Bcast(byte_view(array), root=0)
+                    sent = array.nbytes
+                if rank == 0:
+                    self._send(spec.name, sent * (group.Get_size() - 1))
+            received[spec.name] = array
+        create = {}
+        for spec in self.state_entries_specs():
+            if header[k]:
+                create[spec.name] = tuple(int(d) for d in header[k + 1:k + 1 + len(spec.shape)])
+            k += 1 + len(spec.shape)
+        wanted = {}
+        for spec in self.outputs:
+            if header[k]:
+                wanted[spec.name] = tuple(slice(int(header[k + 1 + 2 * d]),
+                                                None if header[k + 2 + 2 * d] == END else int(header[k + 2 + 2 * d]))
+                                          for d in range(len(spec.shape)))
+            k += 1 + 2 * len(spec.shape)
+        for name, shape in create.items():
+            if name in stage.inputs:
+                spec = self.state_specs[name]
+                self.state[name] = b.from_host(np.zeros(spec.local_shape(shape, self.mesh),
+                                                        dtype=self._dtype_of(name)))
+        micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
+        results = self._microbatches(micro, wanted, origin)
+        return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
+
+    def _dtype_of(self, name: str) -> str:
+        return next(t.dtype for t in self.plan.inputs if t.name == name)
+
+    def _microbatches(self, micro: list[dict], wanted: dict, origin: float) -> list[dict]:
+        plan, stage, rank, comm, b, MPI = self.plan, self.stage, self.rank, self.comm, self.buffers, self.MPI
+        B = plan.microbatches
+        arriving = [(r, x) for r, x in zip(plan.reshardings, self.resharders) if r.dst_stage == stage.index]
+        leaving = [(r, x) for r, x in zip(plan.reshardings, self.resharders) if r.src_stage == stage.index]
+        whole = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.dst_stage == stage.index]
+        outgoing = [(i, t) for i, t in enumerate(plan.transfers)
+                    if t.src_rank == rank and t.dst_rank != rank
+                    and (t.dst_stage != OUTPUT_COLLECTOR or t.tensor in wanted)]
+        incoming = [(i, t) for i, t in enumerate(plan.transfers)
+                    if rank == 0 and t.dst_stage == OUTPUT_COLLECTOR and t.src_rank != 0 and t.tensor in wanted]
+        local_outputs = [t for t in plan.transfers
+                         if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank and t.tensor in wanted]
+        shape_tag = len(plan.transfers)
+        results = [dict() for _ in range(B)] if rank == 0 else []
+        sends, kept = [], []
+        for mb in range(B):
+            feeds = {}
+            waited = MPI.Wtime()
+            for r, resharder in arriving:
+                feeds[local_name(r.tensor, ShardingSpec.parse(r.dst_spec))] = resharder.run(None)
+            for i, t in whole:   # from an earlier stage, whole: its shape, then it
+                shape = np.empty(len(t.shape), dtype=np.int64)
+                comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
+                value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
+                comm.Recv(byte_view(value), source=t.src_rank, tag=i)
+                feeds[t.tensor] = b.from_host(value)
+            for name in stage.inputs:
+                if name in micro[mb]:
+                    feeds[name] = b.from_host(micro[mb][name])
+                elif name in self.state_inputs:
+                    if name not in self.state:
+                        raise RunError(f"state '{name}' is not set on rank {rank}")
+                    feeds[local_name(name, self.state_specs[name])] = self.state[name]
+            started = MPI.Wtime()
+            outs = self.session.run(feeds, self.communicators, b, observe=self._observe)
+            finished = MPI.Wtime()
+            self.program_seconds += finished - started
+            if started - waited > 1e-5:
+                self.trace.append(_event("wait", rank, waited - origin, started - waited, mb))
+            self.trace.append(_event(f"stage {stage.index}", rank, started - origin, finished - started, mb))
+            for r, resharder in leaving:
+                value = outs[local_name(r.tensor, ShardingSpec.parse(r.src_spec))]
+                resharder.run(value)
+                self._send(r.tensor, _nbytes(b, value))
+            for entry in self.state_entries:
+                if entry["stage"] == stage.index:
+                    spec = self.state_specs[entry["input"]]
+                    self.state[entry["input"]] = outs[local_name(entry["output"], spec)]
+            for i, t in outgoing:
+                data = np.asarray(b.to_host(outs[t.tensor]), order="C")
+                if t.dst_stage == OUTPUT_COLLECTOR:
+                    data = _take(data, wanted[t.tensor])
+                kept.append(np.array(data.shape, dtype=np.int64))
+                sends.append(comm.Isend(kept[-1], dest=t.dst_rank, tag=shape_tag + i))
+                kept.append(data)
+                sends.append(comm.Isend(byte_view(data), dest=t.dst_rank, tag=i))
+                self._send(t.tensor, data.nbytes)
+            for t in local_outputs:
+                results[mb][t.tensor] = _take(b.to_host(outs[t.tensor]), wanted[t.tensor])
+        for mb in range(B):
+            for i, t in incoming:
+                spec = next(o for o in plan.outputs if o.name == t.tensor)
+                shape = np.empty(len(spec.shape), dtype=np.int64)
+                comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
+                value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
+                comm.Recv(byte_view(value), source=t.src_rank, tag=i)
+                results[mb][t.tensor] = value
+        wait_all(sends, MPI)
+        return results
+
+    def _observe(self, name: str, value) -> None:
+        """A collective inside a program: count the bytes this rank puts in."""
+        self._send(name, _nbytes(self.buffers, value))
+
+    # --- state on every rank --------------------------------------------------------------------
+
+    def _holders(self, entry: dict) -> list[int]:
+        """The ranks that send a state's pieces: one per distinct piece."""
+        stage = self.plan.stages[entry["stage"]]
+        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+        used = set(ShardingSpec.parse(entry["spec"]).split_axes())
+        return [r for r in stage.devices if all(mesh.coord(r)[a] == 0 for a in (0, 1) if a not in used)]
+
+    def _gather_state(self, chosen: list[bool]) -> dict[str, np.ndarray]:
+        found = {}
+        for index, (entry, take) in enumerate(zip(self.state_entries, chosen)):
+            if not take:
+                continue
+            name, spec = entry["input"], ShardingSpec.parse(entry["spec"])
+            stage = self.plan.stages[entry["stage"]]
+            mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+            holders = self._holders(entry)
+            pieces = {}
+            if self.rank in holders:
+                if name not in self.state:
+                    raise RunError(f"state '{name}' is not set")
+                local = np.asarray(self.buffers.to_host(self.state[name]), order="C")
+                if self.rank == 0:
+                    pieces[0] = local
+                else:
+                    self.comm.Send(np.array(local.shape, dtype=np.int64), dest=0, tag=_STATE_TAG + 2 * index)
+                    self.comm.Send(byte_view(local), dest=0, tag=_STATE_TAG + 2 * index + 1)
+                    self._send(name, local.nbytes)
+            if self.rank == 0:
+                for r in holders:
+                    if r == 0:
+                        continue
+                    shape = np.empty(len(spec.dims), dtype=np.int64)
+                    self.comm.Recv(shape, source=r, tag=_STATE_TAG + 2 * index)
+                    pieces[r] = np.empty(tuple(int(d) for d in shape), dtype=self._dtype_of(name))
+                    self.comm.Recv(byte_view(pieces[r]), source=r, tag=_STATE_TAG + 2 * index + 1)
+                first = pieces[holders[0]]
+                whole_shape = tuple(n * spec.shards(d, mesh) for d, n in enumerate(first.shape))
+                whole = np.empty(whole_shape, dtype=first.dtype)
+                for r, piece in pieces.items():
+                    whole[spec.local_slices(whole_shape, mesh, mesh.coord(r))] = piece
+                found[name] = whole
+        return found
+
+    def _scatter_state(self, values: dict | None, header: np.ndarray | None = None) -> None:
+        k = 2 + sum(len(t.shape) for t in self.inputs)
+        shapes = {}
+        for spec in self.state_entries_specs():
+            if header is not None:
+                shapes[spec.name] = tuple(int(d) for d in header[k + 1:k + 1 + len(spec.shape)])
+            k += 1 + len(spec.shape)
+        chosen = [s["input"] in values for s in self.state_entries] if values is not None else \
+            list(header[self.header_size - len(self.state_entries):].astype(bool))
+        for index, (entry, take) in enumerate(zip(self.state_entries, chosen)):
+            if not take:
+                continue
+            name, spec = entry["input"], ShardingSpec.parse(entry["spec"])
+            stage = self.plan.stages[entry["stage"]]
+            mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+            if self.rank == 0:
+                whole = values[name]
+                for r in stage.devices:
+                    piece = np.asarray(whole[spec.local_slices(whole.shape, mesh, mesh.coord(r))], order="C")
+                    if r == 0:
+                        self.state[name] = self.buffers.from_host(piece)
+                    else:
+                        self.comm.Send(byte_view(piece), dest=r, tag=_STATE_TAG + 2 * index)
+                        self._send(name, piece.nbytes)
+            elif self.rank in stage.devices:
+                local = np.empty(spec.local_shape(shapes[name], mesh), dtype=self._dtype_of(name))
+                self.comm.Recv(byte_view(local), source=0, tag=_STATE_TAG + 2 * index)
+                self.state[name] = self.buffers.from_host(local)
+
+    def state_bytes(self) -> int:
+        """Bytes of the state this rank holds."""
+        return sum(_nbytes(self.buffers, v) for v in self.state.values())
+
+    def _gather_stats(self) -> CallStats:
+        import json
+
+        mine = json.dumps({"seconds": self.program_seconds, "sent": self.sent,
+                           "state_bytes": self.state_bytes(), "trace": self.trace,
+                           "rss": peak_rss_bytes()}).encode()
+        payload = np.frombuffer(mine, dtype=np.uint8)
+        counts = np.zeros(self.size, dtype=np.int64) if self.rank == 0 else None
+        self.comm.Gather(np.array([len(payload)], dtype=np.int64), counts, root=0)
+        if self.rank != 0:
+            self.comm.Gatherv(payload, None, root=0)
+            return CallStats()
+        received = np.empty(int(counts.sum()), dtype=np.uint8)
+        self.comm.Gatherv(payload, [received, counts, self.MPI.BYTE], root=0)
+        stats, offset = CallStats(), 0
+        for count in counts:
+            item = json.loads(received[offset:offset + count].tobytes())
+            offset += count
+            stats.program_seconds.append(item["seconds"])
+            stats.sent_bytes.append(item["sent"])
+            stats.state_bytes.append(item["state_bytes"])
+            stats.trace.extend(item["trace"])
+            stats.peak_rss_bytes.append(item["rss"])
+        return stats
+
+
+def _take(data: np.ndarray, index: tuple) -> np.ndarray:
+    """``data[index]`` as a C-contiguous array (a 0-d one stays 0-d)."""
+    index = index[:np.ndim(data)]
+    return np.asarray(data[index] if index else data, order="C")
+
+
+def _bcast_strings(group, array: np.ndarray | None, shape: tuple) -> tuple[np.ndarray, int]:
+    """A string tensor from the group's rank 0 to the others, as bytes: each item's UTF-8
+    length, then every item's bytes."""
+    count = int(np.prod(shape))
+    if array is not None:
+        items = [str(x).encode() for x in array.reshape(-1)]
+        lengths = np.array([len(b) for b in items], dtype=np.int64)
+        data = np.frombuffer(b"".join(items), dtype=np.uint8).copy()
+    else:
+        lengths = np.empty(count, dtype=np.int64)
+    group.Bcast(lengths, root=0)
+    if array is None:
+        data = np.empty(int(lengths.sum()), dtype=np.uint8)
+    group.Bcast(data, root=0)
+    if array is not None:
+        return array, lengths.nbytes + data.nbytes
+    raw, offsets = data.tobytes(), np.concatenate([[0], np.cumsum(lengths)])
+    items = [raw[offsets[i]:offsets[i + 1]].decode() for i in range(count)]
+    return np.array(items, dtype=object).reshape(shape), lengths.nbytes + data.nbytes
+
+
+def _nbytes(buffers, value) -> int:
+    shape = buffers.shape(value)
+    return int(np.prod(shape)) * np.dtype(value.dtype).itemsize
+
+
+def _event(name: str, rank: int, start: float, duration: float, mb: int) -> dict:
+    return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6,
+            "args": {"microbatch": mb}}
+
+
+def _line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def fail(exc: BaseException) -> None:
+    """End the whole job after a rank's failure: its one line on stderr, then MPI_Abort (the
+    other ranks are waiting on it). The one place the library writes and exits: an MPI job
+    has no other way to stop its ranks."""
+    sys.stderr.write(f"meshplan: error: {_line(exc)}\n")
+    sys.stderr.flush()
+    MPI, world = _world()
+    world.Abort(1)
+
+
+__all__ = ["CallStats", "Job", "JobFailure", "ReportedElsewhere", "fail"]
