@@ -381,6 +381,10 @@ def derive_dims(model: onnx.ModelProto, sizes: Sizes) -> Sizes:
     ones; ModelError naming a dim that does not follow from them."""
     present = input_dims(model)
     given = set(sizes.fixed) | set(sizes.ranges)
+    strangers = sorted(given - set(present))
+    if strangers:
+        have = ", ".join(sorted(present)) or "none"
+        raise ModelError(f"unknown dimension {strangers[0]!r} in --dim (the model's symbolic dims: {have})")
     unknown = sorted(set(present) - given)
     derived: dict[str, Affine] = {}
     for name in unknown:   # names that say what they are
