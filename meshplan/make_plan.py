@@ -25,7 +25,7 @@ from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
-from meshplan.emit.report import TIMELINE_FILE, render_timeline
+from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 
 
 def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int,
@@ -210,14 +210,17 @@ def small_constants(model: onnx.ModelProto, limit: int = SMALL_CONSTANT_ELEMENTS
 
 
 def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], workdir: Path,
-               options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None):
+               options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None, weights: str = "read"):
     """Load, canonicalise (into ``workdir``) and plan, without writing programs.
 
+    ``weights`` is ``canonicalize``'s: ``"read"`` when programs will be emitted from the
+    canonical model, ``"unread"`` or ``"absent"`` for a plan alone.
     Returns the plan, the strategies of each sharded stage, the canonical model and its graph."""
     model_path = Path(model_path)
     header = read_model(model_path, load_external_data=False)
     batch, program_dims = batch_layout(header, dims, options.microbatches, options.batch_dim)
-    canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches))
+    canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches),
+                             weights)
     graph = build_graph(canonical.model)
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": dict(dims)}
     dtypes = compute_dtypes(graph)
@@ -253,8 +256,16 @@ def canonical_for_plan(plan: Plan, model_path: str | os.PathLike, workdir: Path)
 def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | None = None, programs: bool = True, shapes_only: bool = False,
 ) -> Plan:
+    """Plan ``model_path`` and write the plan directory ``out_dir``: plan.json, the timeline
+    and, unless ``programs`` is False, one program per device. Without programs no weight
+    byte is read (the external data files are only checked to be there and long enough,
+    so sparse ones do); ``shapes_only`` (which implies no programs) does not even look for
+    them."""
+    if shapes_only:
+        programs = False
+    weights = "read" if programs else "absent" if shapes_only else "unread"
     model_path = Path(model_path)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / PLAN_FILE).exists())):
@@ -268,10 +279,13 @@ def make_plan(
     try:
         workdir = staging / ".work"
         workdir.mkdir()
-        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model)
-        emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
+        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model,
+                                                       weights)
+        if programs:
+            emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
+        (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
         write_plan(plan, staging)
         _replace_dir(staging, out_dir)
         return plan

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.errors import MeshplanError, RunError
-from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, read_plan
+from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, read_plan, require_programs
 from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import Step
 from meshplan.reshard.tasks import CrossMeshTransfer
@@ -131,6 +131,7 @@ def _start(plan_dir: Path, inputs_path: Path, output_path: Path | None, provider
     """This rank's start-up checks and session. No collective calls in here: a rank that
     fails part-way must still reach the agreement in ``_agree``."""
     plan = read_plan(plan_dir)
+    require_programs(plan, plan_dir)
     if comm.size != plan.num_ranks:
         raise RunError(
             f"the plan needs {plan.num_ranks} ranks but the job has {comm.size}",
