@@ -30,7 +30,7 @@ from meshplan.intra.strategies import Strategy
 @dataclass(frozen=True)
 class PlanOptions:
     microbatches: int = 1
-    num_layers: int | None = None      # default: max(32, 2 × devices), at most the node count
+    num_layers: int | None = None      # default: max(32, 2 × devices), at most 128 and the node count
     solver: str = "cbc"                # the intra-operator ILP's solver: cbc or highs
     max_stages: int | None = None      # at most this many pipeline stages
     policy: str = "auto"               # strategy policy inside stages (see policies.py)
@@ -39,22 +39,32 @@ class PlanOptions:
     batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
 
 
+MAX_DEFAULT_LAYERS = 128   # the stage DP's work grows with the cube of the layer count
+
+
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:
-    return min(len(graph.nodes), max(32, 2 * cluster.num_devices))
+    return min(len(graph.nodes), max(32, 2 * cluster.num_devices), MAX_DEFAULT_LAYERS)
 
 
 def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, constants) -> Layering:
     """Cluster into the default number of layers, unless a count that lines the cuts up with
     the model's repeated block (see ``repeat_period``) gives fewer distinct layer structures:
-    identical layers share their sharding ILPs, which is what keeps planning fast."""
+    identical layers share their sharding ILPs, which is what keeps planning fast.
+
+    Block-aligned counts are one, two, three or four blocks a layer, and on meshes of more
+    than 32 devices also half or a quarter of a block, from a quarter of the default count
+    up (on smaller meshes from the device count up, so that every device can have a layer)."""
     most = default_num_layers(graph, cluster)
     candidates = [most]
     period = repeat_period(graph)
     if period:
         blocks = len(graph.nodes) // period
-        for per_layer in (1, 2, 3, 4):
-            if blocks % per_layer == 0 and max(cluster.num_devices, most // 4) <= blocks // per_layer <= most:
-                candidates.append(blocks // per_layer)
+        large = cluster.num_devices > 32
+        least = most // 4 if large else max(cluster.num_devices, most // 4)
+        counts = [blocks // per_layer for per_layer in (1, 2, 3, 4) if blocks % per_layer == 0]
+        if large:
+            counts += [2 * blocks, 4 * blocks]
+        candidates.extend(count for count in counts if least <= count <= most)
     best = None
     for count in dict.fromkeys(candidates):
         layering = cluster_layers(graph, node_seconds, count)

@@ -25,7 +25,7 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.errors import PlanError
 from meshplan.model.layers import Layering
 from meshplan.intra import ilp
-from meshplan.intra.chain import StageSharding, best_chain
+from meshplan.intra.chain import Chain, StageSharding, best_chain
 from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
@@ -148,8 +148,29 @@ class IntraOpPass:
         return self._chain(start, stop, submesh, logical, lean=True)
 
     def _chain(self, start, stop, submesh, logical, lean: bool) -> StageSharding:
-        return best_chain(range(start, stop), lambda layer, b_in, b_out: self._split_weights(
-            layer, submesh, logical, b_in, b_out, lean), lean)
+        return best_chain(range(start, stop), self._solutions(submesh, logical, lean), lean)
+
+    def _solutions(self, submesh, logical, lean: bool):
+        return lambda layer, b_in, b_out: self._split_weights(layer, submesh, logical, b_in, b_out, lean)
+
+    def stage_row(self, start: int, submesh: tuple[int, int], logical: tuple[int, int]):
+        """``(seconds, param_bytes)`` of ``stage(start, stop, …)`` for stop = start + 1 … L, in
+        order, from one pass over the layers (the same numbers ``stage`` gives)."""
+        fast = Chain(self._solutions(submesh, logical, False), False)
+        lean = None
+        memory = self.cluster.device.memory_bytes
+        for layer in range(start, self.layering.num_layers):
+            fast.extend(layer)
+            if lean is not None:
+                lean.extend(layer)
+            totals = fast.totals()
+            if totals[1] > memory:
+                if lean is None:
+                    lean = Chain(self._solutions(submesh, logical, True), True)
+                    for earlier in range(start, layer + 1):
+                        lean.extend(earlier)
+                totals = lean.totals()
+            yield totals
 
     def _split_weights(self, layer, submesh, logical, b_in, b_out, lean) -> LayerSolution:
         """The layer's solution with ``param_bytes`` the weights only this layer reads and

@@ -56,56 +56,83 @@ class LayerIlp:
         self._producers = graph.producers()
         self._consumers = graph.consumers()
         self._outputs = set(graph.outputs)
+        self._reshard_memo: dict[tuple, dict] = {}   # (submesh, logical) → (src, dst, shape, itemsize) → seconds
+        self._inputs = set(graph.inputs)
+        self._last_body: tuple | None = None          # the latest layer body, reused by its sibling ILPs
 
     def solve(self, start: int, stop: int, submesh, logical, b_in: str, b_out: str,
               memory_limit: float | None = None) -> tuple[LayerSolution, ShardingSolution]:
         """Every operator's strategy for layer nodes [start, stop), and the solver's answer."""
         mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+        tensors = self.graph.tensors
+        body = self._body(start, stop, submesh, logical, mesh)
+        reshard = body.reshard
+        nodes = []
+        for offset, (i, strategies, costs, memory) in enumerate(zip(range(start, stop), body.choices, body.costs,
+                                                                        body.memory)):
+            node = self.graph.nodes[i]
+            # Inputs from outside the layer arrive in the boundary layout (model inputs replicated).
+            for k, name in body.entering[offset]:
+                kind = "R" if name in self._inputs else b_in
+                arriving = boundary_spec(kind, tensors[name].shape, mesh)
+                costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
+            # Outputs that leave the layer are handed on in the boundary layout.
+            for k, name in body.leaving[offset]:
+                kind = "R" if name in self._outputs else b_out
+                target = boundary_spec(kind, tensors[name].shape, mesh)
+                costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
+            nodes.append(IlpNode(node.name, costs, memory))
+        problem, recover = fold_followers(ShardingProblem(nodes, body.edges, memory_limit), body.heavy)
+        result = solve(problem, self.solver)
+        full = recover(result.choices)
+        picked = [body.choices[offset][full[offset]] for offset in range(stop - start)]
+        slices = {}
+        for i, strategy in zip(range(start, stop), picked):
+            slices.update(self.costs.param_slices(self.graph.nodes[i], strategy, mesh))
+        return LayerSolution(result.objective, picked, held_bytes(slices), result.variables, result.constraints,
+                             slices), result
+
+    def _body(self, start: int, stop: int, submesh, logical, mesh: LogicalMesh) -> "_LayerBody":
+        """What a layer's ILPs on one logical mesh share whatever its boundary layouts: the
+        strategies, compute and weight costs of its operators and the resharding on the
+        edges inside it (built once per layer range and mesh, for the four boundary
+        combinations and the memory-lean variant)."""
+        key = (start, stop, submesh, logical)
+        if self._last_body is not None and self._last_body[0] == key:
+            return self._last_body[1]
         collectives = self.costs.collectives(submesh, logical)
         tensors = self.graph.tensors
-        index_of = {}
-        nodes: list[IlpNode] = []
-        choices: list[list[Strategy]] = []
-        inputs_set = set(self.graph.inputs)
+        memo = self._reshard_memo.setdefault((submesh, logical), {})
 
         def reshard(src: ShardingSpec, dst: ShardingSpec | None, name: str) -> float:
             if dst is None:
                 return 0.0
             info = tensors[name]
-            try:
-                return reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
-            except ValueError:
-                return float("inf")
+            key = (src, dst, info.shape, info.dtype.itemsize)
+            seconds = memo.get(key)
+            if seconds is None:
+                try:
+                    seconds = reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
+                except ValueError:
+                    seconds = float("inf")
+                memo[key] = seconds
+            return seconds
 
+        body = _LayerBody(reshard)
         for i in range(start, stop):
             node = self.graph.nodes[i]
-            strategies = apply_policy(self.policy, node, self.graph, node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
-            costs = np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies])
-            memory = np.array([self.costs.param_bytes(node, s, mesh) for s in strategies])
-            # Inputs from outside the layer arrive in the boundary layout (model inputs replicated).
-            for k, name in enumerate(node.inputs):
-                if not name or tensors[name].is_param:
-                    continue
-                where = self._producers.get(name)
-                if where is not None and start <= where < stop:
-                    continue
-                kind = "R" if name in inputs_set else b_in
-                arriving = boundary_spec(kind, tensors[name].shape, mesh)
-                costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
-            # Outputs that leave the layer are handed on in the boundary layout.
-            for k, name in enumerate(node.outputs):
-                if not name:
-                    continue
-                leaves = name in self._outputs or any(
-                    not (start <= c < stop) for c in self._consumers.get(name, []))
-                if leaves:
-                    kind = "R" if name in self._outputs else b_out
-                    target = boundary_spec(kind, tensors[name].shape, mesh)
-                    costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
-            index_of[i] = len(nodes)
-            nodes.append(IlpNode(node.name, costs, memory))
-            choices.append(strategies)
-        edges = []
+            strategies = apply_policy(self.policy, node, self.graph,
+                                      node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
+            body.choices.append(strategies)
+            body.costs.append(np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies]))
+            body.memory.append(np.array([self.costs.param_bytes(node, s, mesh) for s in strategies]))
+            body.entering.append([(k, name) for k, name in enumerate(node.inputs)
+                                  if name and not tensors[name].is_param
+                                  and not (start <= self._producers.get(name, -1) < stop)])
+            body.leaving.append([(k, name) for k, name in enumerate(node.outputs)
+                                 if name and (name in self._outputs or any(
+                                     not (start <= c < stop) for c in self._consumers.get(name, [])))])
+            body.heavy.append(entry(node.op_type, node.domain).heavy)
         for i in range(start, stop):
             node = self.graph.nodes[i]
             for k, name in enumerate(node.inputs):
@@ -113,16 +140,20 @@ class LayerIlp:
                 if where is None or not (start <= where < stop):
                     continue
                 out_index = self.graph.nodes[where].outputs.index(name)
-                src, dst = choices[index_of[where]], choices[index_of[i]]
+                src, dst = body.choices[where - start], body.choices[i - start]
                 matrix = np.array([[reshard(a.outputs[out_index], b.inputs[k], name) for b in dst] for a in src])
-                edges.append(IlpEdge(index_of[where], index_of[i], matrix))
-        heavy = [entry(self.graph.nodes[i].op_type, self.graph.nodes[i].domain).heavy for i in range(start, stop)]
-        problem, recover = fold_followers(ShardingProblem(nodes, edges, memory_limit), heavy)
-        result = solve(problem, self.solver)
-        full = recover(result.choices)
-        picked = [choices[index_of[i]][full[index_of[i]]] for i in range(start, stop)]
-        slices = {}
-        for i, strategy in zip(range(start, stop), picked):
-            slices.update(self.costs.param_slices(self.graph.nodes[i], strategy, mesh))
-        return LayerSolution(result.objective, picked, held_bytes(slices), result.variables, result.constraints,
-                             slices), result
+                body.edges.append(IlpEdge(where - start, i - start, matrix))
+        self._last_body = (key, body)
+        return body
+
+
+@dataclass
+class _LayerBody:
+    reshard: object
+    choices: list = field(default_factory=list)      # strategies per node
+    costs: list = field(default_factory=list)        # compute seconds per strategy
+    memory: list = field(default_factory=list)       # weight bytes per strategy
+    entering: list = field(default_factory=list)     # per node: (input index, name) arriving from outside
+    leaving: list = field(default_factory=list)      # per node: (output index, name) leaving the layer
+    heavy: list = field(default_factory=list)
+    edges: list = field(default_factory=list)
