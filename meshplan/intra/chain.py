@@ -32,17 +32,19 @@ class Chain:
     def __init__(self, solution: Callable[[int, str, str], LayerSolution], lean: bool):
         self.solution = solution
         self.lean = lean
-        # kind → (seconds, own bytes, shared slices, path as nested (kind, parent) pairs)
-        self.best = {kind: (0.0, 0.0, {}, None) for kind in BOUNDARY_KINDS}
+        # kind → (seconds, own bytes, shared slices, their held bytes, path as nested (kind, parent) pairs)
+        self.best = {kind: (0.0, 0.0, {}, 0.0, None) for kind in BOUNDARY_KINDS}
 
     def extend(self, layer: int) -> None:
         nxt = {}
         for b_out in BOUNDARY_KINDS:
             options = []
-            for b_in, (seconds, memory, shared, path) in self.best.items():
+            for b_in, (seconds, memory, shared, held, path) in self.best.items():
                 found = self.solution(layer, b_in, b_out)
-                options.append((seconds + found.seconds, memory + found.param_bytes,
-                                {**shared, **found.slices} if found.slices else shared, (b_in, path)))
+                if found.slices:
+                    shared = {**shared, **found.slices}
+                    held = held_bytes(shared)
+                options.append((seconds + found.seconds, memory + found.param_bytes, shared, held, (b_in, path)))
             nxt[b_out] = min(options, key=lambda o: o[0])
         self.best = nxt
 
@@ -51,12 +53,12 @@ class Chain:
 
     def totals(self) -> tuple[float, float]:
         """(seconds, weight bytes per device) of the layers so far."""
-        seconds, memory, shared, _ = self.best[self._end()]
-        return seconds, memory + held_bytes(shared)
+        seconds, memory, _, held, _ = self.best[self._end()]
+        return seconds, memory + held
 
     def result(self) -> StageSharding:
         end = self._end()
-        seconds, memory, shared, path = self.best[end]
+        seconds, memory, shared, _, path = self.best[end]
         kinds = [end]
         while path is not None:
             kinds.append(path[0])

@@ -31,6 +31,7 @@ from meshplan.intra.fold import fold_followers
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
 from meshplan.intra.operator_cost import OperatorCosts, held_bytes
 from meshplan.intra.strategies import Strategy
+from meshplan.reshard.steps import axis_links
 from meshplan.sharding import LogicalMesh
 
 __all__ = ["BOUNDARY_KINDS", "IntraOpPass", "IntraOpStats", "LayerSolution", "StageSharding",
@@ -74,6 +75,8 @@ class IntraOpPass:
                 readers.setdefault(source, set()).add(int(owner[i]))
         self._shared = {source for source, layers in readers.items() if len(layers) > 1}
         self._own: dict[tuple, LayerSolution] = {}
+        self._layer_dims: dict[int, frozenset[int]] = {}
+        self._views: dict[tuple, tuple] = {}
 
     # --- one layer ------------------------------------------------------------------
 
@@ -85,7 +88,9 @@ class IntraOpPass:
         mesh, for stages whose fastest layout does not fit the devices."""
         b_in = self._effective_kind(layer, b_in, logical, entering=True)
         b_out = self._effective_kind(layer, b_out, logical, entering=False)
-        key = (self._layer_keys[layer], submesh, logical, b_in, b_out, lean)
+        # the lean variant's memory row depends on the device count: it keeps its own mesh
+        view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
+        key = (self._layer_keys[layer], view, b_in, b_out, lean)
         if key in self._cache:
             self.stats.cache_hits += 1
         else:
@@ -101,6 +106,43 @@ class IntraOpPass:
                     raise
                 self._cache[key] = self.layer_solution(layer, submesh, logical, b_in, b_out)
         return self._cache[key]
+
+    def _effective_view(self, layer: int, submesh: tuple[int, int], logical: tuple[int, int]) -> tuple:
+        """What the layer's ILP on this view depends on: for each mesh axis whose size divides
+        some dim of the layer's tensors, its size and its link; an axis that divides none
+        can split nothing (nor make anything partial), so the ILP is the one without it.
+        (A 13x8 view of a layer whose dims are powers of two has the ILP of 1x8: one solve
+        serves every host count that divides nothing.)"""
+        found = self._views.get((layer, submesh, logical))
+        if found is None:
+            dims = self._dims_of(layer)
+            links = axis_links(self.cluster, submesh, logical)
+            inter = self.cluster.hosts > 1
+            found = tuple(
+                (size, links[axis].bandwidth, links[axis].latency, inter and links[axis] == self.cluster.inter_host)
+                if size > 1 and any(d % size == 0 for d in dims) else None
+                for axis, size in enumerate(logical))
+            self._views[(layer, submesh, logical)] = found
+        return found
+
+    def _dims_of(self, layer: int) -> frozenset[int]:
+        """Every dim size of the tensors the layer's operators read and write (a parameter's
+        sources included)."""
+        if layer not in self._layer_dims:
+            tensors, chains = self.graph.tensors, self.graph.chains
+            names: set[str] = set()
+            todo = [name for i in range(self.layering.bounds[layer], self.layering.bounds[layer + 1])
+                    for name in list(self.graph.nodes[i].inputs) + list(self.graph.nodes[i].outputs) if name]
+            while todo:          # a parameter expression's chain and sources too
+                name = todo.pop()
+                if name in names:
+                    continue
+                names.add(name)
+                if name in chains:
+                    todo.extend(n for n in list(chains[name].inputs) + list(chains[name].outputs) if n)
+                todo.extend(tensors[name].sources if name in tensors else ())
+            self._layer_dims[layer] = frozenset(d for name in names if name in tensors for d in tensors[name].shape)
+        return self._layer_dims[layer]
 
     def _effective_kind(self, layer: int, kind: str, logical: tuple[int, int], entering: bool) -> str:
         """``B`` is the same layout as ``R`` when no tensor crossing that side of the layer can
