@@ -78,6 +78,17 @@ Making it fast (every step keeps the exact optimum)
    ``[a, t]`` wins) or a plan with slowest stage ``m`` (so ``[m, t]`` holds nothing better,
    and ``G(t)`` bounds ``[a, m)``).  With one microbatch the solve at ``inf`` is the answer.
 
+Extending it
+------------
+* A constraint on which stages may exist (forced cuts from user hints, forbidden
+  submeshes): drop those entries in ``_Problem`` (every later step only sees entries).
+* Idle devices (plans on at most ``D`` devices): the top state becomes any ``d <= D`` at
+  ``k = 0`` in ``_min_sum`` (``ends``), the prefix floor's device bracket in
+  ``_Relaxation.prefix_floor`` and the feasibility test in ``_bottleneck_floor`` become
+  "at most ``D``", and the relaxation's price must be kept non-negative.
+* Any new pruning must keep every plan below the threshold: the tests compare with the
+  reference and the brute force on random tables (``tests/test_stage_dp.py``).
+
 The unpruned DP and an exhaustive oracle are in ``meshplan.testing.stage_dp``.
 """
 
