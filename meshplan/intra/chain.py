@@ -41,7 +41,7 @@ class Chain:
             options = []
             for b_in, (seconds, memory, shared, held, path) in self.best.items():
                 found = self.solution(layer, b_in, b_out)
-                if found.slices:
+                if found.slices and not found.slices.keys() <= shared.keys():   # (a slice's bytes never vary)
                     shared = {**shared, **found.slices}
                     held = held_bytes(shared)
                 options.append((seconds + found.seconds, memory + found.param_bytes, shared, held, (b_in, path)))

@@ -77,6 +77,7 @@ class IntraOpPass:
         self._own: dict[tuple, LayerSolution] = {}
         self._layer_dims: dict[int, frozenset[int]] = {}
         self._views: dict[tuple, tuple] = {}
+        self._by_view: dict[tuple, dict] = {}
 
     # --- one layer ------------------------------------------------------------------
 
@@ -193,7 +194,17 @@ class IntraOpPass:
         return best_chain(range(start, stop), self._solutions(submesh, logical, lean), lean)
 
     def _solutions(self, submesh, logical, lean: bool):
-        return lambda layer, b_in, b_out: self._split_weights(layer, submesh, logical, b_in, b_out, lean)
+        """``solution(layer, b_in, b_out)`` on one view, remembered per view (a chain asks
+        for the same few many times)."""
+        known = self._by_view.setdefault((submesh, logical, lean), {})
+
+        def solution(layer, b_in, b_out):
+            found = known.get((layer, b_in, b_out))
+            if found is None:
+                found = known[(layer, b_in, b_out)] = self._split_weights(layer, submesh, logical, b_in, b_out, lean)
+            return found
+
+        return solution
 
     def stage_row(self, start: int, submesh: tuple[int, int], logical: tuple[int, int]):
         """``(seconds, param_bytes)`` of ``stage(start, stop, …)`` for stop = start + 1 … L, in
@@ -217,7 +228,11 @@ class IntraOpPass:
     def _split_weights(self, layer, submesh, logical, b_in, b_out, lean) -> LayerSolution:
         """The layer's solution with ``param_bytes`` the weights only this layer reads and
         ``slices`` the (initializer, layout) slices of the weights other layers read too."""
-        key = (layer, submesh, logical, b_in, b_out, lean)
+        # keyed like layer_solution: views and boundary kinds that give the same ILP give the
+        # same slices (an axis that splits nothing changes no byte count)
+        view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
+        key = (layer, view, self._effective_kind(layer, b_in, logical, entering=True),
+               self._effective_kind(layer, b_out, logical, entering=False), lean)
         if key in self._own:
             self.stats.cache_hits += 1   # as layer_solution counts a reuse
         else:
