@@ -51,20 +51,18 @@ def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, c
     the model's repeated block (see ``repeat_period``) gives fewer distinct layer structures:
     identical layers share their sharding ILPs, which is what keeps planning fast.
 
-    Block-aligned counts are one, two, three or four blocks a layer, and on meshes of more
-    than 32 devices also half or a quarter of a block, from a quarter of the default count
-    up (on smaller meshes from the device count up, so that every device can have a layer)."""
+    Block-aligned counts (one to four blocks a layer) are tried from the device count or a
+    quarter of the default up. (Coarser ones plan faster on large meshes but can give
+    worse plans: a 24-block GPT-2 on 16x8 in 48 block-aligned layers is estimated 8% slower
+    than in 128; ``--layers`` chooses.)"""
     most = default_num_layers(graph, cluster)
     candidates = [most]
     period = repeat_period(graph)
     if period:
         blocks = len(graph.nodes) // period
-        large = cluster.num_devices > 32
-        least = most // 4 if large else max(cluster.num_devices, most // 4)
-        counts = [blocks // per_layer for per_layer in (1, 2, 3, 4) if blocks % per_layer == 0]
-        if large:
-            counts += [2 * blocks, 4 * blocks]
-        candidates.extend(count for count in counts if least <= count <= most)
+        for per_layer in (1, 2, 3, 4):
+            if blocks % per_layer == 0 and max(cluster.num_devices, most // 4) <= blocks // per_layer <= most:
+                candidates.append(blocks // per_layer)
     best = None
     for count in dict.fromkeys(candidates):
         layering = cluster_layers(graph, node_seconds, count)
