@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/stage_dp.py [--json PATH] [--check]
+    python benchmarks/stage_dp.py [--json PATH] [--check] [--large [--timeout S]]
 
 Rows: 32 layers x 32 devices (4 hosts x 8) and 24 layers x 16 devices (2 hosts x 8), 16
 microbatches, 4 logical-mesh choices per submesh.  ``--check`` also solves each row with
@@ -43,11 +43,18 @@ from meshplan.testing.stage_dp import reference_stages  # noqa: E402
 GB = 1e9
 
 
-def synthetic_table(layers: int, hosts: int, per_host: int, logical: int = 4, seed: int = 0):
-    """Return (stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices)."""
+def synthetic_table(layers: int, hosts: int, per_host: int, logical: int = 4, seed: int = 0, every_host_count=False):
+    """Return (stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices).
+
+    The submeshes are (1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8) (those that fit), or
+    with ``every_host_count`` meshplan's own list: (1, 1) … (1, per_host), then (2, per_host)
+    … (hosts, per_host)."""
     rng = np.random.default_rng(seed)
-    shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8)]
-    shapes = [(h, g) for h, g in shapes if h <= hosts and g <= per_host]
+    if every_host_count:
+        shapes = [(1, w) for w in (1, 2, 4) if w < per_host] + [(h, per_host) for h in range(1, hosts + 1)]
+    else:
+        shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8)]
+        shapes = [(h, g) for h, g in shapes if h <= hosts and g <= per_host]
     sizes = np.array([h * g for h, g in shapes], dtype=np.int64)
     S, L, K = len(shapes), layers, logical
 
@@ -85,9 +92,19 @@ ROWS = [
     dict(layers=24, hosts=2, per_host=8, microbatches=16, seed=1),
 ]
 
+# --large: every host count as a submesh, 64 microbatches ("check" rows are compared with
+# the reference when --check is given; the others are too large for it)
+LARGE_ROWS = [
+    dict(layers=64, hosts=8, per_host=8, microbatches=64, seed=0, every_host_count=True, check=True),
+    dict(layers=128, hosts=32, per_host=8, microbatches=64, seed=0, every_host_count=True, check=False),
+    dict(layers=128, hosts=128, per_host=8, microbatches=64, seed=0, every_host_count=True, check=False),
+]
+
 
 def run_row(row, check: bool, full: bool = False):
-    cost, smem, amem, limit, sizes, D = synthetic_table(row["layers"], row["hosts"], row["per_host"], seed=row["seed"])
+    cost, smem, amem, limit, sizes, D = synthetic_table(row["layers"], row["hosts"], row["per_host"], seed=row["seed"],
+                                                        every_host_count=row.get("every_host_count", False))
+    check = check and row.get("check", True)
     B = row["microbatches"]
     t0 = time.perf_counter()
     sol: StageSolution = solve_stages(cost, smem, amem, limit, sizes, D, B)
@@ -107,7 +124,8 @@ def run_row(row, check: bool, full: bool = False):
         objective=sol.total_seconds,
     )
     # How much the memory limit costs: the same instance without it.
-    result["objective_without_memory_limit"] = solve_stages(cost, smem, amem, np.inf, sizes, D, B).total_seconds
+    if not row.get("every_host_count"):
+        result["objective_without_memory_limit"] = solve_stages(cost, smem, amem, np.inf, sizes, D, B).total_seconds
     result["plan"] = [[st.start, st.stop, int(sizes[st.submesh]), st.logical] for st in sol.stages]
     if check:
         t0 = time.perf_counter()
@@ -124,22 +142,33 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--check", action="store_true", help="compare with the slow reference DP (seconds)")
     parser.add_argument("--check-full", action="store_true", help="compare with the fully unpruned DP (minutes)")
+    parser.add_argument("--large", action="store_true",
+                        help="the rows 64 x 64, 128 x 256 and 128 x 1,024 devices (hosts x 8), 64 microbatches")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="with --large: stop after a row that took longer than this many seconds")
     args = parser.parse_args(argv)
     args.check = args.check or args.check_full
 
-    results = [run_row(row, args.check, args.check_full) for row in ROWS]
+    results = []
+    for row in LARGE_ROWS if args.large else ROWS:
+        results.append(run_row(row, args.check, args.check_full))
+        print(f"{row['layers']} layers x {row['hosts'] * row['per_host']} devices: {results[-1]['seconds']:.2f} s",
+              file=sys.stderr, flush=True)
+        if args.timeout is not None and results[-1]["seconds"] > args.timeout:
+            print(f"stopping: the row took more than {args.timeout:g} s", file=sys.stderr)
+            break
     cols = ["layers", "devices", "submeshes", "choices", "microbatches", "seconds", "tmax_examined", "stages", "objective"]
     if args.check:
         cols += ["reference_seconds", "reference_objective", "check"]
     fmt = {"objective": "{:.6f}", "reference_objective": "{:.6f}", "seconds": "{:.3f}"}
-    table = [cols] + [[fmt.get(c, "{}").format(r[c]) for c in cols] for r in results]
+    table = [cols] + [[fmt.get(c, "{}").format(r[c]) if c in r else "-" for c in cols] for r in results]
     widths = [max(len(line[n]) for line in table) for n in range(len(cols))]
     for line in table:
         print("  ".join(cell.rjust(wd) for cell, wd in zip(line, widths)))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
-    if args.check and not all(r["check"] for r in results):
+    if args.check and not all(r.get("check", True) for r in results):
         print("CHECK FAILED: pruned and reference objectives differ", file=sys.stderr)
         return 1
     return 0

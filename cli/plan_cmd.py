@@ -37,13 +37,18 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
               help="Output OUT is state: kept on its devices to be input IN of the next call (repeatable) "
                    "[default: present.N.* = past_key_values.N.* pairs found by name].")
 @click.option("--no-state", is_flag=True, help="No state: every output goes to rank 0.")
+@click.option("--no-programs", is_flag=True,
+              help="Write plan.json, the report and the timeline but no per-device programs; no weight byte is read "
+                   "(external data files are only checked to be there and long enough: sparse files do).")
+@click.option("--shapes-only", is_flag=True,
+              help="Plan from the model's graph alone: its external data files may be missing (implies --no-programs).")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, policy, solver,
-         reshard_scheduler, profile_path, state_pairs, no_state, out_dir):
+         reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
-    from meshplan.emit.report import TIMELINE_FILE, text_report
+    from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, text_report
     from meshplan.errors import ModelError
     from meshplan.inter.pipeline import PlanOptions
     from meshplan.make_plan import make_plan
@@ -81,7 +86,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 if not sep or not out or not name:
                     raise click.BadParameter(f"expected OUT=IN, got {text!r}", param_hint="--state")
                 state[out] = name
-        result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state)
+        result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,
+                           programs=not (no_programs or shapes_only), shapes_only=shapes_only)
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
@@ -89,5 +95,6 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             for name, link in links.items():
                 click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
                            f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")
-        click.echo(f"wrote {out_dir}/plan.json, {len(result.programs)} program(s), {out_dir}/{TIMELINE_FILE}")
+        programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"
+        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{REPORT_FILE}, {programs}, {out_dir}/{TIMELINE_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

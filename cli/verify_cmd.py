@@ -31,7 +31,7 @@ from cli.guard import debugging, guard
 @click.pass_context
 def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_stages):
     """Run all of a plan's programs in one process and compare with onnxruntime on the original model."""
-    from meshplan.plan_format import read_plan
+    from meshplan.plan_format import read_plan, require_programs
     from meshplan.runtime.inprocess import compare_outputs, reference_outputs, run_in_process
     from meshplan.runtime.staged import needs_stages
     from meshplan.runtime.tensors import read_inputs
@@ -39,6 +39,7 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
     with guard(debugging(ctx)):
         started = time.perf_counter()
         the_plan = read_plan(plan_dir)
+        require_programs(the_plan, plan_dir)
         inputs = read_inputs(inputs_path, the_plan, empty_state=True)
         why = "--stages" if by_stages else None
         if by_stages is None and needs_stages(the_plan, model_path):

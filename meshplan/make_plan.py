@@ -28,7 +28,7 @@ from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
-from meshplan.emit.report import TIMELINE_FILE, render_timeline
+from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 
 
 def batch_layout(model: onnx.ModelProto, dims: dict[str, int], microbatches: int,
@@ -267,11 +267,11 @@ def _ranged_specs(header: onnx.ModelProto, graph_tensors, names, fixed: dict[str
 
 
 def _plan_ranged(model_path: Path, header, cluster: Cluster, sizes: Sizes, workdir: Path, options: PlanOptions,
-                 cost_model, state: dict[str, str]):
+                 cost_model, state: dict[str, str], weights: str = "read"):
     if options.microbatches > 1:
         raise PlanError("--microbatches needs fixed sizes; a plan for ranges of sizes runs one batch at a time",
                         hint="use --microbatches 1, or fix the dims with --dim NAME=INT")
-    canonical, views = canonicalize_ranged(model_path, sizes, workdir)
+    canonical, views = canonicalize_ranged(model_path, sizes, workdir, weights)
     graph = build_graph(canonical.model, views)
     graph.state = dict(state)
     cost = sizes.point("cost")
@@ -303,10 +303,12 @@ def _record_state(plan: Plan, state: dict[str, str]) -> None:
 
 def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, workdir: Path,
                options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None,
-               state: dict[str, str] | None = None):
+               state: dict[str, str] | None = None, weights: str = "read"):
     """Load, canonicalise (into ``workdir``) and plan, without writing programs. ``dims``
     maps each named dim to a size or a ``DimRange``; the model's other dims are derived
-    from them. ``state``: see ``state_pairs``.
+    from them. ``state``: see ``state_pairs``. ``weights`` is ``canonicalize``'s: ``"read"``
+    when programs will be emitted from the canonical model, ``"unread"`` or ``"absent"``
+    for a plan alone.
 
     Returns the plan, the strategies of each sharded stage, the canonical model and its graph."""
     model_path = Path(model_path)
@@ -318,13 +320,14 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
                         hint="or turn state off with --no-state")
     if sizes.is_ranged:
         plan, shardings, canonical, graph = _plan_ranged(model_path, header, cluster, sizes, workdir, options,
-                                                         cost_model, pairs)
+                                                         cost_model, pairs, weights)
         _record_state(plan, pairs)
         return plan, shardings, canonical, graph
     given = dict(dims)
     dims = sizes.resolve({})
     batch, program_dims = batch_layout(header, dims, options.microbatches, options.batch_dim)
-    canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches))
+    canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches),
+                             weights)
     graph = build_graph(canonical.model)
     graph.state = dict(pairs)
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": given}
@@ -368,7 +371,16 @@ def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
     cost_model: CostModel | None = None, state: dict[str, str] | None = None,
+    programs: bool = True, shapes_only: bool = False,
 ) -> Plan:
+    """Plan ``model_path`` and write the plan directory ``out_dir``: plan.json, the timeline
+    and, unless ``programs`` is False, one program per device. Without programs no weight
+    byte is read (the external data files are only checked to be there and long enough,
+    so sparse ones do); ``shapes_only`` (which implies no programs) does not even look for
+    them."""
+    if shapes_only:
+        programs = False
+    weights = "read" if programs else "absent" if shapes_only else "unread"
     model_path = Path(model_path)
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / PLAN_FILE).exists())):
@@ -384,10 +396,13 @@ def make_plan(
     try:
         workdir = staging / ".work"
         workdir.mkdir()
-        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model, state)
-        emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
+        plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model, state,
+                                                       weights)
+        if programs:
+            emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
+        (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
         write_plan(plan, staging)
         _replace_dir(staging, out_dir)
         return plan

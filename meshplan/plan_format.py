@@ -199,6 +199,13 @@ def write_plan(plan: Plan, directory: Path) -> Path:
     return path
 
 
+def require_programs(plan: Plan, directory: str | os.PathLike) -> None:
+    """A plan made without programs (``meshplan plan --no-programs``) cannot be run."""
+    if not plan.programs:
+        raise PlanError(f"plan {directory} has no programs: it was planned with --no-programs",
+                        hint="plan again without --no-programs, with the model's weights, to run it")
+
+
 def read_plan(directory: str | os.PathLike) -> Plan:
     directory = Path(directory)
     path = directory / PLAN_FILE

@@ -34,18 +34,21 @@ def layers_for(gigabytes: float, hidden: int = 4096, ffn: int = 11008, vocab: in
 
 
 class _WeightFile:
-    """Appends float16 weights to one external data file, never holding one whole."""
+    """Appends float16 weights to one external data file, never holding one whole; a
+    sparse file (``sparse``) gets no bytes at all: its length is set at the end, so it
+    reads as zeros and takes no disk space."""
 
-    def __init__(self, path: Path, seed: int):
+    def __init__(self, path: Path, seed: int, sparse: bool = False):
         self.path = path
         self.file = open(path, "wb")
         self.offset = 0
         self.rng = np.random.default_rng(seed)
         self.largest = 0
+        self.sparse = sparse
 
     def add(self, name: str, shape: tuple[int, ...], scale: float, constant: float | None = None) -> TensorProto:
         count = math.prod(shape)
-        left = count
+        left = 0 if self.sparse else count
         while left:
             n = min(left, CHUNK_ELEMENTS)
             if constant is None:
@@ -63,18 +66,30 @@ class _WeightFile:
         return tensor
 
     def close(self) -> None:
+        if self.sparse:
+            self.file.truncate(self.offset)
         self.file.close()
 
 
 def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers: int | None = None,
                       hidden: int = 4096, heads: int = 32, ffn: int = 11008, vocab: int = 32000,
-                      seed: int = 0) -> dict:
+                      kv_heads: int | None = None, sparse: bool = False, seed: int = 0) -> dict:
     """Write the model to ``path`` (weights in ``path.data``); returns its facts:
-    {"path", "data", "layers", "weight_bytes", "largest_initializer_bytes"}."""
+    {"path", "data", "layers", "weight_bytes", "largest_initializer_bytes"}.
+
+    ``kv_heads`` (a divisor of ``heads``) gives grouped-query attention: the key and value
+    projections have ``kv_heads`` heads, each repeated for ``heads / kv_heads`` query heads
+    (Reshape, Expand, Reshape, as exporters write it). ``sparse`` writes no weight bytes:
+    the data file is a sparse file of the right length (zeros), for planning without
+    programs (``meshplan plan --no-programs``); a 70B-shaped model is written in a moment."""
     path = Path(path)
     layers = layers or layers_for(gigabytes, hidden, ffn, vocab)
     head = hidden // heads
-    weights = _WeightFile(path.with_name(path.name + ".data"), seed)
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads {kv_heads} must divide heads {heads}")
+    kv = kv_heads * head
+    weights = _WeightFile(path.with_name(path.name + ".data"), seed, sparse)
     nodes: list[onnx.NodeProto] = []
     inits: list[TensorProto] = []
 
@@ -94,6 +109,9 @@ def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers
     scale = const("attn_scale", np.float16(1.0 / math.sqrt(head)))
     split_heads = const("split_heads", np.array([0, 0, heads, head], dtype=np.int64))
     merge_heads = const("merge_heads", np.array([0, 0, hidden], dtype=np.int64))
+    if kv_heads != heads:
+        split_groups = const("split_groups", np.array([0, 0, kv_heads, 1, head], dtype=np.int64))
+        repeat_heads = const("repeat_heads", np.array([1, 1, 1, heads // kv_heads, 1], dtype=np.int64))
     last = const("last_axis", np.array([-1], dtype=np.int64))
 
     def rms_norm(x: str, p: str) -> str:
@@ -107,8 +125,16 @@ def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers
         n = rms_norm(x, f"{p}.input_norm")
 
         def heads_of(role: str, perm: list[int]) -> str:
-            proj = node("MatMul", [n, weight(f"{p}.attn.{role}_proj", (hidden, hidden))], f"{p}/attn/{role}")
-            split = node("Reshape", [proj, split_heads], f"{p}/attn/{role}_heads")
+            width = hidden if role == "q" else kv
+            proj = node("MatMul", [n, weight(f"{p}.attn.{role}_proj", (hidden, width))], f"{p}/attn/{role}")
+            if width == hidden:
+                split = node("Reshape", [proj, split_heads], f"{p}/attn/{role}_heads")
+            else:   # each key/value head repeated for its group of query heads
+                grouped = node("Reshape", [proj, split_groups], f"{p}/attn/{role}_groups")
+                shape = node("Shape", [grouped], f"{p}/attn/{role}_groups_shape")
+                target = node("Mul", [shape, repeat_heads], f"{p}/attn/{role}_repeat_shape")
+                split = node("Reshape", [node("Expand", [grouped, target], f"{p}/attn/{role}_repeated"), split_heads],
+                             f"{p}/attn/{role}_heads")
             return node("Transpose", [split], f"{p}/attn/{role}_t", perm=perm)
 
         q, k, v = heads_of("q", [0, 2, 1, 3]), heads_of("k", [0, 2, 3, 1]), heads_of("v", [0, 2, 1, 3])

@@ -301,3 +301,48 @@ def test_medium_instance_matches_reference():
         ref = reference_stages(cost, smem, amem, 12.0, sizes, D, B, full=True)
         assert got.total_seconds == pytest.approx(ref.total_seconds, rel=1e-9)
         check_plan(got, cost, smem, amem, 12.0, sizes, D, B)
+
+
+def hosts_instance(rng, L, hosts, per_host, K, limit_scale):
+    """Random tables over meshplan's own submesh list ((1, 1) … (1, per_host), (2, per_host)
+    … (hosts, per_host)): latencies falling with the devices with noise, and memory that
+    binds at a scale-controlled limit (``inf`` for none)."""
+    shapes = [(1, w) for w in (1, 2, 4) if w < per_host] + [(h, per_host) for h in range(1, hosts + 1)]
+    sizes = np.array([h * w for h, w in shapes])
+    S = len(shapes)
+    w = rng.lognormal(0.0, 0.5, L)
+    p = rng.uniform(0.5, 1.5, L)
+    a = rng.uniform(0.2, 1.0, L)
+    cw, cp, ca = (np.concatenate([[0.0], np.cumsum(x)]) for x in (w, p, a))
+    i, j = np.triu_indices(L)
+    cost = np.full((L, L, S, K), np.inf)
+    smem = np.zeros_like(cost)
+    amem = np.zeros_like(cost)
+    for m, n in enumerate(sizes):
+        for c in range(K):
+            cost[i, j, m, c] = (cw[j + 1] - cw[i]) / n ** rng.uniform(0.5, 1.0) * rng.uniform(1.0, 1.4, i.shape)
+            cost[i, j, m, c] += rng.uniform(0.0, 0.3) * (n > 1)
+            smem[i, j, m, c] = (cp[j + 1] - cp[i]) / n ** (c / max(K - 1, 1))
+            amem[i, j, m, c] = (ca[j + 1] - ca[i]) / n
+    return cost, smem, amem, limit_scale * float(np.median(smem[i, j])), sizes, hosts * per_host
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("limit_scale", [0.6, 1.0, 1.5, np.inf])
+def test_random_host_tables_match_reference(seed, limit_scale):
+    """Larger random instances on meshplan's submesh list, several seeds and memory limits
+    (binding hard — some instances infeasible —, binding some, none): the same optimum as
+    the reference DP."""
+    rng = np.random.default_rng(9000 + seed)
+    L, hosts = int(rng.integers(6, 11)), int(rng.integers(2, 5))
+    cost, smem, amem, limit, sizes, D = hosts_instance(rng, L, hosts, 4, 2, limit_scale)
+    for B in (1, 4, 32):
+        try:
+            ref = reference_stages(cost, smem, amem, limit, sizes, D, B)
+        except PlanError:
+            with pytest.raises(PlanError):
+                solve_stages(cost, smem, amem, limit, sizes, D, B)
+            continue
+        got = solve_stages(cost, smem, amem, limit, sizes, D, B)
+        assert got.total_seconds == pytest.approx(ref.total_seconds, rel=1e-9)
+        check_plan(got, cost, smem, amem, limit, sizes, D, B)

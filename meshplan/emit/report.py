@@ -12,6 +12,7 @@ from html import escape
 from meshplan.plan_format import Plan
 
 TIMELINE_FILE = "timeline.svg"
+REPORT_FILE = "report.txt"
 
 _COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
 
@@ -48,6 +49,19 @@ def fill_drain_schedule(stage_seconds: list[float], microbatches: int) -> list[l
     return rows
 
 
+def device_ranges(devices: list[int]) -> str:
+    """``0-7,16-23``: ranks as runs of consecutive numbers (a 512-device stage is one run)."""
+    if not all(isinstance(rank, int) for rank in devices):
+        return ",".join(str(rank) for rank in devices)
+    runs: list[list[int]] = []
+    for rank in devices:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
+
+
 def model_compute_dtypes(plan: Plan) -> list[str]:
     """The dtypes the planned model computes in; plan.json records them where they are not
     float32 alone (``make_plan.plan_model``)."""
@@ -71,7 +85,7 @@ def text_report(plan: Plan) -> str:
     if plan.state:
         lines.insert(1, state_line(plan))
     for stage in plan.stages:
-        devices = ",".join(str(d) for d in stage.devices)
+        devices = device_ranges(stage.devices)
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
         mesh = "x".join(str(n) for n in stage.logical_mesh)
         lines.append(
@@ -85,6 +99,8 @@ def text_report(plan: Plan) -> str:
         lines.extend(f"  {_resharding_line(r)}" for r in shown)
         if len(plan.reshardings) > len(shown):
             lines.append(f"  ... and {len(plan.reshardings) - len(shown)} more (plan.json lists them all)")
+    if not plan.programs:
+        lines.append("programs: none written (planned without programs; meshplan run needs them)")
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"
@@ -154,7 +170,7 @@ def render_timeline(plan: Plan) -> str:
     ]
     for s, row in enumerate(rows):
         y = top + s * row_h
-        devices = ",".join(str(d) for d in plan.stages[s].devices)
+        devices = device_ranges(plan.stages[s].devices)
         parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{escape(devices)}]</text>')
         parts.append(f'<rect x="{left}" y="{y + 3}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
         for mb, (start, end) in enumerate(row):

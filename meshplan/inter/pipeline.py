@@ -30,7 +30,7 @@ from meshplan.intra.strategies import Strategy
 @dataclass(frozen=True)
 class PlanOptions:
     microbatches: int = 1
-    num_layers: int | None = None      # default: max(32, 2 × devices), at most the node count
+    num_layers: int | None = None      # default: max(32, 2 × devices), at most 128 and the node count
     solver: str = "cbc"                # the intra-operator ILP's solver: cbc or highs
     max_stages: int | None = None      # at most this many pipeline stages
     policy: str = "auto"               # strategy policy inside stages (see policies.py)
@@ -39,14 +39,22 @@ class PlanOptions:
     batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
 
 
+MAX_DEFAULT_LAYERS = 128   # the stage DP's work grows with the cube of the layer count
+
+
 def default_num_layers(graph: Graph, cluster: Cluster) -> int:
-    return min(len(graph.nodes), max(32, 2 * cluster.num_devices))
+    return min(len(graph.nodes), max(32, 2 * cluster.num_devices), MAX_DEFAULT_LAYERS)
 
 
 def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, constants) -> Layering:
     """Cluster into the default number of layers, unless a count that lines the cuts up with
     the model's repeated block (see ``repeat_period``) gives fewer distinct layer structures:
-    identical layers share their sharding ILPs, which is what keeps planning fast."""
+    identical layers share their sharding ILPs, which is what keeps planning fast.
+
+    Block-aligned counts (one to four blocks a layer) are tried from the device count or a
+    quarter of the default up. (Coarser ones plan faster on large meshes but can give
+    worse plans: a 24-block GPT-2 on 16x8 in 48 block-aligned layers is estimated 8% slower
+    than in 128; ``--layers`` chooses.)"""
     most = default_num_layers(graph, cluster)
     candidates = [most]
     period = repeat_period(graph)

@@ -142,19 +142,51 @@ class StageCosts:
 
         Entry [i, j, s, k] is the stage of layers i..j inclusive on submesh s under its
         k-th logical mesh; K is the largest number of views of any submesh (missing views
-        are infeasible).
+        are infeasible). The same numbers as ``stage_cost``, built row by row: one pass
+        over the layers per start layer and view (``IntraOpPass.stage_row``).
         """
+        L = self.num_layers
         views = [logical_meshes(s) for s in submeshes]
-        shape = (self.num_layers, self.num_layers, len(submeshes), max(len(v) for v in views))
+        shape = (L, L, len(submeshes), max(len(v) for v in views))
         seconds = np.full(shape, np.inf)
         params = np.full(shape, np.inf)
         acts = np.full(shape, np.inf)
+        send = np.array([self.send_seconds(stop) for stop in range(1, L + 1)])
+        peak = np.full((L, L), -np.inf)                     # [i, j]: largest layer peak of i..j
+        for i in range(L):
+            peak[i, i:] = np.maximum.accumulate(self._layer_peak[i:])
+        activations = peak + self._cut_peak[:L, None]       # + what enters the stage
+        state = self._state_prefix[None, 1:] - self._state_prefix[:L, None]   # [i, j]: state made in i..j
+        feasible = np.triu(np.ones((L, L), dtype=bool))
+        first, last = np.arange(L)[:, None], np.arange(L)[None, :]
+        for lo, hi in self._state_spans:   # a stage holds all of a state's readers and makers or none
+            feasible &= ~((first <= hi) & (last >= lo) & ~((first <= lo) & (last >= hi)))
         for s, submesh in enumerate(submeshes):
+            devices = submesh[0] * submesh[1]
             for k, logical in enumerate(views[s]):
-                for i in range(self.num_layers):
-                    for j in range(i, self.num_layers):
-                        cost = self.stage_cost(i, j + 1, submesh, logical)
-                        seconds[i, j, s, k] = cost.seconds
-                        params[i, j, s, k] = cost.param_bytes
-                        acts[i, j, s, k] = cost.act_bytes
+                if submesh == (1, 1):
+                    work = self._seconds_prefix[None, 1:] - self._seconds_prefix[:L, None]
+                    seconds[:, :, s, k] = np.where(feasible, work + send[None, :], np.inf)
+                    params[:, :, s, k] = np.where(feasible, self._range_param_bytes() + state, np.inf)
+                    acts[:, :, s, k] = np.where(feasible, activations, np.inf)
+                    continue
+                if self.intra_op is None:
+                    continue
+                for i in range(L):
+                    if not feasible[i].any():   # inside a state's span: no stage starts here
+                        continue
+                    for j, (secs, weights) in enumerate(self.intra_op.stage_row(i, submesh, logical), start=i):
+                        if feasible[i, j]:
+                            seconds[i, j, s, k] = secs + send[j]
+                            params[i, j, s, k] = weights + state[i, j] / devices
+                            acts[i, j, s, k] = activations[i, j] / devices
         return seconds, params, acts
+
+    def _range_param_bytes(self) -> np.ndarray:
+        """[i, j]: ``param_bytes(i, j + 1)`` for every range (each weight counted once)."""
+        L = self.num_layers
+        out = np.zeros((L, L))
+        for i in range(L):
+            used = (self._param_uses[:, i + 1:] - self._param_uses[:, i:i + 1]) > 0     # (params, j)
+            out[i, i:] = self._param_sizes @ used
+        return out

@@ -44,41 +44,50 @@ sum.
 
 Making it fast (every step keeps the exact optimum)
 ---------------------------------------------------
-1. *Collapse the logical choices and the memory test* (``_collapse``).  For a stage
-   ``(i, j, m)`` that is first of a suffix of ``s`` stages, replacing any feasible
-   logical choice by the cheapest memory-feasible one lowers neither the sum nor the max
-   and affects no other stage, so some optimal plan uses only cheapest choices.  We
-   precompute ``best[s, i, j, m]`` and its argmin once per instance, removing the ``K``
-   axis and the memory test from every DP solve.
-2. *Vectorise.*  For a fixed ``s`` the recurrence is a (min, +) product over ``j`` between
-   the ``(k, j)`` latency table of each submesh and the previous level shifted by that
-   submesh's size along ``d``; one numpy broadcast computes all ``(k, d)`` at once.  Level
-   ``s`` only needs starts and ends ``<= L - s`` (the other ``s - 1`` stages need a layer
-   each), and once a level is entirely infeasible so are all deeper ones.  At most
-   ``min(L, num_devices // min(size))`` stages are possible.
-3. *Candidate set.*  Only distinct values of the collapsed table are candidates: the
-   feasible set changes nowhere else, and by 1. some optimal plan has its slowest stage
-   equal to one of them.  None below the bottleneck ``t_lo`` (the least possible slowest
-   stage, from one (min, max) pass of the same recurrence) admits a plan.
-4. *Bounds and descent over t_max* (``_solve``).  ``G`` is non-increasing in ``t_max``.
-   We solve at ``t_max = inf`` (giving ``G_inf``, a lower bound on every ``G``) and at
-   ``t_lo``, then walk the candidates downwards.  After solving at ``t`` and getting a
-   plan with sum ``G(t)`` and slowest stage ``m <= t``:
+1. *Entries and their memory* (``_Problem``).  Only finite stages ``(k, j, m)`` on
+   submeshes no larger than the cluster are kept, as flat arrays sorted by start layer.
+   For each logical choice the memory test ``stage_mem + s * act_mem <= mem_limit`` holds
+   on an interval of ``s`` (it is linear in ``s``), found once.  Within a solve an entry's
+   latency at ``s`` is its cheapest choice that fits at ``s``: replacing any feasible
+   choice by that one lowers neither the sum nor the max and touches no other stage.  No
+   stage fits deeper than the largest interval end, which bounds the stage count (with
+   the layers and the devices: ``min(L, D // min(size))``).
+2. *Bounds by pricing devices* (``_Relaxation``).  For a price ``lam`` per device,
+   ``sum t_p >= sum (t_p + lam * z_p) - lam * D`` for every plan, and the least right-hand
+   side is a shortest path over layer cuts, with or without a stage count, and no device
+   dimension: cheap.  The price is bisected to the best bound.  From the paths come a
+   lower bound for every plan that uses a given entry as the first of ``s`` stages
+   (best prefix + entry + best suffix of ``s - 1`` stages), and, from every price tried,
+   a lower bound for any prefix ending before layer ``k`` on ``u`` devices (with the least
+   and greatest device counts such a prefix can have).
+3. *Thresholded solves* (``_min_sum``).  A solve at ``t_max`` only needs ``G(t_max)``
+   when it is below a threshold (see 4): entries whose bound reaches it are dropped
+   before the level they would join, and states ``(s, k, d)`` whose value plus the prefix
+   bound for ``D - d`` devices reaches it are dropped after their level is computed.
+   Every plan below the threshold survives both, so ``G`` and the path walk are exact
+   there; above it the solve says so.  The recurrence runs level by level in ``s``, each
+   level one vectorised (min, +) gather over the surviving entries and the finite window
+   of device counts of the states they lead to, reduced per start layer.
+4. *The search over t_max* (``_search``).  First ``t_max = inf``: the least sum ``G_inf``
+   (a lower bound on every ``G``), solved below a threshold just above its price bound
+   and raised until a plan shows.  Then branch and bound over intervals of candidate
+   values (every entry latency between a lower bound on the least possible slowest stage
+   and ``min(m_inf, (T_best - G_inf) / (B - 1))``): an interval ``[a, b]`` whose ``G`` is at
+   least ``g`` cannot beat ``T_best`` once ``g + (B - 1) a >= T_best``; a solve at its middle
+   ``t`` with threshold ``T_best - (B - 1) a`` either finds nothing (so nothing in
+   ``[a, t]`` wins) or a plan with slowest stage ``m`` (so ``[m, t]`` holds nothing better,
+   and ``G(t)`` bounds ``[a, m)``).  With one microbatch the solve at ``inf`` is the answer.
 
-   * every ``t'`` in ``[m, t]`` has ``G(t') = G(t)`` (the plan is feasible there and ``G``
-     cannot go lower than at the larger ``t``), so its objective is at least the plan's:
-     skip to below ``m``;
-   * every ``t' < t`` has ``G(t') >= G(t)``, so it can only beat the best objective found
-     so far, ``T_best``, if ``G(t) + (B - 1) t' < T_best``: skip to below
-     ``(T_best - G(t)) / (B - 1)``.  Before the descent the same test with ``G_inf``
-     discards everything from ``(T_best - G_inf) / (B - 1)`` upwards (a sharper form of
-     "stop once ``(B - 1) t_max >= T_best``").
-
-   The walk stops when the bound falls to ``t_lo``.  It solves at most one ``t_max`` per
-   distinct value of ``G`` in the range that can still win, typically a handful.  With
-   one microbatch (``B = 1``) the single solve at ``inf`` is the answer.
-5. *Shared work.*  The collapsed tables, their argmins and the candidate list are built
-   once and reused by every solve; each solve only masks the table by ``t_max``.
+Extending it
+------------
+* A constraint on which stages may exist (forced cuts from user hints, forbidden
+  submeshes): drop those entries in ``_Problem`` (every later step only sees entries).
+* Idle devices (plans on at most ``D`` devices): the top state becomes any ``d <= D`` at
+  ``k = 0`` in ``_min_sum`` (``ends``), the prefix floor's device bracket in
+  ``_Relaxation.prefix_floor`` and the feasibility test in ``_bottleneck_floor`` become
+  "at most ``D``", and the relaxation's price must be kept non-negative.
+* Any new pruning must keep every plan below the threshold: the tests compare with the
+  reference and the brute force on random tables (``tests/test_stage_dp.py``).
 
 The unpruned DP and an exhaustive oracle are in ``meshplan.testing.stage_dp``.
 """
@@ -177,124 +186,349 @@ def max_stage_count(L: int, sizes: np.ndarray, num_devices: int, max_stages: int
 
 
 # --------------------------------------------------------------------------------------
-# pruning 1: collapse logical choices and the memory test
+# the instance: stage entries and the suffix stage counts at which each one fits
 
 
-def _collapse(cost, smem, amem, mem_limit, n_max):
-    """Return ``best[s, i, j, m]`` and ``arg[s, i, j, m]`` for ``s = 0..n_max``.
+def _fit_range(smem, amem, mem_limit, n):
+    """For each (entry, choice): the suffix stage counts ``s`` in ``1..n`` at which
+    ``smem + s * amem <= mem_limit`` holds, as an interval ``[lo, hi]`` (empty when
+    ``lo > hi``).  The test is evaluated exactly as written (as the reference does);
+    ``smem + s * amem`` rounds monotonically in ``s``, so its true set is an interval,
+    found by bisection where the two ends disagree."""
 
-    ``best[s, i, j, m]`` is the least latency over logical choices of stage ``i..j`` on
-    submesh ``m`` that fit in memory as the first stage of a suffix of ``s`` stages
-    (``stage_mem + s * act_mem <= mem_limit``); ``inf`` when none does.  ``arg`` is that
-    choice.  Row ``s = 0`` is unused and all ``inf``.  Replacing any feasible choice by the
-    cheapest one never makes a plan worse (sum and max both only go down) nor infeasible
-    (the choice of one stage does not affect the others), so this loses no optimum.
-    """
-    L, _, S, K = cost.shape
-    best = np.full((n_max + 1, L, L, S), np.inf)
-    arg = np.zeros((n_max + 1, L, L, S), dtype=np.int64)
-    for s in range(1, n_max + 1):
-        with np.errstate(invalid="ignore"):  # inf - inf style corner cases are infeasible
-            fits = smem + s * amem <= mem_limit
-        masked = np.where(fits, cost, np.inf)
-        a = masked.argmin(axis=-1)
-        arg[s] = a
-        best[s] = np.take_along_axis(masked, a[..., None], axis=-1)[..., 0]
-    return best, arg
+    def fits(s):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return smem + s * amem <= mem_limit
 
-
-# --------------------------------------------------------------------------------------
-# pruning 2: vectorised level-by-level recurrence
-
-
-def _levels(table, sizes, num_devices, combine):
-    """Run the recurrence for every stage count on a collapsed ``table[s, k, j, m]``.
-
-    ``combine`` is ``np.add`` (least sum, ``F``) or ``np.maximum`` (least bottleneck).
-    Returns ``V[s, k, d]`` for ``s = 0..n_max``, ``k = 0..L``, ``d = 0..num_devices``.
-    For level ``s`` only starts ``k <= L - s`` and ends ``j <= L - s`` can lead to a
-    complete plan, so the (min, combine) product is restricted to that square.
-    """
-    n_max, L, _, S = table.shape[0] - 1, table.shape[1], table.shape[2], table.shape[3]
-    D = num_devices
-    base = 0.0 if combine is np.add else -np.inf
-    V = np.full((n_max + 1, L + 1, D + 1), np.inf)
-    V[0, L, 0] = base
-    for s in range(1, n_max + 1):
-        hi = L - s  # last admissible start k and end j
-        if hi < 0:
-            break
-        prev = V[s - 1, 1 : hi + 2]  # next start j + 1 for j = 0..hi: shape (hi+1, D+1)
-        if not (prev < np.inf).any():
-            break  # every deeper level is infeasible too
-        shifted = np.full((S, hi + 1, D + 1), np.inf)
-        for m, z in enumerate(sizes):
-            if z <= D:
-                shifted[m, :, z:] = prev[:, : D + 1 - z]
-        # (m, k, j, 1) with (m, 1, j, d) -> reduce over m and j
-        lat = np.moveaxis(table[s, : hi + 1, : hi + 1, :], -1, 0)[:, :, :, None]
-        cand = combine(lat, shifted[:, None, :, :])
-        V[s, : hi + 1] = cand.min(axis=(0, 2))
-    return V
-
-
-def _reconstruct(F, table, sizes, num_devices, s):
-    """Follow one argmin path of ``F`` from ``(s, 0, D)``; returns [(k, j, m), ...]."""
-    L = table.shape[1]
-    k, d, path = 0, num_devices, []
-    while s > 0:
-        target = F[s, k, d]
-        best = None
-        for m, z in enumerate(sizes):
-            if z > d:
-                continue
-            vals = table[s, k, k:L, m] + F[s - 1, k + 1 : L + 1, d - z]
-            jj = int(np.argmin(vals))
-            if vals[jj] == target:
-                best = (k, k + jj, m)
-                break
-        assert best is not None, "internal error: DP path not found"
-        path.append(best)
-        k, d, s = best[1] + 1, d - sizes[best[2]], s - 1
-    assert k == L and d == 0
-    return path
+    first, last = fits(1), fits(n)
+    lo = np.where(first | last, 1, n + 1).astype(np.int64)
+    hi = np.where(first | last, n, 0).astype(np.int64)
+    for falling in (True, False):   # fits only at small s (amem > 0), or only at large s
+        where = np.nonzero(first & ~last if falling else ~first & last)
+        if not where[0].size:
+            continue
+        a = np.ones(where[0].shape, dtype=np.int64) if falling else np.ones(where[0].shape, dtype=np.int64)
+        b = np.full(where[0].shape, n, dtype=np.int64)
+        sm, am = smem[where], amem[where]
+        # invariant: the answer is in (a, b] for "falling" (last fitting s: fits(a), not fits(b)),
+        # in (a, b] for "rising" (first fitting s: not fits(a), fits(b))
+        while np.any(b - a > 1):
+            mid = (a + b) // 2
+            with np.errstate(invalid="ignore", over="ignore"):
+                ok = sm + mid * am <= mem_limit
+            if falling:
+                a, b = np.where(ok, mid, a), np.where(ok, b, mid)
+            else:
+                a, b = np.where(ok, a, mid), np.where(ok, mid, b)
+        if falling:
+            lo[where], hi[where] = 1, a
+        else:
+            lo[where], hi[where] = b, n
+    return lo, hi
 
 
 class _Problem:
-    """Collapsed tables shared by all ``t_max`` solves of one instance."""
+    """The stage entries of one instance, shared by every ``t_max`` solve.
+
+    An *entry* is a stage ``(k, j, m)``: layers ``k..j`` on submesh ``m``.  It keeps its
+    ``K`` logical choices' latencies and, per choice, the interval of suffix stage counts
+    ``s`` at which the choice fits in memory.  Within one solve, the entry's latency as the
+    first stage of a suffix of ``s`` stages is its cheapest choice that fits at ``s`` (and
+    is ``<= t_max``): replacing any feasible choice by that one lowers neither the sum nor
+    the maximum and touches no other stage, so nothing optimal is lost.
+    """
 
     def __init__(self, cost, smem, amem, mem_limit, sizes, num_devices, max_stages=None):
-        self.L = cost.shape[0]
+        L = cost.shape[0]
+        self.L, self.D = L, num_devices
         self.sizes = sizes
-        self.D = num_devices
-        self.n_max = max_stage_count(self.L, sizes, num_devices, max_stages)
-        self.best, self.arg = _collapse(cost, smem, amem, mem_limit, self.n_max)
+        n = max_stage_count(L, sizes, num_devices, max_stages)
+        k, j, m = np.nonzero(np.isfinite(cost).any(axis=-1))      # upper triangle only (see checks)
+        inside = sizes[m] <= num_devices
+        k, j, m = k[inside], j[inside], m[inside]
+        lo, hi = _fit_range(smem[k, j, m], amem[k, j, m], mem_limit, n)
+        choice_cost = np.where(lo <= hi, cost[k, j, m], np.inf)
+        usable = np.isfinite(choice_cost).any(axis=-1)
+        order = np.lexsort((j[usable], m[usable], k[usable]))       # by start, then submesh, then end
+        self.k, self.j, self.m = k[usable][order], j[usable][order], m[usable][order]
+        self.cost, self.lo, self.hi = choice_cost[usable][order], lo[usable][order], hi[usable][order]
+        self.z = sizes[self.m].astype(np.int64)
+        # Memory bounds the stage count: no stage fits as the first of a deeper suffix.
+        self.n_max = min(n, int(self.hi.max(initial=0)))
+        # The least latency of each entry over its choices and suffix counts: a lower bound
+        # on it in any plan, used by the relaxations.
+        self.relaxed = self.cost.min(axis=-1)
 
-    def min_sum(self, t_max):
-        """Solve ``F`` for one ``t_max``: (G, plan as (k, j, m, s) list) or (inf, None)."""
-        table = self.best if t_max == np.inf else np.where(self.best <= t_max, self.best, np.inf)
-        F = _levels(table, self.sizes, self.D, np.add)
-        ends = F[:, 0, self.D]
-        s = int(np.argmin(ends))
-        if not np.isfinite(ends[s]):
-            return np.inf, None
-        path = _reconstruct(F, table, self.sizes, self.D, s)
-        return float(ends[s]), [(k, j, m, s - p) for p, (k, j, m) in enumerate(path)]
+    def at_count(self, index, s, t_max):
+        """(latency, logical choice) of entries ``index`` as first stage of ``s`` stages, <= t_max."""
+        fits = (self.lo[index] <= s) & (s <= self.hi[index]) & (self.cost[index] <= t_max)
+        masked = np.where(fits, self.cost[index], np.inf)
+        arg = masked.argmin(axis=-1)
+        return np.take_along_axis(masked, arg[:, None], axis=-1)[:, 0], arg
 
-    def bottleneck(self):
-        """Least possible slowest stage over all valid plans (``inf`` if none)."""
-        V = _levels(self.best, self.sizes, self.D, np.maximum)
-        return float(V[:, 0, self.D].min())
+    def candidates_below(self, bound):
+        """The largest entry latency (any choice) strictly below ``bound``, or None."""
+        below = self.cost[self.cost < bound]
+        return float(below.max()) if below.size else None
 
-    def choices(self, plan):
-        return tuple(
-            StageChoice(k, j + 1, m, int(self.arg[s, k, j, m]), float(self.best[s, k, j, m]))
-            for k, j, m, s in plan
-        )
 
-    def candidates(self):
-        vals = self.best[1:][np.isfinite(self.best[1:])]
-        return np.unique(vals)
+# --------------------------------------------------------------------------------------
+# lower bounds: devices priced instead of counted
+
+
+class _Relaxation:
+    """Lower bounds for the solve at one ``t_max`` by Lagrangian relaxation of the device
+    count: give each device a price ``lam`` and drop the constraint ``sum of devices = D``.
+    For any ``lam`` and any plan, ``sum t_p >= sum (t_p + lam * z_p) - lam * D``, and the
+    right side's least value over plans is a shortest path over layer cuts (no device
+    dimension).  Memory is relaxed too (each entry at its least latency).  Gives:
+
+    * ``bound``: a lower bound on ``G(t_max)``, the best over the prices tried;
+    * ``entry_bound(index, s, lat)``: a lower bound on the sum of any plan that uses an
+      entry as the first stage of a suffix of ``s`` stages (prefix + entry + suffix);
+    * ``prefix_floor``: for each start layer ``k`` and prefix device count ``u``, a lower
+      bound on any prefix covering layers ``0..k-1`` on ``u`` devices (the best over all
+      prices tried, and ``inf`` where no prefix has that many devices).
+    """
+
+    def __init__(self, prob: _Problem, t_max: float):
+        L, D = prob.L, prob.D
+        self.prob, self.D = prob, D
+        allowed = prob.relaxed <= t_max
+        self.R = np.full((L, L, len(prob.sizes)), np.inf)
+        self.R[prob.k[allowed], prob.j[allowed], prob.m[allowed]] = prob.relaxed[allowed]
+        self.zs = prob.sizes.astype(np.float64)
+        usable = np.isfinite(self.R)
+        zmin = np.where(usable, self.zs, np.inf).min(axis=-1)
+        zmax = np.where(usable, self.zs, -np.inf).max(axis=-1)
+        self.pre_min, self.pre_max = _prefix_path(zmin, np.minimum), _prefix_path(zmax, np.maximum)
+        self.feasible = self.pre_min[L] <= D <= self.pre_max[L]
+        self.prices: list[tuple[float, np.ndarray]] = []   # (lam, prefix path costs)
+        self.lam, self.bound = 0.0, -np.inf
+        if self.feasible:
+            self._search_price()
+
+    def _priced(self, lam):
+        V = self.R + lam * self.zs
+        arg = V.argmin(axis=-1)
+        W = np.take_along_axis(V, arg[..., None], axis=-1)[..., 0]
+        return W, self.zs[arg]
+
+    def _try(self, lam):
+        """The relaxed optimum at price ``lam``: its bound and its device count."""
+        W, Zw = self._priced(lam)
+        L = self.prob.L
+        P = np.full(L + 1, np.inf)
+        Z = np.zeros(L + 1)
+        P[0] = 0.0
+        for stop in range(1, L + 1):
+            vals = P[:stop] + W[:stop, stop - 1]
+            i = int(np.argmin(vals))
+            P[stop], Z[stop] = vals[i], Z[i] + Zw[i, stop - 1]
+        self.prices.append((lam, P))
+        value = P[L] - lam * self.D
+        if value > self.bound:
+            self.bound, self.lam = value, lam
+        return Z[L]
+
+    def _search_price(self, iterations: int = 24):
+        """Bisection on the price for the relaxed optimum's device count to cross ``D``
+        (the bound is concave in the price; its best is where the count crosses)."""
+        finite = self.R[np.isfinite(self.R)]
+        scale = max(float(np.median(finite)) / max(self.D, 1), 1e-300) if finite.size else 1.0
+        z0 = self._try(0.0)
+        if z0 == self.D:
+            return
+        sign = 1.0 if z0 > self.D else -1.0    # too many devices: make them dearer
+        inner, outer = 0.0, sign * scale
+        for _ in range(60):
+            z = self._try(outer)
+            if (z <= self.D) if sign > 0 else (z >= self.D):
+                break
+            inner, outer = outer, outer * 4
+        else:
+            return
+        for _ in range(iterations):
+            mid = 0.5 * (inner + outer)
+            z = self._try(mid)
+            if z == self.D:
+                return
+            if (z > self.D) == (sign > 0):
+                inner = mid
+            else:
+                outer = mid
+
+    def prefix_at_best(self):
+        """The priced prefix sums (``[k]``, layers ``0..k-1``) at the best price."""
+        return next(P for lam, P in self.prices if lam == self.lam)
+
+    def suffix_counts(self, n):
+        """``H[s, k]``: the least priced sum of a suffix from layer ``k`` of exactly ``s`` stages."""
+        W, _ = self._priced(self.lam)
+        L = self.prob.L
+        H = np.full((n + 1, L + 1), np.inf)
+        H[0, L] = 0.0
+        for s in range(1, n + 1):
+            H[s, :L] = (W + H[s - 1, 1:][None, :]).min(axis=1)
+        return H
+
+    def prefix_floor(self):
+        """``floor[k, u]``: lower bound on any prefix over layers ``0..k-1`` on ``u`` devices."""
+        L, D = self.prob.L, self.D
+        u = np.arange(D + 1, dtype=np.float64)
+        floor = np.full((L + 1, D + 1), -np.inf)
+        for lam, P in self.prices:
+            floor = np.maximum(floor, P[:, None] - lam * u[None, :])
+        floor[(u[None, :] < self.pre_min[:, None]) | (u[None, :] > self.pre_max[:, None])] = np.inf
+        return floor
+
+
+def _prefix_path(weights, better):
+    """``best[k]``: the best (``np.minimum`` or ``np.maximum``) sum of ``weights[i, j]`` over
+    cuts of layers ``0..k-1`` into ranges (``weights`` is ``(L, L)``, non-finite where
+    unusable)."""
+    L = weights.shape[0]
+    worst = np.inf if better is np.minimum else -np.inf
+    best = np.full(L + 1, worst)
+    best[0] = 0.0
+    for stop in range(1, L + 1):
+        vals = best[:stop] + weights[:stop, stop - 1]
+        vals = vals[np.isfinite(vals)]
+        if vals.size:
+            best[stop] = vals.min() if better is np.minimum else vals.max()
+    return best
+
+
+def _bottleneck_floor(prob: _Problem) -> float:
+    """A lower bound on the least possible slowest stage: the least entry latency ``t``
+    at which the layers can be covered by stages ``<= t`` whose least and greatest device
+    counts bracket ``D`` (bisection over the distinct latencies)."""
+    values = np.unique(prob.relaxed)
+    L, D = prob.L, prob.D
+    zs = prob.sizes.astype(np.float64)
+
+    def possible(t):
+        allowed = prob.relaxed <= t
+        zmin = np.full((L, L), np.inf)
+        zmax = np.full((L, L), -np.inf)
+        np.minimum.at(zmin, (prob.k[allowed], prob.j[allowed]), zs[prob.m[allowed]])
+        np.maximum.at(zmax, (prob.k[allowed], prob.j[allowed]), zs[prob.m[allowed]])
+        return _prefix_path(zmin, np.minimum)[L] <= D <= _prefix_path(zmax, np.maximum)[L]
+
+    lo, hi = 0, len(values) - 1
+    if hi < 0 or not possible(values[hi]):
+        return np.inf
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if possible(values[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(values[lo])
+
+
+# --------------------------------------------------------------------------------------
+# one solve: the least sum at a fixed t_max, below a threshold
+
+
+def _slack(x):
+    """Room for rounding when a bound is compared with a threshold: pruning must never
+    drop a plan whose true sum is below the threshold."""
+    return 1e-9 * abs(x) + 1e-300
+
+
+def _min_sum(prob: _Problem, t_max: float, threshold: float, relax: _Relaxation):
+    """``G(t_max)`` and a plan achieving it, if ``G(t_max) < threshold``; else (inf, None).
+
+    The recurrence of the module docstring over ``F[s, k, d]``, level by level in ``s``,
+    on the entries no bound rules out: an entry whose ``entry_bound`` reaches the
+    threshold cannot be part of a plan below it, and neither can a state ``(s, k, d)``
+    whose value plus the prefix floor for ``D - d`` devices reaches it.  Every plan below
+    the threshold survives both tests, so its value (and the path walk, which only
+    follows equalities) is the same as without them.
+    """
+    L, D, n = prob.L, prob.D, prob.n_max
+    if not relax.feasible or relax.bound > threshold + _slack(threshold):
+        return np.inf, None
+    limit = threshold + _slack(threshold)
+    H = relax.suffix_counts(n)                 # [s, k]: priced suffix of s stages from layer k
+    floor = relax.prefix_floor()               # [k, u]: any prefix over layers 0..k-1 on u devices
+    lam, P = relax.lam, relax.prefix_at_best()  # the best price, and its priced prefixes [k]
+    # Entries allowed at this t_max whose relaxed bound (least over suffix counts) is below.
+    best_tail = H[:-1].min(axis=0)            # least H[s - 1, j + 1] over s, per next start
+    base = np.nonzero(prob.relaxed <= t_max)[0]
+    base = base[P[prob.k[base]] + prob.relaxed[base] + lam * prob.z[base] + best_tail[prob.j[base] + 1]
+                - lam * D <= limit]
+    F = np.full((n + 1, L + 1, D + 1), np.inf)
+    F[0, L, 0] = 0.0
+    reach_lo = np.full((n + 1, L + 1), D + 1, dtype=np.int64)   # finite d window of F[s, k]
+    reach_hi = np.full((n + 1, L + 1), -1, dtype=np.int64)
+    reach_lo[0, L] = reach_hi[0, L] = 0
+    levels: list = [None]
+    for s in range(1, n + 1):
+        e = base[(prob.k[base] <= L - s) & (prob.j[base] <= L - s)]
+        e = e[reach_hi[s - 1, prob.j[e] + 1] >= 0]
+        lat, arg = prob.at_count(e, s, t_max)
+        keep = np.isfinite(lat)
+        keep &= P[prob.k[e]] + lat + lam * prob.z[e] + H[s - 1, prob.j[e] + 1] - lam * D <= limit
+        e, lat, arg = e[keep], lat[keep], arg[keep]
+        levels.append((e, lat, arg))
+        if not e.size:
+            break
+        k, nxt, z = prob.k[e], prob.j[e] + 1, prob.z[e]
+        a = reach_lo[s - 1, nxt] + z                       # output window of each entry
+        b = np.minimum(reach_hi[s - 1, nxt] + z, D)
+        ok = a <= b
+        e, lat, k, nxt, z, a, b = e[ok], lat[ok], k[ok], nxt[ok], z[ok], a[ok], b[ok]
+        if not e.size:
+            break
+        lo_d, hi_d = int(a.min()), int(b.max())
+        d = np.arange(lo_d, hi_d + 1)
+        src = d[None, :] - z[:, None]                       # (E, W) columns of F[s - 1, nxt]
+        valid = (src >= 0)
+        vals = F[s - 1][nxt[:, None], np.where(valid, src, 0)]
+        vals = np.where(valid, vals, np.inf) + lat[:, None]
+        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])   # entries are sorted by k
+        best = np.minimum.reduceat(vals, starts, axis=0)
+        F[s, k[starts], lo_d:hi_d + 1] = best
+        # states that cannot be completed below the threshold by any prefix
+        level = F[s]
+        level[level + floor[:, ::-1] > limit] = np.inf
+        finite = np.isfinite(level)
+        rows = finite.any(axis=1)
+        if not rows.any():
+            break
+        reach_lo[s, rows] = finite[rows].argmax(axis=1)
+        reach_hi[s, rows] = D - finite[rows, ::-1].argmax(axis=1)
+    ends = F[1:, 0, D]
+    if not ends.size or not np.isfinite(ends.min()) or ends.min() > limit:
+        return np.inf, None
+    s = int(np.argmin(ends)) + 1
+    G = float(ends[s - 1])
+    return G, _walk(prob, F, levels, s)
+
+
+def _walk(prob: _Problem, F, levels, s):
+    """Follow one argmin path from ``(s, 0, D)``: at each state the first entry (by
+    submesh, then end layer) whose latency plus the next state's value is the state's
+    value.  Returns [(k, j, m, s, logical, latency)]."""
+    k, d, path = 0, prob.D, []
+    while s > 0:
+        e, lat, arg = levels[s]
+        here = np.nonzero(prob.k[e] == k)[0]
+        target = F[s, k, d]
+        found = None
+        for x in here:       # sorted by submesh, then end layer
+            idx = e[x]
+            rest = d - prob.z[idx]
+            if rest >= 0 and lat[x] + F[s - 1, prob.j[idx] + 1, rest] == target:
+                found = (k, int(prob.j[idx]), int(prob.m[idx]), s, int(arg[x]), float(lat[x]))
+                break
+        assert found is not None, "internal error: DP path not found"
+        path.append(found)
+        k, d, s = found[1] + 1, d - int(prob.z[idx]), s - 1
+    assert k == prob.L and d == 0
+    return path
 
 
 def no_plan_error(L, num_devices):
@@ -323,56 +557,81 @@ def solve_stages(
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages)
-    return _solve(prob, B)
+    return _search(prob, B)
 
 
-def _solve(prob: _Problem, B: int) -> StageSolution:
-    """The pruned search over ``t_max`` (module docstring, point 4).
+def _search(prob: _Problem, B: int) -> StageSolution:
+    """The search over ``t_max`` (module docstring, "the search"): branch and bound over
+    intervals of candidate values.
 
-    Invariants: ``best_T`` is the objective of a real plan (``best_plan``); every
-    ``t_max`` not yet solved and not below ``t_lo`` that could give an objective below
-    ``best_T`` is ``< bound``.
+    ``T* = min over t of G(t) + (B - 1) t`` over the candidates ``t`` (every entry
+    latency).  For an interval ``[a, b]`` of candidates whose ``G`` is known to be at
+    least ``g`` (the value at a solved point to its right), every objective in it is at
+    least ``g + (B - 1) a``: the interval is dropped when that reaches ``best_T``.  A
+    solve at ``t`` below the threshold ``best_T - (B - 1) a`` either finds no plan (then
+    nothing in ``[a, t]`` can win) or a plan with sum ``G(t)`` and slowest stage ``m``
+    (then ``[m, t]`` has the same ``G`` and no better objective than that plan, and
+    ``G(t)`` bounds ``[a, m)``).  Intervals are taken least bound first.
     """
+    import heapq
+
     examined = 0
     best_T, best_plan = np.inf, None
 
     def consider(plan):
         nonlocal best_T, best_plan
-        secs = [float(prob.best[s, k, j, m]) for k, j, m, s in plan]
+        secs = [lat for *_, lat in plan]
         T = plan_objective(secs, B)
         if T < best_T:
             best_T, best_plan = T, plan
         return max(secs)
 
-    # t_max = inf: the unconstrained least sum G_inf, a lower bound on every G(t_max).
-    G_inf, plan = prob.min_sum(np.inf)
-    examined += 1
-    if plan is None:
+    if prob.n_max < 1 or not prob.k.size:
         raise no_plan_error(prob.L, prob.D)
+    # t_max = inf: the least sum G_inf, a lower bound on every G(t_max).  Solved below a
+    # threshold a little above its relaxation bound, raised until a plan shows.
+    relax = _Relaxation(prob, np.inf)
+    if not relax.feasible:
+        raise no_plan_error(prob.L, prob.D)
+    gap = max(1e-3 * abs(relax.bound), 1e-12)
+    while True:
+        threshold = relax.bound + gap if gap < 1e3 * (abs(relax.bound) + 1e-12) else np.inf
+        G_inf, plan = _min_sum(prob, np.inf, threshold, relax)
+        examined += 1
+        if plan is not None:
+            break
+        if threshold == np.inf:
+            raise no_plan_error(prob.L, prob.D)
+        gap *= 16
     m_inf = consider(plan)
     if B > 1:
-        # The least possible slowest stage: no t_max below it admits a plan.
-        t_lo = prob.bottleneck()
-        cands = prob.candidates()
-        # t >= m_inf gives G = G_inf and T >= the plan above; G(t) >= G_inf for all t.
-        bound = min(m_inf, (best_T - G_inf) / (B - 1))
-        if t_lo < bound:
-            _, plan = prob.min_sum(t_lo)
+        t_lo = _bottleneck_floor(prob)
+        top = min(m_inf, (best_T - G_inf) / (B - 1))           # candidates at or above cannot win
+        values = prob.cost[(prob.cost >= t_lo) & (prob.cost < top)]
+        cands = np.unique(values)
+        heap = [(G_inf + (B - 1) * float(cands[0]), 0, len(cands) - 1, G_inf)] if cands.size else []
+        while heap:
+            bound, lo, hi, g = heapq.heappop(heap)
+            if bound >= best_T or lo > hi:
+                continue
+            a = float(cands[lo])
+            if g + (B - 1) * a >= best_T:
+                continue
+            mid = (lo + hi + 1) // 2
+            t = float(cands[mid])
+            G_t, plan = _min_sum(prob, t, best_T - (B - 1) * a, _Relaxation(prob, t))
             examined += 1
-            consider(plan)
-            bound = min(bound, (best_T - G_inf) / (B - 1))
-        # Descent over candidates in (t_lo, bound).
-        while bound > t_lo:
-            idx = int(np.searchsorted(cands, bound, side="left")) - 1  # largest cand < bound
-            if idx < 0 or cands[idx] <= t_lo:
-                break
-            t = float(cands[idx])
-            G_t, plan = prob.min_sum(t)
-            examined += 1
-            assert plan is not None, "internal error: no plan above the bottleneck"  # t > t_lo
+            if plan is None:            # G(t) reaches the threshold: nothing in [a, t] wins
+                if mid + 1 <= hi:
+                    heapq.heappush(heap, (g + (B - 1) * float(cands[mid + 1]), mid + 1, hi, g))
+                continue
             m_t = consider(plan)
-            bound = min(m_t, (best_T - G_t) / (B - 1))
-    stages = prob.choices(best_plan)
+            below = int(np.searchsorted(cands, m_t, side="left")) - 1     # largest candidate < m_t
+            if lo <= below:
+                heapq.heappush(heap, (G_t + (B - 1) * a, lo, below, G_t))
+            if mid + 1 <= hi:
+                heapq.heappush(heap, (g + (B - 1) * float(cands[mid + 1]), mid + 1, hi, g))
+    stages = tuple(StageChoice(k, j + 1, m, c, lat) for k, j, m, s, c, lat in best_plan)
     return StageSolution(
         stages=stages,
         total_seconds=float(best_T),

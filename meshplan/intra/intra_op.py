@@ -25,14 +25,16 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.errors import PlanError
 from meshplan.model.layers import Layering
 from meshplan.intra import ilp
-from meshplan.intra.chain import StageSharding, best_chain
+from meshplan.intra.chain import Chain, StageSharding, best_chain
 from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
 from meshplan.ops import entry
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
+from meshplan.intra.segments import tensor_segments
 from meshplan.intra.operator_cost import OperatorCosts, held_bytes
 from meshplan.intra.strategies import Strategy
-from meshplan.sharding import LogicalMesh
+from meshplan.reshard.steps import axis_links
+from meshplan.sharding import LogicalMesh, segments_fit
 
 __all__ = ["BOUNDARY_KINDS", "IntraOpPass", "IntraOpStats", "LayerSolution", "StageSharding",
            "boundary_spec", "fold_followers", "layer_fingerprints"]
@@ -75,6 +77,9 @@ class IntraOpPass:
                 readers.setdefault(source, set()).add(int(owner[i]))
         self._shared = {source for source, layers in readers.items() if len(layers) > 1}
         self._own: dict[tuple, LayerSolution] = {}
+        self._layer_dims: dict[int, tuple] = {}
+        self._views: dict[tuple, tuple] = {}
+        self._by_view: dict[tuple, dict] = {}
 
     # --- one layer ------------------------------------------------------------------
 
@@ -86,7 +91,9 @@ class IntraOpPass:
         mesh, for stages whose fastest layout does not fit the devices."""
         b_in = self._effective_kind(layer, b_in, logical, entering=True)
         b_out = self._effective_kind(layer, b_out, logical, entering=False)
-        key = (self._layer_keys[layer], submesh, logical, b_in, b_out, lean)
+        # the lean variant's memory row depends on the device count: it keeps its own mesh
+        view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
+        key = (self._layer_keys[layer], view, b_in, b_out, lean)
         if key in self._cache:
             self.stats.cache_hits += 1
         else:
@@ -109,6 +116,54 @@ class IntraOpPass:
         node = self.graph.nodes[index]
         return [node.outputs[k] for k in entry(node.op_type, node.domain).cache_outputs
                 if k < len(node.outputs) and node.outputs[k]]
+
+    def _effective_view(self, layer: int, submesh: tuple[int, int], logical: tuple[int, int]) -> tuple:
+        """What the layer's ILP on this view depends on: for each mesh axis that can split
+        something, its size and its link; an axis that can split nothing (nor make anything
+        partial) leaves the ILP the one without it. An axis splits something where its size
+        divides some dim of the layer's tensors, or where a segmented dim (split by heads,
+        ``intra.segments``) fits it, alone or with the other axis: a segment of fewer heads
+        than devices splits over a count that divides no dim. (A 13x8 view of a layer whose
+        dims are powers of two has the ILP of 1x8: one solve serves every host count that
+        divides nothing.)"""
+        found = self._views.get((layer, submesh, logical))
+        if found is None:
+            dims, segmented = self._dims_of(layer)
+            links = axis_links(self.cluster, submesh, logical)
+            inter = self.cluster.hosts > 1
+
+            def splits(size: int, other: int) -> bool:
+                return size > 1 and (any(d % size == 0 for d in dims) or any(
+                    segments_fit(segs, size) or segments_fit(segs, size * other) for segs in segmented))
+
+            found = tuple(
+                (size, links[axis].bandwidth, links[axis].latency, inter and links[axis] == self.cluster.inter_host)
+                if splits(size, logical[1 - axis]) else None
+                for axis, size in enumerate(logical))
+            self._views[(layer, submesh, logical)] = found
+        return found
+
+    def _dims_of(self, layer: int) -> tuple[frozenset[int], frozenset]:
+        """Every dim size of the tensors the layer's operators read and write (a parameter's
+        sources included), and the segments of those of their dims that are segmented."""
+        if layer not in self._layer_dims:
+            tensors, chains = self.graph.tensors, self.graph.chains
+            names: set[str] = set()
+            todo = [name for i in range(self.layering.bounds[layer], self.layering.bounds[layer + 1])
+                    for name in list(self.graph.nodes[i].inputs) + list(self.graph.nodes[i].outputs) if name]
+            while todo:          # a parameter expression's chain and sources too
+                name = todo.pop()
+                if name in names:
+                    continue
+                names.add(name)
+                if name in chains:
+                    todo.extend(n for n in list(chains[name].inputs) + list(chains[name].outputs) if n)
+                todo.extend(tensors[name].sources if name in tensors else ())
+            segments = tensor_segments(self.graph)
+            self._layer_dims[layer] = (
+                frozenset(d for name in names if name in tensors for d in tensors[name].shape),
+                frozenset(segs for name in names for segs in segments.get(name, {}).values()))
+        return self._layer_dims[layer]
 
     def _effective_kind(self, layer: int, kind: str, logical: tuple[int, int], entering: bool) -> str:
         """``B`` is the same layout as ``R`` when no tensor crossing that side of the layer can
@@ -156,13 +211,48 @@ class IntraOpPass:
         return self._chain(start, stop, submesh, logical, lean=True)
 
     def _chain(self, start, stop, submesh, logical, lean: bool) -> StageSharding:
-        return best_chain(range(start, stop), lambda layer, b_in, b_out: self._split_weights(
-            layer, submesh, logical, b_in, b_out, lean), lean)
+        return best_chain(range(start, stop), self._solutions(submesh, logical, lean), lean)
+
+    def _solutions(self, submesh, logical, lean: bool):
+        """``solution(layer, b_in, b_out)`` on one view, remembered per view (a chain asks
+        for the same few many times)."""
+        known = self._by_view.setdefault((submesh, logical, lean), {})
+
+        def solution(layer, b_in, b_out):
+            found = known.get((layer, b_in, b_out))
+            if found is None:
+                found = known[(layer, b_in, b_out)] = self._split_weights(layer, submesh, logical, b_in, b_out, lean)
+            return found
+
+        return solution
+
+    def stage_row(self, start: int, submesh: tuple[int, int], logical: tuple[int, int]):
+        """``(seconds, param_bytes)`` of ``stage(start, stop, …)`` for stop = start + 1 … L, in
+        order, from one pass over the layers (the same numbers ``stage`` gives)."""
+        fast = Chain(self._solutions(submesh, logical, False), False)
+        lean = None
+        memory = self.cluster.device.memory_bytes
+        for layer in range(start, self.layering.num_layers):
+            fast.extend(layer)
+            if lean is not None:
+                lean.extend(layer)
+            totals = fast.totals()
+            if totals[1] > memory:
+                if lean is None:
+                    lean = Chain(self._solutions(submesh, logical, True), True)
+                    for earlier in range(start, layer + 1):
+                        lean.extend(earlier)
+                totals = lean.totals()
+            yield totals
 
     def _split_weights(self, layer, submesh, logical, b_in, b_out, lean) -> LayerSolution:
         """The layer's solution with ``param_bytes`` the weights only this layer reads and
         ``slices`` the (initializer, layout) slices of the weights other layers read too."""
-        key = (layer, submesh, logical, b_in, b_out, lean)
+        # keyed like layer_solution: views and boundary kinds that give the same ILP give the
+        # same slices (an axis that splits nothing changes no byte count)
+        view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
+        key = (layer, view, self._effective_kind(layer, b_in, logical, entering=True),
+               self._effective_kind(layer, b_out, logical, entering=False), lean)
         if key in self._own:
             self.stats.cache_hits += 1   # as layer_solution counts a reuse
         else:

@@ -61,17 +61,56 @@ class LayerIlp:
         self._outputs = set(graph.outputs)
         self._state_outputs = set(graph.state)
         self._state_inputs = set(graph.state.values())
+        # (submesh, logical) → (src, its segments, dst, its segments, shape, itemsize) → seconds
+        self._reshard_memo: dict[tuple, dict] = {}
+        self._inputs = set(graph.inputs)
+        self._last_body: tuple | None = None          # the latest layer body, reused by its sibling ILPs
 
     def solve(self, start: int, stop: int, submesh, logical, b_in: str, b_out: str,
               memory_limit: float | None = None) -> tuple[LayerSolution, ShardingSolution]:
         """Every operator's strategy for layer nodes [start, stop), and the solver's answer."""
         mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+        tensors = self.graph.tensors
+        body = self._body(start, stop, submesh, logical, mesh)
+        reshard = body.reshard
+        nodes = []
+        for offset, (i, strategies, costs, memory) in enumerate(zip(range(start, stop), body.choices, body.costs,
+                                                                        body.memory)):
+            node = self.graph.nodes[i]
+            # Inputs from outside the layer arrive in the boundary layout (model inputs replicated;
+            # state inputs, in their reader's layout, are not among them).
+            for k, name in body.entering[offset]:
+                kind = "R" if name in self._inputs else b_in
+                arriving = boundary_spec(kind, tensors[name].split_sizes, mesh)
+                costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
+            # Outputs that leave the layer are handed on in the boundary layout (model outputs
+            # replicated; state read by no other layer stays where it is made, and is not here).
+            for k, name in body.leaving[offset]:
+                kind = "R" if name in self._outputs and name not in self._state_outputs else b_out
+                target = boundary_spec(kind, tensors[name].split_sizes, mesh)
+                costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
+            nodes.append(IlpNode(node.name, costs, memory))
+        problem, recover = fold_followers(ShardingProblem(nodes, body.edges, memory_limit), body.heavy)
+        result = solve(problem, self.solver)
+        full = recover(result.choices)
+        picked = [body.choices[offset][full[offset]] for offset in range(stop - start)]
+        slices = {}
+        for i, strategy in zip(range(start, stop), picked):
+            slices.update(self.costs.param_slices(self.graph.nodes[i], strategy, mesh))
+        return LayerSolution(result.objective, picked, held_bytes(slices), result.variables, result.constraints,
+                             slices), result
+
+    def _body(self, start: int, stop: int, submesh, logical, mesh: LogicalMesh) -> "_LayerBody":
+        """What a layer's ILPs on one logical mesh share whatever its boundary layouts: the
+        strategies, compute and weight costs of its operators and the resharding on the
+        edges inside it (built once per layer range and mesh, for the four boundary
+        combinations and the memory-lean variant)."""
+        key = (start, stop, submesh, logical)
+        if self._last_body is not None and self._last_body[0] == key:
+            return self._last_body[1]
         collectives = self.costs.collectives(submesh, logical)
         tensors = self.graph.tensors
-        index_of = {}
-        nodes: list[IlpNode] = []
-        choices: list[list[Strategy]] = []
-        inputs_set = set(self.graph.inputs)
+        memo = self._reshard_memo.setdefault((submesh, logical), {})
 
         state = self._state_outputs | self._state_inputs
 
@@ -79,26 +118,29 @@ class LayerIlp:
             if dst is None:
                 return 0.0
             info = tensors[name]
-            try:
-                seconds = reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
-            except ValueError:
-                return float("inf")
+            # segments take no part in a spec's equality but do in its resharding
+            key = (src, src.segments, dst, dst.segments, info.shape, info.dtype.itemsize)
+            seconds = memo.get(key)
+            if seconds is None:
+                try:
+                    seconds = reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
+                except ValueError:
+                    seconds = float("inf")
+                memo[key] = seconds
             if name in state and seconds < float("inf") and any(step.kind.name != "slice"
                                                                  for step in reshard_steps(src, dst)):
                 seconds += STATE_MOVE_PENALTY
             return seconds
 
+        body = _LayerBody(reshard)
         for i in range(start, stop):
             node = self.graph.nodes[i]
-            strategies = apply_policy(self.policy, node, self.graph, node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
+            strategies = apply_policy(self.policy, node, self.graph,
+                                      node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
             costs = np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies])
-            memory = np.array([self.costs.param_bytes(node, s, mesh) for s in strategies])
-            # Inputs from outside the layer arrive in the boundary layout (model inputs replicated).
+            entering, leaving = [], []
             for k, name in enumerate(node.inputs):
-                if not name or tensors[name].is_param:
-                    continue
-                where = self._producers.get(name)
-                if where is not None and start <= where < stop:
+                if not name or tensors[name].is_param or start <= self._producers.get(name, -1) < stop:
                     continue
                 if name in self._state_inputs:
                     # state arrives in whatever layout its reader takes (it stays there between
@@ -106,28 +148,24 @@ class LayerIlp:
                     costs = costs + np.array([float("inf") if s.inputs[k] is not None and s.inputs[k].partial else 0.0
                                               for s in strategies])
                     continue
-                kind = "R" if name in inputs_set else b_in
-                arriving = boundary_spec(kind, tensors[name].split_sizes, mesh)
-                costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
-            # Outputs that leave the layer are handed on in the boundary layout.
+                entering.append((k, name))
             for k, name in enumerate(node.outputs):
                 if not name:
                     continue
                 read_outside = any(not (start <= c < stop) for c in self._consumers.get(name, []))
-                leaves = name in self._outputs or read_outside
-                if leaves and name in self._state_outputs and not read_outside:
+                if name in self._state_outputs and not read_outside:
                     # state stays in the layout it is made in (whole: never as addends)
                     costs = costs + np.array([float("inf") if s.outputs[k] is not None and s.outputs[k].partial else 0.0
                                               for s in strategies])
                     continue
-                if leaves:
-                    kind = "R" if name in self._outputs and name not in self._state_outputs else b_out
-                    target = boundary_spec(kind, tensors[name].split_sizes, mesh)
-                    costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
-            index_of[i] = len(nodes)
-            nodes.append(IlpNode(node.name, costs, memory))
-            choices.append(strategies)
-        edges = []
+                if name in self._outputs or read_outside:
+                    leaving.append((k, name))
+            body.choices.append(strategies)
+            body.costs.append(costs)
+            body.memory.append(np.array([self.costs.param_bytes(node, s, mesh) for s in strategies]))
+            body.entering.append(entering)
+            body.leaving.append(leaving)
+            body.heavy.append(entry(node.op_type, node.domain).heavy)
         for i in range(start, stop):
             node = self.graph.nodes[i]
             for k, name in enumerate(node.inputs):
@@ -135,16 +173,20 @@ class LayerIlp:
                 if where is None or not (start <= where < stop):
                     continue
                 out_index = self.graph.nodes[where].outputs.index(name)
-                src, dst = choices[index_of[where]], choices[index_of[i]]
+                src, dst = body.choices[where - start], body.choices[i - start]
                 matrix = np.array([[reshard(a.outputs[out_index], b.inputs[k], name) for b in dst] for a in src])
-                edges.append(IlpEdge(index_of[where], index_of[i], matrix))
-        heavy = [entry(self.graph.nodes[i].op_type, self.graph.nodes[i].domain).heavy for i in range(start, stop)]
-        problem, recover = fold_followers(ShardingProblem(nodes, edges, memory_limit), heavy)
-        result = solve(problem, self.solver)
-        full = recover(result.choices)
-        picked = [choices[index_of[i]][full[index_of[i]]] for i in range(start, stop)]
-        slices = {}
-        for i, strategy in zip(range(start, stop), picked):
-            slices.update(self.costs.param_slices(self.graph.nodes[i], strategy, mesh))
-        return LayerSolution(result.objective, picked, held_bytes(slices), result.variables, result.constraints,
-                             slices), result
+                body.edges.append(IlpEdge(where - start, i - start, matrix))
+        self._last_body = (key, body)
+        return body
+
+
+@dataclass
+class _LayerBody:
+    reshard: object
+    choices: list = field(default_factory=list)      # strategies per node
+    costs: list = field(default_factory=list)        # compute seconds per strategy
+    memory: list = field(default_factory=list)       # weight bytes per strategy
+    entering: list = field(default_factory=list)     # per node: (input index, name) arriving from outside
+    leaving: list = field(default_factory=list)      # per node: (output index, name) handed on from the layer
+    heavy: list = field(default_factory=list)
+    edges: list = field(default_factory=list)

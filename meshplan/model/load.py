@@ -28,7 +28,7 @@ from meshplan.model.bounds import bound_dynamic_dims, read_bounds
 from meshplan.model.fold import SMALL_ELEMENTS, first_line, fold_constants, infer_shapes, is_loaded
 from meshplan.model.opsets import MAX_IR_VERSION, set_ir_version
 from meshplan.model.ort_schemas import register_onnxruntime_schemas
-from meshplan.model.weights import split_weights, write_weights
+from meshplan.model.weights import check_range, split_weights, write_weights
 
 __all__ = ["MAX_IR_VERSION", "CanonicalModel", "canonicalize", "check_model", "fix_dims", "infer_shapes",
            "read_model", "set_ir_version", "symbolic_dims"]
@@ -69,6 +69,25 @@ def check_model(path: str | os.PathLike) -> None:
             onnx.checker.check_model(header)
         except (onnx.checker.ValidationError, ValueError) as again:
             raise ModelError(f"model {path} fails the ONNX checker: {first_line(again)}") from again
+
+
+def _check_header(model: onnx.ModelProto, path: Path) -> None:
+    """onnx's checker on the graph alone (its external data files are not looked at)."""
+    register_onnxruntime_schemas()
+    header = onnx.ModelProto()
+    header.CopyFrom(model)
+    unread = [t for t in header.graph.initializer if not is_loaded(t)]
+    declared = {value.name for value in header.graph.input}
+    # graph inputs in their place, so that the checker does not look for the files
+    header.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                              for t in unread if t.name not in declared)
+    kept = [t for t in header.graph.initializer if is_loaded(t)]
+    del header.graph.initializer[:]
+    header.graph.initializer.extend(kept)
+    try:
+        onnx.checker.check_model(header)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        raise ModelError(f"model {path} fails the ONNX checker: {first_line(exc)}") from exc
 
 
 def _old_ir_with_inputs_added(path, exc: Exception) -> onnx.ModelProto | None:
@@ -178,19 +197,50 @@ class CanonicalModel:
 Rewrite = Callable[[onnx.ModelProto, Callable[[onnx.TensorProto], np.ndarray]], None]
 
 
+WEIGHT_MODES = ("read", "unread", "absent")
+
+
+def read_checked(source: Path, weights: str) -> onnx.ModelProto:
+    """The model's graph (weights not loaded), checked as ``weights`` allows (see
+    ``canonicalize``): with its external data files, with them only checked to be there
+    and long enough, or with the graph alone."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+    original = read_model(source, load_external_data=False)
+    if weights == "absent":
+        _check_header(original, source)
+        return original
+    if weights == "unread":
+        for tensor in original.graph.initializer:
+            if not is_loaded(tensor):
+                try:
+                    check_range(tensor, source.parent)    # there and long enough; never read
+                except ModelError as exc:
+                    raise ModelError(str(exc), hint="--shapes-only plans without the weight files") from None
+    check_model(source)
+    return original
+
+
 def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str | os.PathLike,
-                 rewrite: Rewrite | None = None) -> CanonicalModel:
+                 rewrite: Rewrite | None = None, weights: str = "read") -> CanonicalModel:
     """Load, check, fix dims, fold and infer shapes; write the result under ``workdir``.
 
     ``rewrite`` (a static batch cut to the microbatch size) changes the folded model
-    before it is checked and written."""
+    before it is checked and written.
+
+    ``weights`` says what may be done with the external data: ``"read"`` (programs will
+    be emitted: the canonical model's weights are placed beside it, small ones read for
+    folding); ``"unread"`` (a plan without programs: the external data files are checked
+    to be there and long enough, but not a byte of them is read, so a sparse file does);
+    ``"absent"`` (the files need not exist: the model is planned from its shapes alone).
+    Without weights, small initializers stored externally are not folded, and the
+    canonical model's weights are left unplaced: it serves planning only."""
     source = Path(source)
     workdir = Path(workdir)
-    original = read_model(source, load_external_data=False)
-    check_model(source)
+    original = read_checked(source, weights)
     model = fix_dims(original, dims)
     del original
-    held = split_weights(model, source.parent, SMALL_ELEMENTS)
+    held = split_weights(model, source.parent, SMALL_ELEMENTS, read_external=weights == "read")
     fold_constants(model, SMALL_ELEMENTS)
     if rewrite is not None:
         _name_nodes(model)   # so that what the rewrite refuses is named
@@ -199,12 +249,14 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     check_loads_in_onnxruntime(model)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "canonical.onnx"
-    write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
+    if weights == "read":
+        write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
     del held
     canonical = set_ir_version(infer_shapes(model))
     _name_nodes(canonical)
     _require_tensors(canonical)
-    bound_dynamic_dims(canonical, _unbounded, lambda: _sample_shapes(canonical, workdir))
+    # a sample run needs the weights: without them an unbounded dim stays an error
+    bound_dynamic_dims(canonical, _unbounded, lambda: _sample_shapes(canonical, workdir) if weights == "read" else {})
     _require_static_shapes(canonical)
     onnx.save_model(canonical, str(path))
     return CanonicalModel(

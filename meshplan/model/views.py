@@ -29,7 +29,7 @@ from meshplan.model.bounds import bound_dynamic_dims, read_bounds
 from meshplan.model.fold import SMALL_ELEMENTS, fold_constants, infer_shapes
 from meshplan.model.graph import TensorInfo, _dtype
 from meshplan.model.load import (CanonicalModel, _name_nodes, _require_tensors, _unbounded, check_loads_in_onnxruntime,
-                                 check_model, fix_dims, place_parameter_nodes, read_model, set_ir_version)
+                                 fix_dims, place_parameter_nodes, read_checked, set_ir_version)
 from meshplan.model.sizes import Sizes, probe_point
 from meshplan.model.weights import split_weights, write_weights
 
@@ -119,22 +119,25 @@ def shapes_at(model: onnx.ModelProto, point: dict[str, int]) -> tuple[dict, dict
     return seen, dynamic, types
 
 
-def canonicalize_ranged(source: str | os.PathLike, sizes: Sizes, workdir: str | os.PathLike) -> tuple[CanonicalModel, SizeViews]:
+def canonicalize_ranged(source: str | os.PathLike, sizes: Sizes, workdir: str | os.PathLike,
+                        weights: str = "read") -> tuple[CanonicalModel, SizeViews]:
     """The canonical model of a ranged plan (ranged and derived dims symbolic) under
-    ``workdir``, and its shapes at the cost and top sizes."""
+    ``workdir``, and its shapes at the cost and top sizes. ``weights`` is ``canonicalize``'s:
+    without ``"read"`` no byte of the external data is read and the canonical model's
+    weights are left unplaced (it serves planning only)."""
     source, workdir = Path(source), Path(workdir)
-    original = read_model(source, load_external_data=False)
-    check_model(source)
+    original = read_checked(source, weights)
     symbolic = tuple(sizes.ranges) + tuple(sizes.derived)
     model = fix_dims(original, sizes.fixed, symbolic)
     del original
-    held = split_weights(model, source.parent, SMALL_ELEMENTS)
+    held = split_weights(model, source.parent, SMALL_ELEMENTS, read_external=weights == "read")
     fold_constants(model, SMALL_ELEMENTS)
     place_parameter_nodes(model)
     check_loads_in_onnxruntime(model)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "canonical.onnx"
-    write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
+    if weights == "read":
+        write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
     del held
     canonical = set_ir_version(infer_shapes(model))
     _name_nodes(canonical)

@@ -32,12 +32,13 @@ def _nbytes(tensor: onnx.TensorProto) -> int:
     return prod(tensor.dims) * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
 
 
-def split_weights(model: onnx.ModelProto, source_dir: Path, limit: int) -> dict[str, bytes]:
-    """Load the small initializers; set the large inline ones' bytes aside (returned by name)."""
+def split_weights(model: onnx.ModelProto, source_dir: Path, limit: int, read_external: bool = True) -> dict[str, bytes]:
+    """Load the small initializers (those in external data files only if ``read_external``);
+    set the large inline ones' bytes aside (returned by name)."""
     held = {}
     for tensor in model.graph.initializer:
         small = prod(tensor.dims) <= limit
-        if not is_loaded(tensor) and small:
+        if not is_loaded(tensor) and small and read_external:
             try:
                 external_data_helper.load_external_data_for_tensor(tensor, str(source_dir))
             except (OSError, ValueError, onnx.checker.ValidationError) as exc:

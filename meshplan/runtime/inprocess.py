@@ -10,7 +10,7 @@ import numpy as np
 
 from meshplan.errors import PlanError
 from meshplan.files import file_sha256
-from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name
+from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, local_name, require_programs
 from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import apply_steps
 from meshplan.reshard.tasks import CrossMeshTransfer
@@ -26,6 +26,7 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
     runs its program segment by segment in lockstep, and the collectives between segments
     are done in memory with the same semantics as under MPI; between stages each tensor
     goes through its planned cross-mesh resharding, in memory."""
+    require_programs(plan, plan_dir)
     providers = providers_for(provider)
     runners = {}
     for program in plan.programs:

@@ -41,7 +41,7 @@ from meshplan.errors import MeshplanError, RunError
 from meshplan.model.sizes import Sizes
 from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
-from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan
+from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
 from meshplan.runtime.buffers import byte_view
 from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, ReportedElsewhere, _agree, _resharders, _world,
                                          choose_buffers)
@@ -97,6 +97,7 @@ class Job:
         try:
             plan_dir = Path(plan_dir)
             plan = read_plan(plan_dir)
+            require_programs(plan, plan_dir)
             if self.size != plan.num_ranks:
                 raise RunError(f"the plan needs {plan.num_ranks} ranks but the job has {self.size}",
                                hint=f"start it as mpiexec -n {plan.num_ranks} ...")
