@@ -126,3 +126,46 @@ def test_cli_no_programs_and_run_is_one_line(models, tmp_path):
     _one_error_line(mpi, "has no programs")
     assert len([line for line in mpi.stderr.splitlines() if line.startswith("meshplan: error:")]) == 1
     _one_error_line(run_cli("verify", tmp_path / "plan", "--inputs", tmp_path / "in.npz"), "has no programs")
+
+
+def test_ranged_plan_with_state_without_programs(tmp_path, monkeypatch):
+    """A plan for ranges of sizes with state (plan format 2) plans without programs from an
+    external data file it never opens: the same stages, sizes and state as with programs;
+    the resident job (``meshplan run`` under mpiexec), verify and ``run_in_process``
+    refuse it in one line."""
+    import onnx
+
+    from meshplan.model.sizes import parse_size
+    from tests.conftest import REPO
+
+    model = onnx.load(str(REPO / "sample_models" / "llama_optimum.onnx"))
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / "model.onnx"
+    onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data")
+    assert (tmp_path / "m" / "model.onnx.data").stat().st_size > 100_000
+    dims = {"batch_size": parse_size("1:4"), "sequence_length": parse_size("1:64"),
+            "past_sequence_length": parse_size("0:63")}
+    cluster = make_cluster((1, 2), "cpu")
+    options = PlanOptions(max_stages=1)
+    full = make_plan(path, cluster, dims, tmp_path / "full", options)
+    opened = _opened_paths(monkeypatch)
+    plan = make_plan(path, cluster, dims, tmp_path / "plan", options, programs=False)
+    monkeypatch.undo()
+    assert not any(name.endswith(".data") for name in opened), opened
+    written = read_plan(tmp_path / "plan")
+    assert written.format_version == 2 and written.is_ranged and len(written.state) == 4 and written.programs == []
+    assert (written.sizes, written.state) == (full.sizes, full.state)
+    assert any(stage.strategies for stage in plan.stages)
+    strip = [{k: v for k, v in json.loads(json.dumps(s.__dict__)).items() if k != "collectives"} for s in plan.stages]
+    assert strip == [{k: v for k, v in json.loads(json.dumps(s.__dict__)).items() if k != "collectives"}
+                     for s in full.stages]
+    assert plan.estimate == full.estimate
+    feeds = {"input_ids": np.zeros((1, 2), np.int64), "attention_mask": np.ones((1, 2), np.int64),
+             "position_ids": np.arange(2, dtype=np.int64)[None]}
+    save_npz(tmp_path / "in.npz", feeds)
+    with pytest.raises(PlanError, match="no programs"):
+        run_in_process(written, tmp_path / "plan", feeds)
+    mpi = run_mpi(2, "run", tmp_path / "plan", "--inputs", tmp_path / "in.npz")
+    _one_error_line(mpi, "has no programs")
+    assert len([line for line in mpi.stderr.splitlines() if line.startswith("meshplan: error:")]) == 1
+    _one_error_line(run_cli("verify", tmp_path / "plan", "--inputs", tmp_path / "in.npz"), "has no programs")

@@ -265,6 +265,63 @@ def test_memory_counts_state_at_its_largest(tmp_path):
     assert with_state.stages[0].memory_bytes - without.stages[0].memory_bytes == cache
 
 
+@pytest.fixture(scope="module")
+def optimum_ranged(tmp_path_factory):
+    """The optimum export's ranged canonical model and its graph, with its state pairs."""
+    from meshplan.make_plan import state_pairs
+    from meshplan.model.graph import build_graph
+    from meshplan.model.sizes import derive_dims, parse_size, split_dims
+    from meshplan.model.views import canonicalize_ranged
+
+    header = onnx.load(str(OPTIMUM), load_external_data=False)
+    sizes = derive_dims(header, split_dims({d.split("=")[0]: parse_size(d.split("=")[1]) for d in RANGES[OPTIMUM]}))
+    canonical, views = canonicalize_ranged(OPTIMUM, sizes, tmp_path_factory.mktemp("optimum_ranged"))
+    graph = build_graph(canonical.model, views)
+    graph.state = state_pairs(header, None)
+    return canonical, graph
+
+
+@pytest.mark.parametrize("memory", [80e9, 2.5e5], ids=["roomy", "tight"])
+def test_cost_tables_built_row_by_row_keep_state_and_peak_memory(optimum_ranged, memory):
+    """The stage DP's tables (one chain pass per start layer and view) hold what
+    ``stage_cost`` says for every stage of a ranged plan with state: a stage that would
+    hold part of a state's readers and makers is infeasible, state and activations count
+    at their largest sizes; on tight devices the memory-lean layouts come in too."""
+    from dataclasses import replace
+
+    from meshplan.cost.analytic import CostModel
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.inter.stage_cost import StageCosts, logical_meshes, submesh_shapes
+    from meshplan.intra.intra_op import IntraOpPass
+    from meshplan.make_plan import small_constants
+    from meshplan.model.layers import cluster_layers
+
+    cluster = make_cluster((2, 2), "cpu")
+    cluster = replace(cluster, device=replace(cluster.device, memory_bytes=memory))
+    canonical, graph = optimum_ranged
+    assert graph.views and len(graph.state) == 4
+    cost_model = CostModel(cluster)
+    seconds_per_node = cost_model.graph_seconds(graph)
+    layering = cluster_layers(graph, seconds_per_node, 12)
+    constants = small_constants(canonical.model)
+    intra = IntraOpPass(graph, layering, cost_model, cluster, constants)
+    costs = StageCosts(graph, layering, seconds_per_node, cost_model, intra)
+    assert costs._state_spans and max(hi - lo for lo, hi in costs._state_spans) > 0
+    submeshes = submesh_shapes(cluster)
+    seconds, params, acts = costs.tables(submeshes)
+    infeasible = 0
+    for s, submesh in enumerate(submeshes):
+        for k, logical in enumerate(logical_meshes(submesh)):
+            for i in range(layering.num_layers):
+                for j in range(i, layering.num_layers):
+                    want = costs.stage_cost(i, j + 1, submesh, logical)
+                    got = (seconds[i, j, s, k], params[i, j, s, k], acts[i, j, s, k])
+                    assert np.allclose(got, (want.seconds, want.param_bytes, want.act_bytes), rtol=1e-12), \
+                        (i, j, submesh, logical, got, want)
+                    infeasible += not np.isfinite(want.seconds)
+    assert infeasible   # some stages would split a state's readers from its maker
+
+
 @pytest.mark.mpi
 def test_meshplan_run_takes_any_size_the_plan_accepts(tmp_path):
     """One ranged plan, two `meshplan run`s at different sizes, each checked by verify;
