@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python benchmarks/stage_dp.py [--json PATH] [--check] [--large [--timeout S]]
+    python benchmarks/stage_dp.py [--json PATH] [--check] [--large [--timeout S]] [--idle]
 
 Rows: 32 layers x 32 devices (4 hosts x 8) and 24 layers x 16 devices (2 hosts x 8), 16
 microbatches, 4 logical-mesh choices per submesh.  ``--check`` also solves each row with
@@ -10,7 +10,8 @@ microbatches, 4 logical-mesh choices per submesh.  ``--check`` also solves each 
 the raw table from the least feasible one upwards, logical choices and memory test inside
 the DP, stop only when ``G(inf) + (B - 1) t_max >= T_best``; a few seconds) and fails if
 the objectives differ.  ``--check-full`` uses the fully unpruned reference instead (only
-the stop rule ``(B - 1) t_max >= T_best``; minutes at 32 x 32).
+the stop rule ``(B - 1) t_max >= T_best``; minutes at 32 x 32).  ``--idle`` lets the stages
+leave devices idle (the sum of their submeshes at most the cluster's, as meshplan plans).
 
 The synthetic model: layer ``l`` has a compute time ``w_l`` (one microbatch, one device),
 parameter bytes ``p_l`` and activation bytes ``a_l``.  On a submesh of ``n`` devices with
@@ -101,16 +102,17 @@ LARGE_ROWS = [
 ]
 
 
-def run_row(row, check: bool, full: bool = False):
+def run_row(row, check: bool, full: bool = False, idle: bool = False):
     cost, smem, amem, limit, sizes, D = synthetic_table(row["layers"], row["hosts"], row["per_host"], seed=row["seed"],
                                                         every_host_count=row.get("every_host_count", False))
     check = check and row.get("check", True)
     B = row["microbatches"]
     t0 = time.perf_counter()
-    sol: StageSolution = solve_stages(cost, smem, amem, limit, sizes, D, B)
+    sol: StageSolution = solve_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=idle)
     seconds = time.perf_counter() - t0
     # sanity: the plan is valid and its objective is the one reported
-    assert sum(int(sizes[st.submesh]) for st in sol.stages) == D
+    used = sum(int(sizes[st.submesh]) for st in sol.stages)
+    assert used <= D if idle else used == D
     assert abs(plan_objective([st.seconds for st in sol.stages], B) - sol.total_seconds) <= 1e-12 * sol.total_seconds
     result = dict(
         layers=row["layers"],
@@ -119,19 +121,21 @@ def run_row(row, check: bool, full: bool = False):
         choices=cost.shape[3],
         microbatches=B,
         seconds=round(seconds, 4),
-        tmax_examined=sol.tmax_candidates,
+        solves=sol.tmax_candidates,
         stages=len(sol.stages),
+        used=used,
         objective=sol.total_seconds,
     )
     # How much the memory limit costs: the same instance without it.
     if not row.get("every_host_count"):
-        result["objective_without_memory_limit"] = solve_stages(cost, smem, amem, np.inf, sizes, D, B).total_seconds
+        result["objective_without_memory_limit"] = solve_stages(cost, smem, amem, np.inf, sizes, D, B,
+                                                                 idle_devices=idle).total_seconds
     result["plan"] = [[st.start, st.stop, int(sizes[st.submesh]), st.logical] for st in sol.stages]
     if check:
         t0 = time.perf_counter()
-        ref = reference_stages(cost, smem, amem, limit, sizes, D, B, full=full)
+        ref = reference_stages(cost, smem, amem, limit, sizes, D, B, full=full, idle_devices=idle)
         result["reference_seconds"] = round(time.perf_counter() - t0, 2)
-        result["reference_tmax_examined"] = ref.tmax_candidates
+        result["reference_solves"] = ref.tmax_candidates
         result["reference_objective"] = ref.total_seconds
         result["check"] = bool(abs(ref.total_seconds - sol.total_seconds) <= 1e-9 * ref.total_seconds)
     return result
@@ -144,6 +148,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check-full", action="store_true", help="compare with the fully unpruned DP (minutes)")
     parser.add_argument("--large", action="store_true",
                         help="the rows 64 x 64, 128 x 256 and 128 x 1,024 devices (hosts x 8), 64 microbatches")
+    parser.add_argument("--idle", action="store_true", help="allow idle devices (at most the cluster's devices)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="with --large: stop after a row that took longer than this many seconds")
     args = parser.parse_args(argv)
@@ -151,13 +156,13 @@ def main(argv=None) -> int:
 
     results = []
     for row in LARGE_ROWS if args.large else ROWS:
-        results.append(run_row(row, args.check, args.check_full))
+        results.append(run_row(row, args.check, args.check_full, args.idle))
         print(f"{row['layers']} layers x {row['hosts'] * row['per_host']} devices: {results[-1]['seconds']:.2f} s",
               file=sys.stderr, flush=True)
         if args.timeout is not None and results[-1]["seconds"] > args.timeout:
             print(f"stopping: the row took more than {args.timeout:g} s", file=sys.stderr)
             break
-    cols = ["layers", "devices", "submeshes", "choices", "microbatches", "seconds", "tmax_examined", "stages", "objective"]
+    cols = ["layers", "devices", "submeshes", "choices", "microbatches", "seconds", "solves", "stages", "used", "objective"]
     if args.check:
         cols += ["reference_seconds", "reference_objective", "check"]
     fmt = {"objective": "{:.6f}", "reference_objective": "{:.6f}", "seconds": "{:.3f}"}

@@ -346,3 +346,97 @@ def test_random_host_tables_match_reference(seed, limit_scale):
         got = solve_stages(cost, smem, amem, limit, sizes, D, B)
         assert got.total_seconds == pytest.approx(ref.total_seconds, rel=1e-9)
         check_plan(got, cost, smem, amem, limit, sizes, D, B)
+
+
+# --- idle devices: the stages may use fewer than num_devices ---------------------------
+
+def check_idle_plan(sol: StageSolution, cost, smem, amem, limit, sizes, D, B):
+    L = cost.shape[0]
+    stages = sol.stages
+    assert stages[0].start == 0 and stages[-1].stop == L
+    assert all(a.stop == b.start for a, b in zip(stages, stages[1:]))
+    used = sum(int(sizes[s.submesh]) for s in stages)
+    assert used <= D and sol.devices_used == used
+    n = len(stages)
+    for p, s in enumerate(stages):
+        i, j, m, c = s.start, s.stop - 1, s.submesh, s.logical
+        assert s.seconds == cost[i, j, m, c] and smem[i, j, m, c] + (n - p) * amem[i, j, m, c] <= limit
+    assert plan_objective([s.seconds for s in stages], B) == pytest.approx(sol.total_seconds, rel=1e-12)
+
+
+def compare_idle(cost, smem, amem, limit, sizes, D, B):
+    try:
+        expected = brute_force_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+        return None
+    got = solve_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+    assert got.total_seconds == pytest.approx(expected.total_seconds, rel=1e-9)
+    check_idle_plan(got, cost, smem, amem, limit, sizes, D, B)
+    ref = reference_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+    assert ref.total_seconds == pytest.approx(expected.total_seconds, rel=1e-9)
+    return got
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    L=st.integers(1, 6),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True),
+    D=st.integers(1, 6),
+    K=st.integers(1, 2),
+    B=st.integers(1, 8),
+    ties=st.booleans(),
+    inf_frac=st.sampled_from([0.0, 0.2, 0.5]),
+    tight=st.booleans(),
+)
+def test_idle_devices_match_brute_force(seed, L, sizes, D, K, B, ties, inf_frac, tight):
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sizes)
+    cost, smem, amem, limit = make_instance(rng, L, sizes, K, ties, inf_frac, tight)
+    got = compare_idle(cost, smem, amem, limit, sizes, D, B)
+    if got is not None:   # leaving devices idle is never worse than using every one
+        try:
+            exact = solve_stages(cost, smem, amem, limit, sizes, D, B)
+        except PlanError:
+            return
+        assert got.total_seconds <= exact.total_seconds * (1 + 1e-12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), L=st.integers(1, 5), D=st.integers(1, 5), B=st.integers(1, 6),
+       idle=st.booleans())
+def test_activations_that_free_memory_match_brute_force(seed, L, D, B, idle):
+    """act_mem below zero (a stage that fits only with enough microbatches in flight): the
+    memory intervals rise, and fewer stages after a prefix no longer dominate."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([1, 2])
+    cost, smem, amem, _ = make_instance(rng, L, sizes, 2, False, 0.2, True)
+    amem = rng.uniform(-2.0, 2.0, cost.shape)
+    smem = rng.uniform(0.0, 10.0, cost.shape)
+    if idle:
+        compare_idle(cost, smem, amem, 8.0, sizes, D, B)
+    else:
+        compare(cost, smem, amem, 8.0, sizes, D, B)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("limit_scale", [0.6, 1.0, np.inf])
+def test_idle_devices_on_host_tables_match_reference(seed, limit_scale):
+    rng = np.random.default_rng(7000 + seed)
+    L, hosts = int(rng.integers(6, 11)), int(rng.integers(2, 5))
+    cost, smem, amem, limit, sizes, D = hosts_instance(rng, L, hosts, 4, 2, limit_scale)
+    for B in (1, 4, 32):
+        try:
+            ref = reference_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+        except PlanError:
+            with pytest.raises(PlanError):
+                solve_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+            continue
+        got = solve_stages(cost, smem, amem, limit, sizes, D, B, idle_devices=True)
+        assert got.total_seconds == pytest.approx(ref.total_seconds, rel=1e-9)
+        check_idle_plan(got, cost, smem, amem, limit, sizes, D, B)
+        # a larger cluster (one more host) is never worse when devices may stay idle
+        bigger = solve_stages(cost, smem, amem, limit, sizes, D + 4, B, idle_devices=True)
+        assert bigger.total_seconds <= got.total_seconds * (1 + 1e-12)

@@ -4,11 +4,13 @@ The problem
 -----------
 ``L`` layers ``0..L-1`` are cut into ``n`` contiguous stages.  Stage ``p`` (0-based, in
 pipeline order) runs layers ``i..j`` on a submesh ``m`` (``submesh_sizes[m]`` devices)
-with a logical-mesh choice ``k``, and takes ``t_p = stage_cost[i, j, m, k]`` seconds per
+with a logical-mesh choice ``c``, and takes ``t_p = stage_cost[i, j, m, c]`` seconds per
 microbatch.  A plan is valid when
 
 * the stages cover all layers in order;
-* the submesh sizes add up to exactly ``num_devices`` (every device has work);
+* the submesh sizes add up to exactly ``num_devices`` (every device has work), or, with
+  ``idle_devices=True``, to at most ``num_devices`` (the rest stay idle: a cluster larger
+  than a model can use is never worse than a smaller one);
 * every stage fits in memory at its position: ``stage_mem + (n - p) * act_mem <=
   mem_limit``, because with the 1F1B schedule stage ``p`` keeps at most ``n - p``
   microbatches' activations alive (the first stage keeps the most).
@@ -22,72 +24,69 @@ The recurrence
 every stage latency and solve an additive problem for it::
 
     F(s, k, d; t_max) = least sum of latencies when slicing layers k..L-1 into exactly s
-                        stages that use exactly d devices, every stage <= t_max and
-                        memory-feasible at its position.
+                        stages on d devices, every stage <= t_max and fitting in memory
+                        at its position
 
-    F(0, L, 0) = 0;  F(0, k, d) = inf otherwise;  F(s, L, d) = inf for s >= 1
-    F(s, k, d) = min over j in k..L-1, submesh m, choice c with
-                     stage_cost[k, j, m, c] <= t_max  and
-                     stage_mem[k, j, m, c] + s * act_mem[k, j, m, c] <= mem_limit
+    F(0, L, 0) = 0
+    F(s, k, d) = min over j >= k, submesh m, choice c with stage_cost[k, j, m, c] <= t_max
+                 and stage_mem[k, j, m, c] + s * act_mem[k, j, m, c] <= mem_limit
                  of  stage_cost[k, j, m, c] + F(s - 1, j + 1, d - size[m])
 
-The stage that starts the suffix ``k..L-1`` of ``s`` stages is at position ``p = n - s``
-of the whole pipeline, so ``n - p = s``: the memory test needs only the suffix's stage
-count, which is why ``s`` is part of the state.  With ``G(t_max) = min_s F(s, 0, D;
-t_max)`` (``D = num_devices``) the optimum is::
+The stage that starts a suffix of ``s`` stages keeps ``s`` microbatches in flight, so the
+memory test needs only ``s``.  With ``G(t_max) = min over s of F(s, 0, D)`` (or over
+``d <= D`` with idle devices), ``T* = min over t_max of G(t_max) + (B - 1) t_max``, and it
+suffices to try ``t_max`` among the stage latencies (the optimal plan's slowest stage is
+one; ``G`` there is at most that plan's sum).
 
-    T* = min over t_max of  G(t_max) + (B - 1) * t_max
-
-where it suffices to try ``t_max`` in the distinct feasible stage latencies: the optimal
-plan's own slowest stage is one of them, and at that value ``G`` is at most that plan's
-sum.
-
-Making it fast (every step keeps the exact optimum)
----------------------------------------------------
-1. *Entries and their memory* (``_Problem``).  Only finite stages ``(k, j, m)`` on
-   submeshes no larger than the cluster are kept, as flat arrays sorted by start layer.
-   For each logical choice the memory test ``stage_mem + s * act_mem <= mem_limit`` holds
-   on an interval of ``s`` (it is linear in ``s``), found once.  Within a solve an entry's
-   latency at ``s`` is its cheapest choice that fits at ``s``: replacing any feasible
-   choice by that one lowers neither the sum nor the max and touches no other stage.  No
-   stage fits deeper than the largest interval end, which bounds the stage count (with
-   the layers and the devices: ``min(L, D // min(size))``).
-2. *Bounds by pricing devices* (``_Relaxation``).  For a price ``lam`` per device,
-   ``sum t_p >= sum (t_p + lam * z_p) - lam * D`` for every plan, and the least right-hand
-   side is a shortest path over layer cuts, with or without a stage count, and no device
-   dimension: cheap.  The price is bisected to the best bound.  From the paths come a
-   lower bound for every plan that uses a given entry as the first of ``s`` stages
-   (best prefix + entry + best suffix of ``s - 1`` stages), and, from every price tried,
-   a lower bound for any prefix ending before layer ``k`` on ``u`` devices (with the least
-   and greatest device counts such a prefix can have).
-3. *Thresholded solves* (``_min_sum``).  A solve at ``t_max`` only needs ``G(t_max)``
-   when it is below a threshold (see 4): entries whose bound reaches it are dropped
-   before the level they would join, and states ``(s, k, d)`` whose value plus the prefix
-   bound for ``D - d`` devices reaches it are dropped after their level is computed.
-   Every plan below the threshold survives both, so ``G`` and the path walk are exact
-   there; above it the solve says so.  The recurrence runs level by level in ``s``, each
-   level one vectorised (min, +) gather over the surviving entries and the finite window
-   of device counts of the states they lead to, reduced per start layer.
-4. *The search over t_max* (``_search``).  First ``t_max = inf``: the least sum ``G_inf``
-   (a lower bound on every ``G``), solved below a threshold just above its price bound
-   and raised until a plan shows.  Then branch and bound over intervals of candidate
-   values (every entry latency between a lower bound on the least possible slowest stage
-   and ``min(m_inf, (T_best - G_inf) / (B - 1))``): an interval ``[a, b]`` whose ``G`` is at
-   least ``g`` cannot beat ``T_best`` once ``g + (B - 1) a >= T_best``; a solve at its middle
-   ``t`` with threshold ``T_best - (B - 1) a`` either finds nothing (so nothing in
-   ``[a, t]`` wins) or a plan with slowest stage ``m`` (so ``[m, t]`` holds nothing better,
-   and ``G(t)`` bounds ``[a, m)``).  With one microbatch the solve at ``inf`` is the answer.
+How it is solved (each step keeps the exact optimum)
+----------------------------------------------------
+1. *Entries* (``_Problem``).  A stage ``(k, j, m)`` keeps its ``K`` choices' latencies and,
+   per choice, the interval of ``s`` at which it fits in memory.  As the first stage of
+   ``s`` stages its latency is its cheapest choice fitting at ``s`` (and ``<= t_max``):
+   any other feasible choice is no better for the sum or the max and touches no other
+   stage.  No stage fits deeper than the largest such ``s``, which bounds the stage count.
+2. *Sparse states.*  ``F(s, k, .)`` is kept only at the device counts that are reached
+   and can still lead to a plan below a threshold (point 4), as arrays of ``(d, value)``
+   per ``(s, k)``, computed level by level in ``s``: each entry extends the points of the
+   state after it.  A point is dropped when another with no more stages (fewer stages
+   after a prefix mean fewer microbatches in flight for every prefix stage, so every
+   prefix that fits with it fits with the other), the same devices (with idle devices:
+   no more devices) and no larger sum exists: with idle devices each ``(s, k)`` keeps a
+   Pareto front of devices against sum.
+3. *Prefix bounds* (``_Bounds``).  A suffix state ``(s, k, d)`` is completed by a prefix
+   over layers ``0..k-1`` whose last stage keeps ``s + 1`` microbatches in flight, the one
+   before ``s + 2``, and so on, on ``D - d`` devices (at most that with idle devices).
+   For a price ``lam`` per device, ``sum t >= sum (t + lam z) - lam (D - d)`` for every
+   such prefix, and the least ``sum (t + lam z)`` over prefixes, ``Q_lam[s, k]``, is a
+   shortest path over layer cuts with the in-flight count exact and no device dimension.
+   Maximised over a grid of prices (both signs for an exact device count, ``lam >= 0``
+   with idle devices) this bounds the prefix within a fraction of a percent on the
+   benchmark tables; the least and greatest device counts of such prefixes
+   (``Dmin``/``Dmax``, the same recurrence) rule out states no prefix can complete.
+4. *Thresholded solves* (``_solve_at``).  A solve at ``t_max`` looks for ``G(t_max)``
+   only below a threshold ``theta``: an entry whose cheapest continuation plus prefix
+   bound reaches ``theta`` is not extended, and a point whose value plus prefix bound
+   reaches it is dropped.  Every plan below ``theta`` survives, so the answer is exact
+   below it, and "no plan" proves ``G(t_max) >= theta``.  Near-tight thresholds keep the
+   states few: a solve starts just above its prefix bound and raises the threshold until
+   a plan shows or the cap is reached (``_deepen``).
+5. *The walk over t_max* (``_search``).  Candidates are the distinct usable latencies,
+   from the least at which a memory- and device-aware relaxation admits a plan, upwards,
+   in intervals of about 1 %.  An interval ``(a, b]`` is settled by solves at its top with
+   cap ``T_best - (B - 1) a``: a plan found with slowest stage ``m`` settles ``[m, b]``
+   (nothing there has a smaller sum or a smaller max), and the walk descends below ``m``;
+   no plan settles all of it.  The walk ends where ``LB + (B - 1) a >= T_best``, with
+   ``LB`` a prefix bound at the last ``t_max`` that can still win (``G >= 0`` gives the
+   first such point, ``T_best / (B - 1)``).  With one microbatch the solve at
+   ``t_max = inf`` is the answer.
 
 Extending it
 ------------
 * A constraint on which stages may exist (forced cuts from user hints, forbidden
-  submeshes): drop those entries in ``_Problem`` (every later step only sees entries).
-* Idle devices (plans on at most ``D`` devices): the top state becomes any ``d <= D`` at
-  ``k = 0`` in ``_min_sum`` (``ends``), the prefix floor's device bracket in
-  ``_Relaxation.prefix_floor`` and the feasibility test in ``_bottleneck_floor`` become
-  "at most ``D``", and the relaxation's price must be kept non-negative.
+  submeshes): make those entries ``inf`` in ``stage_cost`` (every step only sees entries).
 * Any new pruning must keep every plan below the threshold: the tests compare with the
-  reference and the brute force on random tables (``tests/test_stage_dp.py``).
+  reference and the brute force on random tables (``tests/test_stage_dp.py``), in both
+  device modes.
 
 The unpruned DP and an exhaustive oracle are in ``meshplan.testing.stage_dp``.
 """
@@ -108,6 +107,12 @@ __all__ = [
     "plan_objective",
 ]
 
+# Width of the walk's intervals over t_max, relative to their top.
+WALK_STEP = 0.01
+# Device prices of the prefix bounds: multiples of (median latency / median submesh size).
+PRICE_STEPS = 2.0 ** np.arange(-3.0, 8.0, 0.25)
+NEGATIVE_PRICE_STEPS = 2.0 ** np.arange(-3.0, 8.0, 1.0)
+
 
 @dataclass(frozen=True)
 class StageChoice:
@@ -127,7 +132,8 @@ class StageSolution:
     stages: tuple[StageChoice, ...]
     total_seconds: float  # T
     max_stage_seconds: float
-    tmax_candidates: int  # how many t_max values were examined (stats)
+    tmax_candidates: int  # how many threshold solves were run (stats)
+    devices_used: int = 0  # sum of the stages' submesh sizes (< num_devices: idle devices)
 
 
 def plan_objective(seconds, microbatches: int) -> float:
@@ -137,7 +143,7 @@ def plan_objective(seconds, microbatches: int) -> float:
 
 
 # --------------------------------------------------------------------------------------
-# input checks shared by the solver and the brute force
+# input checks shared by the solver and the oracles
 
 
 def check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches):
@@ -164,14 +170,15 @@ def check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
         raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
     if int(microbatches) != microbatches or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    upper = np.triu(np.ones((L, L), dtype=bool))[:, :, None, None]
-    used = np.broadcast_to(upper, cost.shape)
-    if np.any(np.isnan(cost[used])) or np.any(cost[used] < 0):
+    upper = np.triu(np.ones((L, L), dtype=bool))
+    with np.errstate(invalid="ignore"):
+        bad_cost = (np.isnan(cost) | (cost < 0)).any(axis=(2, 3))
+    if (bad_cost & upper).any():
         raise ValueError("stage_cost must be non-negative seconds or inf (no NaN)")
-    if np.any(np.isnan(smem[used])) or np.any(np.isnan(amem[used])):
+    if ((np.isnan(smem) | np.isnan(amem)).any(axis=(2, 3)) & upper).any():
         raise ValueError("stage_mem and act_mem must not contain NaN")
     # j < i entries are ignored: make them infeasible so no code path can pick them.
-    cost = np.where(used, cost, np.inf)
+    cost = np.where(upper[:, :, None, None], cost, np.inf)
     return cost, smem, amem, float(mem_limit), sizes.astype(np.int64), int(num_devices), int(microbatches)
 
 
@@ -185,57 +192,59 @@ def max_stage_count(L: int, sizes: np.ndarray, num_devices: int, max_stages: int
     return n
 
 
+def no_plan_error(L, num_devices, idle_devices: bool = False):
+    how = "at most" if idle_devices else "exactly"
+    return PlanError(
+        f"no feasible stage plan: {L} layers cannot be sliced onto {how} {num_devices} devices "
+        "within the memory limit"
+    )
+
+
 # --------------------------------------------------------------------------------------
-# the instance: stage entries and the suffix stage counts at which each one fits
+# the instance: stage entries and the suffix stage counts at which each choice fits
 
 
 def _fit_range(smem, amem, mem_limit, n):
-    """For each (entry, choice): the suffix stage counts ``s`` in ``1..n`` at which
-    ``smem + s * amem <= mem_limit`` holds, as an interval ``[lo, hi]`` (empty when
-    ``lo > hi``).  The test is evaluated exactly as written (as the reference does);
-    ``smem + s * amem`` rounds monotonically in ``s``, so its true set is an interval,
-    found by bisection where the two ends disagree."""
+    """For each (entry, choice): the interval ``[lo, hi]`` of suffix stage counts ``s`` in
+    ``1..n`` at which ``smem + s * amem <= mem_limit`` holds, evaluated exactly as written
+    (empty when ``lo > hi``).  The test is linear in ``s``: the quotient gives the end,
+    corrected by one where rounding disagrees with the test itself."""
 
     def fits(s):
         with np.errstate(invalid="ignore", over="ignore"):
             return smem + s * amem <= mem_limit
 
-    first, last = fits(1), fits(n)
-    lo = np.where(first | last, 1, n + 1).astype(np.int64)
-    hi = np.where(first | last, n, 0).astype(np.int64)
-    for falling in (True, False):   # fits only at small s (amem > 0), or only at large s
-        where = np.nonzero(first & ~last if falling else ~first & last)
-        if not where[0].size:
-            continue
-        a = np.ones(where[0].shape, dtype=np.int64) if falling else np.ones(where[0].shape, dtype=np.int64)
-        b = np.full(where[0].shape, n, dtype=np.int64)
-        sm, am = smem[where], amem[where]
-        # invariant: the answer is in (a, b] for "falling" (last fitting s: fits(a), not fits(b)),
-        # in (a, b] for "rising" (first fitting s: not fits(a), fits(b))
-        while np.any(b - a > 1):
-            mid = (a + b) // 2
-            with np.errstate(invalid="ignore", over="ignore"):
-                ok = sm + mid * am <= mem_limit
-            if falling:
-                a, b = np.where(ok, mid, a), np.where(ok, b, mid)
-            else:
-                a, b = np.where(ok, a, mid), np.where(ok, mid, b)
-        if falling:
-            lo[where], hi[where] = 1, a
-        else:
-            lo[where], hi[where] = b, n
+    lo = np.ones(smem.shape, dtype=np.int64)
+    hi = np.full(smem.shape, n, dtype=np.int64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        edge = np.floor((mem_limit - smem) / amem)
+    edge = np.where(np.isfinite(edge), np.clip(edge, 0, n + 1), np.where(amem > 0, n + 1, 0)).astype(np.int64)
+    falling = amem > 0     # fits for s <= edge
+    rising = amem < 0      # fits for s >= edge (activations that free memory: kept general)
+    # rounding: move the edge by one where the test itself disagrees
+    up = falling & (edge < n) & fits(edge + 1)
+    down = falling & (edge >= 1) & ~fits(np.maximum(edge, 1))
+    edge = edge + up - down
+    hi = np.where(falling, np.minimum(edge, n), hi)
+    flat = amem == 0
+    hi = np.where(flat & ~fits(1), 0, hi)
+    if rising.any():
+        first = np.where(rising, np.clip(np.ceil((mem_limit - smem) / np.where(rising, amem, 1)), 1, n + 1), 1)
+        first = first.astype(np.int64)
+        for _ in range(2):
+            down = rising & (first > 1) & fits(first - 1)
+            up = rising & (first <= n) & ~fits(np.minimum(first, n))
+            first = first - down + up
+        lo = np.where(rising, first, lo)
     return lo, hi
 
 
 class _Problem:
-    """The stage entries of one instance, shared by every ``t_max`` solve.
+    """The stage entries of one instance, shared by every solve.
 
-    An *entry* is a stage ``(k, j, m)``: layers ``k..j`` on submesh ``m``.  It keeps its
-    ``K`` logical choices' latencies and, per choice, the interval of suffix stage counts
-    ``s`` at which the choice fits in memory.  Within one solve, the entry's latency as the
-    first stage of a suffix of ``s`` stages is its cheapest choice that fits at ``s`` (and
-    is ``<= t_max``): replacing any feasible choice by that one lowers neither the sum nor
-    the maximum and touches no other stage, so nothing optimal is lost.
+    An *entry* is a stage ``(k, j, m)``: layers ``k..j`` on submesh ``m`` (``z`` devices),
+    with its ``K`` choices' latencies and, per choice, the interval of suffix stage counts
+    at which it fits in memory; entries are sorted by start layer.
     """
 
     def __init__(self, cost, smem, amem, mem_limit, sizes, num_devices, max_stages=None):
@@ -243,21 +252,27 @@ class _Problem:
         self.L, self.D = L, num_devices
         self.sizes = sizes
         n = max_stage_count(L, sizes, num_devices, max_stages)
-        k, j, m = np.nonzero(np.isfinite(cost).any(axis=-1))      # upper triangle only (see checks)
-        inside = sizes[m] <= num_devices
-        k, j, m = k[inside], j[inside], m[inside]
+        finite = np.isfinite(cost).any(axis=-1)
+        finite &= (sizes <= num_devices)[None, None, :]
+        k, j, m = np.nonzero(finite)                       # sorted by k, then j, then m
         lo, hi = _fit_range(smem[k, j, m], amem[k, j, m], mem_limit, n)
         choice_cost = np.where(lo <= hi, cost[k, j, m], np.inf)
         usable = np.isfinite(choice_cost).any(axis=-1)
-        order = np.lexsort((j[usable], m[usable], k[usable]))       # by start, then submesh, then end
-        self.k, self.j, self.m = k[usable][order], j[usable][order], m[usable][order]
-        self.cost, self.lo, self.hi = choice_cost[usable][order], lo[usable][order], hi[usable][order]
+        self.k, self.j, self.m = k[usable], j[usable], m[usable]
+        self.cost, self.lo, self.hi = choice_cost[usable], lo[usable], hi[usable]
         self.z = sizes[self.m].astype(np.int64)
         # Memory bounds the stage count: no stage fits as the first of a deeper suffix.
         self.n_max = min(n, int(self.hi.max(initial=0)))
-        # The least latency of each entry over its choices and suffix counts: a lower bound
-        # on it in any plan, used by the relaxations.
-        self.relaxed = self.cost.min(axis=-1)
+        # Fewer stages after a prefix never make it worse only when no choice needs more
+        # microbatches in flight to fit (act_mem >= 0 everywhere): the dominance of point 2.
+        self.monotone = bool(np.all((self.lo <= 1) | ~np.isfinite(self.cost)))
+        # Every usable choice, sorted by latency: those at most t_max are a prefix.
+        E, K = self.cost.shape
+        flat = np.flatnonzero(np.isfinite(self.cost).ravel())
+        flat = flat[np.argsort(self.cost.ravel()[flat])]
+        self.flat_cost = self.cost.ravel()[flat]
+        self.flat_entry = flat // K
+        self.flat_hi = np.minimum(self.hi.ravel()[flat], self.n_max)
 
     def at_count(self, index, s, t_max):
         """(latency, logical choice) of entries ``index`` as first stage of ``s`` stages, <= t_max."""
@@ -266,165 +281,143 @@ class _Problem:
         arg = masked.argmin(axis=-1)
         return np.take_along_axis(masked, arg[:, None], axis=-1)[:, 0], arg
 
-    def candidates_below(self, bound):
-        """The largest entry latency (any choice) strictly below ``bound``, or None."""
-        below = self.cost[self.cost < bound]
-        return float(below.max()) if below.size else None
+    def candidates(self):
+        """The distinct usable latencies: the optimal plan's slowest stage is one of them."""
+        c = self.flat_cost                      # sorted already
+        return c[np.r_[True, c[1:] != c[:-1]]] if c.size else c
 
 
 # --------------------------------------------------------------------------------------
-# lower bounds: devices priced instead of counted
+# prefix bounds
 
 
-class _Relaxation:
-    """Lower bounds for the solve at one ``t_max`` by Lagrangian relaxation of the device
-    count: give each device a price ``lam`` and drop the constraint ``sum of devices = D``.
-    For any ``lam`` and any plan, ``sum t_p >= sum (t_p + lam * z_p) - lam * D``, and the
-    right side's least value over plans is a shortest path over layer cuts (no device
-    dimension).  Memory is relaxed too (each entry at its least latency).  Gives:
+class _Bounds:
+    """Lower bounds on the prefix that completes a suffix state (module docstring, 3),
+    built from the choices at most ``t_max`` (valid for every solve at or below it).
 
-    * ``bound``: a lower bound on ``G(t_max)``, the best over the prices tried;
-    * ``entry_bound(index, s, lat)``: a lower bound on the sum of any plan that uses an
-      entry as the first stage of a suffix of ``s`` stages (prefix + entry + suffix);
-    * ``prefix_floor``: for each start layer ``k`` and prefix device count ``u``, a lower
-      bound on any prefix covering layers ``0..k-1`` on ``u`` devices (the best over all
-      prices tried, and ``inf`` where no prefix has that many devices).
+    ``Q[l, s, k]``: the least ``sum (t + lam_l z)`` over prefixes of layers ``0..k-1``
+    whose last stage keeps ``s + 1`` microbatches in flight (the one before ``s + 2``, ...),
+    each choice allowed at any count up to the deepest it fits at.  ``Dmin``/``Dmax``:
+    the least and greatest device counts of such prefixes.
     """
 
-    def __init__(self, prob: _Problem, t_max: float):
-        L, D = prob.L, prob.D
-        self.prob, self.D = prob, D
-        allowed = prob.relaxed <= t_max
-        self.R = np.full((L, L, len(prob.sizes)), np.inf)
-        self.R[prob.k[allowed], prob.j[allowed], prob.m[allowed]] = prob.relaxed[allowed]
-        self.zs = prob.sizes.astype(np.float64)
-        usable = np.isfinite(self.R)
-        zmin = np.where(usable, self.zs, np.inf).min(axis=-1)
-        zmax = np.where(usable, self.zs, -np.inf).max(axis=-1)
-        self.pre_min, self.pre_max = _prefix_path(zmin, np.minimum), _prefix_path(zmax, np.maximum)
-        self.feasible = self.pre_min[L] <= D <= self.pre_max[L]
-        self.prices: list[tuple[float, np.ndarray]] = []   # (lam, prefix path costs)
-        self.lam, self.bound = 0.0, -np.inf
-        if self.feasible:
-            self._search_price()
-
-    def _priced(self, lam):
-        V = self.R + lam * self.zs
-        arg = V.argmin(axis=-1)
-        W = np.take_along_axis(V, arg[..., None], axis=-1)[..., 0]
-        return W, self.zs[arg]
-
-    def _try(self, lam):
-        """The relaxed optimum at price ``lam``: its bound and its device count."""
-        W, Zw = self._priced(lam)
-        L = self.prob.L
-        P = np.full(L + 1, np.inf)
-        Z = np.zeros(L + 1)
-        P[0] = 0.0
-        for stop in range(1, L + 1):
-            vals = P[:stop] + W[:stop, stop - 1]
-            i = int(np.argmin(vals))
-            P[stop], Z[stop] = vals[i], Z[i] + Zw[i, stop - 1]
-        self.prices.append((lam, P))
-        value = P[L] - lam * self.D
-        if value > self.bound:
-            self.bound, self.lam = value, lam
-        return Z[L]
-
-    def _search_price(self, iterations: int = 24):
-        """Bisection on the price for the relaxed optimum's device count to cross ``D``
-        (the bound is concave in the price; its best is where the count crosses)."""
-        finite = self.R[np.isfinite(self.R)]
-        scale = max(float(np.median(finite)) / max(self.D, 1), 1e-300) if finite.size else 1.0
-        z0 = self._try(0.0)
-        if z0 == self.D:
+    def __init__(self, prob: _Problem, t_max: float, idle: bool, coarse: bool = False):
+        L, S = prob.L, prob.n_max
+        self.L, self.S, self.D, self.idle, self.coarse = L, S, prob.D, idle, coarse
+        keep = int(np.searchsorted(prob.flat_cost, t_max, side="right"))
+        entry, c, hi = prob.flat_entry[:keep], prob.flat_cost[:keep], prob.flat_hi[:keep]
+        self.empty = keep == 0
+        if self.empty:
             return
-        sign = 1.0 if z0 > self.D else -1.0    # too many devices: make them dearer
-        inner, outer = 0.0, sign * scale
-        for _ in range(60):
-            z = self._try(outer)
-            if (z <= self.D) if sign > 0 else (z >= self.D):
-                break
-            inner, outer = outer, outer * 4
-        else:
-            return
-        for _ in range(iterations):
-            mid = 0.5 * (inner + outer)
-            z = self._try(mid)
-            if z == self.D:
-                return
-            if (z > self.D) == (sign > 0):
-                inner = mid
-            else:
-                outer = mid
+        # groups of choices by (layer range, deepest count they fit at)
+        pair = prob.k[entry] * L + prob.j[entry]
+        key = pair * (S + 2) + hi
+        order = np.argsort(key, kind="stable")
+        key, pair = key[order], pair[order]
+        self.c, self.z = c[order], prob.z[entry][order].astype(np.float64)
+        self.starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        self.group_hi = hi[order][self.starts]
+        self.pairs, self.group_pair = np.unique(pair[self.starts], return_inverse=True)
+        # the pairs in order of their end layer, so that each level is one reduceat
+        by_stop = np.argsort(self.pairs % L, kind="stable")
+        self.rank = np.empty_like(by_stop)
+        self.rank[by_stop] = np.arange(by_stop.size)
+        self.pair_start = (self.pairs // L)[by_stop]
+        stop = (self.pairs % L)[by_stop] + 1
+        self.stop_bounds = np.flatnonzero(np.r_[True, stop[1:] != stop[:-1]])
+        self.stops = stop[self.stop_bounds]
+        # groups from the deepest count they fit at down (one pair per (pair, hi) group)
+        self.group_order = np.argsort(-self.group_hi, kind="stable")
+        self.group_hi_sorted = self.group_hi[self.group_order]
+        self.group_rank_sorted = self.rank[self.group_pair][self.group_order]
+        # the greatest count as the least of its negation: one recurrence for both
+        counts = self._levels(np.stack([np.minimum.reduceat(self.z, self.starts),
+                                        -np.maximum.reduceat(self.z, self.starts)]), np.minimum)
+        self.Dmin, self.Dmax = counts[0], -counts[1]
+        self.Q = None
 
-    def prefix_at_best(self):
-        """The priced prefix sums (``[k]``, layers ``0..k-1``) at the best price."""
-        return next(P for lam, P in self.prices if lam == self.lam)
+    def _price(self):
+        """The priced recurrence ``Q`` (built on first use: infeasible intervals and the
+        floor's probes need only the device counts)."""
+        if self.Q is None:
+            base = float(np.median(self.c)) / float(np.median(self.z)) or 1.0
+            steps = NEGATIVE_PRICE_STEPS if self.coarse else PRICE_STEPS
+            lams = [0.0, *(base * steps)]
+            if not self.idle:
+                lams += list(-base * NEGATIVE_PRICE_STEPS)
+            self.lams = np.array(lams)
+            values = self.c[None, :] + self.lams[:, None] * self.z[None, :]
+            self.Q = self._levels(np.minimum.reduceat(values, self.starts, axis=1), np.minimum)
+            self.rising = self.lams <= 0
+            self.falling = self.lams >= 0
+        return self.Q
 
-    def suffix_counts(self, n):
-        """``H[s, k]``: the least priced sum of a suffix from layer ``k`` of exactly ``s`` stages."""
-        W, _ = self._priced(self.lam)
-        L = self.prob.L
-        H = np.full((n + 1, L + 1), np.inf)
-        H[0, L] = 0.0
-        for s in range(1, n + 1):
-            H[s, :L] = (W + H[s - 1, 1:][None, :]).min(axis=1)
-        return H
+    def _levels(self, group_values, better):
+        """The prefix recurrence for a batch of group values (rows): ``out[row, s, k]``.
+        Levels go from the deepest in-flight count up, so each pair's best group grows
+        as groups that fit at fewer microbatches join it."""
+        L, S = self.L, self.S
+        rows = group_values.shape[0]
+        worst = np.inf if better is np.minimum else -np.inf
+        best = np.full((rows, self.pairs.size), worst)
+        out = np.full((rows, S + 2, L + 1), worst)
+        out[:, :, 0] = 0.0
+        joins = np.searchsorted(-self.group_hi_sorted, -np.arange(S + 3), side="right")   # [h]: groups with hi >= h
+        for s in range(S, -1, -1):
+            # groups fitting with s + 1 in flight: hi >= s + 1
+            new = slice(joins[min(s + 2, S + 2)], joins[s + 1]) if s + 1 <= S + 2 else slice(0, 0)
+            cols = self.group_rank_sorted[new]
+            if cols.size:
+                best[:, cols] = better(best[:, cols], group_values[:, self.group_order[new]])
+            vals = best + out[:, s + 1, self.pair_start]
+            vals[~np.isfinite(vals)] = worst
+            out[:, s, self.stops] = better.reduceat(vals, self.stop_bounds, axis=1)
+        return out
 
-    def prefix_floor(self):
-        """``floor[k, u]``: lower bound on any prefix over layers ``0..k-1`` on ``u`` devices."""
-        L, D = self.prob.L, self.D
-        u = np.arange(D + 1, dtype=np.float64)
-        floor = np.full((L + 1, D + 1), -np.inf)
-        for lam, P in self.prices:
-            floor = np.maximum(floor, P[:, None] - lam * u[None, :])
-        floor[(u[None, :] < self.pre_min[:, None]) | (u[None, :] > self.pre_max[:, None])] = np.inf
-        return floor
+    def total(self) -> float:
+        """The bound on a whole plan (the empty suffix at layer L on no devices)."""
+        return float(self.at(0, np.array([self.L]), np.array([self.D]))[0])
 
+    def devices_ok(self, s, k, u_lo, u_hi):
+        """Whether some prefix before a suffix of ``s`` stages at ``k`` can have a device
+        count in ``[u_lo, u_hi]`` (at most ``u_hi`` with idle devices)."""
+        if self.empty:   # no stage: only the empty prefix (no layer, no device)
+            return (k == 0) & (u_hi >= 0) & ((u_lo <= 0) | self.idle)
+        ok = (u_hi >= self.Dmin[s, k]) & (u_hi >= 0)
+        if not self.idle:
+            ok &= u_lo <= self.Dmax[s, k]
+        return ok
 
-def _prefix_path(weights, better):
-    """``best[k]``: the best (``np.minimum`` or ``np.maximum``) sum of ``weights[i, j]`` over
-    cuts of layers ``0..k-1`` into ranges (``weights`` is ``(L, L)``, non-finite where
-    unusable)."""
-    L = weights.shape[0]
-    worst = np.inf if better is np.minimum else -np.inf
-    best = np.full(L + 1, worst)
-    best[0] = 0.0
-    for stop in range(1, L + 1):
-        vals = best[:stop] + weights[:stop, stop - 1]
-        vals = vals[np.isfinite(vals)]
-        if vals.size:
-            best[stop] = vals.min() if better is np.minimum else vals.max()
-    return best
+    def at(self, s, k, u):
+        """Bound on the prefix of a state ``(s, k)`` left ``u`` devices (inf: none fits)."""
+        out = np.full(np.shape(k), np.inf)
+        ok = self.devices_ok(s, k, u, u)
+        if self.empty:
+            out[ok] = 0.0
+            return out
+        if ok.any():
+            self._price()
+            kg, ug = k[ok], u[ok].astype(np.float64)
+            out[ok] = (self.Q[:, s, kg] - self.lams[:, None] * ug[None, :]).max(axis=0)
+        return out
 
-
-def _bottleneck_floor(prob: _Problem) -> float:
-    """A lower bound on the least possible slowest stage: the least entry latency ``t``
-    at which the layers can be covered by stages ``<= t`` whose least and greatest device
-    counts bracket ``D`` (bisection over the distinct latencies)."""
-    values = np.unique(prob.relaxed)
-    L, D = prob.L, prob.D
-    zs = prob.sizes.astype(np.float64)
-
-    def possible(t):
-        allowed = prob.relaxed <= t
-        zmin = np.full((L, L), np.inf)
-        zmax = np.full((L, L), -np.inf)
-        np.minimum.at(zmin, (prob.k[allowed], prob.j[allowed]), zs[prob.m[allowed]])
-        np.maximum.at(zmax, (prob.k[allowed], prob.j[allowed]), zs[prob.m[allowed]])
-        return _prefix_path(zmin, np.minimum)[L] <= D <= _prefix_path(zmax, np.maximum)[L]
-
-    lo, hi = 0, len(values) - 1
-    if hi < 0 or not possible(values[hi]):
-        return np.inf
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if possible(values[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return float(values[lo])
+    def over(self, s, k, u_lo, u_hi):
+        """A bound valid for every count in ``[u_lo, u_hi]``: prices >= 0 give a part that
+        falls with ``u`` (taken at ``u_hi``), prices <= 0 one that rises (at ``u_lo``)."""
+        out = np.full(np.shape(k), np.inf)
+        ok = self.devices_ok(s, k, u_lo, u_hi)
+        if self.empty:
+            out[ok] = 0.0
+            return out
+        if ok.any():
+            self._price()
+            kg = k[ok]
+            hi_u, lo_u = u_hi[ok].astype(np.float64), u_lo[ok].astype(np.float64)
+            lam_f, lam_r = self.lams[self.falling], self.lams[self.rising]
+            falling = (self.Q[self.falling][:, s, kg] - lam_f[:, None] * hi_u[None, :]).max(axis=0)
+            rising = (self.Q[self.rising][:, s, kg] - lam_r[:, None] * lo_u[None, :]).max(axis=0)
+            out[ok] = np.maximum(falling, rising)
+        return out
 
 
 # --------------------------------------------------------------------------------------
@@ -437,105 +430,210 @@ def _slack(x):
     return 1e-9 * abs(x) + 1e-300
 
 
-def _min_sum(prob: _Problem, t_max: float, threshold: float, relax: _Relaxation):
-    """``G(t_max)`` and a plan achieving it, if ``G(t_max) < threshold``; else (inf, None).
-
-    The recurrence of the module docstring over ``F[s, k, d]``, level by level in ``s``,
-    on the entries no bound rules out: an entry whose ``entry_bound`` reaches the
-    threshold cannot be part of a plan below it, and neither can a state ``(s, k, d)``
-    whose value plus the prefix floor for ``D - d`` devices reaches it.  Every plan below
-    the threshold survives both tests, so its value (and the path walk, which only
-    follows equalities) is the same as without them.
-    """
-    L, D, n = prob.L, prob.D, prob.n_max
-    if not relax.feasible or relax.bound > threshold + _slack(threshold):
-        return np.inf, None
-    limit = threshold + _slack(threshold)
-    H = relax.suffix_counts(n)                 # [s, k]: priced suffix of s stages from layer k
-    floor = relax.prefix_floor()               # [k, u]: any prefix over layers 0..k-1 on u devices
-    lam, P = relax.lam, relax.prefix_at_best()  # the best price, and its priced prefixes [k]
-    # Entries allowed at this t_max whose relaxed bound (least over suffix counts) is below.
-    best_tail = H[:-1].min(axis=0)            # least H[s - 1, j + 1] over s, per next start
-    base = np.nonzero(prob.relaxed <= t_max)[0]
-    base = base[P[prob.k[base]] + prob.relaxed[base] + lam * prob.z[base] + best_tail[prob.j[base] + 1]
-                - lam * D <= limit]
-    F = np.full((n + 1, L + 1, D + 1), np.inf)
-    F[0, L, 0] = 0.0
-    reach_lo = np.full((n + 1, L + 1), D + 1, dtype=np.int64)   # finite d window of F[s, k]
-    reach_hi = np.full((n + 1, L + 1), -1, dtype=np.int64)
-    reach_lo[0, L] = reach_hi[0, L] = 0
-    levels: list = [None]
-    for s in range(1, n + 1):
-        e = base[(prob.k[base] <= L - s) & (prob.j[base] <= L - s)]
-        e = e[reach_hi[s - 1, prob.j[e] + 1] >= 0]
+def _solve_at(prob: _Problem, t_max: float, theta: float, bounds: _Bounds, idle: bool):
+    """``G(t_max)`` and a plan achieving it if ``G(t_max) < theta``, else ``(inf, None)``
+    (module docstring, 2 and 4).  A plan is ``[(k, j, m, s, choice, latency)]``."""
+    L, D = prob.L, prob.D
+    limit = theta + _slack(theta)
+    empty = np.zeros(0, dtype=np.int64)
+    levels = [dict(k=np.array([L]), d=np.array([0]), f=np.array([0.0]))]
+    lower = np.full((L + 1, D + 1), np.inf)     # least value at (k, d) over the levels so far
+    base = np.nonzero(prob.cost.min(axis=1) <= t_max)[0]
+    finals = []
+    for s in range(1, prob.n_max + 1):
+        prev = levels[-1]
+        pk, pd, pf = prev["k"], prev["d"], prev["f"]
+        if not pk.size:
+            break
+        # entries whose next state has points
+        e = base[prob.j[base] <= L - s]
+        nxt = prob.j[e] + 1
+        lo = np.searchsorted(pk, nxt, side="left")
+        hi = np.searchsorted(pk, nxt, side="right")
+        has = hi > lo
+        e, lo, hi = e[has], lo[has], hi[has]
         lat, arg = prob.at_count(e, s, t_max)
-        keep = np.isfinite(lat)
-        keep &= P[prob.k[e]] + lat + lam * prob.z[e] + H[s - 1, prob.j[e] + 1] - lam * D <= limit
-        e, lat, arg = e[keep], lat[keep], arg[keep]
-        levels.append((e, lat, arg))
-        if not e.size:
+        has = np.isfinite(lat)
+        e, lo, hi, lat, arg = e[has], lo[has], hi[has], lat[has], arg[has]
+        k, z = prob.k[e], prob.z[e]
+        # the entry's cheapest continuation with its best-case prefix bound
+        if idle:   # each next state is a Pareto front: its last point has the least value
+            floor = pf[hi - 1] + lat + bounds.at(s, k, D - z - pd[lo])
+        else:
+            group = np.flatnonzero(np.r_[True, pk[1:] != pk[:-1]])
+            least = np.minimum.reduceat(pf, group)[np.searchsorted(group, lo)]
+            floor = least + lat + bounds.over(s, k, D - z - pd[hi - 1], D - z - pd[lo])
+        keep = floor < limit
+        e, lo, hi, lat, arg, k, z = e[keep], lo[keep], hi[keep], lat[keep], arg[keep], k[keep], z[keep]
+        # extend every point of each entry's next state
+        counts = hi - lo
+        which = np.repeat(np.arange(e.size), counts)
+        src = lo[which] + (np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts))
+        d = pd[src] + z[which]
+        f = pf[src] + lat[which]
+        kk = k[which]
+        keep = d <= D
+        which, src, d, f, kk = which[keep], src[keep], d[keep], f[keep], kk[keep]
+        keep = f + bounds.at(s, kk, D - d) < limit
+        which, src, d, f, kk = which[keep], src[keep], d[keep], f[keep], kk[keep]
+        if not d.size:
             break
-        k, nxt, z = prob.k[e], prob.j[e] + 1, prob.z[e]
-        a = reach_lo[s - 1, nxt] + z                       # output window of each entry
-        b = np.minimum(reach_hi[s - 1, nxt] + z, D)
-        ok = a <= b
-        e, lat, k, nxt, z, a, b = e[ok], lat[ok], k[ok], nxt[ok], z[ok], a[ok], b[ok]
-        if not e.size:
-            break
-        lo_d, hi_d = int(a.min()), int(b.max())
-        d = np.arange(lo_d, hi_d + 1)
-        src = d[None, :] - z[:, None]                       # (E, W) columns of F[s - 1, nxt]
-        valid = (src >= 0)
-        vals = F[s - 1][nxt[:, None], np.where(valid, src, 0)]
-        vals = np.where(valid, vals, np.inf) + lat[:, None]
-        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])   # entries are sorted by k
-        best = np.minimum.reduceat(vals, starts, axis=0)
-        F[s, k[starts], lo_d:hi_d + 1] = best
-        # states that cannot be completed below the threshold by any prefix
-        level = F[s]
-        level[level + floor[:, ::-1] > limit] = np.inf
-        finite = np.isfinite(level)
-        rows = finite.any(axis=1)
-        if not rows.any():
-            break
-        reach_lo[s, rows] = finite[rows].argmax(axis=1)
-        reach_hi[s, rows] = D - finite[rows, ::-1].argmax(axis=1)
-    ends = F[1:, 0, D]
-    if not ends.size or not np.isfinite(ends.min()) or ends.min() > limit:
+        # the least value per (k, d)
+        key = kk * (D + 1) + d
+        order = np.lexsort((f, key))
+        first = order[np.r_[True, key[order][1:] != key[order][:-1]]]
+        which, src, d, f, kk = which[first], src[first], d[first], f[first], kk[first]
+        # dominated by a point of a lower level (fewer stages) or, with idle devices, of
+        # fewer devices
+        if idle:
+            seen = np.minimum.accumulate(lower, axis=1)
+            here = np.full((L + 1, D + 1), np.inf)
+            here[kk, d] = f
+            ahead = np.minimum.accumulate(np.minimum(here, seen), axis=1)
+            beaten = np.minimum(seen[kk, d], np.where(d > 0, ahead[kk, np.maximum(d - 1, 0)], np.inf))
+        elif prob.monotone:
+            beaten = lower[kk, d]
+        else:
+            beaten = np.full(f.shape, np.inf)
+        keep = f < beaten
+        which, src, d, f, kk = which[keep], src[keep], d[keep], f[keep], kk[keep]
+        lower[kk, d] = np.minimum(lower[kk, d], f)
+        order = np.lexsort((d, kk))
+        level = dict(k=kk[order], d=d[order], f=f[order], src=src[order],
+                     entry=e[which[order]], choice=arg[which[order]], lat=lat[which[order]])
+        levels.append(level)
+        done = np.nonzero((level["k"] == 0) & ((level["d"] <= D) if idle else (level["d"] == D)))[0]
+        if done.size:
+            i = done[np.argmin(level["f"][done])]
+            finals.append((float(level["f"][i]), s, int(i)))
+    if not finals:
         return np.inf, None
-    s = int(np.argmin(ends)) + 1
-    G = float(ends[s - 1])
-    return G, _walk(prob, F, levels, s)
-
-
-def _walk(prob: _Problem, F, levels, s):
-    """Follow one argmin path from ``(s, 0, D)``: at each state the first entry (by
-    submesh, then end layer) whose latency plus the next state's value is the state's
-    value.  Returns [(k, j, m, s, logical, latency)]."""
-    k, d, path = 0, prob.D, []
+    value, s, i = min(finals)
+    if value >= limit:
+        return np.inf, None
+    plan = []
     while s > 0:
-        e, lat, arg = levels[s]
-        here = np.nonzero(prob.k[e] == k)[0]
-        target = F[s, k, d]
-        found = None
-        for x in here:       # sorted by submesh, then end layer
-            idx = e[x]
-            rest = d - prob.z[idx]
-            if rest >= 0 and lat[x] + F[s - 1, prob.j[idx] + 1, rest] == target:
-                found = (k, int(prob.j[idx]), int(prob.m[idx]), s, int(arg[x]), float(lat[x]))
+        level = levels[s]
+        idx = int(level["entry"][i])
+        plan.append((int(prob.k[idx]), int(prob.j[idx]), int(prob.m[idx]), s, int(level["choice"][i]),
+                     float(level["lat"][i])))
+        i, s = int(level["src"][i]), s - 1
+    return value, plan
+
+
+# --------------------------------------------------------------------------------------
+# the walk over t_max
+
+
+class _Search:
+    def __init__(self, prob: _Problem, B: int, idle: bool):
+        self.prob, self.B, self.idle = prob, B, idle
+        self.solves = 0
+        self.best_T, self.best_plan = np.inf, None
+
+    def consider(self, plan) -> float:
+        """Keep ``plan`` if it is the best so far; its slowest stage."""
+        seconds = [lat for *_, lat in plan]
+        T = plan_objective(seconds, self.B)
+        if T < self.best_T:
+            self.best_T, self.best_plan = T, plan
+        return max(seconds)
+
+    def deepen(self, t_max, bounds, cap, known=0.0):
+        """``G(t_max)`` and its plan if below ``cap``: thresholds rising from the bound (or
+        from ``known``, a value ``G(t_max)`` is already known not to be below)."""
+        floor = max(bounds.total(), known)
+        if not floor < cap:
+            return np.inf, None
+        gap = 1e-3 * abs(floor) + (1e-6 * t_max if np.isfinite(t_max) else 0.0) + 1e-12
+        while True:
+            theta = min(floor + gap, cap)
+            self.solves += 1
+            value, plan = _solve_at(self.prob, t_max, theta, bounds, self.idle)
+            if plan is not None or theta >= cap:
+                return value, plan
+            floor, gap = theta, gap * 8
+
+    def run(self):
+        prob, B = self.prob, self.B
+        if B == 1:
+            value, plan = self.deepen(np.inf, _Bounds(prob, np.inf, self.idle), np.inf)
+            if plan is not None:
+                self.consider(plan)
+            return
+        cands = prob.candidates()
+        first = self._feasible_floor(cands)
+        if first is None:
+            return
+        settled = first - 1      # every plan whose slowest stage is cands[<= settled] is settled
+        end = end_floor = None
+        i = first
+        while i < cands.size:
+            a = float(cands[settled + 1])     # the least slowest stage still open
+            if np.isfinite(self.best_T):
+                if end is None:       # beyond `end` nothing wins; up to it G >= end_floor
+                    end, end_floor = self.best_T / (B - 1), 0.0
+                    for coarse in (True, False):
+                        end_floor = max(end_floor, _Bounds(prob, end, self.idle, coarse).total())
+                        end = min(end, (self.best_T - end_floor) / (B - 1))
+                if a > end or end_floor + (B - 1) * a >= self.best_T:
+                    break
+            bounds = _Bounds(prob, float(cands[i]), self.idle)
+            top, known = i, 0.0
+            while True:   # settle cands[settled + 1 .. i]
+                value, plan = self.deepen(float(cands[top]), bounds, self.best_T - (B - 1) * a, known)
+                if plan is None:      # G(top) >= cap: nothing up to top beats the best
+                    break
+                known = value         # G only grows as t_max falls
+                slowest = self.consider(plan)
+                # [slowest, top] holds nothing better than this plan: look below it
+                top = int(np.searchsorted(cands, slowest, side="left")) - 1
+                if top <= settled:
+                    break
+            settled = i
+            # the next interval ends at the first candidate a step above (or the last one)
+            i = max(min(int(np.searchsorted(cands, float(cands[i]) * (1 + WALK_STEP), side="left")),
+                        cands.size - 1), i + 1)
+
+    def _feasible_floor(self, cands):
+        """Index of a candidate at or below the least one at which the relaxation of
+        ``_Bounds`` admits a plan (so none below it can be the slowest stage of a plan):
+        from the least latency every layer's stage must have, steps growing from 1 % up to
+        a value that admits, then bisection to within ``WALK_STEP``."""
+        prob = self.prob
+        L = prob.L
+
+        def admits(t):
+            b = _Bounds(prob, t, self.idle)
+            return (not b.empty) and bool(b.devices_ok(0, np.array([L]), np.array([prob.D]), np.array([prob.D]))[0])
+
+        # each layer lies in some stage: the slowest stage is at least, over the layers, the
+        # least latency of a stage holding it
+        least = np.full((L, L), np.inf)
+        np.minimum.at(least, (prob.k, prob.j), prob.cost.min(axis=1))
+        reach = np.minimum.accumulate(np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1], axis=0)
+        low = float(np.diagonal(reach).max())
+        top = float(cands[-1])
+        if not np.isfinite(low):
+            return None
+        if admits(low):
+            return int(np.searchsorted(cands, low, side="left"))
+        # low does not admit; find a value that does (steps doubling from WALK_STEP)
+        step = WALK_STEP
+        while True:
+            high = min(low * (1 + step), top)
+            if admits(high):
                 break
-        assert found is not None, "internal error: DP path not found"
-        path.append(found)
-        k, d, s = found[1] + 1, d - int(prob.z[idx]), s - 1
-    assert k == prob.L and d == 0
-    return path
-
-
-def no_plan_error(L, num_devices):
-    return PlanError(
-        f"no feasible stage plan: {L} layers cannot be sliced onto exactly {num_devices} devices "
-        "within the memory limit"
-    )
+            if high >= top:
+                return None
+            low, step = high, step * 2
+        while high > low * (1 + WALK_STEP):
+            mid = math.sqrt(low * high) if low > 0 else 0.5 * high
+            if admits(mid):
+                high = mid
+            else:
+                low = mid
+        return int(np.searchsorted(cands, low, side="right"))   # the least candidate above a failing value
 
 
 def solve_stages(
@@ -548,93 +646,26 @@ def solve_stages(
     microbatches,
     *,
     max_stages: int | None = None,
+    idle_devices: bool = False,
 ) -> StageSolution:
-    """Optimal pipeline slicing (see the module docstring for the recurrence and prunings).
-
-    ``max_stages`` optionally caps the number of stages.  Raises ``PlanError`` when no
-    valid plan exists, ``ValueError`` for malformed arguments.
-    """
+    """Optimal pipeline slicing (see the module docstring for the recurrence and how it is
+    solved).  ``max_stages`` optionally caps the number of stages; ``idle_devices`` lets the
+    stages use fewer than ``num_devices``.  Raises ``PlanError`` when no valid plan exists,
+    ``ValueError`` for malformed arguments."""
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages)
-    return _search(prob, B)
-
-
-def _search(prob: _Problem, B: int) -> StageSolution:
-    """The search over ``t_max`` (module docstring, "the search"): branch and bound over
-    intervals of candidate values.
-
-    ``T* = min over t of G(t) + (B - 1) t`` over the candidates ``t`` (every entry
-    latency).  For an interval ``[a, b]`` of candidates whose ``G`` is known to be at
-    least ``g`` (the value at a solved point to its right), every objective in it is at
-    least ``g + (B - 1) a``: the interval is dropped when that reaches ``best_T``.  A
-    solve at ``t`` below the threshold ``best_T - (B - 1) a`` either finds no plan (then
-    nothing in ``[a, t]`` can win) or a plan with sum ``G(t)`` and slowest stage ``m``
-    (then ``[m, t]`` has the same ``G`` and no better objective than that plan, and
-    ``G(t)`` bounds ``[a, m)``).  Intervals are taken least bound first.
-    """
-    import heapq
-
-    examined = 0
-    best_T, best_plan = np.inf, None
-
-    def consider(plan):
-        nonlocal best_T, best_plan
-        secs = [lat for *_, lat in plan]
-        T = plan_objective(secs, B)
-        if T < best_T:
-            best_T, best_plan = T, plan
-        return max(secs)
-
     if prob.n_max < 1 or not prob.k.size:
-        raise no_plan_error(prob.L, prob.D)
-    # t_max = inf: the least sum G_inf, a lower bound on every G(t_max).  Solved below a
-    # threshold a little above its relaxation bound, raised until a plan shows.
-    relax = _Relaxation(prob, np.inf)
-    if not relax.feasible:
-        raise no_plan_error(prob.L, prob.D)
-    gap = max(1e-3 * abs(relax.bound), 1e-12)
-    while True:
-        threshold = relax.bound + gap if gap < 1e3 * (abs(relax.bound) + 1e-12) else np.inf
-        G_inf, plan = _min_sum(prob, np.inf, threshold, relax)
-        examined += 1
-        if plan is not None:
-            break
-        if threshold == np.inf:
-            raise no_plan_error(prob.L, prob.D)
-        gap *= 16
-    m_inf = consider(plan)
-    if B > 1:
-        t_lo = _bottleneck_floor(prob)
-        top = min(m_inf, (best_T - G_inf) / (B - 1))           # candidates at or above cannot win
-        values = prob.cost[(prob.cost >= t_lo) & (prob.cost < top)]
-        cands = np.unique(values)
-        heap = [(G_inf + (B - 1) * float(cands[0]), 0, len(cands) - 1, G_inf)] if cands.size else []
-        while heap:
-            bound, lo, hi, g = heapq.heappop(heap)
-            if bound >= best_T or lo > hi:
-                continue
-            a = float(cands[lo])
-            if g + (B - 1) * a >= best_T:
-                continue
-            mid = (lo + hi + 1) // 2
-            t = float(cands[mid])
-            G_t, plan = _min_sum(prob, t, best_T - (B - 1) * a, _Relaxation(prob, t))
-            examined += 1
-            if plan is None:            # G(t) reaches the threshold: nothing in [a, t] wins
-                if mid + 1 <= hi:
-                    heapq.heappush(heap, (g + (B - 1) * float(cands[mid + 1]), mid + 1, hi, g))
-                continue
-            m_t = consider(plan)
-            below = int(np.searchsorted(cands, m_t, side="left")) - 1     # largest candidate < m_t
-            if lo <= below:
-                heapq.heappush(heap, (G_t + (B - 1) * a, lo, below, G_t))
-            if mid + 1 <= hi:
-                heapq.heappush(heap, (g + (B - 1) * float(cands[mid + 1]), mid + 1, hi, g))
-    stages = tuple(StageChoice(k, j + 1, m, c, lat) for k, j, m, s, c, lat in best_plan)
+        raise no_plan_error(prob.L, D, idle_devices)
+    search = _Search(prob, B, idle_devices)
+    search.run()
+    if search.best_plan is None:
+        raise no_plan_error(prob.L, D, idle_devices)
+    stages = tuple(StageChoice(k, j + 1, m, c, lat) for k, j, m, s, c, lat in search.best_plan)
     return StageSolution(
         stages=stages,
-        total_seconds=float(best_T),
+        total_seconds=float(search.best_T),
         max_stage_seconds=max(st.seconds for st in stages),
-        tmax_candidates=examined,
+        tmax_candidates=search.solves,
+        devices_used=int(sum(int(sizes[st.submesh]) for st in stages)),
     )

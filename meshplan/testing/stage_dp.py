@@ -15,7 +15,7 @@ from meshplan.inter.stage_dp import StageChoice, StageSolution, check_stage_inpu
 
 
 def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches, *,
-                     max_stages: int | None = None, full: bool = False) -> StageSolution:
+                     max_stages: int | None = None, full: bool = False, idle_devices: bool = False) -> StageSolution:
     """The recurrence without the prunings of ``solve_stages``: a slow independent check.
 
     Written separately from the fast path (its own DP loop and path walk).  Candidates
@@ -58,11 +58,16 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
             for k in range(L - 1, -1, -1):
                 vals = lat[k, k:, :, None] + shifted[k + 1 :]  # (j, m, d)
                 F[s, k] = vals.min(axis=(0, 1))
-        ends = F[:, 0, D]
+        if idle_devices:   # the fewest devices among the best ends of each stage count
+            ends = F[:, 0, :].min(axis=1)
+            ends_d = F[:, 0, :].argmin(axis=1)
+        else:
+            ends = F[:, 0, D]
+            ends_d = np.full(ends.shape, D)
         n = int(np.argmin(ends))
         if not np.isfinite(ends[n]):
             return np.inf, None
-        plan, k, d = [], 0, D
+        plan, k, d = [], 0, int(ends_d[n])
         for s in range(n, 0, -1):
             found = None
             for j in range(k, L):
@@ -82,7 +87,7 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
     values = np.unique(cost[np.isfinite(cost)])
     G_inf, plan = dp(np.inf)
     if plan is None:
-        raise no_plan_error(L, D)
+        raise no_plan_error(L, D, idle_devices)
     best_T, best_plan = plan_objective([cost[st] for st in plan], B), plan
     if B > 1:
         first = 0
@@ -119,7 +124,7 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
 
 
 def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches, *,
-                       max_stages: int | None = None) -> StageSolution:
+                       max_stages: int | None = None, idle_devices: bool = False) -> StageSolution:
     """Enumerate every valid plan and return the best (for tests; exponential).
 
     Recursively chooses each stage's end layer, submesh and logical choice, abandoning a
@@ -148,7 +153,7 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
 
     def extend(i, used, stages):
         if i == L:
-            if used == D:
+            if used == D or (idle_devices and used <= D):
                 finish(stages)
             return
         if len(stages) == cap:
@@ -165,7 +170,7 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
 
     extend(0, 0, [])
     if best[1] is None:
-        raise no_plan_error(L, D)
+        raise no_plan_error(L, D, idle_devices)
     stages = tuple(StageChoice(i, j + 1, m, c, float(cost[i, j, m, c])) for i, j, m, c in best[1])
     return StageSolution(
         stages=stages,
