@@ -26,6 +26,7 @@ from meshplan.model.views import canonicalize_ranged
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
+from meshplan.sharding import ShardingSpec
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
 from meshplan.emit.report import TIMELINE_FILE, render_timeline
@@ -292,13 +293,25 @@ def _plan_ranged(model_path: Path, header, cluster: Cluster, sizes: Sizes, workd
     return plan, shardings, canonical, graph
 
 
-def _record_state(plan: Plan, state: dict[str, str]) -> None:
+def _record_state(plan: Plan, state: dict[str, str], graph) -> None:
+    """Each state's stage and layout; where the layout splits a dim of heads held in
+    segments (key/value heads fewer than the devices), the segments too: the runtime cuts
+    and joins the state by them."""
+    from meshplan.intra.segments import CONFLICT, tensor_segments
+
+    segmented = tensor_segments(graph)
     for output, name in state.items():
         holder = next((s for s in plan.stages if name in s.inputs), None)
         maker = next((s for s in plan.stages if output in s.outputs), None)
         stage = holder or maker
-        plan.state.append({"output": output, "input": name, "stage": stage.index,
-                           "spec": stage.input_specs.get(name) or stage.output_specs.get(output)})
+        spec = ShardingSpec.parse(stage.input_specs.get(name) or stage.output_specs.get(output))
+        record = {"output": output, "input": name, "stage": stage.index, "spec": str(spec)}
+        split = {d for d, p in enumerate(spec.dims) if p != "R"}
+        segments = {d: segs for d, segs in (segmented.get(name) or segmented.get(output) or {}).items()
+                    if d in split and segs != CONFLICT}
+        if segments:
+            record["segments"] = [[d, [list(seg) for seg in segs]] for d, segs in sorted(segments.items())]
+        plan.state.append(record)
 
 
 def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, workdir: Path,
@@ -319,7 +332,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
     if sizes.is_ranged:
         plan, shardings, canonical, graph = _plan_ranged(model_path, header, cluster, sizes, workdir, options,
                                                          cost_model, pairs)
-        _record_state(plan, pairs)
+        _record_state(plan, pairs, graph)
         return plan, shardings, canonical, graph
     given = dict(dims)
     dims = sizes.resolve({})
@@ -339,7 +352,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
         _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
         small_constants(canonical.model), cost_model,
     )
-    _record_state(plan, pairs)
+    _record_state(plan, pairs, graph)
     return plan, shardings, canonical, graph
 
 

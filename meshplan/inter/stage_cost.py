@@ -135,7 +135,8 @@ class StageCosts:
             return INFEASIBLE
         sharded = self.intra_op.stage(start, stop, submesh, logical)
         devices = submesh[0] * submesh[1]
-        return StageCost(sharded.seconds + send, sharded.param_bytes + state / devices, activations / devices)
+        # the sharded stage's held bytes count its state in the layout it is made in
+        return StageCost(sharded.seconds + send, sharded.param_bytes, activations / devices)
 
     def tables(self, submeshes: list[tuple[int, int]]):
         """Arrays (L, L, S, K) of seconds, parameter bytes and activation bytes for the DP.

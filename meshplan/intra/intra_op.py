@@ -28,9 +28,8 @@ from meshplan.intra import ilp
 from meshplan.intra.chain import StageSharding, best_chain
 from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
-from meshplan.ops import entry
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
-from meshplan.intra.operator_cost import OperatorCosts, held_bytes
+from meshplan.intra.operator_cost import OperatorCosts, held_bytes, held_outputs
 from meshplan.intra.strategies import Strategy
 from meshplan.sharding import LogicalMesh
 
@@ -94,7 +93,7 @@ class IntraOpPass:
             if lean:
                 start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
                 full = sum(self.graph.tensors[p].nbytes for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
-                full += sum(self.graph.tensors[name].nbytes for i in range(start, stop) for name in self._caches(i))
+                full += sum(self.graph.tensors[name].peak_nbytes for i in range(start, stop) for name in self._caches(i))
                 limit = LEAN_FACTOR * full / (logical[0] * logical[1])
             try:
                 self._cache[key] = self._solve_layer(layer, submesh, logical, b_in, b_out, limit)
@@ -105,10 +104,9 @@ class IntraOpPass:
         return self._cache[key]
 
     def _caches(self, index: int) -> list[str]:
-        """The cache outputs of node ``index`` (held like weights: ``OpEntry.cache_outputs``)."""
+        """The outputs of node ``index`` held like weights (its cache and state outputs)."""
         node = self.graph.nodes[index]
-        return [node.outputs[k] for k in entry(node.op_type, node.domain).cache_outputs
-                if k < len(node.outputs) and node.outputs[k]]
+        return [node.outputs[k] for k in held_outputs(node, self.graph)]
 
     def _effective_kind(self, layer: int, kind: str, logical: tuple[int, int], entering: bool) -> str:
         """``B`` is the same layout as ``R`` when no tensor crossing that side of the layer can

@@ -18,6 +18,7 @@ from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import StageSession, check_program_files, providers_for
+from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 
 
@@ -59,34 +60,26 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
 
 
 def _split_state_inputs(plan: Plan, stage, local: dict[int, dict[str, np.ndarray]]) -> None:
-    """State inputs held split: each device gets its slice, under the program's name for it."""
-    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+    """State inputs held split: each device gets its piece, under the program's name for it."""
     for entry in plan.state:
-        spec = ShardingSpec.parse(entry["spec"])
+        spec = state_spec(entry)
         if entry["stage"] != stage.index or spec.is_replicated:
             continue
+        mesh = state_mesh(plan, entry)
         for rank in stage.devices:
             if entry["input"] in local[rank]:
                 whole = local[rank].pop(entry["input"])
-                box = spec.local_slices(whole.shape, mesh, mesh.coord(rank))
-                local[rank][local_name(entry["input"], spec)] = np.ascontiguousarray(whole[box])
+                local[rank][local_name(entry["input"], spec)] = piece_of(whole, spec, mesh, rank)
 
 
 def _state_output(plan: Plan, held, entry: dict) -> np.ndarray:
-    """A state output put together from the slices its stage's devices hold."""
+    """A state output put together from the pieces its stage's devices hold."""
     stage = plan.stages[entry["stage"]]
-    spec = ShardingSpec.parse(entry["spec"])
+    spec = state_spec(entry)
     name = local_name(entry["output"], spec)
     if spec.is_replicated:
         return held[stage.devices[0]][name]
-    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-    pieces = {rank: held[rank][name] for rank in stage.devices}
-    first = pieces[stage.devices[0]]
-    shape = tuple(n * spec.shards(d, mesh) for d, n in enumerate(first.shape))
-    whole = np.empty(shape, dtype=first.dtype)
-    for rank, piece in pieces.items():
-        whole[spec.local_slices(shape, mesh, mesh.coord(rank))] = piece
-    return whole
+    return assemble({rank: held[rank][name] for rank in distinct_holders(plan, entry)}, spec, state_mesh(plan, entry))
 
 
 def _output_of(plan: Plan, held, name: str) -> np.ndarray:
