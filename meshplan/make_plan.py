@@ -248,6 +248,37 @@ def state_pairs(header: onnx.ModelProto, given: dict[str, str] | None) -> dict[s
     return found
 
 
+DEFAULT_PREFILL_CHUNK = 128
+
+
+def generation_plan_dims(model_path: str | os.PathLike, batch: int = 1, max_length: int | None = None,
+                         chunk: int | None = None, given: dict | None = None,
+                         state: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """The sizes of a plan for generation (``meshplan plan --generate``): ``batch`` sequences,
+    a context of ``max_length`` positions (default: the model folder's context length), prompts
+    fed in pieces of up to ``chunk`` positions; every call costed at a decode step with the
+    cache at its longest, which memory counts. ``given`` dims (``--dim``) take precedence.
+    Returns the dims and what was chosen (for the report)."""
+    from meshplan.model.llm import LlmLayout, ModelFolder, generation_dims
+
+    header = read_model(Path(model_path), load_external_data=False)
+    folder = ModelFolder.read(model_path)
+    layout = LlmLayout.read(header, state_pairs(header, state), folder)
+    if batch < 1:
+        raise PlanError(f"--batch must be at least 1, got {batch}")
+    if max_length is None:
+        max_length = folder.context_length
+        if max_length is None:
+            raise PlanError("the model's folder says no context length (no genai_config.json, config.json or "
+                            "generation_config.json with one)", hint="give --max-length")
+    chunk = min(chunk or DEFAULT_PREFILL_CHUNK, max_length)
+    dims = generation_dims(layout, batch, max_length, chunk)
+    dims.update(given or {})
+    chosen = {"batch": batch, "max_length": max_length, "prefill_chunk": chunk, "cache": layout.cache,
+              "padding": layout.padding_side}
+    return dims, chosen
+
+
 def _ranged_specs(header: onnx.ModelProto, graph_tensors, names, fixed: dict[str, int]) -> list[TensorSpec]:
     """Full specs of a ranged plan's inputs or outputs: a dim that follows the sizes is its
     name in the model (a free or derived dim), or -1 where the model names none."""

@@ -147,6 +147,7 @@ class StepRecord:
     input_ids: np.ndarray
     logits: np.ndarray
     chosen: np.ndarray
+    positions: np.ndarray     # per sequence: the position in the call's returned window its logits are at
 
 
 class Generation:
@@ -221,7 +222,7 @@ class Generation:
         chosen = sampler(logits)
         metrics.prefill_seconds = time.perf_counter() - started
         if record is not None:
-            record.append(StepRecord(ids.copy(), logits[:rows].copy(), chosen[:rows].copy()))
+            record.append(StepRecord(ids.copy(), logits[:rows].copy(), chosen[:rows].copy(), offsets[:rows].copy()))
         self._take(sequences, chosen, eos, metrics)
         metrics.first_tokens = sum(1 for s in sequences if s.ids)
         if on_tokens is not None:
@@ -244,7 +245,8 @@ class Generation:
             chosen = sampler(logits)
             metrics.decode_seconds.append(time.perf_counter() - began)
             if record is not None:
-                record.append(StepRecord(fed[:rows].copy(), logits[:rows].copy(), chosen[:rows].copy()))
+                record.append(StepRecord(fed[:rows].copy(), logits[:rows].copy(), chosen[:rows].copy(),
+                                         np.zeros(rows, dtype=np.int64)))
             self._take(sequences, chosen, eos, metrics)
             if on_tokens is not None:
                 on_tokens(step, chosen[:rows], sequences)
