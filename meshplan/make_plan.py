@@ -26,7 +26,7 @@ from meshplan.model.views import canonicalize_ranged
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
-from meshplan.sharding import ShardingSpec
+from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
 from meshplan.emit.report import TIMELINE_FILE, render_timeline
@@ -337,9 +337,10 @@ def _record_state(plan: Plan, state: dict[str, str], graph) -> None:
         stage = holder or maker
         spec = ShardingSpec.parse(stage.input_specs.get(name) or stage.output_specs.get(output))
         record = {"output": output, "input": name, "stage": stage.index, "spec": str(spec)}
-        split = {d for d, p in enumerate(spec.dims) if p != "R"}
-        segments = {d: segs for d, segs in (segmented.get(name) or segmented.get(output) or {}).items()
-                    if d in split and segs != CONFLICT}
+        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+        known = {d: segs for d, segs in (segmented.get(name) or segmented.get(output) or {}).items() if segs != CONFLICT}
+        # only where they change what a device holds (a plain split of whole heads needs none)
+        segments = {d: segs for d, segs in known.items() if spec.with_segments(known).segmented(d, mesh) is not None}
         if segments:
             record["segments"] = [[d, [list(seg) for seg in segs]] for d, segs in sorted(segments.items())]
         plan.state.append(record)
