@@ -281,3 +281,29 @@ def test_bad_input_is_one_line(planned, tmp_path):
     assert not (tmp_path / "nope").exists()
     done = run_cli("plan", model_path("llama_optimum"), "--mesh", "1x2", "--generate", "-o", tmp_path / "nope")
     _one_line(done, "no context length")
+
+
+@pytest.mark.parametrize("name, policy", [("llama_fp32", "auto"), ("qwen2_fp32", "megatron")])
+def test_devices_holding_forty_percent_generate(name, policy, tmp_path):
+    """Devices that hold 40% of the weights plus the cache at its longest (1024 positions):
+    the plan fits, no rank holds more than 60% of them, and the tokens are onnxruntime's."""
+    from meshplan.plan_format import read_plan
+
+    model = onnx.load(str(model_path(name)), load_external_data=False)
+    weights = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                  for t in model.graph.initializer)
+    heads = next(d.dim_value for d in model.graph.input[2].type.tensor_type.shape.dim if d.dim_value)
+    cache = 2 * 2 * heads * 1024 * 16 * 4
+    limit = 0.4 * (weights + cache)
+    dims, _ = generation_plan_dims(model_path(name), 1, 1024, CHUNK)
+    cluster = make_cluster((1, 4), "cpu")
+    cluster = replace(cluster, device=replace(cluster.device, memory_bytes=limit))
+    plan = make_plan(model_path(name), cluster, dims, tmp_path / "plan", PlanOptions(policy=policy))
+    assert all(stage.memory_bytes <= limit for stage in plan.stages)
+    assert max(stage.memory_bytes for stage in plan.stages) <= 0.6 * (weights + cache)
+    assert all(entry["spec"] != "RRRR" for entry in plan.state if len(plan.stages[entry["stage"]].devices) > 1)
+    plan = read_plan(tmp_path / "plan")
+    shape = GenerationShape.of_plan(plan)
+    prompts = PROMPTS["builder"]
+    sequences, _ = Generation(shape, plan_stepper(plan, tmp_path / "plan", shape)).run(prompts, NEW_TOKENS, Sampler())
+    assert [s.ids for s in sequences] == reference_ids(plan, prompts)

@@ -95,11 +95,14 @@ class StageCosts:
                 self._state_spans.append((min(layers), max(layers)))
 
     def _peak_activation_per_layer(self, owner: np.ndarray) -> np.ndarray:
-        """A simple liveness bound per layer: the largest sum of one node's inputs and outputs."""
+        """A simple liveness bound per layer: the largest sum of one node's inputs and outputs
+        (state is held, and counted so, not an activation)."""
         peak = np.zeros(self.num_layers)
         tensors = self.graph.tensors
+        state = set(self.graph.state) | set(self.graph.state.values())
         for i, node in enumerate(self.graph.nodes):
-            live = sum(tensors[n].peak_nbytes for n in set(node.inputs) | set(node.outputs) if n and not tensors[n].is_param)
+            live = sum(tensors[n].peak_nbytes for n in set(node.inputs) | set(node.outputs)
+                       if n and not tensors[n].is_param and n not in state)
             peak[owner[i]] = max(peak[owner[i]], live)
         return peak
 
