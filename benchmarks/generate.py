@@ -14,7 +14,7 @@ models in one process with ``--genai-threads`` threads. The numbers are each run
 report (meshplan's ``--output`` metrics; genai timed around ``generate_next_token``),
 the best of ``--repeat`` runs.
 
-    python benchmarks/generate.py --gigabytes 0.4 [--export llama_large.onnx] [--json]
+    python benchmarks/generate.py --gigabytes 0.4 [--export llama_large.onnx] [--json PATH]
 """
 
 from __future__ import annotations
@@ -56,8 +56,12 @@ def write_models(workdir: Path, gigabytes: float, context: int) -> dict[str, Pat
 
 
 def _quantize(source: Path, target: Path) -> None:
+    import logging
+
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
 
     model = onnx.load(str(source))
     quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
@@ -140,7 +144,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--genai-threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -164,8 +168,7 @@ def main() -> None:
         same = [r for r in rows if r["model"] == row["model"]]
         row["same_ids_as_first"] = row["ids"] == same[0]["ids"]
     if args.json:
-        print(json.dumps([{k: v for k, v in r.items() if k != "ids"} for r in rows], indent=1))
-        return
+        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "ids"} for r in rows], indent=1) + "\n")
     print(f"{'model':14} {'size':>9} {'runner':34} {'threads/rank':>12} {'TTFT':>9} {'decode tok/s':>13}  same ids")
     for r in rows:
         print(f"{r['model']:14} {r['bytes'] / 1e6:7.0f}MB {r['runner']:34} {r['threads_per_rank']:>12} "
