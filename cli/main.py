@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from cli.doctor_cmd import doctor
+from cli.generate_cmd import generate
 from cli.inputs_cmd import inputs
 from cli.plan_cmd import plan
 from cli.profile_cmd import profile
@@ -26,7 +27,7 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-for command in (plan, run, verify, inputs, profile, doctor):
+for command in (plan, run, generate, verify, inputs, profile, doctor):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -42,10 +42,21 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
                    "(external data files are only checked to be there and long enough: sparse files do).")
 @click.option("--shapes-only", is_flag=True,
               help="Plan from the model's graph alone: its external data files may be missing (implies --no-programs).")
+@click.option("--generate", "generate", is_flag=True,
+              help="Plan an LLM for meshplan generate: one plan for the prefill and the decode steps, costed at a "
+                   "decode step with the key/value cache at --max-length, which memory counts.")
+@click.option("--batch", "gen_batch", default=1, show_default=True, type=click.IntRange(min=1),
+              help="With --generate: sequences generated together.")
+@click.option("--max-length", "max_length", type=click.IntRange(min=2),
+              help="With --generate: the longest context (prompt and new tokens) [default: the model folder's "
+                   "context length, from genai_config.json or config.json].")
+@click.option("--prefill-chunk", "prefill_chunk", type=click.IntRange(min=1),
+              help="With --generate: prompts are fed in pieces of at most this many positions [default: 128, or "
+                   "--max-length if smaller].")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, policy, solver,
-         reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, out_dir):
+         reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch, max_length, prefill_chunk, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, text_report
@@ -86,6 +97,20 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 if not sep or not out or not name:
                     raise click.BadParameter(f"expected OUT=IN, got {text!r}", param_hint="--state")
                 state[out] = name
+        if generate:
+            from meshplan.make_plan import generation_plan_dims
+
+            if no_state:
+                raise click.UsageError("--generate needs the key/value cache as state (drop --no-state)")
+            if not Path(model).is_file():
+                raise ModelError(f"model file not found: {model}")
+            dims, chosen = generation_plan_dims(model, gen_batch, max_length, prefill_chunk, dims, state)
+            click.echo(f"generation: batch {chosen['batch']}, context {chosen['max_length']} positions, prompts in "
+                       f"pieces of up to {chosen['prefill_chunk']}; costed at a decode step with the cache full; "
+                       f"{'a shared cache buffer' if chosen['cache'] == 'shared' else 'a growing cache'}, prompts "
+                       f"padded on the {chosen['padding']}")
+        elif max_length is not None or prefill_chunk is not None or gen_batch != 1:
+            raise click.UsageError("--batch, --max-length and --prefill-chunk go with --generate")
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,
                            programs=not (no_programs or shapes_only), shapes_only=shapes_only)
         click.echo(text_report(result))

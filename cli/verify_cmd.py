@@ -13,7 +13,7 @@ from cli.guard import debugging, guard
 
 @click.command()
 @click.argument("plan_dir", type=click.Path(path_type=Path))
-@click.option("--inputs", "inputs_path", required=True, type=click.Path(path_type=Path), help="Model inputs (.npz).")
+@click.option("--inputs", "inputs_path", type=click.Path(path_type=Path), help="Model inputs (.npz).")
 @click.option("--outputs", "outputs_path", type=click.Path(path_type=Path),
               help="Also check these outputs (e.g. from meshplan run) against the original model.")
 @click.option("--model", "model_path", type=click.Path(path_type=Path), help="The original model, if it moved.")
@@ -28,8 +28,19 @@ from cli.guard import debugging, guard
                    "outputs of the stage before; memory for one piece of a stage at a time), or run the whole "
                    "model at once [default: stage by stage when the model's weights exceed half of the memory "
                    "available].")
+@click.option("--generate", "generate", is_flag=True,
+              help="Generate from --prompt/--prompt-ids with the plan and with onnxruntime on the original model in one "
+                   "loop: greedy ids must be identical and each step's logits within tolerance.")
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT", help="With --generate: a prompt (repeatable).")
+@click.option("--prompt-ids", "prompt_ids", type=click.Path(path_type=Path),
+              help="With --generate: prompts as a JSON list of token-id lists.")
+@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=1),
+              help="With --generate: tokens per sequence.")
+@click.option("--tokenizer", "tokenizer", type=click.Path(path_type=Path),
+              help="With --generate: a folder with tokenizer.json [default: the model's folder].")
 @click.pass_context
-def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_stages):
+def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_stages, generate, prompts, prompt_ids,
+           max_new_tokens, tokenizer):
     """Run all of a plan's programs in one process and compare with onnxruntime on the original model."""
     from meshplan.plan_format import read_plan, require_programs
     from meshplan.runtime.inprocess import compare_outputs, reference_outputs, run_in_process
@@ -40,6 +51,12 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
         started = time.perf_counter()
         the_plan = read_plan(plan_dir)
         require_programs(the_plan, plan_dir)
+        if generate:
+            _verify_generation(the_plan, plan_dir, prompts, prompt_ids, max_new_tokens, tokenizer, model_path, rtol,
+                               atol, started)
+            return
+        if inputs_path is None:
+            raise click.UsageError("give --inputs IN.npz (or --generate with prompts)")
         inputs = read_inputs(inputs_path, the_plan, empty_state=True)
         why = "--stages" if by_stages else None
         if by_stages is None and needs_stages(the_plan, model_path):
@@ -60,6 +77,38 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
         click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify against single-device onnxruntime")
         if not ok:
             sys.exit(1)
+
+
+def _verify_generation(the_plan, plan_dir, prompts, prompt_ids, max_new_tokens, tokenizer, model_path, rtol, atol,
+                       started):
+    from meshplan.generation.compare import compare_generation, plan_stepper, reference_stepper
+    from meshplan.generation.driver import Request, prepare, read_prompt_ids
+
+    if not prompts and prompt_ids is None:
+        raise click.UsageError("--generate needs --prompt TEXT or --prompt-ids FILE")
+    request = Request(texts=list(prompts), ids=read_prompt_ids(prompt_ids) if prompt_ids else [],
+                      max_new_tokens=max_new_tokens, tokenizer=tokenizer)
+    prepared = prepare(the_plan, request)
+    shape = prepared.shape
+    result = compare_generation(shape, reference_stepper(the_plan, shape, model_path),
+                                plan_stepper(the_plan, plan_dir, shape), prepared.prompts, max_new_tokens,
+                                prepared.pad_id, rtol, atol)
+    for step in result.steps:
+        ids = "same greedy ids" if step.same_ids else "GREEDY IDS DIFFER"
+        click.echo(f"step {step.step}: logits max abs err {step.max_abs:.3g} {'ok' if step.ok else 'MISMATCH'}, {ids}")
+    for index, (want, got) in enumerate(zip(result.reference_ids, result.plan_ids)):
+        click.echo(f"[{index}] onnxruntime {want}")
+        if got != want:
+            click.echo(f"[{index}] plan        {got}")
+    first = result.first_difference
+    if first is not None:
+        click.echo(f"greedy ids first differ at step {first}")
+    verdict = "PASSED" if result.ok else "FAILED"
+    click.echo(f"{verdict} | {time.perf_counter() - started:.1f} s | meshplan verify --generate: {len(result.steps)} "
+               f"step(s), worst logit error {result.worst:.3g} (rtol {result.rtol:g}, atol {result.atol:g}) against "
+               "single-device onnxruntime")
+    if not result.ok:
+        sys.exit(1)
 
 
 def _verify_by_stages(the_plan, plan_dir, inputs, outputs_path, model_path, rtol, atol, why, started):

@@ -26,6 +26,7 @@ from meshplan.model.views import canonicalize_ranged
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.static_batch import rewrite_static_batch
 from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
+from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
@@ -247,6 +248,37 @@ def state_pairs(header: onnx.ModelProto, given: dict[str, str] | None) -> dict[s
     return found
 
 
+DEFAULT_PREFILL_CHUNK = 128
+
+
+def generation_plan_dims(model_path: str | os.PathLike, batch: int = 1, max_length: int | None = None,
+                         chunk: int | None = None, given: dict | None = None,
+                         state: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """The sizes of a plan for generation (``meshplan plan --generate``): ``batch`` sequences,
+    a context of ``max_length`` positions (default: the model folder's context length), prompts
+    fed in pieces of up to ``chunk`` positions; every call costed at a decode step with the
+    cache at its longest, which memory counts. ``given`` dims (``--dim``) take precedence.
+    Returns the dims and what was chosen (for the report)."""
+    from meshplan.model.llm import LlmLayout, ModelFolder, generation_dims
+
+    header = read_model(Path(model_path), load_external_data=False)
+    folder = ModelFolder.read(model_path)
+    layout = LlmLayout.read(header, state_pairs(header, state), folder)
+    if batch < 1:
+        raise PlanError(f"--batch must be at least 1, got {batch}")
+    if max_length is None:
+        max_length = folder.context_length
+        if max_length is None:
+            raise PlanError("the model's folder says no context length (no genai_config.json, config.json or "
+                            "generation_config.json with one)", hint="give --max-length")
+    chunk = min(chunk or DEFAULT_PREFILL_CHUNK, max_length)
+    dims = generation_dims(layout, batch, max_length, chunk)
+    dims.update(given or {})
+    chosen = {"batch": batch, "max_length": max_length, "prefill_chunk": chunk, "cache": layout.cache,
+              "padding": layout.padding_side}
+    return dims, chosen
+
+
 def _ranged_specs(header: onnx.ModelProto, graph_tensors, names, fixed: dict[str, int]) -> list[TensorSpec]:
     """Full specs of a ranged plan's inputs or outputs: a dim that follows the sizes is its
     name in the model (a free or derived dim), or -1 where the model names none."""
@@ -292,13 +324,26 @@ def _plan_ranged(model_path: Path, header, cluster: Cluster, sizes: Sizes, workd
     return plan, shardings, canonical, graph
 
 
-def _record_state(plan: Plan, state: dict[str, str]) -> None:
+def _record_state(plan: Plan, state: dict[str, str], graph) -> None:
+    """Each state's stage and layout; where the layout splits a dim of heads held in
+    segments (key/value heads fewer than the devices), the segments too: the runtime cuts
+    and joins the state by them."""
+    from meshplan.intra.segments import CONFLICT, tensor_segments
+
+    segmented = tensor_segments(graph)
     for output, name in state.items():
         holder = next((s for s in plan.stages if name in s.inputs), None)
         maker = next((s for s in plan.stages if output in s.outputs), None)
         stage = holder or maker
-        plan.state.append({"output": output, "input": name, "stage": stage.index,
-                           "spec": stage.input_specs.get(name) or stage.output_specs.get(output)})
+        spec = ShardingSpec.parse(stage.input_specs.get(name) or stage.output_specs.get(output))
+        record = {"output": output, "input": name, "stage": stage.index, "spec": str(spec)}
+        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+        known = {d: segs for d, segs in (segmented.get(name) or segmented.get(output) or {}).items() if segs != CONFLICT}
+        # only where they change what a device holds (a plain split of whole heads needs none)
+        segments = {d: segs for d, segs in known.items() if spec.with_segments(known).segmented(d, mesh) is not None}
+        if segments:
+            record["segments"] = [[d, [list(seg) for seg in segs]] for d, segs in sorted(segments.items())]
+        plan.state.append(record)
 
 
 def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, workdir: Path,
@@ -321,7 +366,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
     if sizes.is_ranged:
         plan, shardings, canonical, graph = _plan_ranged(model_path, header, cluster, sizes, workdir, options,
                                                          cost_model, pairs, weights)
-        _record_state(plan, pairs)
+        _record_state(plan, pairs, graph)
         return plan, shardings, canonical, graph
     given = dict(dims)
     dims = sizes.resolve({})
@@ -342,7 +387,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
         _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
         small_constants(canonical.model), cost_model,
     )
-    _record_state(plan, pairs)
+    _record_state(plan, pairs, graph)
     return plan, shardings, canonical, graph
 
 

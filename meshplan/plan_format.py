@@ -26,6 +26,11 @@ def local_name(tensor: str, spec) -> str:
     return tensor if spec.is_replicated else f"{tensor}@{spec}"
 
 
+def state_segments(entry: dict) -> dict[int, tuple[tuple[int, int], ...]]:
+    """A state entry's segmented dims: dim → ((size, heads), …) (``ShardingSpec.segments``)."""
+    return {int(dim): tuple((int(size), int(heads)) for size, heads in segs) for dim, segs in entry.get("segments", [])}
+
+
 @dataclass
 class TensorSpec:
     name: str
@@ -118,8 +123,9 @@ class Plan:
     format_version: int = FORMAT_VERSION
     # A ranged plan: ``meshplan.model.sizes.Sizes.to_dict()`` (fixed, ranged and derived dims)
     sizes: dict = field(default_factory=dict)
-    # State: [{"output", "input", "stage", "spec"}], each output kept on its stage's devices in
-    # ``spec`` to be the next call's ``input``
+    # State: [{"output", "input", "stage", "spec"[, "segments"]}], each output kept on its stage's
+    # devices in ``spec`` to be the next call's ``input``; "segments" ([[dim, [[size, heads], …]]])
+    # where a split dim holds heads in segments (``state_segments``)
     state: list = field(default_factory=list)
     # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
     # written, so that the same command writes the same plan on any machine.

@@ -51,6 +51,9 @@ CASES = [
          "the CBC solver does not load", env=NO_CBC),
     Case("plan-bad-cluster-file", ("plan", GPT.path, "--cluster", "{garbage}", *DIMS, "-o", "{out}"), "cluster"),
     # verify
+    Case("plan-generate-without-cache", ("plan", GPT.path, "--mesh", "1x2", "--generate", "--max-length", "16", "-o",
+                                          "{out}"), "no key/value cache"),
+    Case("verify-generate-without-cache", ("verify", "--generate", "{plan}", "--prompt", "hi"), "no key/value cache"),
     Case("verify-missing-plan", ("verify", "{missing}", "--inputs", "{inputs}"), "plan directory not found"),
     Case("verify-garbage-inputs", ("verify", "{plan}", "--inputs", "{garbage}"), "not a valid .npz"),
     Case("verify-wrong-shape", ("verify", "{plan}", "--inputs", "{short}"), "shape"),
@@ -59,6 +62,9 @@ CASES = [
     Case("verify-garbage-outputs", ("verify", "{plan}", "--inputs", "{inputs}", "--outputs", "{garbage}"),
          "not a valid .npz"),
     # run (under mpiexec)
+    Case("generate-garbage-prompt-ids", ("generate", "{plan}", "--prompt-ids", "{garbage}"), "not JSON", ranks=2),
+    Case("generate-without-cache", ("generate", "{plan}", "--prompt", "hi"), "no key/value cache", ranks=2),
+    Case("generate-missing-plan", ("generate", "{missing}", "--prompt", "hi"), "plan directory not found", ranks=2),
     Case("run-missing-plan", ("run", "{missing}", "--inputs", "{inputs}"), "plan directory not found", ranks=2),
     Case("run-garbage-inputs", ("run", "{plan}", "--inputs", "{garbage}"), "not a valid .npz", ranks=2),
     Case("run-wrong-rank-count", ("run", "{plan}", "--inputs", "{inputs}"), "the plan needs 2 ranks", ranks=3),

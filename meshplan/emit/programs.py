@@ -21,6 +21,7 @@ from meshplan.plan_format import Plan, Program
 from meshplan.emit.program_weights import load_small, write_program
 from meshplan.emit.shard import shard_program
 from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.intra.segments import CONFLICT, tensor_segments
 from meshplan.intra.strategies import Strategy
 
 EXTERNAL_THRESHOLD = 256 * 1024 * 1024
@@ -31,8 +32,16 @@ def program_name(rank: int) -> str:
     return f"rank{rank}.onnx"
 
 
-def _specs(texts: dict[str, str]) -> dict[str, ShardingSpec]:
-    return {name: ShardingSpec.parse(text) for name, text in texts.items()}
+def _specs(texts: dict[str, str], graph: Graph) -> dict[str, ShardingSpec]:
+    """A stage's boundary specs, with each tensor's segmented dims (a key/value cache held
+    by heads, fewer heads than devices: each device holds the heads it reads)."""
+    segmented = tensor_segments(graph)
+    specs = {}
+    for name, text in texts.items():
+        spec = ShardingSpec.parse(text)
+        segments = {d: segs for d, segs in (segmented.get(name) or {}).items() if segs != CONFLICT}
+        specs[name] = spec.with_segments(segments) if segments else spec
+    return specs
 
 
 def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
@@ -57,7 +66,7 @@ def emit_programs(plan: Plan, canonical_path: Path, out_dir: Path, graph: Graph,
             if len(stage.devices) > 1:
                 record = stage.collectives if rank == stage.devices[0] else None
                 local = shard_program(program, graph, shardings.get(stage.index, {}), mesh, rank,
-                                      _specs(stage.input_specs), _specs(stage.output_specs), record, pending)
+                                      _specs(stage.input_specs, graph), _specs(stage.output_specs, graph), record, pending)
             else:
                 local = onnx.ModelProto()
                 local.CopyFrom(program)

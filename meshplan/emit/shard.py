@@ -199,6 +199,8 @@ class _Builder:
             info = self.graph.tensors[tensor]
             shape = list(spec.local_shape(info.shape, self.mesh))
             shape[step.dim] = len(held)
+            for axis in info.dynamic + info.ranged:   # its size known at run time
+                shape[axis] = None
             self.value_info[gathered] = helper.make_tensor_value_info(
                 gathered, helper.np_dtype_to_tensor_dtype(info.dtype), shape)
             self._take(gathered, out, step.dim, held, after.local_indices(step.dim, size, self.mesh, self.coord))

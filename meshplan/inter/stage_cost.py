@@ -95,11 +95,14 @@ class StageCosts:
                 self._state_spans.append((min(layers), max(layers)))
 
     def _peak_activation_per_layer(self, owner: np.ndarray) -> np.ndarray:
-        """A simple liveness bound per layer: the largest sum of one node's inputs and outputs."""
+        """A simple liveness bound per layer: the largest sum of one node's inputs and outputs
+        (state is held, and counted so, not an activation)."""
         peak = np.zeros(self.num_layers)
         tensors = self.graph.tensors
+        state = set(self.graph.state) | set(self.graph.state.values())
         for i, node in enumerate(self.graph.nodes):
-            live = sum(tensors[n].peak_nbytes for n in set(node.inputs) | set(node.outputs) if n and not tensors[n].is_param)
+            live = sum(tensors[n].peak_nbytes for n in set(node.inputs) | set(node.outputs)
+                       if n and not tensors[n].is_param and n not in state)
             peak[owner[i]] = max(peak[owner[i]], live)
         return peak
 
@@ -135,7 +138,8 @@ class StageCosts:
             return INFEASIBLE
         sharded = self.intra_op.stage(start, stop, submesh, logical)
         devices = submesh[0] * submesh[1]
-        return StageCost(sharded.seconds + send, sharded.param_bytes + state / devices, activations / devices)
+        # the sharded stage's held bytes count its state in the layout it is made in
+        return StageCost(sharded.seconds + send, sharded.param_bytes, activations / devices)
 
     def tables(self, submeshes: list[tuple[int, int]]):
         """Arrays (L, L, S, K) of seconds, parameter bytes and activation bytes for the DP.
@@ -178,7 +182,7 @@ class StageCosts:
                     for j, (secs, weights) in enumerate(self.intra_op.stage_row(i, submesh, logical), start=i):
                         if feasible[i, j]:
                             seconds[i, j, s, k] = secs + send[j]
-                            params[i, j, s, k] = weights + state[i, j] / devices
+                            params[i, j, s, k] = weights   # state counted in the layout it is made in
                             acts[i, j, s, k] = activations[i, j] / devices
         return seconds, params, acts
 

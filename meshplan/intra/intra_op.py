@@ -28,10 +28,9 @@ from meshplan.intra import ilp
 from meshplan.intra.chain import Chain, StageSharding, best_chain
 from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
-from meshplan.ops import entry
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
 from meshplan.intra.segments import tensor_segments
-from meshplan.intra.operator_cost import OperatorCosts, held_bytes
+from meshplan.intra.operator_cost import OperatorCosts, held_bytes, held_outputs
 from meshplan.intra.strategies import Strategy
 from meshplan.reshard.steps import axis_links
 from meshplan.sharding import LogicalMesh, segments_fit
@@ -101,7 +100,7 @@ class IntraOpPass:
             if lean:
                 start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
                 full = sum(self.graph.tensors[p].nbytes for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
-                full += sum(self.graph.tensors[name].nbytes for i in range(start, stop) for name in self._caches(i))
+                full += sum(self.graph.tensors[name].peak_nbytes for i in range(start, stop) for name in self._caches(i))
                 limit = LEAN_FACTOR * full / (logical[0] * logical[1])
             try:
                 self._cache[key] = self._solve_layer(layer, submesh, logical, b_in, b_out, limit)
@@ -112,10 +111,9 @@ class IntraOpPass:
         return self._cache[key]
 
     def _caches(self, index: int) -> list[str]:
-        """The cache outputs of node ``index`` (held like weights: ``OpEntry.cache_outputs``)."""
+        """The outputs of node ``index`` held like weights (its cache and state outputs)."""
         node = self.graph.nodes[index]
-        return [node.outputs[k] for k in entry(node.op_type, node.domain).cache_outputs
-                if k < len(node.outputs) and node.outputs[k]]
+        return [node.outputs[k] for k in held_outputs(node, self.graph)]
 
     def _effective_view(self, layer: int, submesh: tuple[int, int], logical: tuple[int, int]) -> tuple:
         """What the layer's ILP on this view depends on: for each mesh axis that can split

@@ -20,6 +20,14 @@ def held_bytes(slices: dict[tuple[str, ShardingSpec], int]) -> float:
     return float(sum(size for (name, spec), size in slices.items() if name not in whole or spec.is_replicated))
 
 
+def held_outputs(node: Node, graph: Graph) -> list[int]:
+    """The outputs of ``node`` a device holds beyond the call: its cache outputs and its
+    state outputs."""
+    found = [k for k in entry(node.op_type, node.domain).cache_outputs if k < len(node.outputs) and node.outputs[k]]
+    found += [k for k, name in enumerate(node.outputs) if name and name in graph.state and k not in found]
+    return found
+
+
 class OperatorCosts:
     def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster, constants=None):
         self.graph, self.cost_model, self.cluster = graph, cost_model, cluster
@@ -52,15 +60,15 @@ class OperatorCosts:
     def param_slices(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> dict[tuple[str, ShardingSpec], int]:
         """(initializer, layout) → bytes a device stores of it for ``node`` under ``strategy``;
         a parameter expression is stored as slices of its sources. An operator's cache
-        outputs (an attention's present key and value, ``OpEntry.cache_outputs``) are held
-        like weights: (tensor, layout) → the device's share."""
+        outputs (an attention's present key and value, ``OpEntry.cache_outputs``) and its
+        state outputs (``Graph.state``: kept for the next call) are held like weights, at
+        their largest size: (tensor, layout) → the device's share."""
         found: dict[tuple[str, ShardingSpec], int] = {}
-        for index in entry(node.op_type, node.domain).cache_outputs:
-            name = node.outputs[index] if index < len(node.outputs) else ""
-            spec = strategy.outputs[index] if index < len(strategy.outputs) else None
-            if name and spec is not None:
+        for index in held_outputs(node, self.graph):
+            name, spec = node.outputs[index], strategy.outputs[index] if index < len(strategy.outputs) else None
+            if spec is not None:
                 info = self.graph.tensors[name]
-                found[(name, spec)] = spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
+                found[(name, spec)] = spec.local_bytes(info.peak or info.shape, info.dtype.itemsize, mesh)
         for name, spec in zip(node.inputs, strategy.inputs):
             info = self.graph.tensors.get(name) if name else None
             if info is None or not info.is_param:

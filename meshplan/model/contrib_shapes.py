@@ -87,7 +87,11 @@ def _scalar(values: dict, name: str) -> int | None:
 def _group_query_attention(node: onnx.NodeProto, types: dict, values: dict) -> list | None:
     """output [batch, seq, num_heads * head_size] of the query's type; present key and
     value [batch, kv_num_heads, max(past length, total_sequence_length), head_size] (the
-    past's length where past and present share a buffer of fixed capacity)."""
+    past's length where past and present share a buffer of fixed capacity). Where
+    total_sequence_length is computed at run time (a ranged plan's canonical model: the
+    attention mask's length) the cache's length is left unknown: the buffer's capacity for
+    a shared buffer, past + new positions for a growing cache, as the model folded at each
+    size says; the output's shape never depends on it."""
     inputs = list(node.input) + [""] * (16 - len(node.input))
     query = types.get(inputs[0])
     if query is None or len(query[1]) != 3:
@@ -102,9 +106,11 @@ def _group_query_attention(node: onnx.NodeProto, types: dict, values: dict) -> l
     if len(node.output) > 1:
         total = _scalar(values, inputs[6])
         past = types.get(inputs[3]) if inputs[3] else None
+        capacity = past[1][2] if past is not None and isinstance(past[1][2], int) else None
         if total is None:
-            return None
-        length = max(total, past[1][2]) if past is not None and isinstance(past[1][2], int) else total
+            length = None    # computed at run time (a ranged plan): the folded views give its sizes
+        else:
+            length = total if capacity is None else max(total, capacity)
         cache = (past[0] if past is not None else query[0], [batch, kv_heads, length, head_size])
         found += [cache, cache]
     return found[:len(node.output)]

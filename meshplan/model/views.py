@@ -9,8 +9,10 @@ is also folded at two points: the *cost* sizes (every free dim at its ``@SIZE``,
 default its top) and the *top* sizes (every free dim at its largest). Tensor names are
 kept by folding, so each tensor of the canonical model gets its shape at both points
 (``SizeViews``): costs come from the first, memory from the second, and a strategy must
-hold at both. A dim that is not a number in the canonical model is *ranged*; its
-*grain* (the gcd of every size it takes: a split over K devices must divide it) is the
+hold at both. A dim that is not a number in the canonical model is *ranged*, unless it
+has one size at the cost, top and probe sizes alike (a buffer of fixed capacity that the
+model declares with a length that varies: GroupQueryAttention's present key and value);
+its *grain* (the gcd of every size it takes: a split over K devices must divide it) is the
 free dim's own where the dim carries a free dim's name, the derived form's where it
 carries a derived name, and 1 (never split) otherwise.
 """
@@ -55,8 +57,10 @@ class SizeViews:
             raise ModelError(f"tensor '{name}' changes rank with the sizes ({list(shape)} vs {list(peak)})")
         dims = self.symbols.get(name) or (None,) * len(shape)
         dynamic = self.dynamic.get(name, ())
+        probe = self.probe.get(name)
         ranged = tuple(a for a in range(len(shape))
-                       if a not in dynamic and (not isinstance(dims[a], int) or shape[a] != peak[a]))
+                       if a not in dynamic and (shape[a] != peak[a] or not isinstance(dims[a], int) and not (
+                           probe is not None and len(probe) == len(shape) and probe[a] == shape[a])))
         grains = tuple(self._grain(dims[a]) if a in ranged else size for a, size in enumerate(shape))
         return TensorInfo(name, tuple(shape), _dtype(elem_type, name), dynamic=dynamic, ranged=ranged,
                           peak=tuple(peak), grains=grains)

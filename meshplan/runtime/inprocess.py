@@ -18,6 +18,7 @@ from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import StageSession, check_program_files, providers_for
+from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 
 
@@ -26,68 +27,72 @@ def run_in_process(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], pr
     runs its program segment by segment in lockstep, and the collectives between segments
     are done in memory with the same semantics as under MPI; between stages each tensor
     goes through its planned cross-mesh resharding, in memory."""
-    require_programs(plan, plan_dir)
-    providers = providers_for(provider)
-    runners = {}
-    for program in plan.programs:
-        runners[program.rank] = ProgramRunner(check_program_files(plan, plan_dir, program), providers, threads=1)
-    transfers = [(r, CrossMeshTransfer.from_dict(r.transfer), Schedule.from_dict(r.schedule)) for r in plan.reshardings]
-    outputs = []
-    for feeds in split_microbatches(inputs, plan):
-        held: dict[int, dict[str, np.ndarray]] = {}   # rank → its local tensors
-        for stage in plan.stages:
-            local = {rank: {n: feeds[n] for n in stage.inputs if n in feeds} for rank in stage.devices}
-            _split_state_inputs(plan, stage, local)
-            for r, transfer, schedule in transfers:
-                if r.dst_stage != stage.index:
-                    continue
-                source = local_name(r.tensor, ShardingSpec.parse(r.src_spec))
-                src_ranks = plan.stages[r.src_stage].devices
-                moved = reshard_in_memory({rank: held[rank][source] for rank in src_ranks}, transfer, schedule)
-                target = local_name(r.tensor, ShardingSpec.parse(r.dst_spec))
-                for rank in stage.devices:
-                    local[rank][target] = moved[rank]
-            for t in plan.transfers:   # data-dependent tensors, whole
-                if t.dst_stage == stage.index:
-                    local[t.dst_rank][t.tensor] = held[t.src_rank][t.tensor]
-            held.update(_run_stage(stage, runners, local))
-        lead = held[0]
-        kept = {s["output"]: s for s in plan.state}
-        outputs.append({spec.name: _state_output(plan, held, kept[spec.name]) if spec.name in kept
-                        else lead[spec.name] if spec.name in lead else _output_of(plan, held, spec.name)
-                        for spec in plan.outputs})
-    return join_microbatches(outputs, plan)
+    return InProcessPlan(plan, plan_dir, provider).run(inputs)
+
+
+class InProcessPlan:
+    """Every rank's program loaded once in this process (``run`` as many calls as wanted:
+    a generation loop)."""
+
+    def __init__(self, plan: Plan, plan_dir: Path, provider: str = "cpu"):
+        require_programs(plan, plan_dir)
+        providers = providers_for(provider)
+        self.plan = plan
+        self.runners = {program.rank: ProgramRunner(check_program_files(plan, Path(plan_dir), program), providers, threads=1)
+                        for program in plan.programs}
+        self.transfers = [(r, CrossMeshTransfer.from_dict(r.transfer), Schedule.from_dict(r.schedule))
+                          for r in plan.reshardings]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        plan, runners, transfers = self.plan, self.runners, self.transfers
+        outputs = []
+        for feeds in split_microbatches(inputs, plan):
+            held: dict[int, dict[str, np.ndarray]] = {}   # rank → its local tensors
+            for stage in plan.stages:
+                local = {rank: {n: feeds[n] for n in stage.inputs if n in feeds} for rank in stage.devices}
+                _split_state_inputs(plan, stage, local)
+                for r, transfer, schedule in transfers:
+                    if r.dst_stage != stage.index:
+                        continue
+                    source = local_name(r.tensor, ShardingSpec.parse(r.src_spec))
+                    src_ranks = plan.stages[r.src_stage].devices
+                    moved = reshard_in_memory({rank: held[rank][source] for rank in src_ranks}, transfer, schedule)
+                    target = local_name(r.tensor, ShardingSpec.parse(r.dst_spec))
+                    for rank in stage.devices:
+                        local[rank][target] = moved[rank]
+                for t in plan.transfers:   # data-dependent tensors, whole
+                    if t.dst_stage == stage.index:
+                        local[t.dst_rank][t.tensor] = held[t.src_rank][t.tensor]
+                held.update(_run_stage(stage, runners, local))
+            lead = held[0]
+            kept = {s["output"]: s for s in plan.state}
+            outputs.append({spec.name: _state_output(plan, held, kept[spec.name]) if spec.name in kept
+                            else lead[spec.name] if spec.name in lead else _output_of(plan, held, spec.name)
+                            for spec in plan.outputs})
+        return join_microbatches(outputs, plan)
 
 
 def _split_state_inputs(plan: Plan, stage, local: dict[int, dict[str, np.ndarray]]) -> None:
-    """State inputs held split: each device gets its slice, under the program's name for it."""
-    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+    """State inputs held split: each device gets its piece, under the program's name for it."""
     for entry in plan.state:
-        spec = ShardingSpec.parse(entry["spec"])
+        spec = state_spec(entry)
         if entry["stage"] != stage.index or spec.is_replicated:
             continue
+        mesh = state_mesh(plan, entry)
         for rank in stage.devices:
             if entry["input"] in local[rank]:
                 whole = local[rank].pop(entry["input"])
-                box = spec.local_slices(whole.shape, mesh, mesh.coord(rank))
-                local[rank][local_name(entry["input"], spec)] = np.ascontiguousarray(whole[box])
+                local[rank][local_name(entry["input"], spec)] = piece_of(whole, spec, mesh, rank)
 
 
 def _state_output(plan: Plan, held, entry: dict) -> np.ndarray:
-    """A state output put together from the slices its stage's devices hold."""
+    """A state output put together from the pieces its stage's devices hold."""
     stage = plan.stages[entry["stage"]]
-    spec = ShardingSpec.parse(entry["spec"])
+    spec = state_spec(entry)
     name = local_name(entry["output"], spec)
     if spec.is_replicated:
         return held[stage.devices[0]][name]
-    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-    pieces = {rank: held[rank][name] for rank in stage.devices}
-    first = pieces[stage.devices[0]]
-    shape = tuple(n * spec.shards(d, mesh) for d, n in enumerate(first.shape))
-    whole = np.empty(shape, dtype=first.dtype)
-    for rank, piece in pieces.items():
-        whole[spec.local_slices(shape, mesh, mesh.coord(rank))] = piece
-    return whole
+    return assemble({rank: held[rank][name] for rank in distinct_holders(plan, entry)}, spec, state_mesh(plan, entry))
 
 
 def _output_of(plan: Plan, held, name: str) -> np.ndarray:

@@ -47,6 +47,7 @@ from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, Reported
                                          choose_buffers)
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
+from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 from meshplan.runtime.waiting import set_sleeping, wait_all
 from meshplan.sharding import LogicalMesh, ShardingSpec
@@ -146,7 +147,7 @@ class Job:
         self.state_outputs = {s["output"]: s for s in plan.state}
         self.inputs = [t for t in plan.inputs if t.name not in self.state_inputs]
         self.outputs = [t for t in plan.outputs if t.name not in self.state_outputs]
-        self.state_specs = {s["input"]: ShardingSpec.parse(s["spec"]) for s in plan.state}
+        self.state_specs = {s["input"]: state_spec(s) for s in plan.state}
         # one broadcast group per model input: rank 0 and the ranks whose stage reads it
         self.groups = []
         for spec in self.inputs:
@@ -578,22 +579,14 @@ class Job:
 
     # --- state on every rank --------------------------------------------------------------------
 
-    def _holders(self, entry: dict) -> list[int]:
-        """The ranks that send a state's pieces: one per distinct piece."""
-        stage = self.plan.stages[entry["stage"]]
-        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-        used = set(ShardingSpec.parse(entry["spec"]).split_axes())
-        return [r for r in stage.devices if all(mesh.coord(r)[a] == 0 for a in (0, 1) if a not in used)]
-
     def _gather_state(self, chosen: list[bool]) -> dict[str, np.ndarray]:
+        """The chosen states, whole, on rank 0: one rank per distinct piece sends it."""
         found = {}
         for index, (entry, take) in enumerate(zip(self.state_entries, chosen)):
             if not take:
                 continue
-            name, spec = entry["input"], ShardingSpec.parse(entry["spec"])
-            stage = self.plan.stages[entry["stage"]]
-            mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-            holders = self._holders(entry)
+            name, spec = entry["input"], self.state_specs[entry["input"]]
+            holders = distinct_holders(self.plan, entry)
             pieces = {}
             if self.rank in holders:
                 if name not in self.state:
@@ -613,12 +606,7 @@ class Job:
                     self.comm.Recv(shape, source=r, tag=_STATE_TAG + 2 * index)
                     pieces[r] = np.empty(tuple(int(d) for d in shape), dtype=self._dtype_of(name))
                     self.comm.Recv(byte_view(pieces[r]), source=r, tag=_STATE_TAG + 2 * index + 1)
-                first = pieces[holders[0]]
-                whole_shape = tuple(n * spec.shards(d, mesh) for d, n in enumerate(first.shape))
-                whole = np.empty(whole_shape, dtype=first.dtype)
-                for r, piece in pieces.items():
-                    whole[spec.local_slices(whole_shape, mesh, mesh.coord(r))] = piece
-                found[name] = whole
+                found[name] = assemble(pieces, spec, state_mesh(self.plan, entry))
         return found
 
     def _scatter_state(self, values: dict | None, header: np.ndarray | None = None) -> None:
@@ -633,13 +621,13 @@ class Job:
         for index, (entry, take) in enumerate(zip(self.state_entries, chosen)):
             if not take:
                 continue
-            name, spec = entry["input"], ShardingSpec.parse(entry["spec"])
+            name, spec = entry["input"], self.state_specs[entry["input"]]
             stage = self.plan.stages[entry["stage"]]
-            mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+            mesh = state_mesh(self.plan, entry)
             if self.rank == 0:
                 whole = values[name]
                 for r in stage.devices:
-                    piece = np.asarray(whole[spec.local_slices(whole.shape, mesh, mesh.coord(r))], order="C")
+                    piece = piece_of(whole, spec, mesh, r)
                     if r == 0:
                         self.state[name] = self.buffers.from_host(piece)
                     else:

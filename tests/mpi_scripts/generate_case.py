@@ -27,14 +27,15 @@ def reference_session(path):
 
 def expected_state_bytes(job, shapes: dict[str, tuple]) -> list[int]:
     """Per rank: the bytes of its share of every state under the plan's layout."""
-    from meshplan.sharding import LogicalMesh, ShardingSpec
+    from meshplan.runtime.state_layout import state_spec
+    from meshplan.sharding import LogicalMesh
 
     plan = job.plan
     found = [0] * job.size
     for entry in plan.state:
         stage = plan.stages[entry["stage"]]
         mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-        spec = ShardingSpec.parse(entry["spec"])
+        spec = state_spec(entry)
         itemsize = np.dtype(next(t.dtype for t in plan.inputs if t.name == entry["input"])).itemsize
         for rank in stage.devices:
             found[rank] += spec.local_bytes(shapes[entry["input"]], itemsize, mesh)

@@ -1,0 +1,179 @@
+"""Time to first token and decode tokens/s of ``meshplan generate`` against
+onnxruntime-genai's own generator, on the same model files.
+
+Models (written into ``--workdir``, never committed): a Llama in the builder's format of
+``--gigabytes`` in float32 (``sample_models.genai_large``), the same quantized to int4 by
+onnxruntime's MatMulNBits quantizer, and, with ``--export PATH``, an optimum or torch
+export (for which onnxruntime-genai has no configuration, so only meshplan runs it).
+
+Each model is planned for generation (``meshplan plan --generate``) on 1x1 and on 1x2
+(tensor parallel: ``--policy megatron --max-stages 1``), and ``mpiexec -n N meshplan
+generate`` runs one prompt for ``--new-tokens`` tokens (each rank gets cores / ranks
+threads: one per rank on 1x2 on a 2-core machine). onnxruntime-genai runs the builder's
+models in one process with ``--genai-threads`` threads. The numbers are each run's own
+report (meshplan's ``--output`` metrics; genai timed around ``generate_next_token``),
+the best of ``--repeat`` runs.
+
+    python benchmarks/generate.py --gigabytes 0.4 [--export llama_large.onnx] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, **kwargs)
+    if done.returncode:
+        raise SystemExit(f"failed: {' '.join(command)}\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def write_models(workdir: Path, gigabytes: float, context: int) -> dict[str, Path]:
+    sys.path.insert(0, str(REPO))
+    from sample_models.genai_large import write_builder_llama
+
+    fp32 = workdir / "builder_fp32"
+    if not (fp32 / "model.onnx").exists():
+        write_builder_llama(fp32, gigabytes, context=context)
+    int4 = workdir / "builder_int4"
+    if not (int4 / "model.onnx").exists():
+        int4.mkdir(parents=True, exist_ok=True)
+        _quantize(fp32 / "model.onnx", int4 / "model.onnx")
+        shutil.copy(fp32 / "genai_config.json", int4 / "genai_config.json")
+    return {"builder fp32": fp32 / "model.onnx", "builder int4": int4 / "model.onnx"}
+
+
+def _quantize(source: Path, target: Path) -> None:
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+
+    model = onnx.load(str(source))
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
+    quantizer.process()
+    onnx.save_model(quantizer.model.model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=target.name + ".data", size_threshold=1024)
+
+
+def set_genai_threads(folder: Path, threads: int) -> None:
+    path = folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    path.write_text(json.dumps(config, indent=4) + "\n")
+
+
+def meshplan_run(model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int, max_length: int) -> dict:
+    plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}"
+    policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
+    if not (plan_dir / "plan.json").exists():
+        _run([str(BIN / "meshplan"), "plan", str(model), "--mesh", mesh, "--device", "cpu", "--generate",
+              "--max-length", str(max_length), *policy, "-o", str(plan_dir)])
+    ranks = int(mesh.split("x")[0]) * int(mesh.split("x")[1])
+    ids = plans / "prompt.json"
+    ids.write_text(json.dumps([prompt]))
+    out = plans / f"out_{mesh}.json"
+    _run([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "generate", str(plan_dir), "--prompt-ids",
+          str(ids), "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out)])
+    body = json.loads(out.read_text())
+    metrics = body["metrics"]
+    return {"ttft_s": metrics["ttft_seconds"], "decode_tokens_per_s": metrics["decode_tokens_per_second"],
+            "ids": body["sequences"][0]["ids"], "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks)}
+
+
+GENAI = textwrap.dedent("""
+    import json, sys, time
+    import onnxruntime_genai as og
+    folder, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    model = og.Model(folder)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens([prompt])
+    generator.generate_next_token()
+    first = time.perf_counter()
+    ids = [int(generator.get_next_tokens()[0])]
+    while not generator.is_done():
+        generator.generate_next_token()
+        ids.append(int(generator.get_next_tokens()[0]))
+    end = time.perf_counter()
+    print(json.dumps({"ttft_s": first - start, "decode_tokens_per_s": (len(ids) - 1) / (end - first), "ids": ids}))
+""")
+
+
+def genai_run(model: Path, prompt: list[int], new_tokens: int, threads: int) -> dict | None:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return None
+    set_genai_threads(model.parent, threads)
+    done = _run([sys.executable, "-c", GENAI, str(model.parent), json.dumps(prompt), str(new_tokens)])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["threads_per_rank"] = threads
+    return result
+
+
+def best(runs: list[dict]) -> dict:
+    chosen = dict(min(runs, key=lambda r: r["ttft_s"]))
+    chosen["decode_tokens_per_s"] = max(r["decode_tokens_per_s"] for r in runs)
+    return chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gigabytes", type=float, default=0.4, help="size of the float32 builder model")
+    parser.add_argument("--export", type=Path, help="an optimum or torch export with a key/value cache")
+    parser.add_argument("--workdir", type=Path, help="where models and plans go [default: a temporary folder]")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--genai-threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    models = write_models(workdir, args.gigabytes, args.max_length)
+    if args.export:
+        models["export"] = args.export.resolve()
+    prompt = [(7 * i + 5) % 250 + 2 for i in range(args.prompt_length)]
+    rows = []
+    for label, model in models.items():
+        size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
+        for mesh in ("1x1", "1x2"):
+            runs = [meshplan_run(model, mesh, workdir, prompt, args.new_tokens, args.max_length)
+                    for _ in range(args.repeat)]
+            rows.append({"model": label, "bytes": size, "runner": f"meshplan generate {mesh}", **best(runs)})
+        if label != "export":
+            runs = [genai_run(model, prompt, args.new_tokens, args.genai_threads) for _ in range(args.repeat)]
+            if runs[0] is not None:
+                rows.append({"model": label, "bytes": size, "runner": f"onnxruntime-genai, {args.genai_threads} threads",
+                             **best(runs)})
+    for row in rows:
+        same = [r for r in rows if r["model"] == row["model"]]
+        row["same_ids_as_first"] = row["ids"] == same[0]["ids"]
+    if args.json:
+        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "ids"} for r in rows], indent=1) + "\n")
+    print(f"{'model':14} {'size':>9} {'runner':34} {'threads/rank':>12} {'TTFT':>9} {'decode tok/s':>13}  same ids")
+    for r in rows:
+        print(f"{r['model']:14} {r['bytes'] / 1e6:7.0f}MB {r['runner']:34} {r['threads_per_rank']:>12} "
+              f"{r['ttft_s'] * 1e3:7.1f}ms {r['decode_tokens_per_s']:13.1f}  {r['same_ids_as_first']}")
+
+
+if __name__ == "__main__":
+    main()

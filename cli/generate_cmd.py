@@ -1,0 +1,104 @@
+"""``meshplan generate``: generate tokens with a plan, one rank per device, under mpiexec."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cli.guard import debugging
+
+
+@click.command()
+@click.argument("plan_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
+              help="A prompt (repeatable: the prompts are generated together, padded to one length).")
+@click.option("--prompt-ids", "prompt_ids", type=click.Path(path_type=Path),
+              help="Prompts as token ids: a JSON file holding a list of token-id lists.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1),
+              help="At most this many new tokens per sequence.")
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="0 is greedy (the highest logit); above 0, sample from the logits divided by it.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="Sample among the K most likely tokens (0: all).")
+@click.option("--top-p", default=1.0, show_default=True, type=float,
+              help="Sample among the most likely tokens whose probabilities reach P (1: all).")
+@click.option("--seed", type=int, help="Seed of the sampling.")
+@click.option("--eos", "eos", multiple=True, type=int,
+              help="An end token id (repeatable) [default: the model folder's genai_config.json or "
+                   "generation_config.json].")
+@click.option("--tokenizer", "tokenizer", type=click.Path(path_type=Path),
+              help="A folder with tokenizer.json [default: the model's folder].")
+@click.option("--output", "output_path", type=click.Path(path_type=Path),
+              help="Write the sequences and metrics here (.json).")
+@click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
+              help="Execution provider for the programs.")
+@click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
+              help="Where tensors travel between ranks (see meshplan run).")
+@click.pass_context
+def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, tokenizer,
+             output_path, provider, transfer):
+    """Generate tokens with a plan of an LLM: `mpiexec -n N meshplan generate PLAN_DIR --prompt TEXT`."""
+    from meshplan.errors import MeshplanError
+    from meshplan.generation.driver import Request, generate_rank, read_prompt_ids
+    from meshplan.generation.sampling import Sampler
+    from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job
+
+    debug = debugging(ctx)
+
+    def stream(text, step=None, ids=None):
+        if text is not None:
+            click.echo(text, nl=False)
+        else:
+            click.echo(f"step {step}: " + " ".join(str(int(i)) for i in ids))
+
+    try:
+        if not prompts and prompt_ids is None:
+            raise click.UsageError("give --prompt TEXT or --prompt-ids FILE")
+        request = Request(texts=list(prompts), ids=read_prompt_ids(prompt_ids) if prompt_ids else [],
+                          max_new_tokens=max_new_tokens,
+                          sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
+                          tokenizer=tokenizer)
+        report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path)
+    except ReportedElsewhere:
+        sys.exit(1)
+    except JobFailure as exc:
+        click.echo(f"meshplan: error: {exc}", err=True)
+        sys.stderr.flush()
+        if debug:
+            import traceback
+
+            traceback.print_exception(exc.__cause__ or exc)
+        abort_job(1)
+        sys.exit(1)
+    except MeshplanError as exc:
+        if debug:
+            raise
+        click.echo(f"meshplan: error: {exc}", err=True)
+        sys.exit(1)
+    if report is None:
+        return
+    click.echo("")
+    for index, sequence in enumerate(report.sequences):
+        ended = "end token" if sequence.done else "length"
+        shown = sequence.text if sequence.text is not None else " ".join(map(str, sequence.ids))
+        click.echo(f"[{index}] {len(sequence.ids)} new token(s), stopped at {ended}: {shown!r}")
+    m = report.metrics.to_dict()
+    tpot = m["time_per_output_token_seconds"]
+    decode = m["decode_tokens_per_second"]
+    click.echo(f"TTFT {m['ttft_seconds'] * 1e3:.1f} ms; prefill {m['prefill_tokens_per_second']:.1f} tokens/s "
+               f"({m['prompt_tokens']} prompt tokens)")
+    if tpot is not None:
+        click.echo(f"decode: {tpot * 1e3:.2f} ms per output token, {decode:.1f} tokens/s "
+                   f"({m['generated_tokens']} tokens in {m['decode_steps'] + 1} steps)")
+    for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
+        click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}")
+    if output_path:
+        click.echo(f"wrote {output_path}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,198 @@
+"""``meshplan generate`` under mpiexec: a driver of the resident job.
+
+Every rank loads its program once (``Job``); rank 0 tokenizes, runs the loop
+(``loop.Generation``) with each call a ``Job.run`` that brings it only the last
+positions' logits, chooses the tokens and feeds them back; the key/value cache is state
+and stays on the ranks that hold its heads. The other ranks serve. Rank 0 returns a
+``GenerateReport``: the sequences, the timings, and each rank's weight and cache bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from meshplan.errors import MeshplanError, RunError
+from meshplan.generation.loop import Generation, GenerationShape, Metrics, Sequence
+from meshplan.generation.sampling import Sampler
+from meshplan.model.llm import ModelFolder
+
+
+class JobStepper:
+    """The job as a stepper: the cache stays on the ranks between calls."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def reset(self) -> None:
+        self.job.reset_state()
+
+    def step(self, feeds: dict[str, np.ndarray], last: int) -> np.ndarray:
+        return self.job.run(feeds, outputs={"logits": np.s_[:, -last:]})["logits"]
+
+
+@dataclass
+class Request:
+    """What to generate: prompts as text (``texts``) or token ids (``ids``)."""
+
+    texts: list[str] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)
+    max_new_tokens: int = 32
+    sampler: Sampler = field(default_factory=Sampler)
+    eos: list[int] | None = None           # None: the model folder's
+    tokenizer: str | Path | None = None    # a folder or file; None: the model folder's
+
+
+@dataclass
+class GenerateReport:
+    sequences: list[Sequence]
+    metrics: Metrics
+    ranks: int
+    weight_bytes: list[int]      # per rank: its program's files
+    cache_bytes: list[int]       # per rank: the key/value cache it holds
+    eos: list[int]
+
+    def to_dict(self) -> dict:
+        metrics = self.metrics.to_dict()
+        metrics["ranks"] = [{"rank": r, "weight_bytes": w, "kv_cache_bytes": c}
+                            for r, (w, c) in enumerate(zip(self.weight_bytes, self.cache_bytes))]
+        return {"sequences": [{"prompt_ids": s.prompt_ids, "ids": s.ids, "text": s.text} for s in self.sequences],
+                "metrics": metrics}
+
+
+def load_tokenizer(path: str | Path):
+    """A ``tokenizers`` tokenizer from ``tokenizer.json`` (or a folder holding one)."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise RunError(f"no tokenizer.json in {path}", hint="give --tokenizer DIR, or token ids with --prompt-ids")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise RunError("the tokenizers library is not installed", hint="pip install tokenizers") from None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:
+        raise RunError(f"cannot read tokenizer {file}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+
+
+def read_prompt_ids(path: str | Path) -> list[list[int]]:
+    """A JSON list of token-id lists."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunError(f"prompt ids file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise RunError(f"cannot read {path}: not JSON ({exc})") from None
+    if not isinstance(data, list) or not all(isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                              for t in row) for row in data):
+        raise RunError(f"{path} must hold a JSON list of token-id lists, like [[1, 2, 3]]")
+    return data
+
+
+@dataclass
+class Prepared:
+    """A request checked against the plan on rank 0, before any rank runs."""
+
+    shape: GenerationShape
+    prompts: list[list[int]]
+    eos: list[int]
+    pad_id: int
+    tokenizer: object | None
+
+
+def prepare(plan, request: Request) -> Prepared:
+    """Tokenize and check a request against the plan (one ``RunError`` line for what the plan
+    cannot generate)."""
+    shape = GenerationShape.of_plan(plan)
+    folder = ModelFolder.read(plan.model["path"])
+    tokenizer = None
+    if request.texts and request.ids:
+        raise RunError("give prompts as text or as token ids, not both")
+    if request.texts:
+        source = request.tokenizer or folder.tokenizer
+        if source is None:
+            raise RunError(f"no tokenizer beside the model ({folder.path}) to encode --prompt",
+                           hint="give --tokenizer DIR, or token ids with --prompt-ids")
+        tokenizer = load_tokenizer(source)
+        prompts = [tokenizer.encode(text).ids for text in request.texts]
+    elif request.tokenizer is not None:
+        tokenizer = load_tokenizer(request.tokenizer)
+        prompts = request.ids
+    else:
+        prompts = request.ids
+        if folder.tokenizer is not None:
+            tokenizer = load_tokenizer(folder.tokenizer)
+    if shape.vocab is None and folder.vocab_size:
+        shape.vocab = folder.vocab_size
+    eos = list(request.eos) if request.eos is not None else list(folder.eos_ids)
+    pad = folder.pad_id if folder.pad_id is not None else (eos[0] if eos else 0)
+    Generation(shape, None, pad).check(prompts, request.max_new_tokens)
+    return Prepared(shape, prompts, eos, pad, tokenizer)
+
+
+def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto", transfer: str = "auto",
+                  on_text=None, output_path: str | Path | None = None) -> GenerateReport | None:
+    """Every rank: load the job; rank 0 generates and returns the report, the others serve
+    and return None. ``on_text(text)`` on rank 0 streams a single sequence's text as its
+    tokens come (``on_text`` gets the ids of every sequence otherwise: ``on_text(None,
+    step, ids)``)."""
+    from meshplan.runtime.job import Job
+    from meshplan.runtime.mpi_runner import _gather_memory, _world
+
+    plan_dir = Path(plan_dir)
+    held: dict = {}
+
+    def check(plan) -> None:
+        if output_path is not None:
+            out = Path(output_path)
+            if out.suffix != ".json":
+                raise RunError(f"output file must end in .json: {out}")
+            if not out.parent.is_dir():
+                raise RunError(f"output directory does not exist: {out.parent}")
+        held["prepared"] = prepare(plan, request)
+
+    job = Job(plan_dir, provider, transfer, check=check)
+    if not job.is_driver:
+        job.serve()
+        _gather_memory(job.plan, plan_dir, _world()[1])
+        return None
+    prepared: Prepared = held["prepared"]
+    tokenizer = prepared.tokenizer
+    streamed = {"text": ""}
+
+    def on_tokens(step, ids, sequences):
+        if on_text is None:
+            return
+        if len(sequences) == 1 and tokenizer is not None:
+            text = tokenizer.decode(sequences[0].ids, skip_special_tokens=True)
+            if text.startswith(streamed["text"]):
+                on_text(text[len(streamed["text"]):])
+            streamed["text"] = text
+        else:
+            on_text(None, step, ids)
+
+    try:
+        generation = Generation(prepared.shape, JobStepper(job), prepared.pad_id)
+        sequences, metrics = generation.run(prepared.prompts, request.max_new_tokens, request.sampler,
+                                            prepared.eos, on_tokens)
+        stats = job.stats()
+    except MeshplanError:
+        job.close()
+        raise
+    job.close()
+    memory = _gather_memory(job.plan, plan_dir, _world()[1])
+    if tokenizer is not None:
+        for sequence in sequences:
+            sequence.text = tokenizer.decode(sequence.ids, skip_special_tokens=True)
+    report = GenerateReport(sequences, metrics, job.size, [int(m) for m in memory[:, 1]],
+                            [int(b) for b in stats.state_bytes], prepared.eos)
+    if output_path is not None:
+        from meshplan.files import atomic_write_bytes
+
+        atomic_write_bytes(Path(output_path), (json.dumps(report.to_dict(), indent=1) + "\n").encode())
+    return report

@@ -1,0 +1,57 @@
+"""Choosing the next token from the last position's logits: greedy by default, or sampled
+with a temperature, top-k and top-p (nucleus) from a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.errors import RunError
+
+
+@dataclass
+class Sampler:
+    """``temperature`` 0 (the default) is greedy: the highest logit, the first on a tie.
+    Otherwise the logits are divided by the temperature, cut to the ``top_k`` highest (0:
+    all) and to the smallest set whose probabilities reach ``top_p`` (1: all), and one
+    token is drawn per sequence from what remains."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise RunError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if self.top_k < 0:
+            raise RunError(f"--top-k must be 0 (all) or more, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RunError(f"--top-p must be in (0, 1], got {self.top_p}")
+        self._rng = np.random.default_rng(self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """One token id per row of ``logits`` [batch, vocab]."""
+        logits = np.asarray(logits, dtype=np.float64)
+        if self.greedy:
+            return logits.argmax(axis=-1).astype(np.int64)
+        scaled = logits / self.temperature
+        chosen = np.empty(len(scaled), dtype=np.int64)
+        for row, values in enumerate(scaled):
+            order = np.argsort(-values, kind="stable")
+            if self.top_k:
+                order = order[:self.top_k]
+            kept = values[order]
+            probs = np.exp(kept - kept.max())
+            probs /= probs.sum()
+            if self.top_p < 1:
+                reach = np.cumsum(probs)
+                count = int(np.searchsorted(reach, self.top_p) + 1)
+                order, probs = order[:count], probs[:count] / probs[:count].sum()
+            chosen[row] = order[self._rng.choice(len(order), p=probs)]
+        return chosen

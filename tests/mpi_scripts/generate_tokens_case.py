@@ -1,0 +1,72 @@
+"""Greedy generation through ``meshplan.generation`` on the resident job, for each entry of
+a manifest (JSON: plan_dir, prompts, new tokens, the expected ids and, where checked, each
+rank's expected key/value-cache bytes).
+
+Under mpiexec, one job per plan: rank 0 generates with the job as the stepper and prints
+one ``ok``/``FAIL`` line per plan for the ids (against the single-device onnxruntime ids the
+test computed), one for the cache bytes each rank reports holding (``Job.stats``), and one
+for the bytes of the cache sent between ranks during generation (none may move).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+
+def check(entry: dict) -> list[str]:
+    from meshplan.generation.driver import JobStepper
+    from meshplan.generation.loop import Generation, GenerationShape
+    from meshplan.generation.sampling import Sampler
+    from meshplan.runtime.job import Job
+
+    lines = []
+    with Job(entry["plan_dir"], provider="cpu") as job:
+        if job is None:
+            return lines
+        label = entry["name"]
+        shape = GenerationShape.of_plan(job.plan)
+        moved = {"bytes": 0}
+        stepper = JobStepper(job)
+        inner = stepper.step
+        state_names = set(job.state_inputs) | set(job.state_outputs)
+
+        def step(feeds, last):
+            out = inner(feeds, last)
+            moved["bytes"] += job.stats().bytes_of(state_names)
+            return out
+
+        stepper.step = step
+        sequences, _ = Generation(shape, stepper).run(entry["prompts"], entry["new_tokens"], Sampler())
+        ids = [s.ids for s in sequences]
+        lines.append(f"{'ok' if ids == entry['expected'] else 'FAIL'} {label}: ids {ids} (onnxruntime "
+                     f"{entry['expected']})")
+        held = job.stats().state_bytes
+        if entry.get("cache_bytes") is not None:
+            good = held == entry["cache_bytes"]
+            lines.append(f"{'ok' if good else 'FAIL'} {label}: key/value cache bytes per rank {held} "
+                         f"(expected {entry['cache_bytes']})")
+        lines.append(f"{'ok' if moved['bytes'] == 0 else 'FAIL'} {label}: cache bytes moved between ranks: "
+                     f"{moved['bytes']}")
+    return lines
+
+
+def main() -> int:
+    from mpi4py import MPI
+
+    entries = json.loads(open(sys.argv[1]).read())
+    for entry in entries:
+        try:
+            lines = check(entry)
+        except Exception:
+            traceback.print_exc()
+            print(f"FAIL {entry['name']}: exception", flush=True)
+            MPI.COMM_WORLD.Abort(1)
+        if MPI.COMM_WORLD.rank == 0:
+            print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
