@@ -116,9 +116,11 @@ def _describe(costs: StageCosts, submeshes, need, solution: StageSolution, param
 
 
 def _size(nbytes: float) -> str:
+    """Three significant digits: ``12.3 MiB``, ``1.23 GiB``."""
     for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
+            value = nbytes / scale
+            return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f} {unit}"
     return f"{nbytes:.0f} B"
 
 
@@ -128,9 +130,11 @@ def memory_error(need: MemoryNeed, memory: float, num_layers: int) -> PlanError:
     layers = f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
     devices = need.submesh[0] * need.submesh[1]
     name, shape, dtype, size = need.largest
-    return PlanError(
+    error = PlanError(
         f"no plan fits in {_size(memory)} per device: the best plan needs {_size(need.needed)} per device; "
         f"its stage of {layers} (of {num_layers}) on {devices} device(s) holds {_size(need.weights)} of weights and "
         f"{_size(need.activations)} of activations per microbatch, {need.in_flight} in flight; its largest tensor is "
         f"'{name}' {list(shape)} {dtype}, {_size(size)}",
         hint="use devices with more memory, more devices, or more microbatches (smaller ones)")
+    error.needed_bytes, error.given_bytes = need.needed, memory   # for callers that act on the numbers
+    return error

@@ -88,6 +88,7 @@ class _Built:
     reshardings: list[Resharding]
     latency: float
     region: tuple[int, int]
+    layering: Layering | None = None   # the layers its stages are counted in
 
 
 @dataclass(frozen=True)
@@ -172,12 +173,22 @@ def plan_pipeline(
                         f"(choose from {', '.join(ALGORITHMS)})")
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
-    if options.num_layers:
-        layering = cluster_layers(graph, node_seconds, options.num_layers)
-    else:
-        layering = choose_layering(graph, node_seconds, cluster, constants)
-    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver, options.policy)
-    costs = StageCosts(graph, layering, node_seconds, cost_model, intra_op)
+    bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts]] = {}
+
+    def layered(area: Cluster) -> tuple[Layering, IntraOpPass, StageCosts]:
+        """The layers a plan on ``area`` (the cluster, or a region of it planned as a
+        cluster of its own) is cut into, with their sharding pass and stage costs: a region
+        keeps the layers it would have alone, so that its plan is the submesh's plan."""
+        if options.num_layers:
+            cut = cluster_layers(graph, node_seconds, options.num_layers)
+        else:
+            cut = choose_layering(graph, node_seconds, area, constants)
+        if cut.bounds not in bundles:
+            sharding = IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy)
+            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding))
+        return bundles[cut.bounds]
+
+    layering, intra_op, costs = layered(cluster)
     submeshes = submesh_shapes(cluster)
     if options.submeshes is not None:
         submeshes = [s for s in submeshes if s in set(options.submeshes)]
@@ -190,12 +201,16 @@ def plan_pipeline(
     dp_seconds = 0.0
     solves = 0
 
+    def region_bundle(region: tuple[int, int]):
+        return layered(replace(cluster, hosts=region[0], devices_per_host=region[1]))
+
     def solve(region: tuple[int, int], idle_devices: bool):
         """The DP's solution kept to ``region`` (None where nothing fits), with the region's
-        submeshes (indices into ``submeshes``)."""
+        submeshes (indices into ``submeshes``), on the region's own layers."""
         nonlocal dp_seconds, solves
         chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]]
-        seconds, params, acts = costs.tables(submeshes, across_hosts=cluster.hosts > 1 and region[0] > 1)
+        _, _, area_costs = region_bundle(region)
+        seconds, params, acts = area_costs.tables(submeshes, across_hosts=cluster.hosts > 1 and region[0] > 1)
         pick = np.array(chosen)
         began = time.perf_counter()
         try:
@@ -212,7 +227,10 @@ def plan_pipeline(
         return replace(solution, stages=tuple(replace(st, submesh=chosen[st.submesh]) for st in solution.stages))
 
     def build(solution, region) -> _Built:
-        return _build(solution, region, submeshes, graph, layering, costs, intra_op, cluster, options)
+        cut, sharding, area_costs = region_bundle(region)
+        built = _build(solution, region, submeshes, graph, cut, area_costs, sharding, cluster, options)
+        built.layering = cut
+        return built
 
     whole = cluster.mesh
     areas = regions(cluster, submeshes, idle)
@@ -229,7 +247,7 @@ def plan_pipeline(
         if solution is None:
             continue
         placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster, region)
-        key = (solution.stages, tuple(map(tuple, placement)))   # the same plan found in a larger region
+        key = (region_bundle(region)[0].bounds, solution.stages, tuple(map(tuple, placement)))   # found again
         built = found[key] = found.get(key) or build(solution, region)
         if best is None or built.latency < best.latency:
             best = built
@@ -257,7 +275,7 @@ def plan_pipeline(
     stats = intra_op.stats
     solver = {
         "nodes": len(graph.nodes),
-        "layers": layering.num_layers,
+        "layers": best.layering.num_layers,
         "submeshes": [list(s) for s in submeshes],
         "tmax_candidates": solves,
         "stages": len(stages),
