@@ -98,3 +98,24 @@ def test_more_devices_never_worse(name, batch, profiled, tmp_path, tmp_path_fact
 def test_more_devices_never_worse_everywhere(name, batch, profiled, tmp_path, tmp_path_factory):
     path, dims = _model(name, batch, tmp_path_factory)
     _check(_estimates(path, dims, tmp_path, profiled))
+
+
+@pytest.mark.mpi
+def test_a_plan_with_idle_devices_runs_and_verifies(tmp_path):
+    """The encoder on 1x4 of h100-80g: one device is estimated fastest, the other three are
+    idle, the report says why, and the plan runs in-process and under mpiexec with four
+    ranks (the idle ones take part in no stage) and passes ``meshplan verify``."""
+    from tests.conftest import check_against_onnxruntime, run_cli, save_npz
+
+    path = tmp_path / "encoder.onnx"
+    model = make_encoder(batch=2)
+    onnx.save_model(model, str(path))
+    plan_dir = tmp_path / "plan"
+    plan = make_plan(path, make_cluster((1, 4), "h100-80g"), {}, plan_dir, PlanOptions())
+    assert plan.idle_ranks and plan.num_ranks == 4 and "estimated at" in plan.idle["reason"]
+    report = (plan_dir / "report.txt").read_text()
+    assert f"idle: devices {plan.idle_ranks[0]}-{plan.idle_ranks[-1]}" in report
+    feeds = {"input_features": np.random.default_rng(0).standard_normal((2, 16, 32)).astype(np.float32)}
+    check_against_onnxruntime(plan, plan_dir, feeds, tmp_path)
+    result = run_cli("verify", plan_dir, "--inputs", save_npz(tmp_path / "v.npz", feeds))
+    assert result.returncode == 0, result.stderr
