@@ -50,7 +50,7 @@ def models(tmp_path_factory) -> dict:
             "decoder": (gpt, {"batch": 2, "seq": 1}, "embed")}
 
 
-@pytest.mark.parametrize("name", ["vit", "decoder-b1", "decoder"])
+@pytest.mark.parametrize("name", ["vit", pytest.param("decoder-b1", marks=pytest.mark.slow), "decoder"])
 def test_small_batches_split_weights_four_ways_where_it_pays(name, models, tmp_path):
     """The plan of one 1x4 stage beats the pipeline-only plan here; the automatic plan is
     at least as good as either, and is that split: each rank holds a quarter of the
