@@ -23,6 +23,8 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
 @batch_dim_option
 @click.option("--layers", type=click.IntRange(min=1), help="Number of layers to cluster operators into.")
 @click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
+@click.option("--all-devices", is_flag=True,
+              help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--policy", default="auto", show_default=True, type=click.Choice(["auto", "data", "megatron"]),
               help="Sharding inside stages: automatic (ILP over every strategy), data parallel only, "
                    "or Megatron-style tensor parallel matrix products.")
@@ -55,8 +57,9 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
                    "--max-length if smaller].")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, policy, solver,
-         reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch, max_length, prefill_chunk, out_dir):
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, policy,
+         solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
+         max_length, prefill_chunk, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, text_report
@@ -75,7 +78,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         cluster = cluster_from_options(mesh, cluster_file, device, default_device)
         started = time.perf_counter()
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
-                              policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim))
+                              policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
+                              all_devices=all_devices)
         cost_model, links = None, {}
         if profile_path:
             from meshplan.files import file_sha256

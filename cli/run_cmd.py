@@ -63,6 +63,9 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
     )
     for row in report.memory_rows():
         rss, held = row["peak_rss_bytes"], row["program_bytes"]
+        if row["idle"]:
+            click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, idle (no program in the plan)")
+            continue
         click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, program {held / 2**30:.2f} GiB"
                    + (f" ({rss / held:.1f}x)" if held >= 2**20 else ""))
     if output_path:

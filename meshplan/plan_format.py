@@ -15,7 +15,8 @@ from pathlib import Path
 from meshplan.errors import PlanError
 from meshplan.files import atomic_write_bytes, read_json
 
-FORMAT_VERSION = 2             # 2: ranged sizes and state (a plan without them is written as 1)
+FORMAT_VERSION = 3             # 2: ranged sizes and state; 3: idle devices (a plan without them is written as
+                               # the least version that holds it)
 PLAN_FILE = "plan.json"
 OUTPUT_COLLECTOR = -1          # dst_stage of a transfer that brings a model output to rank 0
 COLLECTIVE_DOMAIN = "meshplan"  # the domain of the collective nodes in the programs
@@ -127,6 +128,11 @@ class Plan:
     # devices in ``spec`` to be the next call's ``input``; "segments" ([[dim, [[size, heads], …]]])
     # where a split dim holds heads in segments (``state_segments``)
     state: list = field(default_factory=list)
+    # Idle devices: {"ranks": [...], "reason": one line, "all_devices_latency_seconds": the
+    # estimate of the best plan on every device, or None where none fits}. Idle ranks hold
+    # no stage and no program; they are started with the others and only take part in the
+    # job's start-up and broadcasts.
+    idle: dict = field(default_factory=dict)
     # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
     # written, so that the same command writes the same plan on any machine.
     timings: dict = field(default_factory=dict, compare=False, repr=False)
@@ -137,31 +143,45 @@ class Plan:
 
     @property
     def num_ranks(self) -> int:
-        return sum(len(s.devices) for s in self.stages)
+        """The ranks a job of this plan has: every device of the mesh, idle ones included."""
+        return sum(len(s.devices) for s in self.stages) + len(self.idle_ranks)
+
+    @property
+    def idle_ranks(self) -> list[int]:
+        return list(self.idle.get("ranks", []))
+
+    def is_idle(self, rank: int) -> bool:
+        return rank in self.idle.get("ranks", ())
 
     @property
     def model_sha256(self) -> str:
         return self.model["sha256"]
 
-    def stage_of_rank(self, rank: int) -> Stage:
+    def stage_of_rank(self, rank: int) -> Stage | None:
+        """The stage ``rank`` works in (None for an idle rank)."""
         for stage in self.stages:
             if rank in stage.devices:
                 return stage
+        if self.is_idle(rank):
+            return None
         raise PlanError(f"rank {rank} has no stage in the plan")
 
-    def program_of_rank(self, rank: int) -> Program:
+    def program_of_rank(self, rank: int) -> Program | None:
+        """The program of ``rank`` (None for an idle rank)."""
         for program in self.programs:
             if program.rank == rank:
                 return program
+        if self.is_idle(rank):
+            return None
         raise PlanError(f"rank {rank} has no program in the plan")
 
     def to_dict(self) -> dict:
         body = asdict(self)
         body.pop("timings")
-        for key in ("sizes", "state"):   # absent when unused: such a plan reads as format 1
+        for key in ("sizes", "state", "idle"):   # absent when unused: such a plan reads as format 1
             if not body[key]:
                 body.pop(key)
-        body["format_version"] = FORMAT_VERSION if ("sizes" in body or "state" in body) else 1
+        body["format_version"] = 3 if "idle" in body else 2 if ("sizes" in body or "state" in body) else 1
         body = {"format_version": body.pop("format_version"), "model_sha256": self.model_sha256, **body}
         body["checksum"] = _checksum(body)
         return body
@@ -189,7 +209,7 @@ class Plan:
                 reshardings=[Resharding(**r) for r in data["reshardings"]],
                 programs=[Program(**p) for p in data["programs"]],
                 estimate=data["estimate"], solver=data["solver"], format_version=version,
-                sizes=data.get("sizes", {}), state=data.get("state", []),
+                sizes=data.get("sizes", {}), state=data.get("state", []), idle=data.get("idle", {}),
             )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan.json is malformed ({exc})") from None

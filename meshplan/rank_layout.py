@@ -71,14 +71,16 @@ def launch_advice(per_host: int) -> str:
             f"srun --ntasks-per-node={per_host} --distribution=block (Slurm)")
 
 
-def layout_mismatch(layout: RankLayout, hosts: int, per_host: int) -> str | None:
+def layout_mismatch(layout: RankLayout, hosts: int, per_host: int, working: set[int] | None = None) -> str | None:
     """None when every planned host's ranks share one machine, else one line that says
-    which planned host is spread over which machines."""
+    which planned host is spread over which machines. ``working``: the ranks a plan gives
+    work (default all); idle ranks only wait for the job's broadcasts, so they may run
+    anywhere."""
     size = len(layout.machine)
     if size != hosts * per_host:
         return None   # the rank-count check reports this
     for host in range(hosts):
-        ranks = list(range(host * per_host, (host + 1) * per_host))
+        ranks = [r for r in range(host * per_host, (host + 1) * per_host) if working is None or r in working]
         where: dict[int, list[int]] = {}
         for rank in ranks:
             where.setdefault(layout.machine[rank], []).append(rank)

@@ -146,7 +146,7 @@ def test_ranged_plan_with_state_without_programs(tmp_path, monkeypatch):
     dims = {"batch_size": parse_size("1:4"), "sequence_length": parse_size("1:64"),
             "past_sequence_length": parse_size("0:63")}
     cluster = make_cluster((1, 2), "cpu")
-    options = PlanOptions(max_stages=1)
+    options = PlanOptions(max_stages=1, all_devices=True)
     full = make_plan(path, cluster, dims, tmp_path / "full", options)
     opened = _opened_paths(monkeypatch)
     plan = make_plan(path, cluster, dims, tmp_path / "plan", options, programs=False)

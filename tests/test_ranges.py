@@ -94,7 +94,7 @@ def test_fixed_sizes_with_an_empty_past_plan_and_run(tmp_path):
     from meshplan.plan_format import read_plan
     from meshplan.runtime.inprocess import run_in_process
 
-    plan_dir = _plan(OPTIMUM, tmp_path / "p", "1x2", "--max-stages", "1",
+    plan_dir = _plan(OPTIMUM, tmp_path / "p", "1x2", "--max-stages", "1", "--all-devices",
                      dims=["batch_size=2", "sequence_length=5", "past_sequence_length=0"])
     feeds = _llm_feeds(2, 5, 0)
     got = run_in_process(read_plan(plan_dir), plan_dir, feeds)
@@ -110,7 +110,7 @@ def test_one_ranged_plan_runs_every_size_in_process(tmp_path, model):
     from meshplan.plan_format import read_plan
     from meshplan.runtime.inprocess import run_in_process
 
-    plan_dir = _plan(model, tmp_path / "p", "1x2", "--max-stages", "1", "--device", "cpu")
+    plan_dir = _plan(model, tmp_path / "p", "1x2", "--max-stages", "1", "--all-devices", "--device", "cpu")
     plan = read_plan(plan_dir)
     assert plan.format_version == 2 and plan.is_ranged and len(plan.state) == 4
     assert any(stage.strategies for stage in plan.stages)   # something is split
@@ -180,7 +180,7 @@ def test_inputs_for_an_llm_make_sense(tmp_path):
 def test_generation_through_the_resident_job_on_two_ranks(tmp_path):
     """Both exports on 1x2: as planned, and as one tensor-parallel stage (its cache split)."""
     plans = [_plan(OPTIMUM, tmp_path / "optimum-1x2", "1x2"), _plan(DYNAMO, tmp_path / "dynamo-1x2", "1x2"),
-             _plan(DYNAMO, tmp_path / "dynamo-1x2-one-stage", "1x2", "--max-stages", "1")]
+             _plan(DYNAMO, tmp_path / "dynamo-1x2-one-stage", "1x2", "--max-stages", "1", "--all-devices")]
     lines = run_mpi_script("generate_case.py", ranks=2, args=plans, timeout=300)
     assert sum("decode steps" in line for line in lines) == 3
     assert sum("cache bytes moved between ranks: 0" in line for line in lines) == 3
@@ -192,7 +192,7 @@ def test_generation_through_the_resident_job_on_four_ranks(tmp_path):
     sharded stage whose cache is split over all four ranks)."""
     plans = [_plan(OPTIMUM, tmp_path / "optimum-1x4", "1x4"), _plan(DYNAMO, tmp_path / "dynamo-1x4", "1x4"),
              _plan(OPTIMUM, tmp_path / "optimum-2x2", "2x2"), _plan(DYNAMO, tmp_path / "dynamo-2x2", "2x2"),
-             _plan(DYNAMO, tmp_path / "dynamo-2x2-one-stage", "2x2", "--max-stages", "1")]
+             _plan(DYNAMO, tmp_path / "dynamo-2x2-one-stage", "2x2", "--max-stages", "1", "--all-devices")]
     split = json.loads((tmp_path / "dynamo-2x2-one-stage" / "plan.json").read_text())["state"]
     assert any(entry["spec"] != "RRRR" for entry in split)   # some of the cache is split over the ranks
     lines = run_mpi_script("generate_case.py", ranks=4, args=plans, timeout=400)
@@ -326,7 +326,7 @@ def test_cost_tables_built_row_by_row_keep_state_and_peak_memory(optimum_ranged,
 def test_meshplan_run_takes_any_size_the_plan_accepts(tmp_path):
     """One ranged plan, two `meshplan run`s at different sizes, each checked by verify;
     a size outside the ranges is one error line."""
-    plan_dir = _plan(OPTIMUM, tmp_path / "p", "1x2", "--max-stages", "1")
+    plan_dir = _plan(OPTIMUM, tmp_path / "p", "1x2", "--max-stages", "1", "--all-devices")
     for batch, seq, past in [(1, 3, 0), (3, 1, 6)]:
         inputs = save_npz(tmp_path / f"in{batch}.npz", _llm_feeds(batch, seq, past))
         out = tmp_path / f"out{batch}.npz"

@@ -440,3 +440,80 @@ def test_idle_devices_on_host_tables_match_reference(seed, limit_scale):
         # a larger cluster (one more host) is never worse when devices may stay idle
         bigger = solve_stages(cost, smem, amem, limit, sizes, D + 4, B, idle_devices=True)
         assert bigger.total_seconds <= got.total_seconds * (1 + 1e-12)
+
+
+# --- the small-stage rule (min_stage_fraction) -------------------------------------------
+
+
+def _obeys(sol: StageSolution, fraction: float) -> bool:
+    return min(s.seconds for s in sol.stages) >= fraction * sol.max_stage_seconds
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    L=st.integers(1, 6),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3, unique=True),
+    D=st.integers(1, 6),
+    K=st.integers(1, 2),
+    B=st.integers(1, 8),
+    inf_frac=st.sampled_from([0.0, 0.2]),
+    tight=st.booleans(),
+    idle=st.booleans(),
+    fraction=st.sampled_from([0.1, 0.3, 0.6]),
+)
+def test_min_stage_fraction_against_reference_and_brute_force(seed, L, sizes, D, K, B, inf_frac, tight, idle,
+                                                              fraction):
+    """Latencies spread over three decades, so that small stages tempt the plain optimum.
+    The rule's answer equals the reference's under the same rule (round by round), is a
+    valid plan, obeys the rule unless no plan is left without its small stages, and is
+    never better than the exact optimum under the rule (the brute force); where the plain
+    optimum obeys the rule, it is the answer."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sizes)
+    cost, smem, amem, limit = make_instance(rng, L, sizes, K, False, inf_frac, tight)
+    finite = np.isfinite(cost)
+    cost[finite] = np.exp(rng.uniform(-4.0, 2.0, int(finite.sum())))
+    kw = dict(idle_devices=idle)
+    try:
+        plain = solve_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve_stages(cost, smem, amem, limit, sizes, D, B, min_stage_fraction=fraction, **kw)
+        return
+    got = solve_stages(cost, smem, amem, limit, sizes, D, B, min_stage_fraction=fraction, **kw)
+    ref = reference_stages(cost, smem, amem, limit, sizes, D, B, min_stage_fraction=fraction, **kw)
+    assert got.total_seconds == pytest.approx(ref.total_seconds, rel=1e-9)
+    (check_idle_plan if idle else check_plan)(got, cost, smem, amem, limit, sizes, D, B)
+    if _obeys(plain, fraction):
+        assert got.total_seconds == pytest.approx(plain.total_seconds, rel=1e-12)
+    if _obeys(got, fraction):
+        exact = brute_force_stages(cost, smem, amem, limit, sizes, D, B, min_stage_fraction=fraction, **kw)
+        assert _obeys(exact, fraction)
+        assert got.total_seconds >= exact.total_seconds * (1 - 1e-12)
+    else:   # kept: no plan is left once the stages below the bound are ruled out
+        masked = np.where(cost < fraction * got.max_stage_seconds, np.inf, cost)
+        with pytest.raises(PlanError):
+            brute_force_stages(masked, smem, amem, limit, sizes, D, B, **kw)
+
+
+def test_min_stage_fraction_merges_a_trivial_stage():
+    """Two layers, one of them trivial: with every device in use (two one-device stages on
+    two devices) the trivial stage must stay; with idle devices it joins its neighbour;
+    with memory that holds no layer pair, it stays apart."""
+    cost = np.full((2, 2, 1, 1), np.inf)
+    cost[0, 0], cost[1, 1], cost[0, 1] = 10.0, 0.2, 10.1
+    smem = np.zeros_like(cost)
+    smem[0, 1] = 5.0
+    amem = np.zeros_like(cost)
+    sizes = np.array([1])
+    plain = solve_stages(cost, smem, amem, 10.0, sizes, 2, 4, idle_devices=True)
+    assert len(plain.stages) == 2    # pipelining the trivial layer pays under the plain objective
+    kept = solve_stages(cost, smem, amem, 10.0, sizes, 2, 4, min_stage_fraction=0.1)
+    assert [s.seconds for s in kept.stages] == [10.0, 0.2]
+    merged = solve_stages(cost, smem, amem, 10.0, sizes, 2, 4, idle_devices=True, min_stage_fraction=0.1)
+    assert [s.seconds for s in merged.stages] == [10.1] and merged.devices_used == 1
+    apart = solve_stages(cost, smem, amem, 4.0, sizes, 2, 4, idle_devices=True, min_stage_fraction=0.1)
+    assert [s.seconds for s in apart.stages] == [10.0, 0.2]
+    with pytest.raises(ValueError):
+        solve_stages(cost, smem, amem, 10.0, sizes, 2, 4, min_stage_fraction=1.5)

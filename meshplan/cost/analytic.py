@@ -3,7 +3,10 @@
 time(node) = max(FLOPs / peak, bytes moved / memory bandwidth) + per-operator overhead.
 FLOPs come from each op type's registry entry (``meshplan.ops``); the peak is the device's
 for the dtype the node computes in (``compute_dtype``); bytes moved are the node's inputs
-(weights included) and outputs at their element sizes. Transfers between devices use the
+(weights included) and outputs at their element sizes. One device's part of a sharded
+operator is costed the same way on its share: FLOPs over the shards, and the bytes of its
+own slices (``split_seconds``): at small batches a matrix product is bound by reading its
+weight, which a split weight divides and a split batch does not. Transfers between devices use the
 cluster's link model (latency + bytes / bandwidth, slower between hosts).
 """
 
@@ -83,16 +86,29 @@ class CostModel(CostModelProtocol):
     def graph_seconds(self, graph: Graph) -> list[float]:
         return [self.node_seconds(node, graph) for node in graph.nodes]
 
+    def split_seconds(self, node: Node, graph: Graph, shards: int, local_bytes: float) -> float:
+        return self._analytic_split(node, graph, shards, local_bytes)
+
+    def _analytic_split(self, node: Node, graph: Graph, shards: int, local_bytes: float) -> float:
+        device = self.cluster.device
+        if node.op_type in ("Shape", "Size"):
+            return device.kernel_overhead
+        compute = node_flops(node, graph) / shards / device.peak(PEAK_OF_DTYPE[compute_dtype(node, graph)])
+        memory = local_bytes / device.memory_bandwidth
+        return max(compute, memory) + device.kernel_overhead
+
     def transfer_seconds(self, nbytes: float, src: int, dst: int) -> float:
         if nbytes <= 0 or src == dst:
             return 0.0
         return self.cluster.link(src, dst).seconds(nbytes)
 
-    def worst_transfer_seconds(self, nbytes: float) -> float:
-        """A transfer between two devices not yet placed: across hosts when there are several."""
+    def worst_transfer_seconds(self, nbytes: float, across_hosts: bool | None = None) -> float:
+        """A transfer between two devices not yet placed: across hosts when there are several
+        (or as ``across_hosts`` says)."""
         if nbytes <= 0:
             return 0.0
-        link = self.cluster.inter_host if self.cluster.hosts > 1 else self.cluster.intra_host
+        across = self.cluster.hosts > 1 if across_hosts is None else across_hosts
+        link = self.cluster.inter_host if across else self.cluster.intra_host
         return link.seconds(nbytes)
 
     def shape_seconds(self, node: Node, graph: Graph, input_shapes, output_shapes=None) -> float | None:

@@ -21,6 +21,12 @@ class CostModelProtocol(ABC):
         return [self.node_seconds(node, graph) for node in graph.nodes]
 
     @abstractmethod
+    def split_seconds(self, node: Node, graph: Graph, shards: int, local_bytes: float) -> float:
+        """Seconds of one device's part of ``node`` when its work is split ``shards`` ways and
+        the device reads and writes ``local_bytes`` (its slices of the operands: a weight
+        split in two is half the bytes read, a batch split leaves the weight whole)."""
+
+    @abstractmethod
     def shape_seconds(self, node: Node, graph: Graph, input_shapes, output_shapes=None) -> float | None:
         """Seconds of ``node`` on other (e.g. sharded) input shapes when measured, else None."""
 
@@ -29,8 +35,9 @@ class CostModelProtocol(ABC):
         """Seconds to send ``nbytes`` from device ``src`` to ``dst``."""
 
     @abstractmethod
-    def worst_transfer_seconds(self, nbytes: float) -> float:
-        """A transfer between two devices not yet placed."""
+    def worst_transfer_seconds(self, nbytes: float, across_hosts: bool | None = None) -> float:
+        """A transfer between two devices not yet placed: across hosts when ``across_hosts``
+        (default: when the cluster has several hosts), else inside one."""
 
     @abstractmethod
     def collective_seconds(self, collective: str, nbytes: float, group_size: int, inter_host: bool) -> float:

@@ -92,6 +92,11 @@ def text_report(plan: Plan) -> str:
             f"{stage.index:>5}  {devices:<12} {layers:<9} {len(stage.operators):>5}  {mesh:>5} "
             f"{len(stage.strategies):>7}  {human_seconds(stage.seconds):>11}  {human_bytes(stage.memory_bytes):>11}"
         )
+    if plan.idle:
+        lines.append(idle_line(plan))
+    small = small_stages_line(plan)
+    if small:
+        lines.append(small)
     if plan.reshardings:
         moved = sum(r.seconds for r in plan.reshardings)
         lines.append(f"between stages: {len(plan.reshardings)} tensor(s) resharded, {human_seconds(moved)} per microbatch")
@@ -110,6 +115,27 @@ def text_report(plan: Plan) -> str:
 
 
 RESHARDINGS_SHOWN = 6
+SMALL_STAGE_FRACTION = 0.1    # the planner's rule (inter.pipeline.MIN_STAGE_FRACTION)
+
+
+def idle_line(plan: Plan) -> str:
+    """``idle: devices 2-3 (no work; started with the others): <why>``."""
+    ranks = plan.idle_ranks
+    return (f"idle: {'device' if len(ranks) == 1 else 'devices'} {device_ranges(ranks)} (no stage, no program; "
+            f"started with the others): {plan.idle.get('reason', '')}")
+
+
+def small_stages_line(plan: Plan) -> str | None:
+    """Stages below the small-stage rule's fraction of the slowest: the planner keeps them
+    only where no plan without them fits."""
+    if len(plan.stages) < 2:
+        return None
+    slowest = max(s.seconds for s in plan.stages)
+    small = [s.index for s in plan.stages if s.seconds < SMALL_STAGE_FRACTION * slowest]
+    if not small:
+        return None
+    return (f"small stage(s) {', '.join(map(str, small))} (under {SMALL_STAGE_FRACTION:.0%} of the slowest stage's time) "
+            "kept apart: no plan without them fits")
 
 
 def sizes_line(plan: Plan) -> str:

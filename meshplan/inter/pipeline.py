@@ -6,7 +6,7 @@ Produces a ``Plan`` (without its programs, which ``emit`` writes and fills in).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,7 +22,8 @@ from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, Resharding, Stage, Tens
 from meshplan.intra.policies import POLICIES
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.inter.stage_cost import StageCosts, logical_meshes, submesh_shapes
-from meshplan.inter.stage_dp import solve_stages
+from meshplan.inter.memory_need import memory_error, memory_need
+from meshplan.inter.stage_dp import no_plan_error, solve_stages
 from meshplan.intra.strategies import Strategy
 
 
@@ -37,6 +38,7 @@ class PlanOptions:
     submeshes: tuple[tuple[int, int], ...] | None = None   # submesh shapes stages may use (default: all)
     reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see schedulers.ALGORITHMS)
     batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
+    all_devices: bool = False          # --all-devices: every device holds a stage (none left idle)
 
 
 MAX_DEFAULT_LAYERS = 128   # the stage DP's work grows with the cube of the layer count
@@ -72,12 +74,97 @@ def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, c
     return best[1]
 
 
+MIN_STAGE_FRACTION = 0.1    # a stage below this fraction of the slowest joins a neighbour (stage_dp "Small stages")
+
+
+@dataclass
+class _Built:
+    """A DP solution placed on ranks and connected: what a plan holds of it."""
+
+    solution: object
+    stages: list[Stage]
+    shardings: dict[int, dict[str, Strategy]]
+    transfers: list[Transfer]
+    reshardings: list[Resharding]
+    latency: float
+    region: tuple[int, int]
+    layering: Layering | None = None   # the layers its stages are counted in
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    submeshes: list[tuple[int, int]]
+    max_stages: int | None
+    idle: bool                 # whether devices may stay idle
+    reason: str | None = None  # why the policy leaves devices idle, where it does by itself
+
+
+def policy_settings(options: PlanOptions, cluster: Cluster, submeshes: list[tuple[int, int]],
+                    microbatch: int) -> PolicySettings:
+    """The submeshes, stage cap and idle-device freedom a policy implies.
+
+    ``megatron``: one stage per host, each on the whole host, so that every large matrix
+    product is split over all of a host's devices, and every device used (with
+    ``--max-stages`` below the host count, stages of several whole hosts). ``data``: one
+    stage, weights replicated and the batch split, on the largest submesh whose devices
+    divide the microbatch (the others idle). ``auto``: every submesh, devices may idle."""
+    max_stages = options.max_stages
+    per_host = cluster.devices_per_host
+    if options.policy == "megatron":
+        wide = [(1, per_host)] if max_stages is None or max_stages >= cluster.hosts else \
+            [(h, per_host) for h in range(1, cluster.hosts + 1)]
+        kept = [s for s in submeshes if s in wide]
+        if not kept:
+            raise PlanError(f"--policy megatron puts its stages on whole hosts ({', '.join(f'{n}x{m}' for n, m in wide)}), "
+                            "which the given submeshes exclude")
+        return PolicySettings(kept, max_stages, False)
+    if options.policy == "data":
+        if options.all_devices:
+            submeshes = [s for s in submeshes if s[0] * s[1] == cluster.num_devices]
+        fitting = [s for s in submeshes if microbatch % (s[0] * s[1]) == 0]
+        if not fitting:
+            raise PlanError(f"--policy data splits the batch of {microbatch} over one stage's devices, but none of the "
+                            f"submeshes {', '.join(f'{n}x{m}' for n, m in submeshes)} divides it")
+        widest = max(fitting, key=lambda s: s[0] * s[1])
+        devices = widest[0] * widest[1]
+        reason = None
+        if devices < cluster.num_devices:
+            reason = (f"--policy data splits the batch of {microbatch} per microbatch over at most {devices} "
+                      "device(s) of one stage")
+        return PolicySettings([widest], 1 if max_stages is None else max_stages, not options.all_devices, reason)
+    return PolicySettings(submeshes, max_stages, not options.all_devices)
+
+
+def regions(cluster: Cluster, submeshes: list[tuple[int, int]], idle: bool) -> list[tuple[int, int]]:
+    """The parts of the mesh a plan may keep to, smallest first: the first ``w`` devices of
+    host 0 for each submesh width ``w``, then the first ``h`` hosts for ``h`` = 2, 4, 8, …
+    and every host. The planner keeps the best of their plans, so a mesh is never worse
+    than these parts of it (as planned alone, with the same layers). Without idle devices,
+    the whole mesh alone."""
+    whole = cluster.mesh
+    if not idle:
+        return [whole]
+    found = [(1, w) for w in sorted({m for n, m in submeshes if n == 1})]
+    hosts = 2
+    while hosts < cluster.hosts:
+        found.append((hosts, cluster.devices_per_host))
+        hosts *= 2
+    found.append(whole)
+    return [r for r in dict.fromkeys(found) if any(n <= r[0] and m <= r[1] for n, m in submeshes)]
+
+
 def plan_pipeline(
     graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
     full_inputs: list[TensorSpec], full_outputs: list[TensorSpec], constants: dict[str, np.ndarray],
     cost_model: CostModel | None = None,
 ) -> tuple[Plan, dict[int, dict[str, Strategy]]]:
-    """The plan, and the chosen strategy of every operator of each multi-device stage."""
+    """The plan, and the chosen strategy of every operator of each multi-device stage.
+
+    The stage DP runs with idle devices allowed (``policy_settings``) and the small-stage
+    rule, once for each region of the mesh (``regions``), each with the sends it would
+    have there; every solution is placed, connected and estimated, and the fastest kept
+    (the smallest region on a tie). Devices it leaves out are idle, and the plan says why:
+    the best plan that uses every device, and its estimate."""
     started = time.perf_counter()
     if options.policy not in POLICIES:
         raise PlanError(f"unknown policy {options.policy!r} (choose from {', '.join(POLICIES)})")
@@ -86,27 +173,162 @@ def plan_pipeline(
                         f"(choose from {', '.join(ALGORITHMS)})")
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
-    if options.num_layers:
-        layering = cluster_layers(graph, node_seconds, options.num_layers)
-    else:
-        layering = choose_layering(graph, node_seconds, cluster, constants)
-    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver, options.policy)
-    costs = StageCosts(graph, layering, node_seconds, cost_model, intra_op)
+    bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts]] = {}
+
+    def layered(area: Cluster) -> tuple[Layering, IntraOpPass, StageCosts]:
+        """The layers a plan on ``area`` (the cluster, or a region of it planned as a
+        cluster of its own) is cut into, with their sharding pass and stage costs: a region
+        keeps the layers it would have alone, so that its plan is the submesh's plan."""
+        if options.num_layers:
+            cut = cluster_layers(graph, node_seconds, options.num_layers)
+        else:
+            cut = choose_layering(graph, node_seconds, area, constants)
+        if cut.bounds not in bundles:
+            sharding = IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy)
+            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding))
+        return bundles[cut.bounds]
+
+    layering, intra_op, costs = layered(cluster)
     submeshes = submesh_shapes(cluster)
     if options.submeshes is not None:
         submeshes = [s for s in submeshes if s in set(options.submeshes)]
         if not submeshes:
             raise PlanError(f"none of the submeshes {list(options.submeshes)} fits the mesh")
-    seconds, params, acts = costs.tables(submeshes)
-    sizes = np.array([n * m for n, m in submeshes])
-    dp_started = time.perf_counter()
-    solution = solve_stages(
-        seconds, params, acts, cluster.device.memory_bytes, sizes, cluster.num_devices, options.microbatches,
-        max_stages=options.max_stages,
-    )
-    dp_seconds = time.perf_counter() - dp_started
+    settings = policy_settings(options, cluster, submeshes, int(batch.get("microbatch_size") or 1))
+    submeshes, max_stages, idle = settings.submeshes, settings.max_stages, settings.idle
+    memory = cluster.device.memory_bytes
 
-    placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster)
+    dp_seconds = 0.0
+    solves = 0
+
+    def region_bundle(region: tuple[int, int]):
+        return layered(replace(cluster, hosts=region[0], devices_per_host=region[1]))
+
+    def solve(region: tuple[int, int], idle_devices: bool):
+        """The DP's solution kept to ``region`` (None where nothing fits), with the region's
+        submeshes (indices into ``submeshes``), on the region's own layers."""
+        nonlocal dp_seconds, solves
+        chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]]
+        _, _, area_costs = region_bundle(region)
+        seconds, params, acts = area_costs.tables(submeshes, across_hosts=cluster.hosts > 1 and region[0] > 1)
+        pick = np.array(chosen)
+        began = time.perf_counter()
+        try:
+            solution = solve_stages(
+                seconds[:, :, pick], params[:, :, pick], acts[:, :, pick], memory,
+                np.array([submeshes[k][0] * submeshes[k][1] for k in chosen]), region[0] * region[1],
+                options.microbatches, max_stages=max_stages, idle_devices=idle_devices,
+                min_stage_fraction=MIN_STAGE_FRACTION)
+        except PlanError:
+            return None
+        finally:
+            dp_seconds += time.perf_counter() - began
+        solves += solution.tmax_candidates
+        return replace(solution, stages=tuple(replace(st, submesh=chosen[st.submesh]) for st in solution.stages))
+
+    def build(solution, region) -> _Built:
+        cut, sharding, area_costs = region_bundle(region)
+        built = _build(solution, region, submeshes, graph, cut, area_costs, sharding, cluster, options)
+        built.layering = cut
+        return built
+
+    whole = cluster.mesh
+    areas = regions(cluster, submeshes, idle)
+    first = solve(whole, idle)
+    if first is None:
+        need = memory_need(costs, submeshes, cluster.num_devices, memory, max_stages, idle)
+        if need is None:
+            raise no_plan_error(layering.num_layers, cluster.num_devices, idle)
+        raise memory_error(need, memory, layering.num_layers)
+    found: dict[tuple, _Built] = {}
+    best = None
+    for region in areas:
+        solution = first if region == whole else solve(region, True)
+        if solution is None:
+            continue
+        placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster, region)
+        key = (region_bundle(region)[0].bounds, solution.stages, tuple(map(tuple, placement)))   # found again
+        built = found[key] = found.get(key) or build(solution, region)
+        if best is None or built.latency < best.latency:
+            best = built
+    used = sum(len(stage.devices) for stage in best.stages)
+    idle_info = {}
+    if used < cluster.num_devices:
+        everyone = None if settings.reason else solve(whole, False)
+        idle_info = _idle(best, everyone, build, cluster, max_stages, settings.reason)
+        if "better" in idle_info:
+            best = idle_info.pop("better")
+    stages, reshardings = best.stages, best.reshardings
+    stage_seconds = [s.seconds for s in stages]
+    memory_per_device = [0.0] * cluster.num_devices
+    for stage in stages:
+        for rank in stage.devices:
+            memory_per_device[rank] = stage.memory_bytes
+    estimate = {
+        "stage_seconds": stage_seconds,
+        "latency_seconds": best.latency,
+        "throughput_per_second": batch["size"] / best.latency if best.latency > 0 else float("inf"),
+        "memory_bytes_per_device": memory_per_device,
+        "reshard_seconds": sum(r.seconds for r in reshardings),
+        **cost_model.summary(),
+    }
+    stats = intra_op.stats
+    solver = {
+        "nodes": len(graph.nodes),
+        "layers": best.layering.num_layers,
+        "submeshes": [list(s) for s in submeshes],
+        "tmax_candidates": solves,
+        "stages": len(stages),
+        "regions": [list(r) for r in areas],
+        "ilp": {
+            "solver": options.solver, "solved": stats.ilps, "reused": stats.cache_hits,
+            "variables": stats.variables, "constraints": stats.constraints,
+            "largest_variables": stats.largest,
+            **({"warnings": list(stats.warnings)} if stats.warnings else {}),
+        },
+    }
+    plan = Plan(
+        model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
+        inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=best.transfers, programs=[],
+        reshardings=reshardings, estimate=estimate, solver=solver, idle=idle_info,
+        timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},
+    )
+    return plan, best.shardings
+
+
+def _idle(best: _Built, everyone, build, cluster: Cluster, max_stages: int | None, reason: str | None) -> dict:
+    """Which ranks the plan leaves idle and why: the policy says so (``reason``), or the
+    best plan on every device (the DP without idle devices) is slower, or none fits. Where
+    that plan, placed and connected, turns out faster after all, it is returned under
+    "better" instead."""
+    if everyone is not None:
+        built = build(everyone, cluster.mesh)
+        if built.latency < best.latency:
+            return {"better": built}
+    busy = {rank for stage in best.stages for rank in stage.devices}
+    ranks = [r for r in range(cluster.num_devices) if r not in busy]
+    if reason:
+        return {"ranks": ranks, "reason": reason, "all_devices_latency_seconds": None}
+    if everyone is None:
+        limit = f" in at most {max_stages} stage(s)" if max_stages else ""
+        why = f"no plan that uses all {cluster.num_devices} devices{limit} fits in their memory"
+    else:
+        why = (f"the best plan that uses all {cluster.num_devices} devices is estimated at "
+               f"{_time(built.latency)} against {_time(best.latency)} without these")
+    return {"ranks": ranks, "reason": why, "all_devices_latency_seconds": None if everyone is None else built.latency}
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+
+
+def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs: StageCosts, intra_op: IntraOpPass,
+           cluster: Cluster, options: PlanOptions) -> _Built:
+    """Place a DP solution's stages on ranks inside ``region``, build their shardings,
+    connect them (cross-mesh reshardings and transfers, scheduled) and estimate the
+    pipeline's latency."""
+    placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster, region)
+    across = cluster.hosts > 1 and region[0] > 1
     stages = []
     shardings: dict[int, dict[str, Strategy]] = {}
     layouts: dict[int, tuple[str, str]] = {}   # stage → (layout of its inputs, of its outputs)
@@ -127,7 +349,7 @@ def plan_pipeline(
             index=index, operators=[graph.nodes[i].name for i in range(start, stop)],
             layers=[choice.start, choice.stop], devices=devices,
             submesh=list(submesh), logical_mesh=list(logical),
-            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop)),
+            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop, across)),
             memory_bytes=float(cost.param_bytes + cost.act_bytes),
             strategies={name: str(s) for name, s in strategies.items() if not _replicated(s)},
         ))
@@ -138,71 +360,55 @@ def plan_pipeline(
                                              shardings)
     for resharding in reshardings:   # a stage's time includes handing its outputs on
         stages[resharding.src_stage].seconds += resharding.seconds
-
     stage_seconds = [s.seconds for s in stages]
     latency = sum(stage_seconds) + (options.microbatches - 1) * max(stage_seconds)
-    memory = [0.0] * cluster.num_devices
-    for stage in stages:
-        for rank in stage.devices:
-            memory[rank] = stage.memory_bytes
-    estimate = {
-        "stage_seconds": stage_seconds,
-        "latency_seconds": latency,
-        "throughput_per_second": batch["size"] / latency if latency > 0 else float("inf"),
-        "memory_bytes_per_device": memory,
-        "reshard_seconds": sum(r.seconds for r in reshardings),
-        **cost_model.summary(),
-    }
-    stats = intra_op.stats
-    solver = {
-        "nodes": len(graph.nodes),
-        "layers": layering.num_layers,
-        "submeshes": [list(s) for s in submeshes],
-        "tmax_candidates": solution.tmax_candidates,
-        "stages": len(stages),
-        "ilp": {
-            "solver": options.solver, "solved": stats.ilps, "reused": stats.cache_hits,
-            "variables": stats.variables, "constraints": stats.constraints,
-            "largest_variables": stats.largest,
-            **({"warnings": list(stats.warnings)} if stats.warnings else {}),
-        },
-    }
-    plan = Plan(
-        model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
-        inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=transfers, programs=[],
-        reshardings=reshardings, estimate=estimate, solver=solver,
-        timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},
-    )
-    return plan, shardings
+    return _Built(solution, stages, shardings, transfers, reshardings, latency, region)
 
 
 def _replicated(strategy: Strategy) -> bool:
     return all(s is None or s.is_replicated for s in list(strategy.inputs) + list(strategy.outputs))
 
 
-def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster) -> list[list[int]]:
-    """Give each stage concrete ranks, in stage order, first fit: whole hosts for (n, M)
-    shapes, a contiguous run inside one host for (1, m) shapes."""
+def place_submeshes(shapes: list[tuple[int, int]], cluster: Cluster,
+                    region: tuple[int, int] | None = None) -> list[list[int]]:
+    """Give each stage concrete ranks inside ``region`` (the first ``h`` hosts' first ``w``
+    devices; default the whole mesh), first fit: whole hosts for (n, M) shapes, a
+    contiguous run inside one host for (1, m) shapes. In stage order; where that leaves no
+    room for some stage (the stages need not fill the region when devices may stay idle),
+    larger stages first. Either way the first stage placed starts at rank 0, the driver."""
+    try:
+        return _first_fit(shapes, cluster, region)
+    except PlanError:
+        order = sorted(range(len(shapes)), key=lambda k: -shapes[k][0] * shapes[k][1])
+        placed = _first_fit([shapes[k] for k in order], cluster, region)
+        ranks: list[list[int]] = [[] for _ in shapes]
+        for k, found in zip(order, placed):
+            ranks[k] = found
+        return ranks
+
+
+def _first_fit(shapes: list[tuple[int, int]], cluster: Cluster, region: tuple[int, int] | None) -> list[list[int]]:
     per_host = cluster.devices_per_host
-    free = [[True] * per_host for _ in range(cluster.hosts)]
+    hosts, width = region or cluster.mesh
+    free = [[True] * width for _ in range(hosts)]
     placed = []
     for n, m in shapes:
         ranks = None
         if n == 1:
-            for host in range(cluster.hosts):
-                for first in range(0, per_host - m + 1):
+            for host in range(hosts):
+                for first in range(0, width - m + 1):
                     if all(free[host][first:first + m]):
                         ranks = [host * per_host + d for d in range(first, first + m)]
                         break
                 if ranks:
                     break
-        else:
-            for host in range(cluster.hosts - n + 1):
+        elif m == width:
+            for host in range(hosts - n + 1):
                 if all(all(free[h]) for h in range(host, host + n)):
                     ranks = [h * per_host + d for h in range(host, host + n) for d in range(per_host)]
                     break
         if ranks is None:
-            raise PlanError(f"cannot place a {n}x{m} stage on the {cluster.hosts}x{per_host} mesh")
+            raise PlanError(f"cannot place a {n}x{m} stage on the {hosts}x{width} devices")
         for rank in ranks:
             free[rank // per_host][rank % per_host] = False
         placed.append(ranks)

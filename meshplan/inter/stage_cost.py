@@ -58,6 +58,7 @@ class StageCosts:
         self.intra_op = intra_op
         self.layering = layering
         self.cost_model = cost_model
+        self._work_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         bounds = np.asarray(layering.bounds)
         self.num_layers = layering.num_layers
         seconds = np.asarray(node_seconds, dtype=np.float64)
@@ -118,14 +119,20 @@ class StageCosts:
         """Activation bytes leaving a stage that ends before layer ``stop``."""
         return float(self._cut_bytes[stop])
 
-    def send_seconds(self, stop: int) -> float:
-        """The DP's estimate of handing on what crosses the cut before layer ``stop``."""
-        return self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop)) if stop < self.num_layers else 0.0
+    def send_seconds(self, stop: int, across_hosts: bool | None = None) -> float:
+        """The DP's estimate of handing on what crosses the cut before layer ``stop``: across
+        hosts where the cluster has several (or as ``across_hosts`` says: a plan kept to
+        one host of a larger cluster sends inside it)."""
+        if stop >= self.num_layers:
+            return 0.0
+        return self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop), across_hosts)
 
-    def stage_cost(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int]) -> StageCost:
+    def stage_cost(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int],
+                   memory: float | None = None) -> StageCost:
         """Seconds per microbatch, weights and activations per device, of layers [start, stop)
         on ``submesh`` viewed as ``logical``: one device runs them whole; larger submeshes
-        shard them with the intra-operator ILP."""
+        shard them with the intra-operator ILP (its layout chosen for devices of ``memory``
+        bytes, default the cluster's)."""
         last = stop - 1
         if any(start <= hi and last >= lo and not (start <= lo and last >= hi) for lo, hi in self._state_spans):
             return INFEASIBLE   # the stage would hold part of a state's readers and makers
@@ -136,26 +143,41 @@ class StageCosts:
             return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop) + state, activations)
         if self.intra_op is None:
             return INFEASIBLE
-        sharded = self.intra_op.stage(start, stop, submesh, logical)
+        sharded = self.intra_op.stage(start, stop, submesh, logical, memory)
         devices = submesh[0] * submesh[1]
         # the sharded stage's held bytes count its state in the layout it is made in
         return StageCost(sharded.seconds + send, sharded.param_bytes, activations / devices)
 
-    def tables(self, submeshes: list[tuple[int, int]]):
+    def tables(self, submeshes: list[tuple[int, int]], memory: float | None = None,
+               across_hosts: bool | None = None):
         """Arrays (L, L, S, K) of seconds, parameter bytes and activation bytes for the DP.
 
         Entry [i, j, s, k] is the stage of layers i..j inclusive on submesh s under its
         k-th logical mesh; K is the largest number of views of any submesh (missing views
         are infeasible). The same numbers as ``stage_cost``, built row by row: one pass
-        over the layers per start layer and view (``IntraOpPass.stage_row``).
+        over the layers per start layer and view (``IntraOpPass.stage_row``). ``memory``
+        is the device memory that decides between a stage's fastest and memory-lean
+        layouts (default the cluster's); ``across_hosts`` as in ``send_seconds``. The work
+        of each entry is kept per memory, so tables that differ only in their sends cost
+        one pass.
         """
+        work, params, acts = self._work_tables(tuple(submeshes), memory)
+        L = self.num_layers
+        send = np.array([self.send_seconds(stop, across_hosts) for stop in range(1, L + 1)])
+        return work + send[None, :, None, None], params, acts
+
+    def _work_tables(self, submeshes: tuple[tuple[int, int], ...], memory: float | None):
+        """``tables`` without the sends (seconds of each stage's own work)."""
+        key = (submeshes, memory)
+        cache = self._work_cache
+        if key in cache:
+            return cache[key]
         L = self.num_layers
         views = [logical_meshes(s) for s in submeshes]
         shape = (L, L, len(submeshes), max(len(v) for v in views))
         seconds = np.full(shape, np.inf)
         params = np.full(shape, np.inf)
         acts = np.full(shape, np.inf)
-        send = np.array([self.send_seconds(stop) for stop in range(1, L + 1)])
         peak = np.full((L, L), -np.inf)                     # [i, j]: largest layer peak of i..j
         for i in range(L):
             peak[i, i:] = np.maximum.accumulate(self._layer_peak[i:])
@@ -170,7 +192,7 @@ class StageCosts:
             for k, logical in enumerate(views[s]):
                 if submesh == (1, 1):
                     work = self._seconds_prefix[None, 1:] - self._seconds_prefix[:L, None]
-                    seconds[:, :, s, k] = np.where(feasible, work + send[None, :], np.inf)
+                    seconds[:, :, s, k] = np.where(feasible, work, np.inf)
                     params[:, :, s, k] = np.where(feasible, self._range_param_bytes() + state, np.inf)
                     acts[:, :, s, k] = np.where(feasible, activations, np.inf)
                     continue
@@ -179,12 +201,13 @@ class StageCosts:
                 for i in range(L):
                     if not feasible[i].any():   # inside a state's span: no stage starts here
                         continue
-                    for j, (secs, weights) in enumerate(self.intra_op.stage_row(i, submesh, logical), start=i):
+                    for j, (secs, weights) in enumerate(self.intra_op.stage_row(i, submesh, logical, memory), start=i):
                         if feasible[i, j]:
-                            seconds[i, j, s, k] = secs + send[j]
+                            seconds[i, j, s, k] = secs
                             params[i, j, s, k] = weights   # state counted in the layout it is made in
                             acts[i, j, s, k] = activations[i, j] / devices
-        return seconds, params, acts
+        cache[key] = (seconds, params, acts)
+        return cache[key]
 
     def _range_param_bytes(self) -> np.ndarray:
         """[i, j]: ``param_bytes(i, j + 1)`` for every range (each weight counted once)."""

@@ -80,6 +80,20 @@ How it is solved (each step keeps the exact optimum)
    first such point, ``T_best / (B - 1)``).  With one microbatch the solve at
    ``t_max = inf`` is the answer.
 
+Small stages
+------------
+``min_stage_fraction = f`` asks for plans whose every stage takes at least ``f`` times the
+slowest one (a stage of one trivial operator is not worth its devices and its transfers;
+the planner uses ``f = 0.1``).  It is met through the entries only, around the exact solve
+(``balanced``): solve; while some stage takes less than ``f`` times the plan's slowest,
+make every entry below that bound ``inf`` and solve again.  Each round's bound is above
+the last one's (the small stage was allowed before), so the rounds end.  Each solve is
+exact for its masked entries: the result is the best plan whose stages all take at least
+the last bound, and the exact optimum under the rule whenever that bound is at most ``f``
+times the optimum's slowest stage (always when the first solve already obeys the rule).
+When a round finds no plan at all, the stages of the previous plan are kept as they are:
+memory (or, with exactly ``num_devices``, the devices) needs them apart.
+
 Extending it
 ------------
 * A constraint on which stages may exist (forced cuts from user hints, forbidden
@@ -101,6 +115,7 @@ import numpy as np
 from meshplan.errors import PlanError
 
 __all__ = [
+    "balanced",
     "StageChoice",
     "StageSolution",
     "solve_stages",
@@ -190,6 +205,34 @@ def max_stage_count(L: int, sizes: np.ndarray, num_devices: int, max_stages: int
             raise ValueError(f"max_stages must be a positive integer, got {max_stages!r}")
         n = min(n, int(max_stages))
     return n
+
+
+def small_stages(solution: StageSolution, fraction: float) -> list[int]:
+    """Indices of the stages that take less than ``fraction`` of the slowest one."""
+    bound = fraction * solution.max_stage_seconds
+    return [p for p, stage in enumerate(solution.stages) if stage.seconds < bound]
+
+
+def balanced(solve, stage_cost, fraction: float) -> StageSolution:
+    """``solve(stage_cost)`` under the small-stage rule (module docstring, "Small stages"):
+    re-solved with the entries below ``fraction`` of the slowest stage made ``inf`` until no
+    stage is below it, or until no plan is left (the last plan is then returned)."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"min_stage_fraction must be in [0, 1), got {fraction!r}")
+    cost = np.asarray(stage_cost, dtype=np.float64)
+    best = solve(cost)
+    if fraction == 0.0:
+        return best
+    solves = best.tmax_candidates
+    while small_stages(best, fraction):
+        bound = fraction * best.max_stage_seconds
+        try:
+            found = solve(np.where(cost < bound, np.inf, cost))
+        except PlanError:
+            break
+        solves += found.tmax_candidates
+        best = found
+    return StageSolution(best.stages, best.total_seconds, best.max_stage_seconds, solves, best.devices_used)
 
 
 def no_plan_error(L, num_devices, idle_devices: bool = False):
@@ -647,11 +690,18 @@ def solve_stages(
     *,
     max_stages: int | None = None,
     idle_devices: bool = False,
+    min_stage_fraction: float = 0.0,
 ) -> StageSolution:
     """Optimal pipeline slicing (see the module docstring for the recurrence and how it is
     solved).  ``max_stages`` optionally caps the number of stages; ``idle_devices`` lets the
-    stages use fewer than ``num_devices``.  Raises ``PlanError`` when no valid plan exists,
-    ``ValueError`` for malformed arguments."""
+    stages use fewer than ``num_devices``; ``min_stage_fraction`` keeps every stage at or
+    above that fraction of the slowest one (see "Small stages").  Raises ``PlanError`` when
+    no valid plan exists, ``ValueError`` for malformed arguments."""
+    if min_stage_fraction:
+        def solve(cost):
+            return solve_stages(cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches,
+                                max_stages=max_stages, idle_devices=idle_devices)
+        return balanced(solve, stage_cost, min_stage_fraction)
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages)

@@ -198,13 +198,14 @@ class IntraOpPass:
 
     # --- a stage: chain of layers --------------------------------------------------------
 
-    def stage(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int]) -> StageSharding:
+    def stage(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int],
+              memory: float | None = None) -> StageSharding:
         """Best boundary layouts for layers [start, stop): ``boundaries[0]`` is the layout the
         stage's inputs arrive in, ``boundaries[-1]`` the one its outputs leave in (model
         outputs always leave replicated). The fastest layout is used when its weights fit a
-        device, else the memory-lean one."""
+        device (of ``memory`` bytes; default the cluster's), else the memory-lean one."""
         fast = self._chain(start, stop, submesh, logical, lean=False)
-        if fast.param_bytes <= self.cluster.device.memory_bytes:
+        if fast.param_bytes <= (self.cluster.device.memory_bytes if memory is None else memory):
             return fast
         return self._chain(start, stop, submesh, logical, lean=True)
 
@@ -224,12 +225,12 @@ class IntraOpPass:
 
         return solution
 
-    def stage_row(self, start: int, submesh: tuple[int, int], logical: tuple[int, int]):
-        """``(seconds, param_bytes)`` of ``stage(start, stop, …)`` for stop = start + 1 … L, in
-        order, from one pass over the layers (the same numbers ``stage`` gives)."""
+    def stage_row(self, start: int, submesh: tuple[int, int], logical: tuple[int, int], memory: float | None = None):
+        """``(seconds, param_bytes)`` of ``stage(start, stop, …, memory)`` for stop = start + 1 … L,
+        in order, from one pass over the layers (the same numbers ``stage`` gives)."""
         fast = Chain(self._solutions(submesh, logical, False), False)
         lean = None
-        memory = self.cluster.device.memory_bytes
+        memory = self.cluster.device.memory_bytes if memory is None else memory
         for layer in range(start, self.layering.num_layers):
             fast.extend(layer)
             if lean is not None:

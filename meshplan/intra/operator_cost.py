@@ -34,7 +34,9 @@ class OperatorCosts:
         self.constants = constants
 
     def compute_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
-        """Work splits over every mesh axis that some operand is split or partial along."""
+        """Work splits over every mesh axis that some operand is split or partial along; the
+        bytes a device reads and writes are its own slices of the operands (a replicated
+        weight is read whole however the batch is split)."""
         axes = set()
         for spec in list(strategy.inputs) + list(strategy.outputs):
             if spec is not None:
@@ -49,10 +51,21 @@ class OperatorCosts:
             measured = self.cost_model.shape_seconds(node, self.graph, shapes)
             if measured is not None:
                 return measured
-        # The whole operator's time (measured when profiled), its work divided over the shards.
-        overhead = self.cluster.device.kernel_overhead
-        whole = self.cost_model.node_seconds(node, self.graph)
-        return max(whole - overhead, 0.0) / shards + overhead
+            return self.cost_model.split_seconds(node, self.graph, shards, self.local_bytes(node, strategy, mesh))
+        return self.cost_model.node_seconds(node, self.graph)
+
+    def local_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
+        """Bytes one device reads and writes for ``node`` under ``strategy``: each distinct
+        operand once, at its local size (an addend is whole-sized)."""
+        seen: dict[str, ShardingSpec | None] = {}
+        for name, spec in list(zip(node.inputs, strategy.inputs)) + list(zip(node.outputs, strategy.outputs)):
+            if name and name not in seen:
+                seen[name] = spec
+        total = 0.0
+        for name, spec in seen.items():
+            info = self.graph.tensors[name]
+            total += info.nbytes if spec is None else spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
+        return total
 
     def param_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         return float(sum(self.param_slices(node, strategy, mesh).values()))

@@ -185,27 +185,148 @@ def _pad(op: OpView) -> list[Rule]:
     return rules
 
 
-@rule("Gather", flops=no_flops, heavy=True)
 def _gather(op: OpView) -> list[Rule]:
     """Indices split with the data replicated; data split on a dim other than ``axis``
-    (an embedding table on its last dim) with the indices replicated; linear in the data."""
+    (an embedding table on its last dim) with the indices replicated; linear in the data.
+    Constant indices along ``axis`` 0 that pick sample b at position b (``x[arange(B)]``
+    as an exporter writes it): the data's first dim split with the output's, each device
+    given its piece of the indices (``_local_lookup``)."""
     axis = op.axis(op.attr("axis", 0))
     q = len(op.shape(1))
     rules: list[Rule] = [((R, e), (axis + e,)) for e in range(q)]
     rules += [((d, R), (d if d < axis else d + q - 1,)) for d in range(op.rank) if d != axis]
+    if axis == 0 and q >= 1 and _batch_lookup(op, 0) is not None:
+        rules.append(((0, R), (0,)))
     return rules + [((P, R), (P,))]
 
 
-@rule("GatherND", flops=no_flops, heavy=True)
 def _gather_nd(op: OpView) -> list[Rule]:
     """Without batch dims: the lookups (the indices' leading dims) split with the data
     replicated; the data split on a dim the indices do not address (stacked expert weights
     [experts, out, in] gathered per token: ``out`` or ``in``) with the indices replicated;
-    linear in the data."""
+    linear in the data. Constant indices whose first column is the batch position
+    (``[[b, i], …]`` at position b, as exporters write ``x[arange(B), i]``): the data's
+    first dim split with the output's, each device given its piece of the indices
+    (``_local_lookup``). With one batch dim: the batch split in all three."""
+    q = len(op.shape(1))
+    if op.attr("batch_dims", 0) == 1:
+        return [((0, 0), (0,))]
     if op.attr("batch_dims", 0) != 0:
         raise NoRule
-    q = len(op.shape(1))
     k = op.shape(1)[-1]
     rules: list[Rule] = [((R, e), (e,)) for e in range(q - 1)]
     rules += [((d, R), (q - 1 + d - k,)) for d in range(k, op.rank)]
+    if q >= 2 and _batch_lookup(op, 1) is not None:
+        rules.append(((0, R), (0,)))
     return rules + [((P, R), (P,))]
+
+
+# --- lookups whose indices are the batch position -----------------------------------------
+
+
+def _batch_lookup(op: OpView, depth: int) -> np.ndarray | None:
+    """The constant int64 indices (input 1) of a Gather (``depth`` 0) or GatherND (``depth``
+    1: the first column of the last dim) whose entry at position b of their first dim is b
+    itself, for every b of the data's first dim: the lookup keeps each sample apart. None
+    otherwise."""
+    indices, data = op.const(1), op.shape(0)
+    if indices is None or indices.dtype != np.int64 or indices.ndim < 1 + depth or not data:
+        return None
+    if indices.shape[0] != data[0] or (depth and indices.shape[-1] < 1):
+        return None
+    column = indices[..., 0] if depth else indices
+    column = np.where(column < 0, column + data[0], column)
+    position = np.arange(data[0]).reshape((-1,) + (1,) * (column.ndim - 1))
+    return indices if np.array_equal(column, np.broadcast_to(position, column.shape)) else None
+
+
+def _local_lookup(depth: int):
+    """The rewrite of a batch-position lookup split on its first dim: the first piece of
+    the indices, which is every piece's (its batch column counted from the piece's start),
+    when the other columns are the same in every piece; else the split is not offered."""
+    def rewrite(op: OpView, inputs, outputs, mesh):
+        data = inputs[0]
+        if data is None or data.dims[0] == R or (depth == 0 and op.axis(op.attr("axis", 0)) != 0):
+            return ()
+        if inputs[1] is not None and not inputs[1].is_replicated:
+            return ()
+        indices = _batch_lookup(op, depth)
+        if indices is None:
+            return None
+        pieces = data.shards(0, mesh)
+        size = indices.shape[0] // pieces
+        local = indices.copy()
+        if depth:
+            local[..., 0] = np.where(local[..., 0] < 0, local[..., 0] + indices.shape[0], local[..., 0])
+            local[..., 0] -= (np.arange(indices.shape[0]) // size * size).reshape((-1,) + (1,) * (indices.ndim - 2))
+        else:
+            local = np.where(local < 0, local + indices.shape[0], local)
+            local = local - (np.arange(indices.shape[0]) // size * size).reshape((-1,) + (1,) * (indices.ndim - 1))
+        parts = np.split(local, pieces, axis=0)
+        if not all(np.array_equal(p, parts[0]) for p in parts[1:]):
+            return None
+        return ((1, _nested(parts[0])),)
+    return rewrite
+
+
+def _nested(array: np.ndarray):
+    """An int array as nested tuples (a rewrite's value: hashable, any shape)."""
+    return int(array) if array.ndim == 0 else tuple(_nested(a) for a in array)
+
+
+define("Gather", rule=_gather, flops=no_flops, heavy=True, rewrite=_local_lookup(0))
+define("GatherND", rule=_gather_nd, flops=no_flops, heavy=True, rewrite=_local_lookup(1))
+
+
+# --- Resize ----------------------------------------------------------------------------------
+
+# (coordinate transformation, nearest rounding) under which nearest upsampling by an integer
+# factor s reads input position floor(x / s) for output position x: every output piece
+# comes from the matching input piece
+_NEAREST_LOCAL = {("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"), ("half_pixel", "round_prefer_ceil"),
+                  ("pytorch_half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil")}
+
+
+def _text(value, default: str) -> str:
+    value = default if value is None else value
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _resize(op: OpView) -> list[Rule]:
+    """Dims that keep their size (scale 1: the batch, the channels) split in input and
+    output, in every mode; a spatial dim upsampled by an integer factor in nearest mode
+    (where each output position reads input position ``floor(x / s)``: ``_NEAREST_LOCAL``)
+    splits too, each device upsampling its own rows. Linear in the input."""
+    coordinates = _text(op.attr("coordinate_transformation_mode"), "half_pixel")
+    need(coordinates != "tf_crop_and_resize")
+    # sizes read as bounds keep the aspect ratio of the whole, which a piece does not have
+    need(_text(op.attr("keep_aspect_ratio_policy"), "stretch") == "stretch")
+    src, dst = op.shape(0), op.out_shape
+    need(src is not None and dst is not None and len(src) == len(dst))
+    mode = _text(op.attr("mode"), "nearest")
+    rounding = _text(op.attr("nearest_mode"), "round_prefer_floor")
+    rules: list[Rule] = []
+    for d, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            rules.append(((d,), (d,)))
+        elif (mode == "nearest" and a > 0 and b % a == 0 and (coordinates, rounding) in _NEAREST_LOCAL
+              and not op.attr("antialias", 0)):
+            rules.append(((d,), (d,)))
+    return rules + [((P,), (P,))]
+
+
+def _resize_sizes(op: OpView, inputs, outputs, mesh):
+    """A constant ``sizes`` input becomes the local output sizes (of ``axes`` where given)."""
+    if not op.has_input(3) or outputs[0] is None:
+        return ()
+    local = outputs[0].local_shape(op.out_shape, mesh)
+    if local == tuple(op.out_shape):
+        return ()
+    if op.const(3) is None:
+        return None
+    axes = op.attr("axes")
+    picked = [op.axis(int(a), len(local)) for a in axes] if axes else range(len(local))
+    return ((3, tuple(local[a] for a in picked)),)
+
+
+define("Resize", rule=_resize, rewrite=_resize_sizes)

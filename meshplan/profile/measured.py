@@ -69,6 +69,20 @@ class ProfiledCostModel(CostModel):
             self._analytic.add(node.name)
         return super().node_seconds(node, graph)
 
+    def split_seconds(self, node: Node, graph: Graph, shards: int, local_bytes: float) -> float:
+        """A device's part of ``node`` where the profile has no measurement of it: the
+        measured whole scaled by the analytic model's ratio of the part to the whole (so a
+        batch split of a product bound by its weight saves what the analytic model says it
+        saves, next to nothing); the analytic part where the whole was not measured either."""
+        part = self._analytic_split(node, graph, shards, local_bytes)
+        whole = self.node_seconds(node, graph)
+        if node.name not in self._measured:
+            return part
+        overhead = self.cluster.device.kernel_overhead
+        analytic_whole = CostModel.node_seconds(self, node, graph) - overhead
+        ratio = (part - overhead) / analytic_whole if analytic_whole > 0 else 1.0 / shards
+        return max(whole - overhead, 0.0) * ratio + overhead
+
     def shape_seconds(self, node: Node, graph: Graph, input_shapes, output_shapes=None) -> float | None:
         """Measured seconds of ``node`` on other (e.g. sharded) input shapes, or None.
 
@@ -107,11 +121,12 @@ class ProfiledCostModel(CostModel):
         fit = self._send_fit(self.cluster.host_of(src) != self.cluster.host_of(dst))
         return fit.seconds(nbytes) if fit is not None else super().transfer_seconds(nbytes, src, dst)
 
-    def worst_transfer_seconds(self, nbytes: float) -> float:
+    def worst_transfer_seconds(self, nbytes: float, across_hosts: bool | None = None) -> float:
         if nbytes <= 0:
             return 0.0
-        fit = self._send_fit(self.cluster.hosts > 1)
-        return fit.seconds(nbytes) if fit is not None else super().worst_transfer_seconds(nbytes)
+        across = self.cluster.hosts > 1 if across_hosts is None else across_hosts
+        fit = self._send_fit(across)
+        return fit.seconds(nbytes) if fit is not None else super().worst_transfer_seconds(nbytes, across)
 
     def summary(self) -> dict:
         """For a plan's estimate: which cost model answered how many nodes."""

@@ -42,7 +42,7 @@ from meshplan.model.sizes import Sizes
 from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
-from meshplan.runtime.buffers import byte_view
+from meshplan.runtime.buffers import HOST, byte_view
 from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, ReportedElsewhere, _agree, _resharders, _world,
                                          choose_buffers)
 from meshplan.runtime.program import ProgramRunner
@@ -103,19 +103,27 @@ class Job:
                 raise RunError(f"the plan needs {plan.num_ranks} ranks but the job has {self.size}",
                                hint=f"start it as mpiexec -n {plan.num_ranks} ...")
             hosts, per_host = plan.cluster["mesh"]
-            mismatch = layout_mismatch(layout, hosts, per_host)
+            mismatch = layout_mismatch(layout, hosts, per_host, working=set(range(self.size)) - set(plan.idle_ranks))
             if mismatch:
                 raise RunError(mismatch, hint=launch_advice(per_host))
-            path = check_program_files(plan, plan_dir, plan.program_of_rank(self.rank))
-            import os
+            if plan.is_idle(0):
+                raise RunError("the plan leaves rank 0 idle, but rank 0 drives the job", hint="re-run meshplan plan")
+            program = plan.program_of_rank(self.rank)
+            session, buffers, path_text = None, HOST, "none: this rank is idle in the plan"
+            if program is not None:
+                path = check_program_files(plan, plan_dir, program)
+                import os
 
-            from meshplan.providers import CUDA, cuda_device_count, cuda_usable
+                from meshplan.providers import CUDA, cuda_device_count, cuda_usable
 
-            threads = max(1, (os.cpu_count() or 1) // layout.local_size)
-            device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
-            session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
-            buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
-            set_sleeping(session.providers[0] != CUDA)
+                # the cores of a machine go to the ranks that work there (idle ranks only wait)
+                here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]]
+                working = max(1, sum(1 for r in here if not plan.is_idle(r)))
+                threads = max(1, (os.cpu_count() or 1) // working)
+                device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
+                session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
+                buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
+                set_sleeping(session.providers[0] != CUDA)
             if check is not None and self.rank == 0:
                 check(plan)
         except MeshplanError as exc:
@@ -126,7 +134,8 @@ class Job:
         _agree(world, MPI, error)
         try:
             self.plan, self.plan_dir, self.session, self.buffers = plan, plan_dir, session, buffers
-            self.transfer_path, self.provider = path_text, session.providers[0]
+            self.transfer_path = path_text
+            self.provider = session.providers[0] if session is not None else "none"
             self.comm = world.Dup()
             self.communicators = MeshCommunicators(plan, self.comm, MPI, buffers)
             self.resharders = _resharders(plan, self.comm, buffers)
@@ -139,8 +148,8 @@ class Job:
 
     def _setup(self) -> None:
         plan = self.plan
-        self.stage = plan.stage_of_rank(self.rank)
-        self.mesh = LogicalMesh(tuple(self.stage.logical_mesh), tuple(self.stage.devices))
+        self.stage = plan.stage_of_rank(self.rank)     # None on an idle rank: it only joins the broadcasts
+        self.mesh = LogicalMesh(tuple(self.stage.logical_mesh), tuple(self.stage.devices)) if self.stage else None
         self.sizes = Sizes.from_dict(plan.sizes) if plan.sizes else None
         self.state_entries = list(plan.state)
         self.state_inputs = {s["input"]: s for s in plan.state}
@@ -210,7 +219,12 @@ class Job:
         return header
 
     def _send_header(self, header: np.ndarray) -> None:
-        self.comm.Bcast(header, root=0)
+        self._bcast_header(header)
+
+    def _bcast_header(self, header: np.ndarray) -> None:
+        """The call's header from rank 0 to every rank, waited for without holding a core
+        (``waiting``): workers wait here between calls, idle ranks all the time."""
+        wait_all([self.comm.Ibcast(header, root=0)], self.MPI)
 
     def close(self) -> None:
         """End the workers' loop (driver). The job's communicators are released on every rank."""
@@ -428,7 +442,7 @@ class Job:
         header = np.empty(self.header_size, dtype=np.int64)
         try:
             while True:
-                self.comm.Bcast(header, root=0)
+                self._bcast_header(header)
                 op = int(header[0])
                 if op == CLOSE:
                     break
@@ -459,6 +473,8 @@ class Job:
         self.program_seconds = 0.0
         origin = MPI.Wtime()
         self.trace = []
+        if stage is None:   # an idle rank: nothing reaches it, it sends nothing
+            return {}
         # the call's inputs, from rank 0 to the ranks that read them
         k = 2
         received: dict[str, np.ndarray] = {}

@@ -57,10 +57,11 @@ class RunReport:
     trace_events: list[dict] = field(default_factory=list)
     peak_rss_bytes: list[int] = field(default_factory=list)   # per rank: the process's peak resident memory
     program_bytes: list[int] = field(default_factory=list)    # per rank: its program file and weights files
+    idle_ranks: list[int] = field(default_factory=list)       # ranks the plan leaves idle (no program)
 
     def memory_rows(self) -> list[dict]:
         """Per rank: its peak resident set (host memory) next to its program's bytes."""
-        return [{"rank": rank, "peak_rss_bytes": rss, "program_bytes": held}
+        return [{"rank": rank, "peak_rss_bytes": rss, "program_bytes": held, "idle": rank in self.idle_ranks}
                 for rank, (rss, held) in enumerate(zip(self.peak_rss_bytes, self.program_bytes))]
 
     @property
@@ -205,6 +206,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         latencies=latencies, estimate_seconds=plan.estimate["latency_seconds"],
         batch_size=_batch_of(plan, inputs), trace_events=stats.trace,
         peak_rss_bytes=[int(m) for m in memory[:, 0]], program_bytes=[int(m) for m in memory[:, 1]],
+        idle_ranks=plan.idle_ranks,
     )
 
 
@@ -229,8 +231,9 @@ def _resharders(plan: Plan, comm, buffers) -> list[CrossMeshResharder]:
 
 def _gather_memory(plan: Plan, plan_dir: Path, comm) -> np.ndarray | None:
     """[peak RSS, program bytes] of every rank, on rank 0 (a [ranks, 2] array; None elsewhere)."""
-    program = plan.program_of_rank(comm.rank)
-    held = sum((plan_dir / f).stat().st_size for f in [program.file] + [d["file"] for d in program.data_files])
+    program = plan.program_of_rank(comm.rank)   # None on an idle rank
+    held = 0 if program is None else sum((plan_dir / f).stat().st_size
+                                         for f in [program.file] + [d["file"] for d in program.data_files])
     mine = np.array([peak_rss_bytes(), held], dtype=np.int64)
     everyone = np.empty((comm.size, 2), dtype=np.int64) if comm.rank == 0 else None
     comm.Gather(mine, everyone, root=0)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.inter.stage_dp import StageChoice, StageSolution, check_stage_inputs, max_stage_count, no_plan_error, plan_objective
+from meshplan.inter.stage_dp import (StageChoice, StageSolution, balanced, check_stage_inputs, max_stage_count,
+                                     no_plan_error, plan_objective)
 
 
 # --------------------------------------------------------------------------------------
@@ -15,8 +16,11 @@ from meshplan.inter.stage_dp import StageChoice, StageSolution, check_stage_inpu
 
 
 def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches, *,
-                     max_stages: int | None = None, full: bool = False, idle_devices: bool = False) -> StageSolution:
+                     max_stages: int | None = None, full: bool = False, idle_devices: bool = False,
+                     min_stage_fraction: float = 0.0) -> StageSolution:
     """The recurrence without the prunings of ``solve_stages``: a slow independent check.
+    ``min_stage_fraction`` applies the small-stage rule around it as ``solve_stages`` does
+    (``stage_dp.balanced``), so the two agree round by round.
 
     Written separately from the fast path (its own DP loop and path walk).  Candidates
     are all distinct finite values of the raw ``stage_cost`` (not of the collapsed
@@ -31,6 +35,11 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
     stop rule ``G(inf) + (B - 1) * t_max >= T_best`` (``G`` never drops below ``G(inf)``).
     ``tmax_candidates`` counts the DP solves.
     """
+    if min_stage_fraction:
+        return balanced(lambda cost: reference_stages(cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices,
+                                                      microbatches, max_stages=max_stages, full=full,
+                                                      idle_devices=idle_devices),
+                        stage_cost, min_stage_fraction)
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
@@ -124,8 +133,11 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
 
 
 def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches, *,
-                       max_stages: int | None = None, idle_devices: bool = False) -> StageSolution:
+                       max_stages: int | None = None, idle_devices: bool = False,
+                       min_stage_fraction: float = 0.0) -> StageSolution:
     """Enumerate every valid plan and return the best (for tests; exponential).
+    ``min_stage_fraction``: the best among the plans whose every stage takes at least that
+    fraction of their slowest one, exactly (no such plan: no plan).
 
     Recursively chooses each stage's end layer, submesh and logical choice, abandoning a
     branch only when its devices already exceed ``num_devices``; a complete plan is kept
@@ -145,6 +157,10 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
         n = len(stages)
         for p, (i, j, m, c) in enumerate(stages):
             if not smem[i, j, m, c] + (n - p) * amem[i, j, m, c] <= mem_limit:
+                return
+        if min_stage_fraction:
+            seconds = [cost[i, j, m, c] for i, j, m, c in stages]
+            if min(seconds) < min_stage_fraction * max(seconds):
                 return
         count[0] += 1
         T = plan_objective([cost[i, j, m, c] for i, j, m, c in stages], B)
