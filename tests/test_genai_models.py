@@ -89,15 +89,17 @@ def by_heads(strategy: str) -> bool:
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """Every model × mesh × shape planned (automatic policy); its inputs and onnxruntime's
-    outputs saved beside the plan."""
+    """Every model × mesh × shape planned (automatic policy, every device holding a stage:
+    the samples are small enough that the automatic plan would leave devices idle); its
+    inputs and onnxruntime's outputs saved beside the plan."""
     root = tmp_path_factory.mktemp("genai")
     cases = []
     for name in MODELS:
         for mesh in MESHES:
             for shape in SHAPES:
                 case = root / f"{name}_{mesh[0]}x{mesh[1]}_{shape}"
-                plan = make_plan(model_path(name), make_cluster(mesh, "cpu"), dims(shape), case / "plan", PlanOptions())
+                plan = make_plan(model_path(name), make_cluster(mesh, "cpu"), dims(shape), case / "plan",
+                                 PlanOptions(all_devices=True))
                 feeds = inputs(name, shape, seed=len(cases))
                 save_npz(case / "inputs.npz", feeds)
                 save_npz(case / "expected.npz", reference_outputs(plan, feeds))

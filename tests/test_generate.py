@@ -50,10 +50,12 @@ def family(name: str) -> str:
 
 def options(name: str, mesh) -> PlanOptions:
     """Builder models on 1x4 under megatron in one stage (attention split by heads, the cache
-    with it, key/value heads shared by pairs where there are two); the rest automatic."""
+    with it, key/value heads shared by pairs where there are two); the rest automatic, with
+    every device holding a stage (these samples are small enough that the automatic plan
+    would run them on fewer devices: the tests are of generating across all of them)."""
     if name in BUILDER and mesh == (1, 4):
         return PlanOptions(policy="megatron", max_stages=1)
-    return PlanOptions()
+    return PlanOptions(all_devices=True)
 
 
 def plan_for(name: str, mesh, out: Path, batch: int = 1, device=None):

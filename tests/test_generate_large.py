@@ -1,7 +1,8 @@
 """A decoder of over 1 GB in the builder's format at batch 1 on 1x4: decode reads every
 weight once per token, so the plan must split the weights (no rank above 35% of the weight
 bytes, none below 15%) rather than add pipeline stages; its estimated time per token is
-below the best pipeline-only plan's, and it generates onnxruntime's tokens under mpiexec.
+below the best pipeline-only plan's (stages of one device each), and it generates
+onnxruntime's tokens under mpiexec.
 
 The plans are for the ``cpu`` preset, the devices the tests run on (decode reads the
 weights at 20 GB/s). Slow (a 1.1 GB model is written, planned twice and run on four ranks
@@ -39,7 +40,7 @@ def test_a_large_decoder_at_batch_one_splits_its_weights(tmp_path):
             for p in plan.programs}
     shares = {rank: size / weights for rank, size in held.items()}
     assert all(0.15 <= share <= 0.35 for share in shares.values()), shares
-    pipeline = make_plan(model, cluster, dims, tmp_path / "pipeline", PlanOptions(policy="data"))
+    pipeline = make_plan(model, cluster, dims, tmp_path / "pipeline", PlanOptions(submeshes=((1, 1),)))
     assert plan.estimate["latency_seconds"] < pipeline.estimate["latency_seconds"]
     prompts = [[5, 17, 42, 7, 9]]
     entry = {"name": "1.1 GB decoder 1x4", "plan_dir": str(tmp_path / "plan"), "prompts": prompts,

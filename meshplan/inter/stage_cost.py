@@ -85,11 +85,13 @@ class StageCosts:
             if name in producers:
                 state[owner[producers[name]] + 1] += graph.tensors[name].peak_nbytes
         self._state_prefix = np.cumsum(state)
-        # ... and on one stage: the layers that read a state input or make its output stay together
+        # ... and on one stage: the layers that read a state input, make its output or read
+        # that output (attention reads the cache it has just extended) stay together, so no
+        # cache crosses a stage boundary on any call
         consumers = graph.consumers()
         self._state_spans = []
         for output, name in graph.state.items():
-            layers = [int(owner[i]) for i in consumers.get(name, [])]
+            layers = [int(owner[i]) for i in consumers.get(name, []) + consumers.get(output, [])]
             if output in producers:
                 layers.append(int(owner[producers[output]]))
             if layers:
