@@ -99,7 +99,7 @@ def test_dynamic_dims_are_never_split(tmp_path):
 def _cut_through(path, tmp_path):
     """The selected-rows model on four one-device stages: data-dependent tensors cross."""
     plan = make_plan(path, make_cluster((1, 4), "cpu"), {}, tmp_path / "plan",
-                     PlanOptions(num_layers=len(onnx.load(str(path)).graph.node), submeshes=[(1, 1)]))
+                     PlanOptions(num_layers=len(onnx.load(str(path)).graph.node), submeshes=[(1, 1)], all_devices=True))
     assert len(plan.stages) == 4
     crossing = [t for t in plan.transfers if t.dst_stage >= 0]
     assert crossing and all(t.is_dynamic for t in crossing)   # sent whole, shape first
@@ -124,7 +124,7 @@ def test_data_dependent_tensors_cross_stages_under_mpiexec(seed, tmp_path):
 @pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2)], ids=lambda m: f"{m[0]}x{m[1]}")
 def test_selected_rows_plan_runs_in_process(mesh, tmp_path):
     path = _selected_rows_model(tmp_path / "m.onnx")
-    plan = make_plan(path, make_cluster(mesh, "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=4))
+    plan = make_plan(path, make_cluster(mesh, "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=4, all_devices=True))
     for seed in range(3):   # different inputs select different numbers of rows
         feeds = _inputs(seed)
         assert_close(run_in_process(plan, tmp_path / "plan", feeds), reference_outputs(plan, feeds))
@@ -133,7 +133,7 @@ def test_selected_rows_plan_runs_in_process(mesh, tmp_path):
 @pytest.mark.mpi
 def test_selected_rows_run_under_mpiexec(tmp_path):
     path = _selected_rows_model(tmp_path / "m.onnx")
-    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=1))
+    plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan", PlanOptions(num_layers=1, all_devices=True))
     assert any(spec != "R" * len(spec) for s in plan.stages for spec in s.strategies.values())
     check_against_onnxruntime(plan, tmp_path / "plan", _inputs(1), tmp_path)
 
@@ -143,7 +143,7 @@ def test_selected_rows_run_under_mpiexec(tmp_path):
 def test_a_data_dependent_output_reaches_rank_0_shape_first(seed, tmp_path):
     path = _selected_rows_model(tmp_path / "m.onnx", expose=True)
     plan = make_plan(path, make_cluster((1, 2), "cpu"), {}, tmp_path / "plan",
-                     PlanOptions(num_layers=4, submeshes=[(1, 1)]))
+                     PlanOptions(num_layers=4, submeshes=[(1, 1)], all_devices=True))
     sent = [t for t in plan.transfers if t.tensor == "act"]
     assert len(sent) == 1 and sent[0].src_rank == 1 and sent[0].shape == [-1, 2 * WIDTH]
     check_against_onnxruntime(plan, tmp_path / "plan", _inputs(seed), tmp_path)
