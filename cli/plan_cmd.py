@@ -42,12 +42,19 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
                    "(external data files are only checked to be there and long enough: sparse files do).")
 @click.option("--shapes-only", is_flag=True,
               help="Plan from the model's graph alone: its external data files may be missing (implies --no-programs).")
+@click.option("--hints", "hints_path", type=click.Path(path_type=Path),
+              help="An ONNX model with multi-device annotations (IR 11), or a plan directory (its annotated.onnx): "
+                   "each annotated node's stage and layouts are kept, the rest is planned around them "
+                   "[default: the annotations MODEL carries].")
+@click.option("--no-hints", is_flag=True, help="Ignore the multi-device annotations MODEL carries.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, policy, solver,
-         reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, out_dir):
+         reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, hints_path, no_hints,
+         out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
+    from meshplan.emit.annotate import ANNOTATED_FILE
     from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, text_report
     from meshplan.errors import ModelError
     from meshplan.inter.pipeline import PlanOptions
@@ -86,8 +93,11 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 if not sep or not out or not name:
                     raise click.BadParameter(f"expected OUT=IN, got {text!r}", param_hint="--state")
                 state[out] = name
+        if hints_path is not None and no_hints:
+            raise click.UsageError("--hints and --no-hints exclude each other")
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,
-                           programs=not (no_programs or shapes_only), shapes_only=shapes_only)
+                           programs=not (no_programs or shapes_only), shapes_only=shapes_only, hints=hints_path,
+                           model_hints=not no_hints)
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
@@ -96,5 +106,6 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
                            f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")
         programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"
-        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{REPORT_FILE}, {programs}, {out_dir}/{TIMELINE_FILE}")
+        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{REPORT_FILE}, {programs}, {out_dir}/{TIMELINE_FILE}, "
+                   f"{out_dir}/{ANNOTATED_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

@@ -124,6 +124,11 @@ class Plan:
     # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
     # written, so that the same command writes the same plan on any machine.
     timings: dict = field(default_factory=dict, compare=False, repr=False)
+    # The node index where each of the planner's layers starts, and the node count: reported
+    # and annotated (annotated.onnx), never written to plan.json.
+    layer_bounds: list = field(default_factory=list, compare=False, repr=False)
+    # Lines for the report (how hints were held): reported, never written to plan.json.
+    notes: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def is_ranged(self) -> bool:
@@ -152,6 +157,8 @@ class Plan:
     def to_dict(self) -> dict:
         body = asdict(self)
         body.pop("timings")
+        body.pop("layer_bounds")
+        body.pop("notes")
         for key in ("sizes", "state"):   # absent when unused: such a plan reads as format 1
             if not body[key]:
                 body.pop(key)

@@ -17,6 +17,7 @@ from meshplan.reshard.send_spec import best_resharding
 from meshplan.errors import PlanError
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass, boundary_spec, layer_fingerprints
+from meshplan.inter.hints import StageHints
 from meshplan.model.layers import Layering, cluster_layers, repeat_period
 from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, Resharding, Stage, TensorSpec, Transfer
 from meshplan.intra.policies import POLICIES
@@ -75,9 +76,10 @@ def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, c
 def plan_pipeline(
     graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
     full_inputs: list[TensorSpec], full_outputs: list[TensorSpec], constants: dict[str, np.ndarray],
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | None = None, hints: StageHints | None = None,
 ) -> tuple[Plan, dict[int, dict[str, Strategy]]]:
-    """The plan, and the chosen strategy of every operator of each multi-device stage."""
+    """The plan, and the chosen strategy of every operator of each multi-device stage;
+    ``hints`` pin operators' strategies and force stage cuts (``inter.hints``)."""
     started = time.perf_counter()
     if options.policy not in POLICIES:
         raise PlanError(f"unknown policy {options.policy!r} (choose from {', '.join(POLICIES)})")
@@ -90,7 +92,10 @@ def plan_pipeline(
         layering = cluster_layers(graph, node_seconds, options.num_layers)
     else:
         layering = choose_layering(graph, node_seconds, cluster, constants)
-    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver, options.policy)
+    if hints is not None:
+        layering = hints.layering(layering)
+    intra_op = IntraOpPass(graph, layering, cost_model, cluster, constants, options.solver, options.policy,
+                           hints.pins if hints is not None else None)
     costs = StageCosts(graph, layering, node_seconds, cost_model, intra_op)
     submeshes = submesh_shapes(cluster)
     if options.submeshes is not None:
@@ -98,6 +103,8 @@ def plan_pipeline(
         if not submeshes:
             raise PlanError(f"none of the submeshes {list(options.submeshes)} fits the mesh")
     seconds, params, acts = costs.tables(submeshes)
+    if hints is not None:
+        seconds = hints.mask(seconds, submeshes, layering)
     sizes = np.array([n * m for n, m in submeshes])
     dp_started = time.perf_counter()
     solution = solve_stages(
@@ -172,6 +179,7 @@ def plan_pipeline(
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=transfers, programs=[],
         reshardings=reshardings, estimate=estimate, solver=solver,
         timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},
+        layer_bounds=list(layering.bounds),
     )
     return plan, shardings
 
