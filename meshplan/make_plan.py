@@ -347,6 +347,7 @@ def _plan_holding(hints: Hints | None, graph, cluster: Cluster, constants, optio
         if problems:
             raise HintError(f"the plan does not hold the hints of {hints.origin}: {problems[0]}")
         how = "planned around them"
+        plan.hinted = [graph.nodes[i].name for i in sorted(held.pins.pins)]
     else:
         how = "the free plan keeps them"
     stages = len(held.groups)

@@ -129,6 +129,9 @@ class Plan:
     layer_bounds: list = field(default_factory=list, compare=False, repr=False)
     # Lines for the report (how hints were held): reported, never written to plan.json.
     notes: list = field(default_factory=list, compare=False, repr=False)
+    # The operators a hint pinned, where the hints changed the plan (annotated.onnx marks
+    # them, ``meshplan show`` says so): never written to plan.json.
+    hinted: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def is_ranged(self) -> bool:
@@ -159,6 +162,7 @@ class Plan:
         body.pop("timings")
         body.pop("layer_bounds")
         body.pop("notes")
+        body.pop("hinted")
         for key in ("sizes", "state"):   # absent when unused: such a plan reads as format 1
             if not body[key]:
                 body.pop(key)

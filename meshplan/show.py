@@ -12,12 +12,13 @@ an older plan directory shows its stages and strategies only).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
 
-from meshplan.emit.annotate import ANNOTATED_FILE, COSTS_KEY, LAYER_KEY, PLAN_KEY
+from meshplan.emit.annotate import ANNOTATED_FILE, COSTS_KEY, HINTED_KEY, LAYER_KEY, PLAN_KEY
 from meshplan.emit.report import device_ranges, human_bytes, human_seconds
 from meshplan.errors import PlanError
 from meshplan.onnx_sharding import LayoutProblem, read_metadata
@@ -37,6 +38,7 @@ class _Op:
     layer: int | None = None
     costs: dict = field(default_factory=dict)
     segments: dict = field(default_factory=dict)     # tensor → {axis: segments}
+    hinted: bool = False                              # its layouts were pinned by a hint
 
     @property
     def seconds(self) -> float:
@@ -80,7 +82,7 @@ def _read_annotated(directory: Path, plan: Plan) -> tuple[_Model | None, str | N
         except LayoutProblem:
             segments = {}
         ops[node.name] = _Op(node.name, node.op_type, list(node.input), list(node.output), layer, costs,
-                             {name: dict(dims) for name, dims in segments.items()})
+                             {name: dict(dims) for name, dims in segments.items()}, HINTED_KEY in props)
     return _Model(ops, shapes, dtypes, {t.name for t in model.graph.initializer}), None
 
 
@@ -180,20 +182,32 @@ def _operator_lines(op: _Op, stage: Stage) -> list[str]:
     strategy = stage.strategies.get(op.name, "replicated")
     lines = [f"    {op.name} ({op.op_type}): {strategy}, {human_seconds(op.seconds)}"]
     chosen = op.costs.get("chosen")
+    pinned = "a hint pins its layouts (plan --hints)"
+    if op.hinted and not chosen:
+        lines.append(f"      why: {pinned}")
     if chosen:
-        why = [f"why: chosen {_terms(chosen)}"]
+        why = [f"why: {pinned + '; ' if op.hinted else ''}chosen {_terms(chosen)}"]
         for label, key in (("next best", "alternative"), ("replicated", "replicated")):
             other = op.costs.get(key)
             if other is None or (key == "replicated" and other["strategy"] == chosen["strategy"]):
                 continue
             text = f"{label} {other['strategy']}: {_terms(other)}"
-            if _total(other) < _total(chosen):
-                text += (" — faster alone but holds more weights: the stage's memory decided"
-                         if other["weight_bytes"] > chosen["weight_bytes"] else
-                         " — faster alone; the layer's whole ILP decided (its neighbours' layouts change with it)")
+            if not op.hinted:      # where a hint decided, its terms alone
+                text += _verdict(other, chosen)
             why.append(text)
         lines.extend(f"      {text}" for text in why)
     return lines
+
+
+def _verdict(other: dict, chosen: dict) -> str:
+    """Why ``other`` lost to ``chosen`` where its own terms do not say it."""
+    if _total(other) < _total(chosen):
+        return (" — faster alone but holds more weights: the stage's memory decided"
+                if other["weight_bytes"] > chosen["weight_bytes"] else
+                " — faster alone; the layer's whole ILP decided (its neighbours' layouts change with it)")
+    if math.isclose(_total(other), _total(chosen), rel_tol=1e-6) and other["weight_bytes"] > chosen["weight_bytes"]:
+        return " — as fast, but holds more weights per device"
+    return ""
 
 
 def _total(terms: dict) -> float:

@@ -8,6 +8,7 @@ mpiexec); a hint that cannot hold is one line naming the node, exit 1."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from meshplan.inter import hints as stage_hints
 from meshplan.make_plan import make_plan
 from meshplan.model.hints import read_hints
 from meshplan.sharding import ShardingSpec
+from meshplan.show import show_plan
 from tests.conftest import ANNOTATED_CASES, check_against_onnxruntime, run_cli
 
 CASE_IDS = [f"{name}-{mesh[0]}x{mesh[1]}" for name, mesh in ANNOTATED_CASES]
@@ -156,6 +158,10 @@ def test_a_hint_keeps_a_weight_replicated(annotated_cases, tmp_path):
     assert len(held.devices) == len(stage.devices)
     specs = strategy_of(plan, node)
     assert specs and specs[1] == "RR", specs                            # the weight whole on every device
+    # meshplan show says a hint decided, where the free plan's says why the search did
+    pinned = rf"{re.escape(node)} \(MatMul\): [^\n]*\n\s+why: a hint pins its layouts"
+    assert re.search(pinned, show_plan(tmp_path / "plan", operators=0))
+    assert not re.search(pinned, show_plan(case.plan_dir, operators=0))
     check_against_onnxruntime(plan, tmp_path / "plan", case.inputs(), tmp_path)
 
 

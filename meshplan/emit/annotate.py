@@ -12,8 +12,9 @@ What it holds (docs/annotations.md has the whole mapping):
   (``meshplan.onnx_sharding``); what the standard has no field for goes into the node's
   metadata: ``meshplan.partial`` (addends) and ``meshplan.segments`` (dims split by heads
   whose pieces are not contiguous runs), as ``onnx_sharding.metadata_entries`` writes them;
-- for people and ``meshplan show``: node metadata ``meshplan.layer`` (the planner's layer)
-  and ``meshplan.costs`` (``intra.explain``), and model metadata ``meshplan.stages``
+- for people and ``meshplan show``: node metadata ``meshplan.layer`` (the planner's layer),
+  ``meshplan.costs`` (``intra.explain``) and ``meshplan.hinted`` (on the operators a hint
+  pinned, where the hints changed the plan), and model metadata ``meshplan.stages``
   (each stage's devices, submesh and logical mesh), ``meshplan.weights_dir`` and
   ``meshplan.plan_checksum`` (the plan.json it describes).
 
@@ -51,7 +52,8 @@ LAYER_KEY = "meshplan.layer"
 COSTS_KEY = "meshplan.costs"
 WEIGHTS_DIR_KEY = "meshplan.weights_dir"
 PLAN_KEY = "meshplan.plan_checksum"
-OWN_KEYS = (LAYER_KEY, COSTS_KEY, "meshplan.partial", "meshplan.segments")
+HINTED_KEY = "meshplan.hinted"
+OWN_KEYS = (LAYER_KEY, COSTS_KEY, HINTED_KEY, "meshplan.partial", "meshplan.segments")
 
 
 def configuration_name(mesh) -> str:
@@ -165,6 +167,7 @@ def annotated_model(plan: Plan, shardings: dict, graph: Graph, canonical: Canoni
     index = {node.name: i for i, node in enumerate(graph.nodes)}
     done: set[str] = set()
     explanations = explanations or {}
+    hinted = set(plan.hinted)
     for stage in plan.stages:
         mesh_of_stage = LogicalMesh(tuple(stage.logical_mesh), tuple(range(len(stage.devices))))
         for name in stage.operators:
@@ -176,6 +179,8 @@ def annotated_model(plan: Plan, shardings: dict, graph: Graph, canonical: Canoni
                 extra[LAYER_KEY] = str(_layer_of(index[name], bounds))
             if name in explanations:
                 extra[COSTS_KEY] = json.dumps(explanations[name], separators=(",", ":"))
+            if name in hinted:
+                extra[HINTED_KEY] = "layouts"
             _set_metadata(protos[name], extra)
             for tensor, spec in zip(node.inputs, strategy.inputs):
                 if not tensor or spec is None or not graph.tensors[tensor].is_derived:
