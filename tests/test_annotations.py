@@ -245,3 +245,36 @@ def test_parameter_expressions_are_annotated_as_derived(tmp_path):
     assert str(spec) == head.split("->")[0].split(",")[1]
     table = from_proto(next(s for s in annotation.sharding_spec if s.tensor_name == transpose.input[0]))
     assert decode(normalised(table, 2), (2048, 64), mesh) is not None
+
+
+def test_a_ranged_plan_is_annotated_and_replans_alike(tmp_path):
+    """A plan for a range of batch sizes: annotated.onnx keeps the batch symbolic, passes
+    the full checker and runs at two sizes beside the model; its annotations as hints give
+    the same plan.json."""
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.make_plan import make_plan
+    from meshplan.model.sizes import parse_size
+    from sample_models import SAMPLES
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    model = model_dir / "gpt.onnx"
+    shutil.copy(SAMPLES["gpt"].path, model)
+    cluster = make_cluster((1, 2), "h100-80g")
+    dims = {"batch": parse_size("2:8:2"), "seq": 16}
+    plan = make_plan(model, cluster, dims, tmp_path / "plan", PlanOptions())
+    assert plan.is_ranged
+    beside = model_dir / ANNOTATED_FILE
+    shutil.copy(tmp_path / "plan" / ANNOTATED_FILE, beside)
+    onnx.checker.check_model(str(beside), full_check=True)
+    loaded = onnx.load(str(beside), load_external_data=False)
+    assert loaded.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    session = ort.InferenceSession(str(beside), providers=["CPUExecutionProvider"])
+    reference = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    for batch in (2, 6):
+        feeds = {"input_ids": np.random.default_rng(batch).integers(0, 512, size=(batch, 16), dtype=np.int64)}
+        np.testing.assert_allclose(session.run(None, feeds)[0], reference.run(None, feeds)[0], rtol=1e-5, atol=1e-6)
+    again = make_plan(model, cluster, dims, tmp_path / "again", PlanOptions(), hints=tmp_path / "plan")
+    assert any("the free plan keeps them" in note for note in again.notes)
+    assert (tmp_path / "again" / "plan.json").read_bytes() == (tmp_path / "plan" / "plan.json").read_bytes()
