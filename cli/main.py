@@ -15,6 +15,7 @@ from cli.inputs_cmd import inputs
 from cli.plan_cmd import plan
 from cli.profile_cmd import profile
 from cli.run_cmd import run
+from cli.show_cmd import show
 from cli.verify_cmd import verify
 
 
@@ -27,7 +28,7 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-for command in (plan, run, generate, verify, inputs, profile, doctor):
+for command in (plan, run, generate, verify, inputs, profile, doctor, show):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -55,13 +55,19 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
 @click.option("--prefill-chunk", "prefill_chunk", type=click.IntRange(min=1),
               help="With --generate: prompts are fed in pieces of at most this many positions [default: 128, or "
                    "--max-length if smaller].")
+@click.option("--hints", "hints_path", type=click.Path(path_type=Path),
+              help="An ONNX model with multi-device annotations (IR 11), or a plan directory (its annotated.onnx): "
+                   "each annotated node's stage and layouts are kept, the rest is planned around them "
+                   "[default: the annotations MODEL carries].")
+@click.option("--no-hints", is_flag=True, help="Ignore the multi-device annotations MODEL carries.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
-         max_length, prefill_chunk, out_dir):
+         max_length, prefill_chunk, hints_path, no_hints, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
+    from meshplan.emit.annotate import ANNOTATED_FILE
     from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, text_report
     from meshplan.errors import ModelError
     from meshplan.inter.pipeline import PlanOptions
@@ -101,6 +107,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 if not sep or not out or not name:
                     raise click.BadParameter(f"expected OUT=IN, got {text!r}", param_hint="--state")
                 state[out] = name
+        if hints_path is not None and no_hints:
+            raise click.UsageError("--hints and --no-hints exclude each other")
         if generate:
             from meshplan.make_plan import generation_plan_dims
 
@@ -116,7 +124,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         elif max_length is not None or prefill_chunk is not None or gen_batch != 1:
             raise click.UsageError("--batch, --max-length and --prefill-chunk go with --generate")
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,
-                           programs=not (no_programs or shapes_only), shapes_only=shapes_only)
+                           programs=not (no_programs or shapes_only), shapes_only=shapes_only, hints=hints_path,
+                           model_hints=not no_hints)
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
@@ -125,5 +134,6 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
                            f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")
         programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"
-        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{REPORT_FILE}, {programs}, {out_dir}/{TIMELINE_FILE}")
+        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{REPORT_FILE}, {programs}, {out_dir}/{TIMELINE_FILE}, "
+                   f"{out_dir}/{ANNOTATED_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

@@ -30,3 +30,7 @@ class PlanError(MeshplanError):
 
 class RunError(MeshplanError):
     """The runtime cannot start or continue (ranks, inputs, files)."""
+
+
+class HintError(PlanError):
+    """A hint (an annotation of the model or of ``--hints``) that is malformed or cannot hold."""

@@ -18,7 +18,9 @@ from onnx import numpy_helper
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.analytic import CostModel, compute_dtypes
 from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
-from meshplan.errors import ModelError, PlanError
+from meshplan.errors import HintError, ModelError, PlanError
+from meshplan.inter.hints import resolve_hints
+from meshplan.model.hints import Hints, has_annotations, read_hints, strip_annotations
 from meshplan.model.graph import build_graph
 from meshplan.model.load import Rewrite, canonicalize, read_model, symbolic_dims
 from meshplan.model.sizes import Sizes, derive_dims, split_dims
@@ -29,6 +31,8 @@ from meshplan.plan_format import PLAN_FILE, Plan, TensorSpec, write_plan
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
+from meshplan.emit.annotate import ANNOTATED_FILE, write_annotated
+from meshplan.intra.explain import explain_plan
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 
 
@@ -299,11 +303,12 @@ def _ranged_specs(header: onnx.ModelProto, graph_tensors, names, fixed: dict[str
 
 
 def _plan_ranged(model_path: Path, header, cluster: Cluster, sizes: Sizes, workdir: Path, options: PlanOptions,
-                 cost_model, state: dict[str, str], weights: str = "read"):
+                 cost_model, state: dict[str, str], weights: str = "read", hints=None, model_hints: bool = True):
     if options.microbatches > 1:
         raise PlanError("--microbatches needs fixed sizes; a plan for ranges of sizes runs one batch at a time",
                         hint="use --microbatches 1, or fix the dims with --dim NAME=INT")
     canonical, views = canonicalize_ranged(model_path, sizes, workdir, weights)
+    found = _read_hints(canonical, hints, model_hints, cluster.num_devices)
     graph = build_graph(canonical.model, views)
     graph.state = dict(state)
     cost = sizes.point("cost")
@@ -314,12 +319,13 @@ def _plan_ranged(model_path: Path, header, cluster: Cluster, sizes: Sizes, workd
     dtypes = compute_dtypes(graph)
     if dtypes != ["float32"]:
         model_info["compute_dtypes"] = dtypes
-    plan, shardings = plan_pipeline(
+    constants = small_constants(canonical.model)
+    plan, shardings = _plan_holding(found, graph, cluster, constants, options, lambda held: plan_pipeline(
         graph, cluster, options, model_info, batch,
         _ranged_specs(header, graph.tensors, graph.inputs, sizes.fixed),
         _ranged_specs(header, graph.tensors, graph.outputs, sizes.fixed),
-        small_constants(canonical.model), cost_model,
-    )
+        constants, cost_model, held,
+    ))
     plan.sizes = sizes.to_dict()
     return plan, shardings, canonical, graph
 
@@ -346,14 +352,65 @@ def _record_state(plan: Plan, state: dict[str, str], graph) -> None:
         plan.state.append(record)
 
 
+def _read_hints(canonical, hints, model_hints: bool, num_devices: int) -> Hints | None:
+    """The hints to hold: those of the file (or plan directory) ``hints``, else, with
+    ``model_hints``, the annotations the model carries. The canonical model (and its file,
+    which the programs are cut from) loses the model's annotations either way."""
+    own = has_annotations(canonical.model)
+    found = None
+    if hints is not None:
+        path = Path(hints)
+        if path.is_dir():
+            path = path / ANNOTATED_FILE
+        found = read_hints(read_model(path, load_external_data=False), str(hints), num_devices)
+        if found is None:
+            raise HintError(f"{hints} has no multi-device annotations to read as hints")
+    elif own and model_hints:
+        found = read_hints(canonical.model, f"the annotations of {canonical.source.name}", num_devices)
+    if own:
+        strip_annotations(canonical.model)
+        onnx.save_model(canonical.model, str(canonical.path))
+    return found
+
+
+def _plan_holding(hints: Hints | None, graph, cluster: Cluster, constants, options: PlanOptions, run):
+    """``run(None)`` (the free search) when it keeps every hint — then it is also the best
+    plan that does, and re-planning with a plan's own annotations gives that plan again —
+    else ``run(constraints)``, the search with the hinted strategies pinned and the hinted
+    stages forced. The hints are checked before any search."""
+    if hints is None:
+        return run(None)
+    held = resolve_hints(hints, graph, cluster, constants, options.policy)
+    pinned = len(held.pins.pins)
+    plan, shardings = run(None)
+    if held.violations(plan, shardings):
+        try:
+            plan, shardings = run(held)
+        except PlanError as exc:
+            raise HintError(f"no plan holds the hints of {hints.origin}: {exc}") from None
+        problems = held.violations(plan, shardings)
+        if problems:
+            raise HintError(f"the plan does not hold the hints of {hints.origin}: {problems[0]}")
+        how = "planned around them"
+        plan.hinted = [graph.nodes[i].name for i in sorted(held.pins.pins)]
+    else:
+        how = "the free plan keeps them"
+    stages = len(held.groups)
+    plan.notes.append(f"hints: {hints.origin}: {pinned} operator layout(s) and {stages} stage(s) held; {how}")
+    plan.notes.extend(held.placement_notes(plan))
+    return plan, shardings
+
+
 def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, workdir: Path,
                options: PlanOptions = PlanOptions(), cost_model: CostModel | None = None,
-               state: dict[str, str] | None = None, weights: str = "read"):
+               state: dict[str, str] | None = None, weights: str = "read", hints=None, model_hints: bool = True):
     """Load, canonicalise (into ``workdir``) and plan, without writing programs. ``dims``
     maps each named dim to a size or a ``DimRange``; the model's other dims are derived
     from them. ``state``: see ``state_pairs``. ``weights`` is ``canonicalize``'s: ``"read"``
     when programs will be emitted from the canonical model, ``"unread"`` or ``"absent"``
-    for a plan alone.
+    for a plan alone. ``hints``: an annotated model (or a plan directory) whose
+    annotations the plan must keep (``inter.hints``); without it, the model's own
+    annotations, unless ``model_hints`` is False.
 
     Returns the plan, the strategies of each sharded stage, the canonical model and its graph."""
     model_path = Path(model_path)
@@ -365,7 +422,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
                         hint="or turn state off with --no-state")
     if sizes.is_ranged:
         plan, shardings, canonical, graph = _plan_ranged(model_path, header, cluster, sizes, workdir, options,
-                                                         cost_model, pairs, weights)
+                                                         cost_model, pairs, weights, hints, model_hints)
         _record_state(plan, pairs, graph)
         return plan, shardings, canonical, graph
     given = dict(dims)
@@ -373,6 +430,7 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
     batch, program_dims = batch_layout(header, dims, options.microbatches, options.batch_dim)
     canonical = canonicalize(model_path, program_dims, workdir, static_batch_rewrite(batch, options.microbatches),
                              weights)
+    found = _read_hints(canonical, hints, model_hints, cluster.num_devices)
     graph = build_graph(canonical.model)
     graph.state = dict(pairs)
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": given}
@@ -381,12 +439,13 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
     dtypes = compute_dtypes(graph)
     if dtypes != ["float32"]:                 # recorded where not float32 alone, as the report reads it
         model_info["compute_dtypes"] = dtypes
-    plan, shardings = plan_pipeline(
+    constants = small_constants(canonical.model)
+    plan, shardings = _plan_holding(found, graph, cluster, constants, options, lambda held: plan_pipeline(
         graph, cluster, options, model_info, batch,
         _full_specs(header, graph.tensors, graph.inputs, batch, options.microbatches),
         _full_specs(header, graph.tensors, graph.outputs, batch, options.microbatches),
-        small_constants(canonical.model), cost_model,
-    )
+        constants, cost_model, held,
+    ))
     _record_state(plan, pairs, graph)
     return plan, shardings, canonical, graph
 
@@ -416,7 +475,7 @@ def make_plan(
     model_path: str | os.PathLike, cluster: Cluster, dims: dict[str, int], out_dir: str | os.PathLike,
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
     cost_model: CostModel | None = None, state: dict[str, str] | None = None,
-    programs: bool = True, shapes_only: bool = False,
+    programs: bool = True, shapes_only: bool = False, hints=None, model_hints: bool = True,
 ) -> Plan:
     """Plan ``model_path`` and write the plan directory ``out_dir``: plan.json, the timeline
     and, unless ``programs`` is False, one program per device. Without programs no weight
@@ -436,15 +495,21 @@ def make_plan(
     if not split_dims(dims).is_ranged:   # reject bad batch options before any work
         batch_layout(header, derive_dims(header, split_dims(dims)).resolve({}), options.microbatches, options.batch_dim)
     check_solver(options.solver)  # and a solver that does not load here
+    if hints is not None and not Path(hints).exists():
+        raise HintError(f"hints file not found: {hints}")
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(staging, 0o755)
     try:
         workdir = staging / ".work"
         workdir.mkdir()
         plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model, state,
-                                                       weights)
+                                                       weights, hints, model_hints)
         if programs:
             emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
+        constants = small_constants(canonical.model)
+        explanations = explain_plan(plan, shardings, graph, cost_model or CostModel(cluster), cluster, constants,
+                                    options.policy)
+        write_annotated(plan, shardings, graph, canonical, staging, constants, explanations)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
         (staging / REPORT_FILE).write_text(text_report(plan) + "\n")

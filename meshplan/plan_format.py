@@ -136,6 +136,14 @@ class Plan:
     # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
     # written, so that the same command writes the same plan on any machine.
     timings: dict = field(default_factory=dict, compare=False, repr=False)
+    # The node index where each of the planner's layers starts, and the node count: reported
+    # and annotated (annotated.onnx), never written to plan.json.
+    layer_bounds: list = field(default_factory=list, compare=False, repr=False)
+    # Lines for the report (how hints were held): reported, never written to plan.json.
+    notes: list = field(default_factory=list, compare=False, repr=False)
+    # The operators a hint pinned, where the hints changed the plan (annotated.onnx marks
+    # them, ``meshplan show`` says so): never written to plan.json.
+    hinted: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def is_ranged(self) -> bool:
@@ -178,6 +186,9 @@ class Plan:
     def to_dict(self) -> dict:
         body = asdict(self)
         body.pop("timings")
+        body.pop("layer_bounds")
+        body.pop("notes")
+        body.pop("hinted")
         for key in ("sizes", "state", "idle"):   # absent when unused: such a plan reads as format 1
             if not body[key]:
                 body.pop(key)

@@ -150,3 +150,65 @@ def run_signature(entry) -> None:
     rng = np.random.default_rng(0)
     feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in session.get_inputs()}
     assert session.run(None, feeds)[0].shape == entry.signature.outputs[0][1]
+
+
+# --- plans with their annotated.onnx, shared by the annotation, hint and show tests -------------
+
+ANNOTATED_LLAMA = dict(layers=4, hidden=128, heads=4, ffn=352, vocab=512, max_seq=32)
+
+
+class AnnotatedCase:
+    """A model copied into its own directory (so that annotated.onnx, which refers to the
+    model's files, can be put beside it) and planned."""
+
+    def __init__(self, name: str, root: Path, mesh: tuple[int, int]):
+        import onnx
+
+        from meshplan.cost.cluster import load_cluster_file, make_cluster
+        from meshplan.inter.pipeline import PlanOptions
+        from meshplan.make_plan import make_plan
+        from sample_models import SAMPLES
+        from sample_models.llama import make_llama, save_llama
+
+        self.name, self.mesh = name, mesh
+        self.model_dir = root / "model"
+        self.model_dir.mkdir(parents=True)
+        if name == "gpt":
+            self.model = self.model_dir / "gpt.onnx"
+            shutil.copy(SAMPLES["gpt"].path, self.model)
+            self.cluster = make_cluster(mesh, "h100-80g")
+            self.dims = dict(SAMPLES["gpt"].dims)
+        else:   # a Llama whose devices hold 40% of its weights: the memory forces stages and splits
+            self.model = save_llama(self.model_dir / "llama.onnx", make_llama(**ANNOTATED_LLAMA))
+            total = sum(onnx.numpy_helper.to_array(t).nbytes for t in onnx.load(str(self.model)).graph.initializer)
+            toml = root / "cluster.toml"
+            toml.write_text(f"hosts = {mesh[0]}\ndevices_per_host = {mesh[1]}\n[device]\npreset = 'h100-80g'\n"
+                            f"memory_gb = {0.4 * total / 1024**3!r}\n")
+            self.cluster = load_cluster_file(toml)
+            self.dims = {"batch": 4, "seq": 16}
+        self.options = PlanOptions(microbatches=2)
+        self.plan_dir = root / "plan"
+        self.plan = make_plan(self.model, self.cluster, self.dims, self.plan_dir, self.options)
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-{self.mesh[0]}x{self.mesh[1]}"
+
+    def inputs(self, batch: int | None = None) -> dict[str, np.ndarray]:
+        vocab = 512
+        rng = np.random.default_rng(7)
+        shape = (batch or self.dims["batch"], self.dims["seq"])
+        return {"input_ids": rng.integers(0, vocab, size=shape, dtype=np.int64)}
+
+
+ANNOTATED_CASES = [("gpt", (1, 4)), ("gpt", (2, 2)), ("llama", (1, 4)), ("llama", (2, 2))]
+
+
+@pytest.fixture(scope="session")
+def annotated_cases(tmp_path_factory) -> dict[str, AnnotatedCase]:
+    """The GPT sample and a memory-forced Llama, each on 1x4 and 2x2, planned once."""
+    found = {}
+    for name, mesh in ANNOTATED_CASES:
+        case = AnnotatedCase(name, tmp_path_factory.mktemp(f"{name}{mesh[0]}x{mesh[1]}"), mesh)
+        found[case.id] = case
+    return found

@@ -9,10 +9,13 @@ fails ``test_every_command_is_swept``.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from cli.main import main as cli_group
@@ -30,7 +33,7 @@ NO_CBC = {"PMIP_CBC_LIBRARY": "/nonexistent/libCbc.so"}
 class Case:
     id: str
     args: tuple                   # CLI arguments; "{name}" placeholders name files of the fixture
-    fragment: str = ""            # must appear in the error line
+    fragment: str | tuple = ""    # must appear in the error line (each of a tuple)
     ranks: int = 0                # > 0: under mpiexec -n ranks
     env: dict = field(default_factory=dict)
     code: int = 1                 # 2: a click usage error
@@ -50,6 +53,26 @@ CASES = [
     Case("plan-missing-cbc", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "-o", "{out}"),
          "the CBC solver does not load", env=NO_CBC),
     Case("plan-bad-cluster-file", ("plan", GPT.path, "--cluster", "{garbage}", *DIMS, "-o", "{out}"), "cluster"),
+    # plan --hints
+    Case("plan-hints-missing", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--hints", "{missing}", "-o", "{out}"),
+         "hints file not found"),
+    Case("plan-hints-not-onnx", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--hints", "{garbage}", "-o", "{out}"),
+         "not an ONNX model"),
+    Case("plan-hints-without-annotations", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--hints", GPT.path,
+                                            "-o", "{out}"), "no multi-device annotations"),
+    Case("plan-hints-other-mesh", ("plan", GPT.path, "--mesh", "1x4", *DIMS, "--hints", "{plan}", "-o", "{out}"),
+         "the mesh has 4 devices"),
+    Case("plan-hints-stage-goes-back", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--hints", "{backwards}",
+                                        "-o", "{out}"), ("hint for node 'layer0/ln2'", "comes after stage 1")),
+    Case("plan-hints-split-does-not-divide", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--hints", "{indivisible}",
+                                              "-o", "{out}"), ("hint for node 'layer0/attn/scores'", "does not split into 3 pieces")),
+    Case("plan-hints-and-no-hints", ("plan", GPT.path, "--mesh", "1x2", *DIMS, "--hints", "{plan}", "--no-hints",
+                                     "-o", "{out}"), code=2),
+    # show
+    Case("show-missing-plan", ("show", "{missing}"), "plan directory not found"),
+    Case("show-not-a-plan", ("show", "{not_a_plan}"), "not valid JSON"),
+    Case("show-no-such-stage", ("show", "{plan}", "--stage", "7"), "the plan has no stage 7"),
+    Case("show-damaged-annotations", ("show", "{damaged}"), "annotated.onnx is not an ONNX model"),
     # verify
     Case("plan-generate-without-cache", ("plan", GPT.path, "--mesh", "1x2", "--generate", "--max-length", "16", "-o",
                                           "{out}"), "no key/value cache"),
@@ -100,11 +123,44 @@ def files(tmp_path_factory):
     bad = {k: v.copy() for k, v in good.items()}
     bad["input_ids"][0, 0] = 10**6
     (root / "garbage").write_bytes(b"PK\x03\x04 neither a zip nor a protobuf \x00\xff" * 4)
+    backwards = _edited_hints(plan, root / "backwards.onnx", {"layer0/ln1": 1, "layer0/ln2": 0})
+    indivisible = _edited_hints(plan, root / "indivisible.onnx", {"layer0/attn/scores": (1, 3)})
+    damaged = root / "damaged"
+    shutil.copytree(plan, damaged)
+    (damaged / "annotated.onnx").write_bytes((root / "garbage").read_bytes())
+    not_a_plan = root / "not_a_plan"
+    not_a_plan.mkdir()
+    (not_a_plan / "plan.json").write_text("{ not json")
     return {
-        "plan": plan, "garbage": root / "garbage", "missing": root / "missing",
+        "plan": plan, "garbage": root / "garbage", "missing": root / "missing", "backwards": backwards,
+        "indivisible": indivisible, "damaged": damaged, "not_a_plan": not_a_plan,
         "inputs": save_npz(root / "in.npz", good), "out_of_range": save_npz(root / "bad.npz", bad),
         "short": save_npz(root / "short.npz", {"input_ids": good["input_ids"][:, :8]}),
     }
+
+
+def _edited_hints(plan: Path, out: Path, edits: dict) -> Path:
+    """The plan's annotations with only the nodes ``edits`` names kept: an int moves the node
+    to that stage; (axis, pieces) splits the node's output along axis in that many pieces
+    (on devices it does not name)."""
+    model = onnx.load(str(plan / "annotated.onnx"), load_external_data=False)
+    for node in model.graph.node:
+        edit = edits.get(node.name)
+        if edit is None:
+            del node.device_configurations[:]
+            continue
+        (config,) = node.device_configurations
+        if isinstance(edit, int):
+            config.pipeline_stage = edit
+            del config.sharding_spec[:]
+            continue
+        spec = next(s for s in config.sharding_spec if s.tensor_name == node.output[0])
+        del spec.device[:], spec.index_to_device_group_map[:], spec.sharded_dim[:]
+        dim = spec.sharded_dim.add()
+        dim.axis = edit[0]
+        dim.simple_sharding.add().num_shards = edit[1]
+    onnx.save(model, str(out))
+    return out
 
 
 def _arguments(case: Case, files: dict, tmp_path) -> list[str]:
@@ -121,10 +177,11 @@ def _check(case: Case, done: subprocess.CompletedProcess, tmp_path) -> None:
         assert "Error:" in done.stderr, output
         return
     ours = [line for line in done.stderr.splitlines() if line.startswith("meshplan: error:")]
+    fragments = case.fragment if isinstance(case.fragment, tuple) else (case.fragment,)
     if case.ranks:   # every failing rank may say its line; all must be the same kind
-        assert ours and all(case.fragment in line for line in ours), output
+        assert ours and all(f in line for line in ours for f in fragments), output
     else:
-        assert len(ours) == 1 and case.fragment in ours[0], output
+        assert len(ours) == 1 and all(f in ours[0] for f in fragments), output
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("out")]
     assert leftovers == [], leftovers   # nothing half-written
 

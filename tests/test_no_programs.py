@@ -88,8 +88,11 @@ def test_plan_without_programs_reads_no_weight(models, tmp_path, monkeypatch):
     plan = make_plan(sparse["path"], cluster, DIMS, tmp_path / "plan", PlanOptions(microbatches=2), programs=False)
     monkeypatch.undo()
     assert not any(path.endswith(".data") for path in opened), opened
-    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["plan.json", "report.txt", "timeline.svg"]
+    # annotated.onnx needs no weight byte: it refers to the model's own data file
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["annotated.onnx", "plan.json", "report.txt",
+                                                                    "timeline.svg"]
     assert plan.programs == [] and read_plan(tmp_path / "plan").programs == []
+    _same_annotations(tmp_path / "plan", tmp_path / "full", Path(sparse["path"]).parent)
     # the same plan as with programs (the emitter's collective lists aside)
     strip = [{k: v for k, v in json.loads(json.dumps(s.__dict__)).items() if k != "collectives"} for s in plan.stages]
     full = [{k: v for k, v in json.loads(json.dumps(s.__dict__)).items() if k != "collectives"}
@@ -99,6 +102,31 @@ def test_plan_without_programs_reads_no_weight(models, tmp_path, monkeypatch):
     assert "programs: none written" in (tmp_path / "plan" / "report.txt").read_text()
     with pytest.raises(PlanError, match="no programs"):
         require_programs(plan, tmp_path / "plan")
+
+
+def _same_annotations(plan_dir: Path, full_dir: Path, model_dir: Path) -> None:
+    """The annotations of a plan without programs are those of the same plan with them, and
+    the file passes onnx's full checker beside the model whose data file it refers to."""
+    import shutil
+
+    import onnx
+
+    from meshplan.emit.annotate import ANNOTATED_FILE
+
+    lean = onnx.load(str(plan_dir / ANNOTATED_FILE), load_external_data=False)
+    full = onnx.load(str(full_dir / ANNOTATED_FILE), load_external_data=False)
+    assert [list(n.device_configurations) for n in lean.graph.node] == \
+        [list(n.device_configurations) for n in full.graph.node]
+    assert any(len(n.device_configurations) for n in lean.graph.node)
+    external = [t for t in lean.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == \
+        {"model.onnx.data"}
+    beside = model_dir / ANNOTATED_FILE
+    shutil.copy(plan_dir / ANNOTATED_FILE, beside)
+    try:
+        onnx.checker.check_model(str(beside), full_check=True)
+    finally:
+        beside.unlink()
 
 
 def test_missing_weights_need_shapes_only(models, tmp_path):
@@ -112,6 +140,13 @@ def test_missing_weights_need_shapes_only(models, tmp_path):
     assert not (tmp_path / "plan").exists()
     plan = make_plan(bare / "model.onnx", cluster, DIMS, tmp_path / "plan", shapes_only=True)
     assert plan.programs == [] and (tmp_path / "plan" / "plan.json").is_file()
+    # annotated.onnx is written from the graph alone: it refers to the data file the model names
+    import onnx
+
+    annotated = onnx.load(str(tmp_path / "plan" / "annotated.onnx"), load_external_data=False)
+    assert any(len(n.device_configurations) for n in annotated.graph.node)
+    locations = {e.value for t in annotated.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}
 
 
 def test_cli_no_programs_and_run_is_one_line(models, tmp_path):

@@ -106,6 +106,7 @@ def text_report(plan: Plan) -> str:
             lines.append(f"  ... and {len(plan.reshardings) - len(shown)} more (plan.json lists them all)")
     if not plan.programs:
         lines.append("programs: none written (planned without programs; meshplan run needs them)")
+    lines.extend(plan.notes)
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"

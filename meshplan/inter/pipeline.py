@@ -17,6 +17,7 @@ from meshplan.reshard.send_spec import best_resharding
 from meshplan.errors import PlanError
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass, boundary_spec, layer_fingerprints
+from meshplan.inter.hints import StageHints
 from meshplan.model.layers import Layering, cluster_layers, repeat_period
 from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, Resharding, Stage, TensorSpec, Transfer
 from meshplan.intra.policies import POLICIES
@@ -156,7 +157,7 @@ def regions(cluster: Cluster, submeshes: list[tuple[int, int]], idle: bool) -> l
 def plan_pipeline(
     graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
     full_inputs: list[TensorSpec], full_outputs: list[TensorSpec], constants: dict[str, np.ndarray],
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | None = None, hints: StageHints | None = None,
 ) -> tuple[Plan, dict[int, dict[str, Strategy]]]:
     """The plan, and the chosen strategy of every operator of each multi-device stage.
 
@@ -164,7 +165,10 @@ def plan_pipeline(
     rule, once for each region of the mesh (``regions``), each with the sends it would
     have there; every solution is placed, connected and estimated, and the fastest kept
     (the smallest region on a tie). Devices it leaves out are idle, and the plan says why:
-    the best plan that uses every device, and its estimate."""
+    the best plan that uses every device, and its estimate.
+
+    ``hints`` pin operators' strategies and force stage cuts (``inter.hints``); a hinted
+    plan is searched on the whole mesh alone (the hints name its devices)."""
     started = time.perf_counter()
     if options.policy not in POLICIES:
         raise PlanError(f"unknown policy {options.policy!r} (choose from {', '.join(POLICIES)})")
@@ -183,8 +187,11 @@ def plan_pipeline(
             cut = cluster_layers(graph, node_seconds, options.num_layers)
         else:
             cut = choose_layering(graph, node_seconds, area, constants)
+        if hints is not None:
+            cut = hints.layering(cut)
         if cut.bounds not in bundles:
-            sharding = IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy)
+            sharding = IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy,
+                                   hints.pins if hints is not None else None)
             bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding))
         return bundles[cut.bounds]
 
@@ -211,6 +218,8 @@ def plan_pipeline(
         chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]]
         _, _, area_costs = region_bundle(region)
         seconds, params, acts = area_costs.tables(submeshes, across_hosts=cluster.hosts > 1 and region[0] > 1)
+        if hints is not None:
+            seconds = hints.mask(seconds, submeshes, region_bundle(region)[0])
         pick = np.array(chosen)
         began = time.perf_counter()
         try:
@@ -233,7 +242,7 @@ def plan_pipeline(
         return built
 
     whole = cluster.mesh
-    areas = regions(cluster, submeshes, idle)
+    areas = regions(cluster, submeshes, idle) if hints is None else [whole]
     first = solve(whole, idle)
     if first is None:
         need = memory_need(costs, submeshes, cluster.num_devices, memory, max_stages, idle)
@@ -292,6 +301,7 @@ def plan_pipeline(
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=best.transfers, programs=[],
         reshardings=reshardings, estimate=estimate, solver=solver, idle=idle_info,
         timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},
+        layer_bounds=list(best.layering.bounds),
     )
     return plan, best.shardings
 

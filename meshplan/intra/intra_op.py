@@ -31,9 +31,10 @@ from meshplan.intra.fold import fold_followers
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
 from meshplan.intra.segments import tensor_segments
 from meshplan.intra.operator_cost import OperatorCosts, held_bytes, held_outputs
+from meshplan.intra.pins import Pins
 from meshplan.intra.strategies import Strategy
 from meshplan.reshard.steps import axis_links
-from meshplan.sharding import LogicalMesh, segments_fit
+from meshplan.sharding import LogicalMesh, ShardingSpec, segments_fit
 
 __all__ = ["BOUNDARY_KINDS", "IntraOpPass", "IntraOpStats", "LayerSolution", "StageSharding",
            "boundary_spec", "fold_followers", "layer_fingerprints"]
@@ -57,12 +58,14 @@ class IntraOpPass:
     each layer's solution by structure."""
 
     def __init__(self, graph, layering: Layering, cost_model: CostModelProtocol, cluster: Cluster,
-                 constants: dict[str, np.ndarray], solver: str = "cbc", policy: str = "auto"):
+                 constants: dict[str, np.ndarray], solver: str = "cbc", policy: str = "auto", pins: Pins | None = None):
         self.graph = graph
         self.layering = layering
         self.cluster = cluster
         self.stats = IntraOpStats()
-        self.ilp = LayerIlp(graph, OperatorCosts(graph, cost_model, cluster, constants), constants, solver, policy)
+        self.pins = pins if pins else None
+        self.ilp = LayerIlp(graph, OperatorCosts(graph, cost_model, cluster, constants), constants, solver, policy,
+                            self.pins)
         self._producers = graph.producers()
         self._consumers = graph.consumers()
         self._graph_inputs = set(graph.inputs)
@@ -92,7 +95,7 @@ class IntraOpPass:
         b_out = self._effective_kind(layer, b_out, logical, entering=False)
         # the lean variant's memory row depends on the device count: it keeps its own mesh
         view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
-        key = (self._layer_keys[layer], view, b_in, b_out, lean)
+        key = (self._layer_keys[layer] + self._pin_key(layer, logical), view, b_in, b_out, lean)
         if key in self._cache:
             self.stats.cache_hits += 1
         else:
@@ -138,6 +141,8 @@ class IntraOpPass:
                 (size, links[axis].bandwidth, links[axis].latency, inter and links[axis] == self.cluster.inter_host)
                 if splits(size, logical[1 - axis]) else None
                 for axis, size in enumerate(logical))
+            if self._pin_key(layer, logical):   # a pin depends on the whole mesh
+                found = (found, logical)
             self._views[(layer, submesh, logical)] = found
         return found
 
@@ -183,10 +188,23 @@ class IntraOpPass:
                 not boundary_spec("B", self.graph.tensors[n].split_sizes, mesh).is_replicated for n in names)
         return kind if self._splittable[key] else "R"
 
+    def _pin_key(self, layer: int, logical: tuple[int, int]) -> str:
+        """What the pins that apply on ``logical`` add to the layer's fingerprint: a layer
+        with pinned operators shares its ILP only with layers pinned alike ("" for none)."""
+        if not self.pins:
+            return ""
+        return self.pins.layer_key(self.layering.bounds[layer], self.layering.bounds[layer + 1],
+                                   logical[0] * logical[1])
+
     def _solve_layer(self, layer, submesh, logical, b_in, b_out, memory_limit=None) -> LayerSolution:
         started = ilp.clock()
         start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
-        solution, result = self.ilp.solve(start, stop, submesh, logical, b_in, b_out, memory_limit)
+        try:
+            solution, result = self.ilp.solve(start, stop, submesh, logical, b_in, b_out, memory_limit)
+        except PlanError:
+            if memory_limit is not None or not self._pin_key(layer, logical):
+                raise
+            return _unreachable(self.graph, start, stop)   # the pins cannot hold on this mesh
         self.stats.ilps += 1
         self.stats.seconds += ilp.clock() - started
         self.stats.variables += result.variables
@@ -275,3 +293,13 @@ class IntraOpPass:
             first = self.layering.bounds[layer]
             chosen.update({first + k: strategy for k, strategy in enumerate(solution.strategies)})
         return chosen
+
+
+def _unreachable(graph, start: int, stop: int) -> LayerSolution:
+    """A layer whose pinned operators have no strategy on a mesh: infinitely slow there."""
+    def whole(name):
+        return ShardingSpec.replicated(len(graph.tensors[name].shape)) if name else None
+
+    strategies = [Strategy(tuple(whole(n) for n in graph.nodes[i].inputs), tuple(whole(n) for n in graph.nodes[i].outputs))
+                  for i in range(start, stop)]
+    return LayerSolution(float("inf"), strategies, float("inf"))

@@ -14,6 +14,7 @@ import numpy as np
 from meshplan.intra.fold import fold_followers
 from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, ShardingSolution, solve
 from meshplan.intra.operator_cost import OperatorCosts, held_bytes
+from meshplan.intra.pins import Pins
 from meshplan.intra.policies import apply_policy
 from meshplan.intra.strategies import Strategy, node_strategies
 from meshplan.model.graph import Graph
@@ -53,9 +54,10 @@ class LayerIlp:
     """Builds and solves the ILP of a range of a graph's nodes."""
 
     def __init__(self, graph: Graph, costs: OperatorCosts, constants: dict[str, np.ndarray],
-                 solver: str = "cbc", policy: str = "auto"):
+                 solver: str = "cbc", policy: str = "auto", pins: Pins | None = None):
         self.graph, self.costs, self.constants = graph, costs, constants
         self.solver, self.policy = solver, policy
+        self.pins = pins            # hinted operators: the strategies they may take (``intra.pins``)
         self._producers = graph.producers()
         self._consumers = graph.consumers()
         self._outputs = set(graph.outputs)
@@ -138,6 +140,9 @@ class LayerIlp:
             strategies = apply_policy(self.policy, node, self.graph,
                                       node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
             costs = np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies])
+            allowed = self.pins.allowed(i, node, strategies, mesh) if self.pins else None
+            if allowed is not None:
+                costs = np.where(allowed, costs, np.inf)
             entering, leaving = [], []
             for k, name in enumerate(node.inputs):
                 if not name or tensors[name].is_param or start <= self._producers.get(name, -1) < stop:
