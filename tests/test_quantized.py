@@ -337,7 +337,7 @@ def test_quantized_mlp_on_1x2(policy, tmp_path):
     cluster_file.write_text("hosts = 1\ndevices_per_host = 2\n[device]\npreset = 'h100-80g'\nmemory_gb = 80\n")
     plan_dir = tmp_path / "plan"
     plan = make_plan(path, load_cluster_file(cluster_file), {"batch": 8}, plan_dir,
-                     PlanOptions(max_stages=1, policy=policy))
+                     PlanOptions(max_stages=1, policy=policy, all_devices=True))
     strategies = plan.stages[0].strategies
     assert plan.stages[0].devices == [0, 1] and strategies
     if policy == "megatron":   # widening: column-parallel; narrowing (128 -> 32): row-parallel, partial

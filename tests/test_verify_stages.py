@@ -23,11 +23,12 @@ DIMS = {"batch": 4, "seq": 16}
 
 @pytest.fixture(scope="module")
 def two_stages(tmp_path_factory):
-    """A GPT planned as two sharded stages on 1x4 with two microbatches (reshardings between)."""
+    """A GPT planned as two sharded stages on 2x2 (Megatron: a stage per host) with two
+    microbatches (reshardings between)."""
     work = tmp_path_factory.mktemp("two-stages")
     path = work / "gpt.onnx"
     onnx.save(make_gpt(layers=2, hidden=64, heads=4, vocab=128, max_seq=32), str(path))
-    plan = make_plan(path, make_cluster((1, 4), "cpu"), DIMS, work / "plan",
+    plan = make_plan(path, make_cluster((2, 2), "cpu"), DIMS, work / "plan",
                      PlanOptions(max_stages=2, microbatches=2, policy="megatron"))
     assert len(plan.stages) == 2 and plan.reshardings and all(s.collectives for s in plan.stages)
     return plan, work / "plan", make_inputs(onnx.load(str(path)), DIMS, seed=5)
