@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from cli.guard import debugging
+from cli.guard import debugging, rank_guard
 
 
 @click.command()
@@ -39,10 +38,8 @@ from cli.guard import debugging
 def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, tokenizer,
              output_path, provider, transfer):
     """Generate tokens with a plan of an LLM: `mpiexec -n N meshplan generate PLAN_DIR --prompt TEXT`."""
-    from meshplan.errors import MeshplanError
     from meshplan.generation.driver import Request, generate_rank, read_prompt_ids
     from meshplan.generation.sampling import Sampler
-    from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job
 
     debug = debugging(ctx)
 
@@ -52,7 +49,7 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
         else:
             click.echo(f"step {step}: " + " ".join(str(int(i)) for i in ids))
 
-    try:
+    with rank_guard(debug):
         if not prompts and prompt_ids is None:
             raise click.UsageError("give --prompt TEXT or --prompt-ids FILE")
         request = Request(texts=list(prompts), ids=read_prompt_ids(prompt_ids) if prompt_ids else [],
@@ -60,22 +57,6 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                           sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
                           tokenizer=tokenizer)
         report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path)
-    except ReportedElsewhere:
-        sys.exit(1)
-    except JobFailure as exc:
-        click.echo(f"meshplan: error: {exc}", err=True)
-        sys.stderr.flush()
-        if debug:
-            import traceback
-
-            traceback.print_exception(exc.__cause__ or exc)
-        abort_job(1)
-        sys.exit(1)
-    except MeshplanError as exc:
-        if debug:
-            raise
-        click.echo(f"meshplan: error: {exc}", err=True)
-        sys.exit(1)
     if report is None:
         return
     click.echo("")

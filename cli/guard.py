@@ -36,3 +36,37 @@ class guard:
             click.echo("meshplan: interrupted", err=True)
             sys.exit(130)
         return False
+
+
+class rank_guard:
+    """Context for a command that is one MPI rank of a job (run, generate): a failure another
+    rank reported ends this rank with exit 1; a failure of this rank's job is one line, and
+    the whole job is aborted; a library error is one line and exit 1. With ``debug``, the
+    job failure's traceback is printed too, and library errors propagate."""
+
+    def __init__(self, debug: bool):
+        self.debug = debug
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None:
+            return False
+        from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job
+
+        if isinstance(exc, ReportedElsewhere):
+            sys.exit(1)
+        if isinstance(exc, JobFailure):
+            click.echo(f"meshplan: error: {exc}", err=True)
+            sys.stderr.flush()
+            if self.debug:
+                import traceback
+
+                traceback.print_exception(exc.__cause__ or exc)
+            abort_job(1)
+            sys.exit(1)
+        if isinstance(exc, MeshplanError) and not self.debug:
+            click.echo(f"meshplan: error: {exc}", err=True)
+            sys.exit(1)
+        return False

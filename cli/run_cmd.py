@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
-from cli.guard import debugging
+from cli.guard import debugging, rank_guard
 
 
 @click.command()
@@ -25,28 +24,10 @@ from cli.guard import debugging
 def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer):
     """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""
     from meshplan.emit.report import human_seconds
-    from meshplan.errors import MeshplanError
-    from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job, run_rank, write_trace
+    from meshplan.runtime.mpi_runner import run_rank, write_trace
 
-    debug = debugging(ctx)
-    try:
+    with rank_guard(debugging(ctx)):
         report = run_rank(plan_dir, inputs_path, output_path, repeat, provider, transfer)
-    except ReportedElsewhere:
-        sys.exit(1)
-    except JobFailure as exc:
-        click.echo(f"meshplan: error: {exc}", err=True)
-        sys.stderr.flush()
-        if debug:
-            import traceback
-
-            traceback.print_exception(exc.__cause__ or exc)
-        abort_job(1)
-        sys.exit(1)
-    except MeshplanError as exc:
-        if debug:
-            raise
-        click.echo(f"meshplan: error: {exc}", err=True)
-        sys.exit(1)
     if report is None:
         return
     if trace_path:
