@@ -44,7 +44,7 @@ from meshplan.process_memory import peak_rss_bytes
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
 from meshplan.runtime.buffers import HOST, byte_view
 from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, ReportedElsewhere, _agree, _resharders, _world,
-                                         choose_buffers)
+                                         abort_job, choose_buffers)
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
@@ -730,9 +730,7 @@ def fail(exc: BaseException) -> None:
     other ranks are waiting on it). The one place the library writes and exits: an MPI job
     has no other way to stop its ranks."""
     sys.stderr.write(f"meshplan: error: {_line(exc)}\n")
-    sys.stderr.flush()
-    MPI, world = _world()
-    world.Abort(1)
+    abort_job(1)
 
 
 __all__ = ["CallStats", "Job", "JobFailure", "ReportedElsewhere", "fail"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,8 +76,17 @@ def _world():
     return MPI, MPI.COMM_WORLD
 
 
+ABORT_GRACE_SECONDS = 0.5
+
+
 def abort_job(code: int = 1) -> None:
-    """End every rank of the job (after a rank has reported its failure)."""
+    """End every rank of the job (after a rank has reported its failure). The launcher
+    forwards each rank's output through its own pipes and stops forwarding when the abort
+    kills the ranks, so this waits ``ABORT_GRACE_SECONDS`` first: once, on a loaded machine,
+    a job ended 1 with nothing at all on stderr (the error line and MPICH's own lost)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_SECONDS)
     MPI, comm = _world()
     comm.Abort(code)
 
