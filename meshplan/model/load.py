@@ -28,6 +28,7 @@ from meshplan.model.bounds import bound_dynamic_dims, read_bounds
 from meshplan.model.fold import SMALL_ELEMENTS, first_line, fold_constants, infer_shapes, is_loaded
 from meshplan.model.opsets import MAX_IR_VERSION, set_ir_version
 from meshplan.model.ort_schemas import register_onnxruntime_schemas
+from meshplan.model.sizes import input_dims as symbolic_dims   # the graph inputs' symbolic dims
 from meshplan.model.weights import check_range, split_weights, write_weights
 
 __all__ = ["MAX_IR_VERSION", "CanonicalModel", "canonicalize", "check_model", "fix_dims", "infer_shapes",
@@ -103,24 +104,6 @@ def _old_ir_with_inputs_added(path, exc: Exception) -> onnx.ModelProto | None:
         if tensor.name not in listed:
             header.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     return header
-
-
-def symbolic_dims(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """Symbolic dimension names of the graph inputs, each with the inputs that use it."""
-    found: dict[str, list[str]] = {}
-    initializers = {t.name for t in model.graph.initializer}
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        for dim in value.type.tensor_type.shape.dim:
-            if dim.HasField("dim_param") and dim.dim_param:
-                found.setdefault(dim.dim_param, []).append(value.name)
-            elif not dim.HasField("dim_value"):
-                raise ModelError(
-                    f"input '{value.name}' has an unnamed dynamic dimension",
-                    hint="give it a name in the model, then fix it with --dim NAME=INT",
-                )
-    return found
 
 
 def fix_dims(model: onnx.ModelProto, dims: dict[str, int], symbolic: tuple[str, ...] = ()) -> onnx.ModelProto:
@@ -237,8 +220,26 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     canonical model's weights are left unplaced: it serves planning only."""
     source = Path(source)
     workdir = Path(workdir)
+    canonical, path = canonical_graph(source, dims, (), workdir, weights, rewrite)
+    # a sample run needs the weights: without them an unbounded dim stays an error
+    bound_dynamic_dims(canonical, _unbounded, lambda: _sample_shapes(canonical, workdir) if weights == "read" else {})
+    _require_static_shapes(canonical)
+    onnx.save_model(canonical, str(path))
+    return CanonicalModel(
+        source=source, source_sha256=file_sha256(source), dims=dict(dims),
+        path=path, model=canonical,
+    )
+
+
+def canonical_graph(source: Path, dims: dict[str, int], symbolic: tuple[str, ...], workdir: Path, weights: str,
+                    rewrite: Rewrite | None = None) -> tuple[onnx.ModelProto, Path]:
+    """The steps every canonical model shares: read and check ``source``, fix ``dims``
+    (``symbolic`` dims stay symbolic), fold, apply ``rewrite``, place parameters, check that
+    onnxruntime loads it, write its weights beside ``workdir/canonical.onnx`` (with
+    ``weights="read"``; one tensor at a time, never all held) and infer shapes. Returns the
+    model, not yet saved, and the path it is to be saved at."""
     original = read_checked(source, weights)
-    model = fix_dims(original, dims)
+    model = fix_dims(original, dims, symbolic)
     del original
     held = split_weights(model, source.parent, SMALL_ELEMENTS, read_external=weights == "read")
     fold_constants(model, SMALL_ELEMENTS)
@@ -248,21 +249,13 @@ def canonicalize(source: str | os.PathLike, dims: dict[str, int], workdir: str |
     place_parameter_nodes(model)
     check_loads_in_onnxruntime(model)
     workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "canonical.onnx"
     if weights == "read":
         write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
     del held
     canonical = set_ir_version(infer_shapes(model))
     _name_nodes(canonical)
     _require_tensors(canonical)
-    # a sample run needs the weights: without them an unbounded dim stays an error
-    bound_dynamic_dims(canonical, _unbounded, lambda: _sample_shapes(canonical, workdir) if weights == "read" else {})
-    _require_static_shapes(canonical)
-    onnx.save_model(canonical, str(path))
-    return CanonicalModel(
-        source=source, source_sha256=file_sha256(source), dims=dict(dims),
-        path=path, model=canonical,
-    )
+    return canonical, workdir / "canonical.onnx"
 
 
 def _reader(held: dict[str, bytes], source_dir: Path) -> Callable[[onnx.TensorProto], np.ndarray]:

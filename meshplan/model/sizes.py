@@ -249,15 +249,21 @@ def compose(form: Affine, derived: dict[str, Affine]) -> Affine:
 # --- dims that follow from the graph -------------------------------------------------------
 
 def input_dims(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """Symbolic dim names of the graph inputs (initializers excluded), with the inputs using them."""
+    """Symbolic dim names of the graph inputs (initializers excluded), each with the inputs
+    that use it; ModelError for a dynamic dim without a name (nothing could size it)."""
     found: dict[str, list[str]] = {}
     initializers = {t.name for t in model.graph.initializer}
     for value in model.graph.input:
         if value.name in initializers:
             continue
         for dim in value.type.tensor_type.shape.dim:
-            if dim.dim_param:
+            if dim.HasField("dim_param") and dim.dim_param:
                 found.setdefault(dim.dim_param, []).append(value.name)
+            elif not dim.HasField("dim_value"):
+                raise ModelError(
+                    f"input '{value.name}' has an unnamed dynamic dimension",
+                    hint="give it a name in the model, then fix it with --dim NAME=INT",
+                )
     return found
 
 

@@ -30,10 +30,8 @@ from meshplan.files import file_sha256
 from meshplan.model.bounds import bound_dynamic_dims, read_bounds
 from meshplan.model.fold import SMALL_ELEMENTS, fold_constants, infer_shapes
 from meshplan.model.graph import TensorInfo, _dtype
-from meshplan.model.load import (CanonicalModel, _name_nodes, _require_tensors, _unbounded, check_loads_in_onnxruntime,
-                                 fix_dims, place_parameter_nodes, read_checked, set_ir_version)
+from meshplan.model.load import CanonicalModel, _unbounded, canonical_graph
 from meshplan.model.sizes import Sizes, probe_point
-from meshplan.model.weights import split_weights, write_weights
 
 
 @dataclass
@@ -130,22 +128,8 @@ def canonicalize_ranged(source: str | os.PathLike, sizes: Sizes, workdir: str | 
     without ``"read"`` no byte of the external data is read and the canonical model's
     weights are left unplaced (it serves planning only)."""
     source, workdir = Path(source), Path(workdir)
-    original = read_checked(source, weights)
     symbolic = tuple(sizes.ranges) + tuple(sizes.derived)
-    model = fix_dims(original, sizes.fixed, symbolic)
-    del original
-    held = split_weights(model, source.parent, SMALL_ELEMENTS, read_external=weights == "read")
-    fold_constants(model, SMALL_ELEMENTS)
-    place_parameter_nodes(model)
-    check_loads_in_onnxruntime(model)
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "canonical.onnx"
-    if weights == "read":
-        write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
-    del held
-    canonical = set_ir_version(infer_shapes(model))
-    _name_nodes(canonical)
-    _require_tensors(canonical)
+    canonical, path = canonical_graph(source, sizes.fixed, symbolic, workdir, weights)
     onnx.save_model(canonical, str(path))
     cost, dynamic, types = shapes_at(canonical, sizes.point("cost"))
     top, _, _ = shapes_at(canonical, sizes.point("top"))
