@@ -148,3 +148,23 @@ def test_model_onnxruntime_rejects_is_one_line(tmp_path):
     with pytest.raises(ModelError) as info:
         canonicalize(path, {}, tmp_path / "work")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["fixed", "ranged"])
+def test_an_unnamed_dynamic_dim_is_one_error_naming_the_input(ranged, tmp_path):
+    """A dynamic input dim without a name cannot be sized by --dim: planning stops with a
+    ModelError naming the input, for fixed and ranged plans alike."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", None])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", None])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    x.type.tensor_type.shape.dim[1].Clear()
+    model.graph.input[0].type.tensor_type.shape.dim[1].Clear()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    from meshplan.model.sizes import DimRange
+
+    dims = {"n": DimRange(1, 4)} if ranged else {"n": 2}
+    with pytest.raises(ModelError, match="input 'x' has an unnamed dynamic dimension"):
+        make_plan(path, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan")
+    assert not (tmp_path / "plan").exists()
