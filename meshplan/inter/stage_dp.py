@@ -433,16 +433,7 @@ class _Bounds:
 
     def at(self, s, k, u):
         """Bound on the prefix of a state ``(s, k)`` left ``u`` devices (inf: none fits)."""
-        out = np.full(np.shape(k), np.inf)
-        ok = self.devices_ok(s, k, u, u)
-        if self.empty:
-            out[ok] = 0.0
-            return out
-        if ok.any():
-            self._price()
-            kg, ug = k[ok], u[ok].astype(np.float64)
-            out[ok] = (self.Q[:, s, kg] - self.lams[:, None] * ug[None, :]).max(axis=0)
-        return out
+        return self.over(s, k, u, u)
 
     def over(self, s, k, u_lo, u_hi):
         """A bound valid for every count in ``[u_lo, u_hi]``: prices >= 0 give a part that
