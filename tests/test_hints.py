@@ -137,7 +137,9 @@ def test_the_pinned_search_finds_the_same_plan(case_id, annotated_cases, tmp_pat
     assert len(calls) == 2 and any("planned around them" in note for note in plan.notes)
     want = json.loads((case.plan_dir / "plan.json").read_text())
     got = json.loads((tmp_path / "pinned" / "plan.json").read_text())
-    keys = ("operators", "devices", "submesh", "logical_mesh", "strategies", "input_specs", "output_specs")
+    # (the layout a stage's inputs arrive in is not an operator's and not in the annotations:
+    # where a replicated and a batch-split arrival cost the same, either may be chosen)
+    keys = ("operators", "devices", "submesh", "logical_mesh", "strategies", "output_specs")
     assert [{k: s[k] for k in keys} for s in got["stages"]] == [{k: s[k] for k in keys} for s in want["stages"]]
     assert got["estimate"]["latency_seconds"] == pytest.approx(want["estimate"]["latency_seconds"])
 

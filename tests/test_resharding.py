@@ -161,7 +161,16 @@ def test_cost_formulas():
     model = CollectiveModel({0: SLOW, 1: FAST})
     mesh = mesh_of((2, 4))
     b = 1e6
-    assert model.all_reduce_seconds(b, 1, mesh) == pytest.approx(2 * 3 / 4 * b / FAST.bandwidth + 6 * FAST.latency)
+    # all-reduce: the faster of the ring and recursive doubling (log2 4 = 2 steps)
+    ring = 2 * 3 / 4 * b / FAST.bandwidth + 6 * FAST.latency
+    doubling = 2 * (FAST.latency + b / FAST.bandwidth)
+    assert model.all_reduce_seconds(b, 1, mesh) == pytest.approx(min(ring, doubling))
+    # a short message over 4 devices: doubling's 2 latencies, not the ring's 6
+    assert model.all_reduce_seconds(8, 1, mesh) == pytest.approx(2 * (FAST.latency + 8 / FAST.bandwidth))
+    # a long one: the ring's bandwidth term
+    assert model.all_reduce_seconds(1e12, 1, mesh) == pytest.approx(2 * 3 / 4 * 1e12 / FAST.bandwidth + 6 * FAST.latency)
+    # on two devices doubling is one exchange: one latency (the ring takes two) and the same bytes
+    assert model.all_reduce_seconds(b, 0, mesh) == pytest.approx(SLOW.latency + b / SLOW.bandwidth)
     assert model.all_gather_seconds(b, 0, mesh) == pytest.approx(1 / 2 * b / SLOW.bandwidth + SLOW.latency)
     assert model.reduce_scatter_seconds(b, 1, mesh) == pytest.approx(3 / 4 * b / FAST.bandwidth + 3 * FAST.latency)
     assert model.all_to_all_seconds(b, 1, mesh) == pytest.approx(3 / 16 * b / FAST.bandwidth + 3 * FAST.latency)

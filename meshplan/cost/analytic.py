@@ -17,9 +17,10 @@ import math
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph, Node
-from meshplan.ops import node_flops
+from meshplan.ops import entry, node_flops
 
-__all__ = ["CostModel", "CostModelProtocol", "compute_dtype", "compute_dtypes", "node_bytes", "node_flops", "ring_fit"]
+__all__ = ["CostModel", "CostModelProtocol", "compute_dtype", "compute_dtypes", "node_bytes", "node_flops",
+           "read_write_bytes", "ring_fit"]
 
 # The device peak (cluster.PEAK_KEYS) of each compute dtype; any other computes at fp32's.
 PEAK_OF_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}
@@ -50,8 +51,22 @@ def compute_dtypes(graph: Graph) -> list[str]:
 
 
 def node_bytes(node: Node, graph: Graph) -> float:
-    names = [n for n in dict.fromkeys(node.inputs) if n] + [n for n in node.outputs if n]
-    return float(sum(graph.tensors[n].nbytes for n in names))
+    """Bytes ``node`` reads and writes: each distinct input once and its outputs, except
+    that a lookup's table (a Gather's data) is read only where indexed: at most as many
+    bytes as the node writes."""
+    return read_write_bytes(node, {n: graph.tensors[n].nbytes for n in list(node.inputs) + list(node.outputs) if n})
+
+
+def read_write_bytes(node: Node, sizes: dict[str, float]) -> float:
+    """``node_bytes`` from each operand's size (the whole tensors', or one device's slices)."""
+    written = float(sum(sizes[n] for n in dict.fromkeys(node.outputs) if n))
+    lookups = entry(node.op_type, node.domain).lookups
+    read, seen = 0.0, set(node.outputs)
+    for k, name in enumerate(node.inputs):
+        if name and name not in seen:
+            seen.add(name)
+            read += min(sizes[name], written) if k in lookups else sizes[name]
+    return read + written
 
 
 def ring_fit(collective: str, p: int, link) -> tuple[float, float]:

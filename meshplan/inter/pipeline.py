@@ -17,6 +17,7 @@ from meshplan.reshard.send_spec import best_resharding
 from meshplan.errors import PlanError
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass, boundary_spec, layer_fingerprints
+from meshplan.intra.windows import StageWindows
 from meshplan.inter.hints import StageHints
 from meshplan.model.layers import Layering, cluster_layers, repeat_period
 from meshplan.plan_format import OUTPUT_COLLECTOR, Plan, Resharding, Stage, TensorSpec, Transfer
@@ -177,12 +178,17 @@ def plan_pipeline(
                         f"(choose from {', '.join(ALGORITHMS)})")
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
-    bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts]] = {}
+    bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts, StageWindows]] = {}
 
-    def layered(area: Cluster) -> tuple[Layering, IntraOpPass, StageCosts]:
+    def sharding_pass(cut: Layering) -> IntraOpPass:
+        return IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy,
+                           hints.pins if hints is not None else None)
+
+    def layered(area: Cluster) -> tuple[Layering, IntraOpPass, StageCosts, StageWindows]:
         """The layers a plan on ``area`` (the cluster, or a region of it planned as a
-        cluster of its own) is cut into, with their sharding pass and stage costs: a region
-        keeps the layers it would have alone, so that its plan is the submesh's plan."""
+        cluster of its own) is cut into, with their sharding pass, stage costs and the
+        windows its chosen stages are solved again in: a region keeps the layers it would
+        have alone, so that its plan is the submesh's plan."""
         if options.num_layers:
             cut = cluster_layers(graph, node_seconds, options.num_layers)
         else:
@@ -190,12 +196,12 @@ def plan_pipeline(
         if hints is not None:
             cut = hints.layering(cut)
         if cut.bounds not in bundles:
-            sharding = IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy,
-                                   hints.pins if hints is not None else None)
-            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding))
+            sharding = sharding_pass(cut)
+            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding),
+                                   StageWindows(cut, sharding_pass))
         return bundles[cut.bounds]
 
-    layering, intra_op, costs = layered(cluster)
+    layering, intra_op, costs, _ = layered(cluster)
     submeshes = submesh_shapes(cluster)
     if options.submeshes is not None:
         submeshes = [s for s in submeshes if s in set(options.submeshes)]
@@ -211,12 +217,13 @@ def plan_pipeline(
     def region_bundle(region: tuple[int, int]):
         return layered(replace(cluster, hosts=region[0], devices_per_host=region[1]))
 
-    def solve(region: tuple[int, int], idle_devices: bool):
+    def solve(region: tuple[int, int], idle_devices: bool, stages: int | None = max_stages):
         """The DP's solution kept to ``region`` (None where nothing fits), with the region's
-        submeshes (indices into ``submeshes``), on the region's own layers."""
+        submeshes (indices into ``submeshes``), on the region's own layers, in at most
+        ``stages`` stages."""
         nonlocal dp_seconds, solves
         chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]]
-        _, _, area_costs = region_bundle(region)
+        _, _, area_costs, _ = region_bundle(region)
         seconds, params, acts = area_costs.tables(submeshes, across_hosts=cluster.hosts > 1 and region[0] > 1)
         if hints is not None:
             seconds = hints.mask(seconds, submeshes, region_bundle(region)[0])
@@ -226,7 +233,7 @@ def plan_pipeline(
             solution = solve_stages(
                 seconds[:, :, pick], params[:, :, pick], acts[:, :, pick], memory,
                 np.array([submeshes[k][0] * submeshes[k][1] for k in chosen]), region[0] * region[1],
-                options.microbatches, max_stages=max_stages, idle_devices=idle_devices,
+                options.microbatches, max_stages=stages, idle_devices=idle_devices,
                 min_stage_fraction=MIN_STAGE_FRACTION)
         except PlanError:
             return None
@@ -236,8 +243,8 @@ def plan_pipeline(
         return replace(solution, stages=tuple(replace(st, submesh=chosen[st.submesh]) for st in solution.stages))
 
     def build(solution, region) -> _Built:
-        cut, sharding, area_costs = region_bundle(region)
-        built = _build(solution, region, submeshes, graph, cut, area_costs, sharding, cluster, options)
+        cut, sharding, area_costs, windows = region_bundle(region)
+        built = _build(solution, region, submeshes, graph, cut, area_costs, sharding, windows, cluster, options)
         built.layering = cut
         return built
 
@@ -255,11 +262,18 @@ def plan_pipeline(
         solution = first if region == whole else solve(region, True)
         if solution is None:
             continue
-        placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster, region)
-        key = (region_bundle(region)[0].bounds, solution.stages, tuple(map(tuple, placement)))   # found again
-        built = found[key] = found.get(key) or build(solution, region)
-        if best is None or built.latency < best.latency:
-            best = built
+        candidates = [solution]
+        if len(solution.stages) > 1 or sum(submeshes[c.submesh][0] * submeshes[c.submesh][1]
+                                           for c in solution.stages) < region[0] * region[1]:
+            # one stage over the whole region as well: the DP costs stages by their layers'
+            # chain, and a stage solved again in windows (``_build``) can beat its choice
+            candidates.append(solve(region, False, 1))
+        for candidate in filter(None, candidates):
+            placement = place_submeshes([submeshes[c.submesh] for c in candidate.stages], cluster, region)
+            key = (region_bundle(region)[0].bounds, candidate.stages, tuple(map(tuple, placement)))   # found again
+            built = found[key] = found.get(key) or build(candidate, region)
+            if best is None or built.latency < best.latency:
+                best = built
     used = sum(len(stage.devices) for stage in best.stages)
     idle_info = {}
     if used < cluster.num_devices:
@@ -333,11 +347,13 @@ def _time(seconds: float) -> str:
 
 
 def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs: StageCosts, intra_op: IntraOpPass,
-           cluster: Cluster, options: PlanOptions) -> _Built:
-    """Place a DP solution's stages on ranks inside ``region``, build their shardings,
-    connect them (cross-mesh reshardings and transfers, scheduled) and estimate the
-    pipeline's latency."""
+           windows: StageWindows, cluster: Cluster, options: PlanOptions) -> _Built:
+    """Place a DP solution's stages on ranks inside ``region``, build their shardings (the
+    layers' chain, or the stage solved again in wider windows where that is faster and
+    fits: ``intra.windows``), connect them (cross-mesh reshardings and transfers,
+    scheduled) and estimate the pipeline's latency."""
     placement = place_submeshes([submeshes[c.submesh] for c in solution.stages], cluster, region)
+    cuts = {layering.bounds[choice.start] for choice in solution.stages}
     across = cluster.hosts > 1 and region[0] > 1
     stages = []
     shardings: dict[int, dict[str, Strategy]] = {}
@@ -349,9 +365,15 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
         cost = costs.stage_cost(choice.start, choice.stop, submesh, logical)
         strategies: dict[str, Strategy] = {}
         layouts[index] = ("R", "R")
+        saved, weights = 0.0, cost.param_bytes
         if len(devices) > 1:
             sharded = intra_op.stage(choice.start, choice.stop, submesh, logical)
             chosen = intra_op.stage_strategies(choice.start, choice.stop, submesh, logical, sharded)
+            room = cluster.device.memory_bytes - cost.act_bytes * options.microbatches
+            wider = windows.improve(intra_op, choice.start, choice.stop, cuts, submesh, logical, sharded, room)
+            if wider is not None:
+                saved, weights = sharded.seconds - wider[0].seconds, wider[0].param_bytes
+                sharded, chosen = wider
             strategies = {graph.nodes[i].name: strategy for i, strategy in chosen.items()}
             shardings[index] = strategies
             layouts[index] = (sharded.boundaries[0], sharded.boundaries[-1])
@@ -359,8 +381,8 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
             index=index, operators=[graph.nodes[i].name for i in range(start, stop)],
             layers=[choice.start, choice.stop], devices=devices,
             submesh=list(submesh), logical_mesh=list(logical),
-            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop, across)),
-            memory_bytes=float(cost.param_bytes + cost.act_bytes),
+            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop, across) - saved),
+            memory_bytes=float(weights + cost.act_bytes),
             strategies={name: str(s) for name, s in strategies.items() if not _replicated(s)},
         ))
     node_stage = np.empty(len(graph.nodes), dtype=np.int64)

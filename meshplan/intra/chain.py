@@ -23,6 +23,12 @@ class StageSharding:
     lean: bool = False
 
 
+def _tied(seconds: float) -> float:
+    """Seconds to the picosecond: layouts whose sums differ by rounding alone tie, and the
+    first boundary kind (replicated) is kept, whichever order the sums were made in."""
+    return round(seconds, 12)
+
+
 class Chain:
     """Cheapest boundary layouts through a growing run of layers; ``solution(layer, b_in,
     b_out)`` is a layer's optimum between those layouts, its ``param_bytes`` the weights
@@ -45,11 +51,11 @@ class Chain:
                     shared = {**shared, **found.slices}
                     held = held_bytes(shared)
                 options.append((seconds + found.seconds, memory + found.param_bytes, shared, held, (b_in, path)))
-            nxt[b_out] = min(options, key=lambda o: o[0])
+            nxt[b_out] = min(options, key=lambda o: _tied(o[0]))
         self.best = nxt
 
     def _end(self) -> str:
-        return min(BOUNDARY_KINDS, key=lambda kind: self.best[kind][0])
+        return min(BOUNDARY_KINDS, key=lambda kind: _tied(self.best[kind][0]))
 
     def totals(self) -> tuple[float, float]:
         """(seconds, weight bytes per device) of the layers so far."""

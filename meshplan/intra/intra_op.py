@@ -284,6 +284,19 @@ class IntraOpPass:
             self._own[key] = replace(solution, param_bytes=held_bytes(own), slices=shared)
         return self._own[key]
 
+    def boundary_seconds(self, start: int, stop: int, submesh, logical, sharding: StageSharding) -> float:
+        """Of the stage's seconds, those spent resharding into and out of the boundary
+        layouts between its layers (what wider windows could save: ``intra.windows``); the
+        stage's own inputs and outputs are not counted."""
+        boundaries = sharding.boundaries
+        total = 0.0
+        for offset, layer in enumerate(range(start, stop)):
+            solution = self.layer_solution(layer, submesh, logical, boundaries[offset], boundaries[offset + 1],
+                                           sharding.lean)
+            total += (solution.entering_seconds if layer > start else 0.0) + (
+                solution.leaving_seconds if layer < stop - 1 else 0.0)
+        return total
+
     def stage_strategies(self, start: int, stop: int, submesh, logical, sharding: StageSharding) -> dict[int, Strategy]:
         chosen: dict[int, Strategy] = {}
         boundaries = sharding.boundaries

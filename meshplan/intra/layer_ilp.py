@@ -48,6 +48,9 @@ class LayerSolution:
     variables: int = 0
     constraints: int = 0
     slices: dict = field(default_factory=dict)   # (initializer, layout) → bytes stored per device
+    # of ``seconds``: resharding from the boundary layout on entry, and into it on leaving
+    entering_seconds: float = 0.0
+    leaving_seconds: float = 0.0
 
 
 class LayerIlp:
@@ -75,23 +78,26 @@ class LayerIlp:
         tensors = self.graph.tensors
         body = self._body(start, stop, submesh, logical, mesh)
         reshard = body.reshard
-        nodes = []
+        nodes, entry_costs, exit_costs = [], [], []
         for offset, (i, strategies, costs, memory) in enumerate(zip(range(start, stop), body.choices, body.costs,
                                                                         body.memory)):
             node = self.graph.nodes[i]
+            entering, leaving = np.zeros(len(strategies)), np.zeros(len(strategies))
             # Inputs from outside the layer arrive in the boundary layout (model inputs replicated;
             # state inputs, in their reader's layout, are not among them).
             for k, name in body.entering[offset]:
                 kind = "R" if name in self._inputs else b_in
                 arriving = boundary_spec(kind, tensors[name].split_sizes, mesh)
-                costs = costs + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
+                entering = entering + np.array([reshard(arriving, s.inputs[k], name) for s in strategies])
             # Outputs that leave the layer are handed on in the boundary layout (model outputs
             # replicated; state read by no other layer stays where it is made, and is not here).
             for k, name in body.leaving[offset]:
                 kind = "R" if name in self._outputs and name not in self._state_outputs else b_out
                 target = boundary_spec(kind, tensors[name].split_sizes, mesh)
-                costs = costs + np.array([reshard(s.outputs[k], target, name) for s in strategies])
-            nodes.append(IlpNode(node.name, costs, memory))
+                leaving = leaving + np.array([reshard(s.outputs[k], target, name) for s in strategies])
+            entry_costs.append(entering)
+            exit_costs.append(leaving)
+            nodes.append(IlpNode(node.name, costs + entering + leaving, memory))
         problem, recover = fold_followers(ShardingProblem(nodes, body.edges, memory_limit), body.heavy)
         result = solve(problem, self.solver)
         full = recover(result.choices)
@@ -99,8 +105,10 @@ class LayerIlp:
         slices = {}
         for i, strategy in zip(range(start, stop), picked):
             slices.update(self.costs.param_slices(self.graph.nodes[i], strategy, mesh))
+        entering = float(sum(entry_costs[offset][full[offset]] for offset in range(stop - start)))
+        leaving = float(sum(exit_costs[offset][full[offset]] for offset in range(stop - start)))
         return LayerSolution(result.objective, picked, held_bytes(slices), result.variables, result.constraints,
-                             slices), result
+                             slices, entering, leaving), result
 
     def _body(self, start: int, stop: int, submesh, logical, mesh: LogicalMesh) -> "_LayerBody":
         """What a layer's ILPs on one logical mesh share whatever its boundary layouts: the

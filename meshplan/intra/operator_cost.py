@@ -3,6 +3,7 @@ collectives on a logical view of a submesh."""
 
 from __future__ import annotations
 
+from meshplan.cost.analytic import read_write_bytes
 from meshplan.cost.cluster import Cluster
 from meshplan.cost.protocol import CostModelProtocol
 from meshplan.intra.strategies import Strategy, source_specs
@@ -61,11 +62,11 @@ class OperatorCosts:
         for name, spec in list(zip(node.inputs, strategy.inputs)) + list(zip(node.outputs, strategy.outputs)):
             if name and name not in seen:
                 seen[name] = spec
-        total = 0.0
+        sizes = {}
         for name, spec in seen.items():
             info = self.graph.tensors[name]
-            total += info.nbytes if spec is None else spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
-        return total
+            sizes[name] = info.nbytes if spec is None else spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
+        return read_write_bytes(node, sizes)
 
     def param_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         return float(sum(self.param_slices(node, strategy, mesh).values()))

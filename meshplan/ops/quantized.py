@@ -120,7 +120,7 @@ def _nbits_whole_bytes(op: OpView, inputs, mesh) -> tuple | None:
 # (like data, or packed like it); output: the scales' type, data's shape (unpacked) with
 # gather_axis replaced by the indices' shape. onnxruntime-genai's tied int4 embedding.
 
-@rule("GatherBlockQuantized", domain=MICROSOFT, flops=per_element(2), heavy=True)
+@rule("GatherBlockQuantized", domain=MICROSOFT, flops=per_element(2), heavy=True, lookups=(0, 2, 3))
 def _gather_block_quantized(op: OpView) -> list[Rule]:
     """The lookups split with the table whole; the table split on a dim it is not gathered
     along (an embedding's hidden dim), its scales and zero points with it; along the

@@ -55,6 +55,7 @@ class OpEntry:
     local_attrs: LocalAttrsFn | None = None
     segments: SegmentsFn | None = None
     cache_outputs: tuple[int, ...] = ()   # outputs a device keeps between calls (an attention's present key/value)
+    lookups: tuple[int, ...] = ()         # inputs read only where indexed (a Gather's table): no more bytes than out
 
 
 _ENTRIES: dict[tuple[str, str], OpEntry] = {}
@@ -68,14 +69,15 @@ def _domain(domain: str | None) -> str:
 def define(*op_types: str, rule: RuleFn | None = None, flops: FlopsFn | None = None, heavy: bool = False,
            policy: str | None = None, rewrite: RewriteFn | None = None, domain: str = "",
            partial_bias: int | None = None, local_attrs: LocalAttrsFn | None = None,
-           segments: SegmentsFn | None = None, cache_outputs: tuple[int, ...] = ()) -> None:
+           segments: SegmentsFn | None = None, cache_outputs: tuple[int, ...] = (),
+           lookups: tuple[int, ...] = ()) -> None:
     """Register one entry for each of ``op_types`` (an op type is defined once per domain)."""
     for op_type in op_types:
         key = (_domain(domain), op_type)
         if key in _ENTRIES:
             raise ValueError(f"op {op_type} is defined twice")
         _ENTRIES[key] = OpEntry(op_type, rule, flops or per_element(1), heavy, policy, rewrite, key[0],
-                                partial_bias, local_attrs, segments, tuple(cache_outputs))
+                                partial_bias, local_attrs, segments, tuple(cache_outputs), tuple(lookups))
 
 
 def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:

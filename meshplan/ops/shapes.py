@@ -82,7 +82,8 @@ define("Reshape", rule=_reshape, flops=no_flops, rewrite=_rewrite_to_local_shape
 define("Squeeze", rule=_reshape, flops=no_flops, rewrite=_squeeze_keeps_split_dims)
 define("Flatten", "Unsqueeze", rule=_reshape, flops=no_flops)
 # Data movement without a rule.
-define("GatherElements", "ConstantOfShape", "Range", flops=no_flops)
+define("GatherElements", flops=no_flops, lookups=(0,))
+define("ConstantOfShape", "Range", flops=no_flops)
 
 
 @rule("Shape", flops=no_flops)
@@ -274,8 +275,8 @@ def _nested(array: np.ndarray):
     return int(array) if array.ndim == 0 else tuple(_nested(a) for a in array)
 
 
-define("Gather", rule=_gather, flops=no_flops, heavy=True, rewrite=_local_lookup(0))
-define("GatherND", rule=_gather_nd, flops=no_flops, heavy=True, rewrite=_local_lookup(1))
+define("Gather", rule=_gather, flops=no_flops, heavy=True, rewrite=_local_lookup(0), lookups=(0,))
+define("GatherND", rule=_gather_nd, flops=no_flops, heavy=True, rewrite=_local_lookup(1), lookups=(0,))
 
 
 # --- Resize ----------------------------------------------------------------------------------

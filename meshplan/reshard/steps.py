@@ -188,8 +188,10 @@ class CollectiveModel:
     runs at the slower of the two. With k devices in a group, bandwidth bw and latency
     α of the axis's link (ring algorithms):
 
-    - all-reduce of B bytes (the array each device holds): 2(k−1)/k · B/bw + 2(k−1)·α
-      (a reduce-scatter followed by an all-gather);
+    - all-reduce of B bytes (the array each device holds): the faster of the ring,
+      2(k−1)/k · B/bw + 2(k−1)·α (a reduce-scatter followed by an all-gather), and
+      recursive doubling, ⌈log2 k⌉ · (α + B/bw), which MPI libraries use for short
+      messages (on two devices it is one exchange: α + B/bw);
     - all-gather, B = the gathered result per device: (k−1)/k · B/bw + (k−1)·α;
     - reduce-scatter, B = the input per device: (k−1)/k · B/bw + (k−1)·α;
     - all-to-all, B = the tensor across the group (k × what each device holds): each
@@ -217,7 +219,12 @@ class CollectiveModel:
         return rounds * ((k - 1) / k * nbytes / link.bandwidth + (k - 1) * link.latency)
 
     def all_reduce_seconds(self, nbytes: float, axis: int, mesh: LogicalMesh) -> float:
-        return self._ring(nbytes, axis, mesh, 2)
+        k = mesh.axis_size(axis)
+        if k == 1:
+            return 0.0
+        link = self.link(axis)
+        doubling = math.ceil(math.log2(k)) * (link.latency + nbytes / link.bandwidth)
+        return min(self._ring(nbytes, axis, mesh, 2), doubling)
 
     def all_gather_seconds(self, nbytes: float, axis: int, mesh: LogicalMesh) -> float:
         return self._ring(nbytes, axis, mesh, 1)
