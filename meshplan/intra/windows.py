@@ -16,7 +16,8 @@ not divide), which is where it loses most. On a 2x4 view a node has several time
 strategies and a window's ILP grows with their square (the GPT sample at batch 8 on 2x4:
 windows gained 0.4 % of the estimate and took planning from 1.6 s to 4.0 s); a stage over
 many hosts flattened to 1x128 is a whole model's windows on 128 devices (a 70B-shaped
-decoder on 16x8 took 169 s to plan with them, 34 s without, for the same estimate).
+decoder on 16x8 took 169 s to plan with them and 154 s without, beside a test suite, for
+the same estimate).
 """
 
 from __future__ import annotations
