@@ -21,6 +21,8 @@ from meshplan.model.load import infer_shapes
 from meshplan.profile import ProfiledCostModel, ProfileOptions, load_profile, profile_model, write_profile
 from meshplan.profile.cache import OpKey, ProfileCache
 from meshplan.profile.comm import cluster_fits, fit_latency_bandwidth
+from meshplan.reshard.steps import CollectiveModel
+from meshplan.sharding import LogicalMesh
 from meshplan.profile.errors import ProfileError
 from meshplan.profile.signatures import Variant, build_timing_model, collect_signatures, signature_of
 from meshplan.profile.timing import OpTimer, TimingConfig, cuda_usable, resolve_provider
@@ -337,6 +339,12 @@ def test_cluster_fits_cover_every_axis_group():
     fits = cluster_fits(make_cluster((2, 4), "cpu"))
     assert {(f.axis, f.group_size) for f in fits} == {(0, 2), (1, 2), (1, 4)}
     assert all(f.latency > 0 and f.bandwidth > 0 for f in fits)
+    # an all-reduce of two is one exchange, as the sharding pass's collective model costs it
+    cluster = make_cluster((2, 4), "cpu")
+    pair = next(f for f in fits if f.collective == "all_reduce" and (f.axis, f.group_size) == (0, 2))
+    assert pair.latency == pytest.approx(cluster.inter_host.latency)
+    model = CollectiveModel({0: cluster.inter_host, 1: cluster.intra_host})
+    assert pair.latency + 1e6 / pair.bandwidth == pytest.approx(model.all_reduce_seconds(1e6, 0, LogicalMesh((2, 4), tuple(range(8)))))
 
 
 # --- command line ---------------------------------------------------------------------

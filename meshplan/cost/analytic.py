@@ -71,10 +71,11 @@ def read_write_bytes(node: Node, sizes: dict[str, float]) -> float:
 
 def ring_fit(collective: str, p: int, link) -> tuple[float, float]:
     """(latency, bandwidth) of a ring collective (tree broadcast) among ``p`` devices on ``link``:
-    it takes latency + bytes / bandwidth seconds."""
+    it takes latency + bytes / bandwidth seconds. An all-reduce of two is one exchange
+    (recursive doubling: one latency, the ring's bandwidth), as ``CollectiveModel`` has it."""
     lat, bw = link.latency, link.bandwidth
     if collective == "all_reduce":
-        return 2 * (p - 1) * lat, bw * p / (2 * (p - 1))
+        return (lat if p == 2 else 2 * (p - 1) * lat), bw * p / (2 * (p - 1))
     if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return (p - 1) * lat, bw * p / (p - 1)
     if collective == "broadcast":

@@ -75,10 +75,9 @@ class StageWindows:
         that is faster and its weights fit (no more than the chain's, or ``room`` bytes);
         ``cuts`` are the node indices where the plan's stages begin. None on a stage over
         several hosts or a two-dimensional view, where the chain splits a boundary inside
-        the stage by batch,
-        where the chain spends under
-        ``MIN_BOUNDARY_SHARE`` of its time at its layer boundaries (nothing for windows to
-        save), where the windows are the layers themselves, or where they are no faster."""
+        the stage by batch, where it spends under ``MIN_BOUNDARY_SHARE`` of its time at its
+        layer boundaries (nothing for windows to save), where the windows are the layers
+        themselves, or where they are no faster."""
         if submesh[0] > 1 or min(logical) > 1 or any(kind != "R" for kind in chained.boundaries[1:-1]) or (
                 layers.boundary_seconds(start, stop, submesh, logical, chained) <= MIN_BOUNDARY_SHARE * chained.seconds):
             return None
