@@ -130,8 +130,10 @@ def test_generate_under_mpiexec_gives_onnxruntime_ids(planned, ranks, tmp_path):
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(entries))
     lines = run_mpi_script("generate_tokens_case.py", ranks=ranks, timeout=900, args=[manifest])
-    assert len(lines) == sum(2 + (e.get("cache_bytes") is not None) for e in entries)
+    assert len(lines) == sum(3 + (e.get("cache_bytes") is not None) for e in entries)
     assert sum("key/value cache bytes per rank" in line for line in lines) == (6 if ranks == 4 else 0)
+    builder = sum(1 for e in entries if e["name"].split()[0] in BUILDER)
+    assert sum("updated in place" in line for line in lines) == builder > 0
 
 
 def test_builder_models_match_onnxruntime_genai(planned):
@@ -245,6 +247,26 @@ def test_end_tokens_stop_each_sequence(planned):
     second = full[1][:full[1].index(stop) + 1] if stop in full[1] else full[1]
     assert sequences[1].ids == second
     assert metrics.generated_tokens == len(sequences[0].ids) + len(sequences[1].ids)
+
+
+@pytest.mark.parametrize("name", ["llama_fp32", "llama_optimum"])
+def test_batched_prompts_generate_what_each_prompt_alone_does(planned, name):
+    """Prompts of different lengths in one batch (padded on the right in the builder's
+    shared buffer, on the left in a growing cache) give each prompt's own greedy ids, on
+    onnxruntime and on the plan; the builder's plan reads as a shared buffer whose capacity
+    is the context."""
+    from meshplan.plan_format import read_plan
+
+    case = next(c for c in planned if c["name"] == f"{name} 1x2 batch 2")
+    plan = read_plan(Path(case["plan_dir"]))
+    shape = GenerationShape.of_plan(plan)
+    assert shape.shared == (name in BUILDER)
+    assert shape.context == (MAX_LENGTH if name in BUILDER else shape.context)
+    alone = [reference_ids(plan, [prompt])[0] for prompt in case["prompts"]]
+    assert case["expected"] == alone
+    sequences, _ = Generation(shape, plan_stepper(plan, case["plan_dir"], shape)).run(case["prompts"], NEW_TOKENS,
+                                                                                     Sampler())
+    assert [s.ids for s in sequences] == alone
 
 
 def _one_line(done: subprocess.CompletedProcess, text: str) -> None:

@@ -95,7 +95,10 @@ class GenerationShape:
         past = inputs[entry["input"]].shape
         present = outputs[entry["output"]].shape
         axis = 2 if len(past) == 4 else len(past) - 2
-        shared = isinstance(past[axis], int) and past[axis] > 0 and present[axis] != past[axis]
+        # a buffer of fixed capacity that present shares: past's length is a size, and present's
+        # the same (a plan sized for generation) or left to the call (the total length)
+        fixed = isinstance(past[axis], int) and past[axis] > 0
+        shared = fixed and (present[axis] == past[axis] or not isinstance(present[axis], int))
         if shared:
             context = past[axis]
         else:

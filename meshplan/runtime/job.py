@@ -22,7 +22,12 @@ State (``plan.state``): a state output is kept by the ranks that make it, in its
 planned layout, and is the next call's input on those ranks: it never goes to rank 0 nor
 between ranks, unless ``get_state``/``set_state`` ask. An unset state input is created
 as zeros at the call's sizes (its free dims that no other input gives at the bottom of
-their range: an empty cache).
+their range: an empty cache). With ``cache_in_place``, a key/value cache of fixed capacity
+(onnxruntime-genai's shared past/present buffer) is updated where it lies, as
+onnxruntime-genai does, instead of copied whole into a new present buffer on every call;
+positions past a sequence's length then keep what they held instead of onnxruntime's
+zeros (attention never reads them). ``meshplan generate`` runs so; ``meshplan run``
+does not, so that its state outputs are onnxruntime's to the bit.
 
 Only what rank 0 asks for reaches it: ``run(..., outputs=[names])`` or a dict of names to
 slices (``{"logits": np.s_[:, -1:]}``: the source rank cuts the slice before sending).
@@ -84,14 +89,17 @@ def _base(name: str) -> str:
 class Job:
     """See the module's description. Construct on every rank (collective)."""
 
-    def __init__(self, plan_dir: str | Path, provider: str = "auto", transfer: str = "auto", comm=None, check=None):
+    def __init__(self, plan_dir: str | Path, provider: str = "auto", transfer: str = "auto", comm=None, check=None,
+                 cache_in_place: bool = False):
         """``check(plan)``, when given, runs on rank 0 with the start-up checks: its error
-        stops every rank as theirs do."""
+        stops every rank as theirs do. ``cache_in_place``: update a fixed-capacity key/value
+        cache in place (see the module)."""
         from meshplan.rank_layout import gather_layout, launch_advice, layout_mismatch
 
         MPI, world = _world()
         world = comm if comm is not None else world
         self.MPI = MPI
+        self.cache_in_place = cache_in_place
         self.rank, self.size = world.Get_rank(), world.Get_size()
         layout = gather_layout(world, MPI)
         error = None
@@ -157,6 +165,9 @@ class Job:
         self.inputs = [t for t in plan.inputs if t.name not in self.state_inputs]
         self.outputs = [t for t in plan.outputs if t.name not in self.state_outputs]
         self.state_specs = {s["input"]: state_spec(s) for s in plan.state}
+        # the job owns its state buffers: a program may update them in place (a fixed-capacity cache)
+        self.own_state = frozenset(local_name(name, spec) for name, spec in self.state_specs.items()) \
+            if self.cache_in_place else frozenset()
         # one broadcast group per model input: rank 0 and the ranks whose stage reads it
         self.groups = []
         for spec in self.inputs:
@@ -553,7 +564,7 @@ class Job:
                         raise RunError(f"state '{name}' is not set on rank {rank}")
                     feeds[local_name(name, self.state_specs[name])] = self.state[name]
             started = MPI.Wtime()
-            outs = self.session.run(feeds, self.communicators, b, observe=self._observe)
+            outs = self.session.run(feeds, self.communicators, b, observe=self._observe, writable=self.own_state)
             finished = MPI.Wtime()
             self.program_seconds += finished - started
             if started - waited > 1e-5:
@@ -644,8 +655,8 @@ class Job:
                 whole = values[name]
                 for r in stage.devices:
                     piece = piece_of(whole, spec, mesh, r)
-                    if r == 0:
-                        self.state[name] = self.buffers.from_host(piece)
+                    if r == 0:   # a copy: the job's state is updated in place, never the caller's array
+                        self.state[name] = self.buffers.from_host(np.array(piece, copy=True))
                     else:
                         self.comm.Send(byte_view(piece), dest=r, tag=_STATE_TAG + 2 * index)
                         self._send(name, piece.nbytes)

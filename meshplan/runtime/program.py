@@ -7,6 +7,14 @@ reads from the program's folder itself (no protobuf and no numpy array ever hold
 programs over 2 GB work, and each weight is held once, on the device that runs it); the
 collective that follows a segment is performed by the caller (mpi4py communicators under
 mpiexec, numpy in the in-process executor).
+
+A key/value cache of fixed capacity (onnxruntime-genai's shared past/present buffer) is
+updated in place: GroupQueryAttention writes the new positions into its past buffer when
+its present output is that same buffer, which is how onnxruntime-genai runs these models
+(otherwise every step copies the whole cache, at every capacity). ``in_place_pairs``
+finds, per segment, the present outputs that may be their past input; the caller says
+which of its feeds it owns and lets be overwritten (``run(..., writable=...)``: the
+resident job's state), so a cache given by someone else is never written.
 """
 
 from __future__ import annotations
@@ -25,6 +33,34 @@ from meshplan.runtime.buffers import HOST
 from meshplan.runtime.sessions import StageSession
 
 
+# Ops whose output may be written into one of their inputs' buffer: (input, output) index
+# pairs. GroupQueryAttention's present key/value are its past key/value when both are one
+# buffer at a fixed capacity (a static cache: present then has past's shape).
+IN_PLACE = {("com.microsoft", "GroupQueryAttention"): ((3, 1), (4, 2))}
+
+
+def in_place_pairs(nodes: list[onnx.NodeProto], inputs: dict[str, onnx.ValueInfoProto], outputs: set[str]) -> dict[str, str]:
+    """Segment output → segment input whose buffer it may be written into: an op of
+    ``IN_PLACE`` reading a segment input of fixed sequence capacity (dim 2) that no other
+    node reads, and writing a segment output."""
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in set(node.input):
+            readers[name] = readers.get(name, 0) + 1
+    pairs = {}
+    for node in nodes:
+        for source, target in IN_PLACE.get((node.domain or "", node.op_type), ()):
+            if source >= len(node.input) or target >= len(node.output):
+                continue
+            past, present = node.input[source], node.output[target]
+            if past not in inputs or present not in outputs or readers.get(past) != 1:
+                continue
+            dims = inputs[past].type.tensor_type.shape.dim
+            if len(dims) == 4 and dims[2].HasField("dim_value") and dims[2].dim_value > 0:
+                pairs[present] = past
+    return pairs
+
+
 @dataclass(frozen=True)
 class Collective:
     step: Step
@@ -41,11 +77,13 @@ class Segment:
     source: Path | bytes | None = None     # what the session is made from (None: no nodes)
     weights_dir: Path | None = None        # where a segment's external weights lie
     label: str | None = None               # what errors call it
+    in_place: dict[str, str] | None = None  # output → the input whose buffer it may be written into
 
     def open(self, providers: list[str], threads: int = 0) -> None:
         """Create the session (and so load the segment's weights) if it is not open."""
         if self.session is None and self.source is not None:
-            self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label)
+            self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label,
+                                        in_place=self.in_place)
 
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
@@ -69,8 +107,11 @@ class ProgramRunner:
         header = onnx.load(str(path), load_external_data=False)
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
             weights = {t.name for t in header.graph.initializer}
-            segment = Segment(None, [v.name for v in header.graph.input if v.name not in weights],
-                              [v.name for v in header.graph.output], None, path)
+            graph = header.graph
+            pairs = in_place_pairs(list(graph.node), {v.name: v for v in graph.input if v.name not in weights},
+                                   {v.name for v in graph.output})
+            segment = Segment(None, [v.name for v in graph.input if v.name not in weights],
+                              [v.name for v in graph.output], None, path, in_place=pairs)
             if not lazy:
                 segment.open(providers, threads)
             self.segments = [segment]
@@ -112,16 +153,19 @@ class ProgramRunner:
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
                 sub_model.ir_version = model.ir_version
                 source = sub_model.SerializeToString()
+            pairs = in_place_pairs(nodes, {i: typed[i] for i in inputs}, set(outputs))
             segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
-                              f"{path.name} (segment {index})")
+                              f"{path.name} (segment {index})", pairs)
             if not lazy:
                 segment.open(providers, threads)
             self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
-    def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None) -> dict:
+    def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset()) -> dict:
         """Run every segment; ``collective_fn(step, tensor) -> tensor`` performs collectives
         (``observe(name, tensor)``, when given, sees each collective's input first).
+        ``writable``: the feeds the caller owns, which a segment may update in place (its
+        output is then that same buffer).
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
@@ -131,9 +175,9 @@ class ProgramRunner:
             if segment.session is not None:
                 feeds_now = {n: values[n] for n in segment.inputs}
                 if buffers is HOST:
-                    values.update(segment.session.run(feeds_now))
+                    values.update(segment.session.run(feeds_now, writable))
                 else:
-                    values.update(segment.session.run_bound(feeds_now, buffers))
+                    values.update(segment.session.run_bound(feeds_now, buffers, writable))
             if segment.collective is not None:
                 c = segment.collective
                 if observe is not None:

@@ -49,13 +49,15 @@ class StageSession:
     """One rank's program in onnxruntime."""
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
-                 weights_dir: Path | None = None, optimization: str = "all", label: str | None = None):
+                 weights_dir: Path | None = None, optimization: str = "all", label: str | None = None,
+                 in_place: dict[str, str] | None = None):
         """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
         where the external data files of a model given as bytes lie; onnxruntime reads
         them itself, straight into the memory it runs from (the host for the CPU provider,
         the GPU for CUDA), so no second copy of a weight stays behind in this process.
         ``optimization``: ``"all"`` (onnxruntime's default) or ``"basic"`` (only rewrites
-        that keep the arithmetic: constant folding, redundant nodes)."""
+        that keep the arithmetic: constant folding, redundant nodes). ``in_place``: output →
+        the input whose buffer it may be written into (``program.in_place_pairs``)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -82,13 +84,48 @@ class StageSession:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.providers = self.session.get_providers()
+        self.in_place = dict(in_place or {})
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _reused(self, feeds: dict, writable) -> dict[str, str]:
+        """The outputs written into their input's buffer on this run: the input is fed and
+        ``writable``."""
+        return {o: i for o, i in self.in_place.items() if i in writable and i in feeds}
+
+    def run(self, feeds: dict[str, np.ndarray], writable=frozenset()) -> dict[str, np.ndarray]:
+        """``writable``: feeds this run may overwrite; an output written in place is returned
+        as that very array."""
+        reused = {o: i for o, i in self._reused(feeds, writable).items()
+                  if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable}
+        if reused:
+            return self._run_in_place(feeds, reused)
         try:
             values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds})
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             raise self._failed(exc) from exc
         return dict(zip(self.output_names, values))
+
+    def _run_in_place(self, feeds: dict[str, np.ndarray], reused: dict[str, str]) -> dict[str, np.ndarray]:
+        import onnxruntime as ort
+
+        binding = self.session.io_binding()
+        shared = {i: ort.OrtValue.ortvalue_from_numpy(feeds[i]) for i in reused.values()}   # wraps, no copy
+        for name in self.input_names:
+            if name in shared:
+                binding.bind_ortvalue_input(name, shared[name])
+            elif name in feeds:
+                binding.bind_cpu_input(name, feeds[name])
+        for name in self.output_names:
+            if name in reused:
+                binding.bind_ortvalue_output(name, shared[reused[name]])
+            else:
+                binding.bind_output(name, "cpu")
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:  # onnxruntime raises several unrelated exception types
+            raise self._failed(exc) from exc
+        values = binding.get_outputs()
+        return {name: feeds[reused[name]] if name in reused else value.numpy()
+                for name, value in zip(self.output_names, values)}
 
     def _failed(self, exc: Exception) -> RunError:
         """onnxruntime's error while running (bad input values, e.g. an index out of
@@ -96,19 +133,25 @@ class StageSession:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return RunError(f"onnxruntime failed running {self.label}: {text[:400]}")
 
-    def run_bound(self, feeds: dict, buffers) -> dict:
+    def run_bound(self, feeds: dict, buffers, writable=frozenset()) -> dict:
         """The device path: ``feeds`` are ``DeviceTensor``\\ s, bound as they are (IOBinding);
         the outputs are bound to ``buffers``' device and come back as ``DeviceTensor``\\ s,
-        ready to use (the run is synchronised)."""
+        ready to use (the run is synchronised). An output written in place (``writable``)
+        is bound to its input's tensor and returned as that tensor."""
+        reused = self._reused(feeds, writable)
         binding = self.session.io_binding()
         for name in self.input_names:
             if name in feeds:
                 binding.bind_ortvalue_input(name, feeds[name].value)
         for name in self.output_names:
-            binding.bind_output(name, buffers.device_type, buffers.device_id)
+            if name in reused:
+                binding.bind_ortvalue_output(name, feeds[reused[name]].value)
+            else:
+                binding.bind_output(name, buffers.device_type, buffers.device_id)
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             raise self._failed(exc) from exc
         binding.synchronize_outputs()
-        return {name: buffers.wrap(value) for name, value in zip(self.output_names, binding.get_outputs())}
+        return {name: feeds[reused[name]] if name in reused else buffers.wrap(value)
+                for name, value in zip(self.output_names, binding.get_outputs())}

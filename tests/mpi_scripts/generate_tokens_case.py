@@ -5,7 +5,10 @@ rank's expected key/value-cache bytes).
 Under mpiexec, one job per plan: rank 0 generates with the job as the stepper and prints
 one ``ok``/``FAIL`` line per plan for the ids (against the single-device onnxruntime ids the
 test computed), one for the cache bytes each rank reports holding (``Job.stats``), and one
-for the bytes of the cache sent between ranks during generation (none may move).
+for the bytes of the cache sent between ranks during generation (none may move). The job
+runs as ``meshplan generate`` runs it (``cache_in_place``): a fixed-capacity cache must
+stay in the buffers it started in (checked on rank 0), a growing one is replaced by
+each call's present outputs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def check(entry: dict) -> list[str]:
     from meshplan.runtime.job import Job
 
     lines = []
-    with Job(entry["plan_dir"], provider="cpu") as job:
+    with Job(entry["plan_dir"], provider="cpu", cache_in_place=True) as job:
         if job is None:
             return lines
         label = entry["name"]
@@ -32,9 +35,12 @@ def check(entry: dict) -> list[str]:
         inner = stepper.step
         state_names = set(job.state_inputs) | set(job.state_outputs)
 
+        buffers = []   # after each call: rank 0's cache buffers
+
         def step(feeds, last):
             out = inner(feeds, last)
             moved["bytes"] += job.stats().bytes_of(state_names)
+            buffers.append({name: id(value) for name, value in job.state.items()})
             return out
 
         stepper.step = step
@@ -42,6 +48,12 @@ def check(entry: dict) -> list[str]:
         ids = [s.ids for s in sequences]
         lines.append(f"{'ok' if ids == entry['expected'] else 'FAIL'} {label}: ids {ids} (onnxruntime "
                      f"{entry['expected']})")
+        kept = all(b == buffers[0] for b in buffers) and len(buffers[0]) > 0
+        if shape.shared:
+            lines.append(f"{'ok' if kept else 'FAIL'} {label}: the cache stayed in its buffers over {len(buffers)} "
+                         "calls (updated in place)")
+        else:
+            lines.append(f"{'FAIL' if kept else 'ok'} {label}: the growing cache is each call's present output")
         held = job.stats().state_bytes
         if entry.get("cache_bytes") is not None:
             good = held == entry["cache_bytes"]

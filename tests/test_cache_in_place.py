@@ -1,0 +1,149 @@
+"""A fixed-capacity key/value cache updated in place (``program.in_place_pairs``,
+``StageSession.run(..., writable=...)``): GroupQueryAttention's present output bound to
+its past input's buffer gives the logits of the copying run, step after step, and writes
+nothing the caller did not hand over."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from meshplan.cost.cluster import make_cluster
+from meshplan.inter.pipeline import PlanOptions
+from meshplan.make_plan import generation_plan_dims, make_plan
+from meshplan.providers import CPU
+from meshplan.runtime.buffers import DeviceBuffers
+from meshplan.runtime.program import ProgramRunner, in_place_pairs
+from sample_models import SAMPLE_DIR
+
+CAPACITY, HEAD_SIZE, VOCAB = 32, 16, 320
+
+
+def builder_plan(tmp_path, mesh=(1, 2)):
+    model = SAMPLE_DIR / "genai" / "llama_fp32" / "model.onnx"
+    dims, _ = generation_plan_dims(model, 1, CAPACITY, 8)
+    return make_plan(model, make_cluster(mesh, "cpu"), dims, tmp_path / "plan",
+                     PlanOptions(policy="megatron", max_stages=1))
+
+
+def rank0_runner(plan, tmp_path) -> tuple[ProgramRunner, onnx.ModelProto]:
+    path = tmp_path / "plan" / next(p.file for p in plan.programs if p.rank == 0)
+    return ProgramRunner(path, [CPU], threads=1), onnx.load(str(path), load_external_data=False)
+
+
+def zero_cache(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    found = {}
+    for value in model.graph.input:
+        if "past" in value.name:
+            shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            found[value.name] = np.zeros(shape, np.float32)
+    return found
+
+
+def one_rank(step, tensor):
+    """Rank 0 alone: an all-reduce adds nothing from elsewhere, a gather keeps its piece
+    (the test compares two runs of the same rank, not the model)."""
+    return tensor
+
+
+def decode(runner: ProgramRunner, cache: dict, steps: int, writable: bool, buffers=None):
+    """Logits of a prefill of 4 tokens and ``steps`` decode steps, the cache carried from
+    each call's present outputs to the next call's past inputs."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (1, 4)).astype(np.int64)
+    length, found = 0, []
+    for _ in range(steps + 1):
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, length + ids.shape[1]), np.int64), **cache}
+        if buffers is not None:
+            feeds = {n: buffers.from_host(v) if n not in cache else v for n, v in feeds.items()}
+        out = runner.run(feeds, one_rank, **({"buffers": buffers} if buffers is not None else {}),
+                         writable=frozenset(cache) if writable else frozenset())
+        logits = out["logits"] if buffers is None else buffers.to_host(out["logits"])
+        found.append(np.array(logits))
+        presents = {n.replace("past_key_values", "present"): n for n in cache}
+        returned = {presents[o]: out[o] for o in out if o in presents}
+        if writable:   # the present output is the past buffer itself
+            assert all(returned[n] is cache[n] for n in cache), "present is not the past buffer"
+        cache = returned
+        length += ids.shape[1]
+        ids = logits[:, -1:].argmax(-1).astype(np.int64)
+    return found, cache
+
+
+def test_builder_program_pairs_every_present_with_its_past(tmp_path):
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    pairs = {}
+    for segment in runner.segments:
+        pairs.update(segment.in_place or {})
+    past = [v.name for v in model.graph.input if "past" in v.name]
+    assert len(past) == 4                   # two layers, key and value
+    assert sorted(pairs.values()) == sorted(past)
+    assert all(present.replace("present", "past_key_values") == source for present, source in pairs.items())
+
+
+def test_in_place_run_gives_the_copying_runs_logits(tmp_path):
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    given = zero_cache(model)
+    copied, _ = decode(runner, {n: v.copy() for n, v in given.items()}, 6, writable=False)
+    caller = {n: v.copy() for n, v in given.items()}
+    updated, cache = decode(runner, caller, 6, writable=True)
+    assert len(copied) == len(updated) == 7
+    for a, b in zip(copied, updated):
+        np.testing.assert_array_equal(a, b)
+    assert all(cache[n] is caller[n] for n in caller)
+    assert any(np.abs(v).sum() > 0 for v in caller.values())     # written where it lies
+
+
+def test_a_cache_not_handed_over_is_never_written(tmp_path):
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    given = zero_cache(model)
+    decode(runner, given, 2, writable=False)
+    assert all(not np.any(v) for v in given.values())
+
+
+def test_device_path_updates_the_bound_tensor(tmp_path):
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    buffers = DeviceBuffers("cpu", 0, [CPU])
+    host, _ = decode(runner, zero_cache(model), 4, writable=True)
+    cache = {n: buffers.from_host(v) for n, v in zero_cache(model).items()}
+    device, kept = decode(runner, cache, 4, writable=True, buffers=buffers)
+    for a, b in zip(host, device):
+        np.testing.assert_array_equal(a, b)
+    assert all(kept[n] is cache[n] for n in cache)
+
+
+def _gqa_graph(dynamic: bool = False, extra_reader: bool = False):
+    past_dim = "past" if dynamic else CAPACITY
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 1, 64]),
+              helper.make_tensor_value_info("past_k", TensorProto.FLOAT, [1, 1, past_dim, HEAD_SIZE]),
+              helper.make_tensor_value_info("past_v", TensorProto.FLOAT, [1, 1, past_dim, HEAD_SIZE])]
+    nodes = [helper.make_node("GroupQueryAttention", ["q", "", "", "past_k", "past_v", "seqlens", "total"],
+                              ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=4, kv_num_heads=1)]
+    if extra_reader:
+        nodes.append(helper.make_node("Identity", ["past_k"], ["copy"]))
+    return nodes, {v.name: v for v in inputs}, {"out", "present_k", "present_v", "copy"}
+
+
+@pytest.mark.parametrize("dynamic, extra_reader, expected", [
+    (False, False, {"present_k": "past_k", "present_v": "past_v"}),
+    (True, False, {}),                        # a growing cache: present is longer than past
+    (False, True, {"present_v": "past_v"}),   # another node reads the past key after the update
+])
+def test_pairs_only_for_a_fixed_capacity_read_once(dynamic, extra_reader, expected):
+    nodes, inputs, outputs = _gqa_graph(dynamic, extra_reader)
+    assert in_place_pairs(nodes, inputs, outputs) == expected
+
+
+def test_growing_cache_export_has_no_pairs(tmp_path):
+    """An optimum export grows its cache by Concat: nothing may be written in place."""
+    model = SAMPLE_DIR / "llama_optimum.onnx"
+    header = onnx.load(str(model), load_external_data=False)
+    weights = {t.name for t in header.graph.initializer}
+    assert in_place_pairs(list(header.graph.node), {v.name: v for v in header.graph.input if v.name not in weights},
+                          {v.name for v in header.graph.output}) == {}
