@@ -10,9 +10,13 @@ Each model is planned for generation (``meshplan plan --generate``) on 1x1 and o
 (tensor parallel: ``--policy megatron --max-stages 1``), and ``mpiexec -n N meshplan
 generate`` runs one prompt for ``--new-tokens`` tokens (each rank gets cores / ranks
 threads: one per rank on 1x2 on a 2-core machine). onnxruntime-genai runs the builder's
-models in one process with ``--genai-threads`` threads. The numbers are each run's own
-report (meshplan's ``--output`` metrics; genai timed around ``generate_next_token``),
-the best of ``--repeat`` runs.
+models in one process with ``--genai-threads`` threads, its key/value buffer at the same
+``--max-length`` as the plans'. The numbers are each run's own report (meshplan's
+``--output`` metrics; genai timed around ``generate_next_token``). The runners take turns,
+``--repeat`` rounds of one run each, so that a machine whose memory bandwidth drifts
+(a shared virtual machine's does, by tens of percent over hours) slows them alike; the
+table gives the best and the median of the rounds, and per model the ratio of 1x2's
+decode tokens/s to onnxruntime-genai's (the median of the rounds' ratios).
 
     python benchmarks/generate.py --gigabytes 0.4 [--export llama_large.onnx] [--json PATH]
 """
@@ -20,9 +24,11 @@ the best of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,7 +84,7 @@ def set_genai_threads(folder: Path, threads: int) -> None:
 
 
 def meshplan_run(model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int, max_length: int) -> dict:
-    plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}"
+    plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}_{max_length}"
     policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
     if not (plan_dir / "plan.json").exists():
         _run([str(BIN / "meshplan"), "plan", str(model), "--mesh", mesh, "--device", "cpu", "--generate",
@@ -98,17 +104,17 @@ def meshplan_run(model: Path, mesh: str, plans: Path, prompt: list[int], new_tok
 GENAI = textwrap.dedent("""
     import json, sys, time
     import onnxruntime_genai as og
-    folder, prompt, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    folder, prompt, new, capacity = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     model = og.Model(folder)
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, do_sample=False)
+    params.set_search_options(max_length=capacity, do_sample=False)   # the key/value buffer's capacity
     generator = og.Generator(model, params)
     start = time.perf_counter()
     generator.append_tokens([prompt])
     generator.generate_next_token()
     first = time.perf_counter()
     ids = [int(generator.get_next_tokens()[0])]
-    while not generator.is_done():
+    while len(ids) < new and not generator.is_done():
         generator.generate_next_token()
         ids.append(int(generator.get_next_tokens()[0]))
     end = time.perf_counter()
@@ -116,21 +122,25 @@ GENAI = textwrap.dedent("""
 """)
 
 
-def genai_run(model: Path, prompt: list[int], new_tokens: int, threads: int) -> dict | None:
+def genai_run(model: Path, prompt: list[int], new_tokens: int, threads: int, max_length: int) -> dict | None:
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
     set_genai_threads(model.parent, threads)
-    done = _run([sys.executable, "-c", GENAI, str(model.parent), json.dumps(prompt), str(new_tokens)])
+    done = _run([sys.executable, "-c", GENAI, str(model.parent), json.dumps(prompt), str(new_tokens), str(max_length)])
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["threads_per_rank"] = threads
     return result
 
 
-def best(runs: list[dict]) -> dict:
+def summary(runs: list[dict]) -> dict:
+    """The best TTFT and decode tokens/s of the runs, and the median decode tokens/s."""
     chosen = dict(min(runs, key=lambda r: r["ttft_s"]))
-    chosen["decode_tokens_per_s"] = max(r["decode_tokens_per_s"] for r in runs)
+    rates = [r["decode_tokens_per_s"] for r in runs]
+    chosen["decode_tokens_per_s"] = max(rates)
+    chosen["median_decode_tokens_per_s"] = statistics.median(rates)
+    chosen["rounds"] = rates
     return chosen
 
 
@@ -139,11 +149,11 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=0.4, help="size of the float32 builder model")
     parser.add_argument("--export", type=Path, help="an optimum or torch export with a key/value cache")
     parser.add_argument("--workdir", type=Path, help="where models and plans go [default: a temporary folder]")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--genai-threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
@@ -152,27 +162,41 @@ def main() -> None:
     if args.export:
         models["export"] = args.export.resolve()
     prompt = [(7 * i + 5) % 250 + 2 for i in range(args.prompt_length)]
-    rows = []
+    genai = f"onnxruntime-genai, {args.genai_threads} threads"
+    rows, ratios = [], {}
     for label, model in models.items():
         size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
-        for mesh in ("1x1", "1x2"):
-            runs = [meshplan_run(model, mesh, workdir, prompt, args.new_tokens, args.max_length)
-                    for _ in range(args.repeat)]
-            rows.append({"model": label, "bytes": size, "runner": f"meshplan generate {mesh}", **best(runs)})
-        if label != "export":
-            runs = [genai_run(model, prompt, args.new_tokens, args.genai_threads) for _ in range(args.repeat)]
-            if runs[0] is not None:
-                rows.append({"model": label, "bytes": size, "runner": f"onnxruntime-genai, {args.genai_threads} threads",
-                             **best(runs)})
+        runners = {f"meshplan generate {mesh}": (lambda mesh=mesh: meshplan_run(
+            model, mesh, workdir, prompt, args.new_tokens, args.max_length)) for mesh in ("1x1", "1x2")}
+        if label != "export" and importlib.util.find_spec("onnxruntime_genai") is not None:
+            runners[genai] = lambda: genai_run(model, prompt, args.new_tokens, args.genai_threads, args.max_length)
+        runs: dict[str, list[dict]] = {name: [] for name in runners}
+        for round_ in range(args.repeat):   # taking turns, each round in another order
+            names = list(runners)
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                runs[name].append(runners[name]())
+        for name, found in runs.items():
+            rows.append({"model": label, "bytes": size, "runner": name, **summary(found)})
+        if genai in runs:
+            ratios[label] = statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                                              for a, b in zip(runs["meshplan generate 1x2"], runs[genai]))
     for row in rows:
         same = [r for r in rows if r["model"] == row["model"]]
         row["same_ids_as_first"] = row["ids"] == same[0]["ids"]
     if args.json:
-        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "ids"} for r in rows], indent=1) + "\n")
-    print(f"{'model':14} {'size':>9} {'runner':34} {'threads/rank':>12} {'TTFT':>9} {'decode tok/s':>13}  same ids")
+        body = {"rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows],
+                "ratio_1x2_to_genai": ratios, "max_length": args.max_length, "new_tokens": args.new_tokens}
+        args.json.write_text(json.dumps(body, indent=1) + "\n")
+    print(f"key/value capacity {args.max_length}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
+          f"{args.repeat} rounds")
+    print(f"{'model':14} {'size':>9} {'runner':34} {'threads/rank':>12} {'TTFT':>9} {'decode tok/s':>13} "
+          f"{'median':>7}  same ids")
     for r in rows:
         print(f"{r['model']:14} {r['bytes'] / 1e6:7.0f}MB {r['runner']:34} {r['threads_per_rank']:>12} "
-              f"{r['ttft_s'] * 1e3:7.1f}ms {r['decode_tokens_per_s']:13.1f}  {r['same_ids_as_first']}")
+              f"{r['ttft_s'] * 1e3:7.1f}ms {r['decode_tokens_per_s']:13.1f} {r['median_decode_tokens_per_s']:7.1f}  "
+              f"{r['same_ids_as_first']}")
+    for label, ratio in ratios.items():
+        print(f"{label}: decode tokens/s on 1x2 / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
 
 
 if __name__ == "__main__":

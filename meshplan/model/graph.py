@@ -85,6 +85,9 @@ class Graph:
     # A ranged plan: the same graph at other sizes ("top": every range at its top; "probe":
     # sizes unlike the cost sizes), at each of which a strategy must hold too.
     views: dict = field(default_factory=dict, repr=False, compare=False)
+    # A ranged plan's graph or one of its views: shapes are computed at run time (rules that
+    # read a shape, or take one as an input, hold in any layout the emitter scales).
+    ranged: bool = field(default=False, compare=False)
     state: dict[str, str] = field(default_factory=dict)   # state output → the input it becomes in the next call
 
     def producers(self) -> dict[str, int]:
@@ -171,5 +174,6 @@ def build_graph(model: onnx.ModelProto, views=None) -> Graph:
             else:
                 other = {name: replace(info, shape=shapes.get(name, info.shape)) for name, info in tensors.items()}
             graph.views[label] = Graph(nodes=nodes, tensors=other, inputs=inputs, outputs=outputs, opset=opset,
-                                       chains=chains)
+                                       chains=chains, ranged=True)
+        graph.ranged = True
     return graph

@@ -60,7 +60,7 @@ def _rewrite_to_local_shape(index: int):
         local = outputs[0].local_shape(op.out_shape, mesh)
         if local == tuple(op.out_shape):
             return ()
-        if op.outs[0].ranged or (op.graph.views and op.has_input(index) and not op.is_constant(index)):
+        if op.outs[0].ranged or (op.graph.ranged and op.has_input(index) and not op.is_constant(index)):
             divisors = tuple(outputs[0].shards(d, mesh) for d in range(len(op.out_shape)))
             length = op.shape(index)[0] if op.shape(index) else len(divisors)
             return ((index, LocalShape(divisors[len(divisors) - length:])),)
@@ -91,7 +91,7 @@ def _shape(op: OpView) -> list[Rule]:
     """The shape of a tensor split anywhere (or partial) is one replicated vector: the
     emitter scales the local shape back to the whole tensor's by the split. (Ranged plans,
     where shapes are computed at run time; elsewhere shapes are folded.)"""
-    need(op.graph.views)
+    need(op.graph.ranged)
     return [((d,), (R,)) for d in range(op.rank)] + [((P,), (R,))]
 
 
@@ -149,7 +149,7 @@ def _slice(op: OpView) -> list[Rule]:
         starts, ends, axes, steps = (op.ints(None, i) for i in (1, 2, 3, 4))
         if (op.has_input(3) and axes is None) or (op.has_input(4) and steps is None):
             return linear
-    if (starts is None or ends is None) and axes is not None and op.graph.views:
+    if (starts is None or ends is None) and axes is not None and op.graph.ranged:
         # bounds computed at run time: the dims they cut are cut, the others are whole
         cut = {op.axis(a) for a in axes}
         return [((d,), (d,)) for d in range(len(shape)) if d not in cut] + linear
