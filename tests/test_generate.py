@@ -270,19 +270,16 @@ def test_batched_prompts_generate_what_each_prompt_alone_does(planned, name):
 
 
 @pytest.mark.parametrize("name", EXPORTS)
-def test_export_cache_stays_split_under_megatron(name, tmp_path):
-    """An export's attention reads the cache it has just grown through Shape (repeat_kv's
-    target shape): in a plan for generation a Shape reads a split tensor as it is held,
-    so nothing gathers the cache on 1x2 and the plan generates onnxruntime's ids; the
-    optimum export's cache (which the Shape readers kept whole before) is split on every
-    layer, each rank holding half of it. (The dynamo export reads its cache without Shape;
-    its solver keeps some layers' cache whole, as cheap at this size.)"""
+def test_export_cache_never_moves_under_megatron(name, tmp_path):
+    """An export's attention reads the cache it has just grown (through Shape, in the
+    optimum export: repeat_kv's target shape): on 1x2 under megatron no collective touches
+    the cache, the solver's estimate carries no move of it (each would cost a second), and
+    the plan generates onnxruntime's ids. (Whether the cache is split is the solver's
+    choice at these sizes; that a Shape may read it split is ``test_ranges``'.)"""
     dims, _ = generation_plan_dims(model_path(name), 1, MAX_LENGTH, CHUNK)
     plan = make_plan(model_path(name), make_cluster((1, 2), "cpu"), dims, tmp_path / "plan",
                      PlanOptions(policy="megatron", max_stages=1))
     assert len(plan.state) == 4
-    if name == "llama_optimum":
-        assert all(entry["spec"] in ("RS1RR", "RRRS1") for entry in plan.state), plan.state
     state = {entry["input"] for entry in plan.state} | {entry["output"] for entry in plan.state}
     assert not [c for stage in plan.stages for c in stage.collectives if c["tensor"] in state]
     assert plan.estimate["latency_seconds"] < 0.1      # no state moved (each move costs a second)

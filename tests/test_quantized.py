@@ -328,7 +328,8 @@ def quantize_matmuls(model: onnx.ModelProto) -> onnx.ModelProto:
 @pytest.mark.parametrize("policy", ["megatron", "auto"])
 def test_quantized_mlp_on_1x2(policy, tmp_path):
     """An MLP whose MatMuls are MatMulNBits (4 bits, blocks of 32, zero points), planned on
-    1x2 and run in-process, gives onnxruntime's outputs."""
+    1x2 and run in-process, gives onnxruntime's outputs. (The automatic plan of so small an
+    MLP may keep it whole on both devices.)"""
     model = quantize_matmuls(make_mlp(layers=3, in_features=64, hidden=128, classes=32))
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 3
     path = tmp_path / "mlp_q4.onnx"
@@ -339,7 +340,7 @@ def test_quantized_mlp_on_1x2(policy, tmp_path):
     plan = make_plan(path, load_cluster_file(cluster_file), {"batch": 8}, plan_dir,
                      PlanOptions(max_stages=1, policy=policy, all_devices=True))
     strategies = plan.stages[0].strategies
-    assert plan.stages[0].devices == [0, 1] and strategies
+    assert plan.stages[0].devices == [0, 1]
     if policy == "megatron":   # widening: column-parallel; narrowing (128 -> 32): row-parallel, partial
         assert strategies["layer0/matmul"] == "RR,S1RR,S1R,S1R->RS1", strategies
         assert strategies["layer2/matmul"] == "RS1,RS1R,RS1,RS1->RR+P1", strategies

@@ -178,7 +178,7 @@ def test_inputs_for_an_llm_make_sense(tmp_path):
 
 @pytest.mark.mpi
 def test_generation_through_the_resident_job_on_two_ranks(tmp_path):
-    """Both exports on 1x2: as planned, and as one tensor-parallel stage (its cache split)."""
+    """Both exports on 1x2: as planned, and as one tensor-parallel stage."""
     plans = [_plan(OPTIMUM, tmp_path / "optimum-1x2", "1x2"), _plan(DYNAMO, tmp_path / "dynamo-1x2", "1x2"),
              _plan(DYNAMO, tmp_path / "dynamo-1x2-one-stage", "1x2", "--max-stages", "1", "--all-devices")]
     lines = run_mpi_script("generate_case.py", ranks=2, args=plans, timeout=300)
@@ -189,12 +189,14 @@ def test_generation_through_the_resident_job_on_two_ranks(tmp_path):
 @pytest.mark.mpi
 def test_generation_through_the_resident_job_on_four_ranks(tmp_path):
     """Both exports, planned once with ranges on 1x4 and on 2x2 (one of them as a single
-    sharded stage whose cache is split over all four ranks)."""
+    sharded stage over all four ranks: at these sizes its solver keeps the cache whole on
+    each rank, which is its cheapest layout)."""
     plans = [_plan(OPTIMUM, tmp_path / "optimum-1x4", "1x4"), _plan(DYNAMO, tmp_path / "dynamo-1x4", "1x4"),
              _plan(OPTIMUM, tmp_path / "optimum-2x2", "2x2"), _plan(DYNAMO, tmp_path / "dynamo-2x2", "2x2"),
              _plan(DYNAMO, tmp_path / "dynamo-2x2-one-stage", "2x2", "--max-stages", "1", "--all-devices")]
-    split = json.loads((tmp_path / "dynamo-2x2-one-stage" / "plan.json").read_text())["state"]
-    assert any(entry["spec"] != "RRRR" for entry in split)   # some of the cache is split over the ranks
+    one = json.loads((tmp_path / "dynamo-2x2-one-stage" / "plan.json").read_text())
+    assert len(one["stages"]) == 1 and one["stages"][0]["devices"] == [0, 1, 2, 3]
+    assert any(one["stages"][0]["strategies"].values())      # sharded over the four ranks
     lines = run_mpi_script("generate_case.py", ranks=4, args=plans, timeout=400)
     assert sum("cache bytes moved between ranks: 0" in line for line in lines) == 5
 
@@ -365,3 +367,20 @@ def test_a_calls_sizes_are_checked_in_one_line_each(tmp_path):
     for change, message in cases:
         with pytest.raises(RunError, match=re.escape(message)):
             check_inputs(plan, {**good, **change})
+
+
+def test_shape_of_a_split_cache_holds_at_every_size(optimum_ranged):
+    """A Shape reading the cache an export's attention has just grown offers its split
+    strategies in a ranged plan: they hold at the plan's other sizes too (the size views
+    are ranged graphs as well), so the cache need not be gathered for its Shape readers."""
+    from meshplan.intra.strategies import node_strategies
+    from meshplan.sharding import LogicalMesh
+
+    _, graph = optimum_ranged
+    assert graph.ranged and all(view.ranged for view in graph.views.values())
+    mesh = LogicalMesh((1, 2), (0, 1))
+    readers = [node for node in graph.nodes if node.op_type == "Shape" and node.inputs[0] in graph.state]
+    assert readers
+    for node in readers:
+        found = {str(s) for s in node_strategies(node, graph, mesh)}
+        assert "RS1RR->R" in found, (node.name, found)

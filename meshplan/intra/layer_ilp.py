@@ -26,6 +26,15 @@ BOUNDARY_KINDS = ("R", "B")
 # Seconds added to any resharding of a state tensor that moves bytes: state stays where it
 # is made (a plan moves the cache only where nothing else can run, e.g. no rule splits its reader).
 STATE_MOVE_PENALTY = 1.0
+# A layer ILP of at most this many strategy and edge-pair variables is solved as it is;
+# a larger one first folds its cheap followers into their producers (``fold_followers``),
+# which shrinks it but can miss the optimum: a follower's choice is fixed by its producer's.
+EXACT_SIZE = 2000
+
+
+def ilp_size(problem: ShardingProblem) -> int:
+    """Variables of the problem's ILP: one per node strategy and per edge strategy pair."""
+    return sum(len(n.costs) for n in problem.nodes) + sum(int(np.size(e.costs)) for e in problem.edges)
 
 
 def boundary_spec(kind: str, shape: tuple[int, ...], mesh: LogicalMesh) -> ShardingSpec:
@@ -98,7 +107,11 @@ class LayerIlp:
             entry_costs.append(entering)
             exit_costs.append(leaving)
             nodes.append(IlpNode(node.name, costs + entering + leaving, memory))
-        problem, recover = fold_followers(ShardingProblem(nodes, body.edges, memory_limit), body.heavy)
+        whole = ShardingProblem(nodes, body.edges, memory_limit)
+        if ilp_size(whole) <= EXACT_SIZE:   # small enough to solve as it is: folding only approximates
+            problem, recover = whole, list
+        else:
+            problem, recover = fold_followers(whole, body.heavy)
         result = solve(problem, self.solver)
         full = recover(result.choices)
         picked = [body.choices[offset][full[offset]] for offset in range(stop - start)]
