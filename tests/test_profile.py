@@ -21,11 +21,11 @@ from meshplan.model.load import infer_shapes
 from meshplan.profile import ProfiledCostModel, ProfileOptions, load_profile, profile_model, write_profile
 from meshplan.profile.cache import OpKey, ProfileCache
 from meshplan.profile.comm import cluster_fits, fit_latency_bandwidth
-from meshplan.reshard.steps import CollectiveModel
-from meshplan.sharding import LogicalMesh
 from meshplan.profile.errors import ProfileError
 from meshplan.profile.signatures import Variant, build_timing_model, collect_signatures, signature_of
 from meshplan.profile.timing import OpTimer, TimingConfig, cuda_usable, resolve_provider
+from meshplan.reshard.steps import CollectiveModel
+from meshplan.sharding import LogicalMesh
 from meshplan.profile.variants import sharded_variants
 from sample_models import SAMPLES
 from tests.conftest import run_signature, sharded_signatures

@@ -36,19 +36,16 @@ def fold_followers(problem: ShardingProblem, heavy: list[bool]):
         edge = edges[into[0]]
         v = edge.src
         total = edge.costs + nodes[u].costs[None, :]          # (k_v, k_u)
-        least = np.zeros(total.shape[1])
-        for other in edges:
-            if other.src == u and other is not edge:
-                least = least + np.min(other.costs, axis=1)
+        outgoing = [other for other in edges if other.src == u and other is not edge]
+        least = sum((np.min(other.costs, axis=1) for other in outgoing), np.zeros(total.shape[1]))
         f = np.argmin(total + least[None, :], axis=1)
         rows = np.arange(len(f))
         nodes[v].costs = nodes[v].costs + total[rows, f]
         if nodes[u].memory is not None:
             base = nodes[v].memory if nodes[v].memory is not None else np.zeros(len(f))
             nodes[v].memory = base + nodes[u].memory[f]
-        for other in edges:
-            if other.src == u and other is not edge:
-                other.src, other.costs = v, other.costs[f, :]
+        for other in outgoing:
+            other.src, other.costs = v, other.costs[f, :]
         removed.add(into[0])
         leader[u], mapping[u] = v, f
     kept = [u for u in range(len(nodes)) if leader[u] == u]
