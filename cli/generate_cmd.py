@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import click
 
 from cli.guard import debugging, rank_guard
+
+FLUSH_SECONDS = 0.05   # streamed tokens reach the terminal at least this often
 
 
 @click.command()
@@ -43,11 +47,16 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
 
     debug = debugging(ctx)
 
+    out = sys.stdout
+    flushed = [time.monotonic()]
+
     def stream(text, step=None, ids=None):
-        if text is not None:
-            click.echo(text, nl=False)
-        else:
-            click.echo(f"step {step}: " + " ".join(str(int(i)) for i in ids))
+        # flushed at most every FLUSH_SECONDS: each flush wakes the launcher's forwarding of
+        # the rank's output, which takes a core from the ranks while they compute
+        out.write(text if text is not None else f"step {step}: " + " ".join(str(int(i)) for i in ids) + "\n")
+        if time.monotonic() - flushed[0] >= FLUSH_SECONDS:
+            out.flush()
+            flushed[0] = time.monotonic()
 
     with rank_guard(debug):
         if not prompts and prompt_ids is None:
@@ -57,6 +66,7 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                           sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
                           tokenizer=tokenizer)
         report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path)
+    out.flush()
     if report is None:
         return
     click.echo("")

@@ -98,6 +98,32 @@ def test_in_place_run_gives_the_copying_runs_logits(tmp_path):
     assert any(np.abs(v).sum() > 0 for v in caller.values())     # written where it lies
 
 
+def test_kept_binding_follows_new_buffers_and_copying_runs(tmp_path):
+    """A session keeps its binding between in-place runs: a second generation on new
+    buffers writes those (the first generation's stay as they were), a copying run in
+    between writes neither, and ``release`` lets the old buffers go."""
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    expected, _ = decode(runner, zero_cache(model), 3, writable=False)
+    first = zero_cache(model)
+    got, _ = decode(runner, first, 3, writable=True)
+    kept = {n: v.copy() for n, v in first.items()}
+    untouched = zero_cache(model)
+    between, _ = decode(runner, untouched, 3, writable=False)
+    assert all(not np.any(v) for v in untouched.values())
+    runner.release()
+    assert all(not s.session._bound for s in runner.segments if s.session is not None)
+    second = zero_cache(model)
+    again, _ = decode(runner, second, 3, writable=True)
+    for a, b, c, d in zip(expected, got, between, again):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(a, d)
+    for name in first:
+        np.testing.assert_array_equal(first[name], kept[name])     # the old buffers were not written again
+        np.testing.assert_array_equal(second[name], kept[name])    # the new ones hold the same cache
+
+
 def test_a_cache_not_handed_over_is_never_written(tmp_path):
     plan = builder_plan(tmp_path)
     runner, model = rank0_runner(plan, tmp_path)

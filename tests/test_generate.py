@@ -218,6 +218,33 @@ def test_generate_command(planned, tmp_path):
         assert word in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("name", ["llama_fp32", "qwen2_fp32", "phi3_fp32"])
+def test_text_stream_pieces_make_the_decoded_text(name):
+    """Streamed text, a few tokens at a time: the pieces put together are the whole
+    sequence's decoded text (multi-byte characters split over tokens and random ids
+    included), and each step decodes a window of a few tokens, not the sequence."""
+    from tokenizers import Tokenizer
+
+    from meshplan.generation.driver import TextStream
+
+    tokenizer = Tokenizer.from_file(str(SAMPLE_DIR / "genai" / name / "tokenizer.json"))
+    rng = np.random.default_rng(1)
+    texts = ["grouped query attention shares keys, values: wörld 日本語 ünïcode!" * 3]
+    sequences = [tokenizer.encode(t).ids for t in texts]
+    sequences += [rng.integers(0, tokenizer.get_vocab_size(), int(rng.integers(1, 60))).tolist() for _ in range(30)]
+    for ids in sequences:
+        stream, pieces, k, widest = TextStream(tokenizer), [], 0, 0
+        while k < len(ids):
+            step = int(rng.integers(1, 3))
+            pieces.append(stream.add(ids[k:k + step]))
+            widest = max(widest, stream.count - stream.prefix)
+            k += step
+        pieces.append(stream.finish())
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+        if ids == sequences[0]:
+            assert len(ids) > 40 and widest <= 16
+
+
 def test_sampler():
     logits = np.array([[0.1, 3.0, 2.9, -1.0], [5.0, 5.0, 1.0, 0.0]])
     assert Sampler()(logits).tolist() == [1, 0]                       # greedy: the first of a tie

@@ -34,6 +34,40 @@ class JobStepper:
         return self.job.run(feeds, outputs={"logits": np.s_[:, -last:]})["logits"]
 
 
+class TextStream:
+    """One sequence's text as its ids come, decoded a few tokens at a time: the text of the
+    ids since an earlier boundary, less what that window gave before, so each step costs
+    the same however long the sequence (a token that ends inside a multi-byte character
+    waits for the next). The pieces put together are the decoded sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0    # the window starts at prefix; up to read is streamed
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def add(self, ids) -> str:
+        """The new text that ``ids`` (the tokens after those added before) complete."""
+        self.ids.extend(int(i) for i in ids)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """What is left once the sequence has ended (a character left incomplete)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
 @dataclass
 class Request:
     """What to generate: prompts as text (``texts``) or token ids (``ids``)."""
@@ -163,16 +197,15 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         return None
     prepared: Prepared = held["prepared"]
     tokenizer = prepared.tokenizer
-    streamed = {"text": ""}
+    stream = TextStream(tokenizer) if tokenizer is not None else None
 
     def on_tokens(step, ids, sequences):
         if on_text is None:
             return
-        if len(sequences) == 1 and tokenizer is not None:
-            text = tokenizer.decode(sequences[0].ids, skip_special_tokens=True)
-            if text.startswith(streamed["text"]):
-                on_text(text[len(streamed["text"]):])
-            streamed["text"] = text
+        if len(sequences) == 1 and stream is not None:
+            text = stream.add(sequences[0].ids[stream.count:])
+            if text:
+                on_text(text)
         else:
             on_text(None, step, ids)
 
@@ -180,6 +213,9 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         generation = Generation(prepared.shape, JobStepper(job), prepared.pad_id)
         sequences, metrics = generation.run(prepared.prompts, request.max_new_tokens, request.sampler,
                                             prepared.eos, on_tokens)
+        rest = stream.finish() if on_text is not None and len(sequences) == 1 and stream is not None else ""
+        if rest:
+            on_text(rest)
         stats = job.stats()
     except MeshplanError:
         job.close()

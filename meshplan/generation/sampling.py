@@ -37,9 +37,11 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """One token id per row of ``logits`` [batch, vocab]."""
-        logits = np.asarray(logits, dtype=np.float64)
-        if self.greedy:
-            return logits.argmax(axis=-1).astype(np.int64)
+        logits = np.asarray(logits)
+        if self.greedy:   # widening keeps the order: take the maximum where it lies
+            exact = logits.dtype in (np.float16, np.float32, np.float64)
+            return (logits if exact else logits.astype(np.float64)).argmax(axis=-1).astype(np.int64)
+        logits = logits.astype(np.float64)
         scaled = logits / self.temperature
         chosen = np.empty(len(scaled), dtype=np.int64)
         for row, values in enumerate(scaled):

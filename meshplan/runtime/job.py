@@ -373,7 +373,7 @@ class Job:
         """Forget every state: the next call starts from empty (driver)."""
         self._require_driver("reset_state")
         self._send_header(self._header(RESET))
-        self.state.clear()
+        self._drop_state()
         self.state_shapes = {}
 
     def get_state(self, names=None) -> dict[str, np.ndarray]:
@@ -416,6 +416,11 @@ class Job:
             raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
         for name, value in values.items():
             self.state_shapes[name] = tuple(np.shape(value))
+
+    def _drop_state(self) -> None:
+        self.state.clear()
+        if self.session is not None:
+            self.session.release()   # the sessions' kept bindings hold the cache buffers too
 
     def _check_divides(self, name: str, shape) -> None:
         entry = self.state_inputs[name]
@@ -460,7 +465,7 @@ class Job:
                 if op == RUN:
                     self._run_call(header, None)
                 elif op == RESET:
-                    self.state.clear()
+                    self._drop_state()
                 elif op == GET_STATE:
                     self._gather_state(list(header[self.header_size - len(self.state_entries):].astype(bool)))
                 elif op == SET_STATE:
@@ -723,6 +728,8 @@ def _bcast_strings(group, array: np.ndarray | None, shape: tuple) -> tuple[np.nd
 
 
 def _nbytes(buffers, value) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
     shape = buffers.shape(value)
     return int(np.prod(shape)) * np.dtype(value.dtype).itemsize
 

@@ -161,6 +161,12 @@ class ProgramRunner:
             self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
+    def release(self) -> None:
+        """Let go of the buffers the sessions' kept bindings hold (``StageSession.release``)."""
+        for segment in self.segments:
+            if segment.session is not None:
+                segment.session.release()
+
     def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset()) -> dict:
         """Run every segment; ``collective_fn(step, tensor) -> tensor`` performs collectives
         (``observe(name, tensor)``, when given, sees each collective's input first).

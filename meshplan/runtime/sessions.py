@@ -85,6 +85,8 @@ class StageSession:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.providers = self.session.get_providers()
         self.in_place = dict(in_place or {})
+        self._binding = None   # the in-place runs' IOBinding and what its outputs are bound to
+        self._bound: dict[str, tuple] = {}
 
     def _reused(self, feeds: dict, writable) -> dict[str, str]:
         """The outputs written into their input's buffer on this run: the input is fed and
@@ -105,20 +107,32 @@ class StageSession:
         return dict(zip(self.output_names, values))
 
     def _run_in_place(self, feeds: dict[str, np.ndarray], reused: dict[str, str]) -> dict[str, np.ndarray]:
+        """One IOBinding per session, kept between runs (``release`` drops it): a generation
+        step runs the same segments on the same cache buffers every time, so an output written
+        in place stays bound to its buffer's OrtValue while that same array is fed; inputs
+        and the other outputs are bound anew."""
         import onnxruntime as ort
 
-        binding = self.session.io_binding()
-        shared = {i: ort.OrtValue.ortvalue_from_numpy(feeds[i]) for i in reused.values()}   # wraps, no copy
+        if self._binding is None:
+            self._binding, self._bound = self.session.io_binding(), {}
+        binding, bound = self._binding, self._bound
+        shared = {}
+        for name in self.output_names:
+            source = reused.get(name)
+            if source is None:   # onnxruntime allocates it, at this run's shape
+                binding.bind_output(name, "cpu")
+                bound.pop(name, None)
+                continue
+            held = bound.get(name)
+            if held is None or held[0] is not feeds[source]:
+                held = bound[name] = (feeds[source], ort.OrtValue.ortvalue_from_numpy(feeds[source]))  # wraps, no copy
+                binding.bind_ortvalue_output(name, held[1])
+            shared[source] = held[1]
         for name in self.input_names:
             if name in shared:
                 binding.bind_ortvalue_input(name, shared[name])
             elif name in feeds:
                 binding.bind_cpu_input(name, feeds[name])
-        for name in self.output_names:
-            if name in reused:
-                binding.bind_ortvalue_output(name, shared[reused[name]])
-            else:
-                binding.bind_output(name, "cpu")
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
@@ -126,6 +140,10 @@ class StageSession:
         values = binding.get_outputs()
         return {name: feeds[reused[name]] if name in reused else value.numpy()
                 for name, value in zip(self.output_names, values)}
+
+    def release(self) -> None:
+        """Forget the kept binding and the buffers it holds (the job's state was dropped)."""
+        self._binding, self._bound = None, {}
 
     def _failed(self, exc: Exception) -> RunError:
         """onnxruntime's error while running (bad input values, e.g. an index out of
