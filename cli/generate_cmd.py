@@ -51,8 +51,8 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
     flushed = [time.monotonic()]
 
     def stream(text, step=None, ids=None):
-        # flushed at most every FLUSH_SECONDS: each flush wakes the launcher's forwarding of
-        # the rank's output, which takes a core from the ranks while they compute
+        # flushed at most every FLUSH_SECONDS: a write to the launcher's pipe at every token
+        # costs the step time
         out.write(text if text is not None else f"step {step}: " + " ".join(str(int(i)) for i in ids) + "\n")
         if time.monotonic() - flushed[0] >= FLUSH_SECONDS:
             out.flush()
