@@ -98,9 +98,6 @@ def brute_traffic(graph: Graph) -> list[float]:
                 continue
             if any(name in graph.nodes[j].inputs for j in range(p, n)):
                 total += graph.tensors[name].nbytes
-        for name in graph.outputs:
-            if name in producer and producer[name] < p:
-                total += graph.tensors[name].nbytes
         traffic.append(float(total))
     return traffic
 
@@ -158,16 +155,21 @@ def test_cut_traffic_chain_by_hand():
     assert list(cut_traffic(graph)) == [0.0, 24.0, 48.0, 0.0]
 
 
-def test_cut_traffic_ignores_weights_and_counts_outputs():
+def test_cut_traffic_ignores_weights_and_outputs_no_later_node_reads():
+    """A graph output leaves the stage that makes it for the output writer, whatever the
+    cuts after it: it crosses none of them (counted, each layer's present key and value of
+    an LLM export would pull every cut to before the next one is made, inside attention)."""
     w = helper.make_tensor("w", F32, [1000, 3], np.zeros(3000, dtype=np.float32).tolist())
     nodes = [
         helper.make_node("Add", ["in", "w"], ["a"]),     # a: [1000, 3], a graph output
         helper.make_node("Relu", ["in"], ["b"]),
         helper.make_node("Add", ["b", "w"], ["c"]),
+        helper.make_node("Relu", ["a"], ["d"]),          # read once more after b and c
     ]
-    graph = _model_to_graph(nodes, [("in", [1000, 3])], ["a", "c"], [w])
-    # a is an output (12000 B) produced by node 0: it crosses cuts 1 and 2; b crosses cut 2.
-    assert list(cut_traffic(graph)) == [0.0, 12000.0, 24000.0, 0.0]
+    graph = _model_to_graph(nodes, [("in", [1000, 3])], ["a", "c", "d"], [w])
+    # a (12000 B) crosses cuts 1 to 3 for its last reader; b crosses cut 2; c, an output
+    # nobody reads, crosses cut 3 not at all
+    assert list(cut_traffic(graph)) == [0.0, 12000.0, 24000.0, 12000.0, 0.0]
 
 
 # --- cluster_layers --------------------------------------------------------------------
@@ -306,8 +308,6 @@ def brute_traffic_fast(graph: Graph) -> list[float]:
         total = 0
         for name, i in producer.items():
             if i < p and not graph.tensors[name].is_param and any(r >= p for r in readers.get(name, ())):
-                total += graph.tensors[name].nbytes
-            if i < p and name in graph.outputs:
                 total += graph.tensors[name].nbytes
         out.append(float(total))
     return out

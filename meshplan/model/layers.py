@@ -38,8 +38,10 @@ class Layering:
 
 
 def cut_traffic(graph: Graph, peak: bool = False) -> np.ndarray:
-    """bytes[p] = activation bytes crossing a cut placed just before node p (p = 0..n); at
-    the largest sizes a ranged plan accepts with ``peak``."""
+    """bytes[p] = activation bytes crossing a cut placed just before node p (p = 0..n): made
+    before it and read after it; at the largest sizes a ranged plan accepts with ``peak``.
+    A graph output that no later node reads crosses nothing: it goes from the stage that
+    makes it to the output writer wherever the cuts are."""
     def size(name: str) -> int:
         return graph.tensors[name].peak_nbytes if peak else graph.tensors[name].nbytes
 
@@ -53,10 +55,6 @@ def cut_traffic(graph: Graph, peak: bool = False) -> np.ndarray:
         if stop >= start:
             diff[start] += size(name)
             diff[stop + 1] -= size(name)
-    for name in graph.outputs:  # graph outputs leave their stage for the output writer
-        if name in producers:
-            diff[producers[name] + 1] += size(name)
-            diff[n + 1] -= size(name)
     traffic = np.cumsum(diff)[: n + 1]
     traffic[0] = traffic[n] = 0.0
     return traffic
