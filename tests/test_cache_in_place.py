@@ -144,7 +144,7 @@ def test_device_path_updates_the_bound_tensor(tmp_path):
     assert all(kept[n] is cache[n] for n in cache)
 
 
-def _gqa_graph(dynamic: bool = False, extra_reader: bool = False):
+def _gqa_graph(dynamic: bool = False, extra_reader: bool = False, present_dim=CAPACITY):
     past_dim = "past" if dynamic else CAPACITY
     inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 1, 64]),
               helper.make_tensor_value_info("past_k", TensorProto.FLOAT, [1, 1, past_dim, HEAD_SIZE]),
@@ -153,16 +153,22 @@ def _gqa_graph(dynamic: bool = False, extra_reader: bool = False):
                               ["out", "present_k", "present_v"], domain="com.microsoft", num_heads=4, kv_num_heads=1)]
     if extra_reader:
         nodes.append(helper.make_node("Identity", ["past_k"], ["copy"]))
-    return nodes, {v.name: v for v in inputs}, {"out", "present_k", "present_v", "copy"}
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 1, 64]),
+               helper.make_tensor_value_info("copy", TensorProto.FLOAT, [1, 1, past_dim, HEAD_SIZE])]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, present_dim, HEAD_SIZE])
+                for n in ("present_k", "present_v")]
+    return nodes, {v.name: v for v in inputs}, {v.name: v for v in outputs}
 
 
-@pytest.mark.parametrize("dynamic, extra_reader, expected", [
-    (False, False, {"present_k": "past_k", "present_v": "past_v"}),
-    (True, False, {}),                        # a growing cache: present is longer than past
-    (False, True, {"present_v": "past_v"}),   # another node reads the past key after the update
+@pytest.mark.parametrize("dynamic, extra_reader, present_dim, expected", [
+    (False, False, CAPACITY, {"present_k": "past_k", "present_v": "past_v"}),
+    (False, False, "total", {"present_k": "past_k", "present_v": "past_v"}),   # the builder's own model
+    (True, False, "total", {}),                   # a growing cache: present is longer than past
+    (False, False, CAPACITY + 1, {}),             # fixed sizes, but present one longer: it grows
+    (False, True, CAPACITY, {"present_v": "past_v"}),   # another node reads the past key after the update
 ])
-def test_pairs_only_for_a_fixed_capacity_read_once(dynamic, extra_reader, expected):
-    nodes, inputs, outputs = _gqa_graph(dynamic, extra_reader)
+def test_pairs_only_for_a_fixed_capacity_read_once(dynamic, extra_reader, present_dim, expected):
+    nodes, inputs, outputs = _gqa_graph(dynamic, extra_reader, present_dim)
     assert in_place_pairs(nodes, inputs, outputs) == expected
 
 
@@ -172,4 +178,4 @@ def test_growing_cache_export_has_no_pairs(tmp_path):
     header = onnx.load(str(model), load_external_data=False)
     weights = {t.name for t in header.graph.initializer}
     assert in_place_pairs(list(header.graph.node), {v.name: v for v in header.graph.input if v.name not in weights},
-                          {v.name for v in header.graph.output}) == {}
+                          {v.name: v for v in header.graph.output}) == {}

@@ -35,6 +35,7 @@ BUILDER = ["llama_fp32", "llama_int4", "qwen2_fp32", "qwen2_int4", "phi3_fp32", 
 EXPORTS = ["llama_optimum", "llama_dynamo"]
 MESHES = [(1, 2), (1, 4), (2, 2)]
 MAX_LENGTH, CHUNK, NEW_TOKENS = 32, 16, 6
+LONG_CONTEXT = 512   # where the exports' caches split by heads (at MAX_LENGTH the solver keeps them whole)
 PROMPTS = {"builder": [[295, 277, 75, 312, 223, 311, 89]], "export": [[5, 17, 42, 7, 9, 3]]}
 BATCHED = {"builder": [[295, 277, 75, 312, 223], [17, 42, 7]], "export": [[5, 17, 42, 7, 9, 3], [11, 12]]}
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +102,15 @@ def planned(tmp_path_factory):
         prompts = BATCHED[family(name)]
         cases.append({"name": f"{name} 1x2 batch 2", "plan_dir": str(out), "prompts": prompts,
                       "new_tokens": NEW_TOKENS, "expected": reference_ids(plan, prompts), "ranks": 2})
+    for name in EXPORTS:   # a longer context, one tensor-parallel stage: the growing cache split by heads
+        out = root / f"{name}_long"
+        dims, _ = generation_plan_dims(model_path(name), 1, LONG_CONTEXT, CHUNK)
+        plan = make_plan(model_path(name), make_cluster((1, 2), "cpu"), dims, out,
+                         PlanOptions(policy="megatron", max_stages=1))
+        prompts = PROMPTS["export"]
+        cases.append({"name": f"{name} 1x2 context {LONG_CONTEXT}", "plan_dir": str(out), "prompts": prompts,
+                      "new_tokens": NEW_TOKENS, "expected": reference_ids(plan, prompts), "ranks": 2,
+                      "split_cache": True})
     return cases
 
 
@@ -111,10 +121,12 @@ def test_plans_for_generation_split_the_cache_by_heads(planned):
     from meshplan.emit.kv_cache import kv_cache_bytes
     from meshplan.plan_format import read_plan
 
-    assert len(planned) == len(BUILDER + EXPORTS) * len(MESHES) + 2
+    assert len(planned) == len(BUILDER + EXPORTS) * len(MESHES) + 2 + len(EXPORTS)
     for case in planned:
         plan = read_plan(Path(case["plan_dir"]))
         assert plan.is_ranged and len(plan.state) == 4
+        if case.get("split_cache"):   # an export's growing cache, by heads on both ranks
+            assert all(entry["spec"] == "RS1RR" for entry in plan.state), (case["name"], plan.state)
         if case.get("cache_bytes") is None:
             continue
         assert all(entry["spec"] == "RS1RR" for entry in plan.state), (case["name"], plan.state)

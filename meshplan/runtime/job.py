@@ -660,8 +660,9 @@ class Job:
                 whole = values[name]
                 for r in stage.devices:
                     piece = piece_of(whole, spec, mesh, r)
-                    if r == 0:   # a copy: the job's state is updated in place, never the caller's array
-                        self.state[name] = self.buffers.from_host(np.array(piece, copy=True))
+                    if r == 0:   # updated in place: a copy, never the caller's array
+                        own = np.array(piece, copy=True) if self.cache_in_place else piece
+                        self.state[name] = self.buffers.from_host(own)
                     else:
                         self.comm.Send(byte_view(piece), dest=r, tag=_STATE_TAG + 2 * index)
                         self._send(name, piece.nbytes)

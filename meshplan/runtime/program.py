@@ -39,10 +39,13 @@ from meshplan.runtime.sessions import StageSession
 IN_PLACE = {("com.microsoft", "GroupQueryAttention"): ((3, 1), (4, 2))}
 
 
-def in_place_pairs(nodes: list[onnx.NodeProto], inputs: dict[str, onnx.ValueInfoProto], outputs: set[str]) -> dict[str, str]:
+def in_place_pairs(nodes: list[onnx.NodeProto], inputs: dict[str, onnx.ValueInfoProto],
+                   outputs: dict[str, onnx.ValueInfoProto]) -> dict[str, str]:
     """Segment output → segment input whose buffer it may be written into: an op of
     ``IN_PLACE`` reading a segment input of fixed sequence capacity (dim 2) that no other
-    node reads, and writing a segment output."""
+    node reads, and writing a segment output of that capacity too (or of a length left to
+    the call: a shared buffer's present is the buffer). A present of another fixed length
+    is a cache that grows: never paired."""
     readers: dict[str, int] = {}
     for node in nodes:
         for name in set(node.input):
@@ -56,8 +59,12 @@ def in_place_pairs(nodes: list[onnx.NodeProto], inputs: dict[str, onnx.ValueInfo
             if past not in inputs or present not in outputs or readers.get(past) != 1:
                 continue
             dims = inputs[past].type.tensor_type.shape.dim
-            if len(dims) == 4 and dims[2].HasField("dim_value") and dims[2].dim_value > 0:
-                pairs[present] = past
+            if len(dims) != 4 or not dims[2].HasField("dim_value") or dims[2].dim_value <= 0:
+                continue
+            made = outputs[present].type.tensor_type.shape.dim
+            if len(made) == 4 and made[2].HasField("dim_value") and made[2].dim_value != dims[2].dim_value:
+                continue
+            pairs[present] = past
     return pairs
 
 
@@ -109,7 +116,7 @@ class ProgramRunner:
             weights = {t.name for t in header.graph.initializer}
             graph = header.graph
             pairs = in_place_pairs(list(graph.node), {v.name: v for v in graph.input if v.name not in weights},
-                                   {v.name for v in graph.output})
+                                   {v.name: v for v in graph.output})
             segment = Segment(None, [v.name for v in graph.input if v.name not in weights],
                               [v.name for v in graph.output], None, path, in_place=pairs)
             if not lazy:
@@ -153,7 +160,7 @@ class ProgramRunner:
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != COLLECTIVE_DOMAIN])
                 sub_model.ir_version = model.ir_version
                 source = sub_model.SerializeToString()
-            pairs = in_place_pairs(nodes, {i: typed[i] for i in inputs}, set(outputs))
+            pairs = in_place_pairs(nodes, {i: typed[i] for i in inputs}, {o: typed[o] for o in outputs})
             segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
                               f"{path.name} (segment {index})", pairs)
             if not lazy:
