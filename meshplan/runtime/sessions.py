@@ -96,8 +96,10 @@ class StageSession:
     def run(self, feeds: dict[str, np.ndarray], writable=frozenset()) -> dict[str, np.ndarray]:
         """``writable``: feeds this run may overwrite; an output written in place is returned
         as that very array."""
+        # numpy's own dtypes only: onnxruntime wraps no extension type (ml_dtypes' bfloat16)
         reused = {o: i for o, i in self._reused(feeds, writable).items()
-                  if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable}
+                  if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
+                  and feeds[i].dtype.isbuiltin == 1}
         if reused:
             return self._run_in_place(feeds, reused)
         try:
