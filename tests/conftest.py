@@ -66,16 +66,18 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
         return {k: archive[k] for k in archive.files}
 
 
-def assert_close(actual: dict, expected: dict, rtol: float | None = None, atol: float | None = None) -> None:
+def assert_close(actual: dict, expected: dict, rtol: float | None = None, atol: float | None = None,
+                 bounds: dict[str, float] | None = None) -> None:
     """Every output within the tolerance of its dtype (``meshplan verify``'s defaults), or
-    ``rtol`` / ``atol`` where given; integer and bool outputs exactly."""
+    ``rtol`` / ``atol`` where given, plus its quantization bound (``bounds``, from
+    ``reference_with_bounds``: verify's rule); integer and bool outputs exactly."""
     from meshplan.runtime.inprocess import tolerance_for
 
     assert set(actual) == set(expected)
     for name, want in expected.items():
         out_rtol, out_atol = tolerance_for(want.dtype, rtol, atol)
         np.testing.assert_allclose(actual[name].astype(np.float64), want.astype(np.float64),
-                                   rtol=out_rtol, atol=out_atol, err_msg=name)
+                                   rtol=out_rtol, atol=out_atol + (bounds or {}).get(name, 0.0), err_msg=name)
 
 
 def check_against_onnxruntime(plan, plan_dir: Path, inputs: dict, tmp_path: Path, *run_options: str) -> str:

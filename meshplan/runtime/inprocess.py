@@ -130,6 +130,17 @@ def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str
     return session.run(inputs)
 
 
+def reference_with_bounds(plan: Plan, inputs: dict[str, np.ndarray], model_path: str | Path | None = None,
+                          provider: str = "cpu") -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """``reference_outputs`` and each output's quantization bound on these inputs (empty
+    where the model quantizes no activations): the rule ``compare_outputs`` applies."""
+    from meshplan.runtime.quantization_bound import QuantizationBound
+
+    path = checked_model_path(plan, model_path)
+    expected = reference_outputs(plan, inputs, path, provider)
+    return expected, QuantizationBound(path, providers_for(provider)).bounds(inputs, expected)
+
+
 def checked_model_path(plan: Plan, model_path: str | Path | None = None) -> Path:
     """The planned model's file (``model_path`` where it moved), checked against the plan's hash."""
     path = Path(model_path or plan.model["path"])
@@ -203,21 +214,29 @@ class Comparison:
     exact: bool = False
     differing: int = 0
     elements: int = 0
+    # The quantization bound added to atol (``quantization_bound``): 0 where the model
+    # quantizes no activations.
+    bound: float = 0.0
 
     def merged(self, other: "Comparison") -> "Comparison":
         """The worse of two comparisons of one output (e.g. over microbatches)."""
         return Comparison(self.name, max(self.max_abs, other.max_abs), max(self.max_rel, other.max_rel),
                           self.ok and other.ok, other.rtol, other.atol, self.exact or other.exact,
-                          self.differing + other.differing, self.elements + other.elements)
+                          self.differing + other.differing, self.elements + other.elements,
+                          max(self.bound, other.bound))
 
 
 def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray],
-                    rtol: float | None = None, atol: float | None = None) -> list[Comparison]:
+                    rtol: float | None = None, atol: float | None = None,
+                    bounds: dict[str, float] | None = None) -> list[Comparison]:
     """Per output: worst absolute and relative error, and whether allclose holds with the
-    tolerance of its dtype (``default_tolerance``), or ``rtol`` / ``atol`` where given."""
+    tolerance of its dtype (``default_tolerance``), or ``rtol`` / ``atol`` where given, with
+    the output's quantization bound (``bounds``, see ``quantization_bound``) added to atol."""
     results = []
+    bounds = bounds or {}
     for name, want in expected.items():
         out_rtol, out_atol = tolerance_for(want.dtype, rtol, atol)
+        bound = bounds.get(name, 0.0)
         got = actual.get(name)
         exact = not is_numeric(want.dtype)
         if got is None or got.shape != want.shape or exact and is_numeric(got.dtype):
@@ -233,5 +252,6 @@ def compare_outputs(actual: dict[str, np.ndarray], expected: dict[str, np.ndarra
         max_abs = float(diff.max()) if diff.size else 0.0
         rel = diff / np.maximum(np.abs(want.astype(np.float64)), 1e-12)
         max_rel = float(rel.max()) if rel.size else 0.0
-        results.append(Comparison(name, max_abs, max_rel, allclose(got, want, out_rtol, out_atol), out_rtol, out_atol))
+        results.append(Comparison(name, max_abs, max_rel, allclose(got, want, out_rtol, out_atol + bound), out_rtol,
+                                  out_atol, bound=bound))
     return results

@@ -30,6 +30,7 @@ from meshplan.reshard.steps import apply_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.runtime.inprocess import Comparison, checked_model_path, compare_outputs
 from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.quantization_bound import bounds_between, use_float_activations
 from meshplan.runtime.sessions import StageSession, check_program_files, providers_for
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 
@@ -55,6 +56,7 @@ class StagedVerification:
     stages: list[StageCheck]
     outputs: dict[str, np.ndarray]          # the programs' model outputs (each stage fed the reference)
     reference: dict[str, np.ndarray]        # onnxruntime's model outputs
+    bounds: dict[str, float] = field(default_factory=dict)   # the model outputs' quantization bounds
 
 
 def tensor_bytes(tensor: onnx.TensorProto) -> int:
@@ -96,6 +98,7 @@ def verify_by_stages(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], 
     reference: list[dict[str, np.ndarray]] = [dict(f) for f in micro]   # per microbatch: boundary tensors
     produced: list[dict[str, np.ndarray]] = [dict() for _ in micro]     # the programs' model outputs
     checks = []
+    output_bounds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="meshplan-verify-") as work:
         canonical = canonical_for_plan(plan, path, Path(work))
         extractor = onnx.utils.Extractor(canonical.model)
@@ -105,10 +108,18 @@ def verify_by_stages(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], 
             weight_bytes = sum(tensor_bytes(t) for t in sub.graph.initializer)
             pieces = _pieces(sub, limit)
             expected = _run_reference(sub, pieces, reference, canonical.path.parent, path.parent, providers)
+            bounds: list[dict[str, float]] = [{} for _ in micro]
+            if use_float_activations(sub.graph.node):   # the same pieces again, with float activations
+                floats = _run_reference(sub, pieces, reference, canonical.path.parent, path.parent, providers)
+                bounds = [bounds_between(e, f) for e, f in zip(expected, floats)]
             del sub
             actual = _run_programs(plan, plan_dir, stage, reference, micro, providers)
             check = StageCheck(stage.index, list(stage.devices), weight_bytes, len(pieces))
-            check.comparisons = _compare(actual, expected, rtol, atol)
+            check.comparisons = _compare(actual, expected, rtol, atol, bounds)
+            for per_micro in bounds:
+                for name, value in per_micro.items():
+                    if name in {o.name for o in plan.outputs}:
+                        output_bounds[name] = max(output_bounds.get(name, 0.0), value)
             checks.append(check)
             model_outputs = {o.name for o in plan.outputs}
             for mb in range(len(micro)):
@@ -122,6 +133,7 @@ def verify_by_stages(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], 
         checks,
         join_microbatches([{n: p[n] for n in names if n in p} for p in produced], plan),
         join_microbatches([{n: r[n] for n in names} for r in reference], plan),
+        output_bounds,
     )
 
 
@@ -343,11 +355,12 @@ def _whole(stage, mesh: LogicalMesh, name: str, values: dict[int, dict]) -> np.n
     return total
 
 
-def _compare(actual: list[dict], expected: list[dict], rtol, atol) -> list[Comparison]:
-    """Per stage output: the worst errors over the microbatches, ok where every one is."""
+def _compare(actual: list[dict], expected: list[dict], rtol, atol, bounds: list[dict]) -> list[Comparison]:
+    """Per stage output: the worst errors over the microbatches, ok where every one is
+    (each microbatch with its own quantization bounds)."""
     merged: dict[str, Comparison] = {}
-    for got, want in zip(actual, expected):
-        for c in compare_outputs(got, want, rtol, atol):
+    for got, want, bound in zip(actual, expected, bounds):
+        for c in compare_outputs(got, want, rtol, atol, bound):
             if c.name not in merged:
                 merged[c.name] = c
             else:

@@ -1,7 +1,8 @@
 """Many planned backend node cases in one mpiexec job: ``backend_cases_case.py MANIFEST``.
 
-MANIFEST is a JSON list of {"name", "plan_dir", "inputs", "expected", "rtol", "atol"}
-(written by tests/test_backend_cases.py); every plan needs as many ranks as the job has.
+MANIFEST is a JSON list of {"name", "plan_dir", "inputs", "expected", "rtol", "atol"} and
+optionally "bounds" (output → quantization bound, added to atol: verify's rule) (written by
+tests/test_backend_cases.py and tests/test_genai_models.py); every plan needs as many ranks as the job has.
 Each case runs as ``meshplan run`` runs it (``run_rank``); rank 0 compares the outputs
 with the expected ones and prints ``ok NAME`` or ``FAIL NAME: why``. The exit status is
 0 only if every case passed.
@@ -39,7 +40,8 @@ def run_case(comm, entry: dict) -> str | None:
     with np.load(output, allow_pickle=True) as got, np.load(entry["expected"], allow_pickle=True) as want:
         for name in want.files:
             expected = want[name]
-            if name not in got.files or not close(got[name], expected, *tolerances(expected, entry["rtol"], entry["atol"])):
+            rtol, atol = tolerances(expected, entry["rtol"], entry["atol"])
+            if name not in got.files or not close(got[name], expected, rtol, atol + entry.get("bounds", {}).get(name, 0.0)):
                 return f"output {name!r} differs from the reference"
     return None
 
