@@ -22,7 +22,7 @@ def doctor(ctx, as_json, plan_dir):
     library and mpiexec, the ILP solvers, GPUs. Exits 1 with one line per problem when
     something the default path needs is missing. Under `mpiexec -n N meshplan doctor`
     every rank reports its host and GPU (with --plan, whether the ranks fit the plan)."""
-    from meshplan.doctor import assign_gpus, diagnose, launched_size, local_facts, plan_needs
+    from meshplan.doctor import assign_gpus, assign_threads, diagnose, launched_size, local_facts, plan_needs
 
     with guard(debugging(ctx)):
         started = time.perf_counter()
@@ -31,6 +31,7 @@ def doctor(ctx, as_json, plan_dir):
         launched = launched_size() is not None or (MPI is not None and MPI.COMM_WORLD.Get_size() > 1)
         if MPI is None:
             assign_gpus([facts], [0])
+            assign_threads([facts], [0])
             diagnosis = diagnose([facts], launched, needs)
         else:
             diagnosis = _gathered(facts, MPI, launched, needs)
@@ -53,7 +54,7 @@ def doctor(ctx, as_json, plan_dir):
 
 def _gathered(facts, MPI, launched, needs):
     """Every rank's facts on rank 0, with the launch layout (collective); None elsewhere."""
-    from meshplan.doctor import assign_gpus, diagnose
+    from meshplan.doctor import assign_gpus, assign_threads, diagnose
     from meshplan.rank_layout import gather_layout, layout_mismatch
 
     comm = MPI.COMM_WORLD
@@ -63,6 +64,7 @@ def _gathered(facts, MPI, launched, needs):
     if comm.Get_rank() != 0:
         return None
     assign_gpus(every, locals_)
+    assign_threads(every, list(layout.machine))
     mismatch = None
     if needs is not None and comm.Get_size() == needs["ranks"]:
         mismatch = layout_mismatch(layout, needs["hosts"], needs["devices_per_host"])
@@ -95,10 +97,12 @@ def _print(diagnosis) -> None:
     click.echo(f"GPUs: {', '.join(f'{i}: {n}' for i, n in enumerate(first.gpus)) if first.gpus else 'none seen'}")
     if diagnosis.launched:
         click.echo(f"ranks ({len(diagnosis.facts)}):")
-        click.echo(f"  {'rank':>4}  {'host':<24} {'local':>5}  GPU")
+        click.echo(f"  {'rank':>4}  {'host':<24} {'local':>5}  {'GPU':<24} threads")
         for f in diagnosis.facts:
             gpu = f"{f.gpu}: {f.gpus[f.gpu]}" if f.gpu is not None else "none"
-            click.echo(f"  {f.rank:>4}  {f.host[:24]:<24} {f.local_rank:>5}  {gpu}")
+            click.echo(f"  {f.rank:>4}  {f.host[:24]:<24} {f.local_rank:>5}  {gpu[:24]:<24} {f.threads}")
+    else:
+        click.echo(f"threads: {first.threads} (one rank; under mpiexec each rank's)")
     if diagnosis.plan is not None:
         p = diagnosis.plan
         shape = f"{p['hosts']} host(s) x {p['devices_per_host']} device(s) = {p['ranks']} rank(s)"

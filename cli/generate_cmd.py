@@ -83,7 +83,9 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
         click.echo(f"decode: {tpot * 1e3:.2f} ms per output token, {decode:.1f} tokens/s "
                    f"({m['generated_tokens']} tokens in {m['decode_steps'] + 1} steps)")
     for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
-        click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}")
+        threads = report.threads[rank] if rank < len(report.threads) else None
+        click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}"
+                   + (f"; {threads.describe()}" if threads is not None else ""))
     if output_path:
         click.echo(f"wrote {output_path}")
 

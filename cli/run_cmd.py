@@ -47,8 +47,10 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
         if row["idle"]:
             click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, idle (no program in the plan)")
             continue
+        threads = report.threads[row["rank"]] if row["rank"] < len(report.threads) else None
         click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, program {held / 2**30:.2f} GiB"
-                   + (f" ({rss / held:.1f}x)" if held >= 2**20 else ""))
+                   + (f" ({rss / held:.1f}x)" if held >= 2**20 else "")
+                   + (f"; {threads.describe()}" if threads is not None else ""))
     if output_path:
         click.echo(f"wrote {output_path}")
     if trace_path:

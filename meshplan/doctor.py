@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshplan.errors import MeshplanError
+from meshplan.rank_layout import own_cores
 
 # Launchers set these in every rank's environment: how a rank knows it was launched.
 LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -45,6 +46,8 @@ class Facts:
     gpus: list = field(default_factory=list)              # names, in device order
     local_rank: int = 0
     gpu: int | None = None                                # the GPU this rank would use (runtime's rule)
+    cores: list = field(default_factory=list)             # the cores it may run on (its affinity)
+    threads: str = ""                                     # the onnxruntime threads a job would give it, and why
 
 
 @dataclass
@@ -168,8 +171,20 @@ def local_facts(launched: bool = False):
         mpiexec=_mpiexec(),
         solvers={name: solver_problem(name) for name in SOLVERS},
         gpus=gpu_names(),
+        cores=sorted(own_cores()),
     )
     return facts, MPI
+
+
+def assign_threads(facts: list[Facts], machines: list[int]) -> None:
+    """The onnxruntime threads each rank would get in a job where every rank works
+    (``runtime.threads``: its own cores, or a share of its machine's with spinning off)."""
+    from meshplan.runtime.threads import choose_threads
+
+    for f in facts:
+        here = [g for g, m in zip(facts, machines) if m == machines[f.rank]]
+        choice = choose_threads(len(here), set(f.cores), os.cpu_count(), [set(g.cores) for g in here if g is not f])
+        f.threads = choice.describe()
 
 
 def assign_gpus(facts: list[Facts], local_ranks: list[int]) -> None:

@@ -91,3 +91,26 @@ def layout_mismatch(layout: RankLayout, hosts: int, per_host: int, working: set[
                     f"rank = host*{per_host} + local rank, but planned host {host} ({_ranks_text(ranks)}) "
                     f"is spread over {len(where)} machines ({spread})")
     return None
+
+
+AFFINITY_BYTES = 1024   # a bitmap of up to 8192 cores
+
+
+def own_cores() -> set[int]:
+    """The cores this process may run on (the launcher's binding, if any)."""
+    import os
+
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):      # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def gather_affinities(comm) -> list[set[int]]:
+    """Every rank's cores (``own_cores``), as every rank sees them (collective)."""
+    bits = np.zeros(AFFINITY_BYTES * 8, dtype=np.uint8)
+    bits[[c for c in own_cores() if c < bits.size]] = 1
+    mine = np.packbits(bits)
+    every = np.empty((comm.size, AFFINITY_BYTES), dtype=np.uint8)
+    comm.Allgather(mine, every)
+    return [set(int(c) for c in np.flatnonzero(np.unpackbits(row))) for row in every]

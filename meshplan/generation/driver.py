@@ -19,6 +19,7 @@ from meshplan.errors import MeshplanError, RunError
 from meshplan.generation.loop import Generation, GenerationShape, Metrics, Sequence
 from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
+from meshplan.runtime.threads import ThreadChoice
 
 
 class JobStepper:
@@ -88,11 +89,14 @@ class GenerateReport:
     weight_bytes: list[int]      # per rank: its program's files
     cache_bytes: list[int]       # per rank: the key/value cache it holds
     eos: list[int]
+    threads: list = field(default_factory=list)   # per rank: its ThreadChoice (None: idle)
 
     def to_dict(self) -> dict:
         metrics = self.metrics.to_dict()
-        metrics["ranks"] = [{"rank": r, "weight_bytes": w, "kv_cache_bytes": c}
-                            for r, (w, c) in enumerate(zip(self.weight_bytes, self.cache_bytes))]
+        metrics["ranks"] = [{"rank": r, "weight_bytes": w, "kv_cache_bytes": c,
+                             **({"threads": t.threads, "spinning": t.spinning, "threads_why": t.why} if t else {})}
+                            for r, (w, c, t) in enumerate(zip(self.weight_bytes, self.cache_bytes,
+                                                              self.threads or [None] * len(self.weight_bytes)))]
         return {"sequences": [{"prompt_ids": s.prompt_ids, "ids": s.ids, "text": s.text} for s in self.sequences],
                 "metrics": metrics}
 
@@ -193,7 +197,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
     job = Job(plan_dir, provider, transfer, check=check, cache_in_place=True)
     if not job.is_driver:
         job.serve()
-        _gather_memory(job.plan, plan_dir, _world()[1])
+        _gather_memory(job.plan, plan_dir, _world()[1], job.threads)
         return None
     prepared: Prepared = held["prepared"]
     tokenizer = prepared.tokenizer
@@ -221,12 +225,13 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         job.close()
         raise
     job.close()
-    memory = _gather_memory(job.plan, plan_dir, _world()[1])
+    memory = _gather_memory(job.plan, plan_dir, _world()[1], job.threads)
     if tokenizer is not None:
         for sequence in sequences:
             sequence.text = tokenizer.decode(sequence.ids, skip_special_tokens=True)
     report = GenerateReport(sequences, metrics, job.size, [int(m) for m in memory[:, 1]],
-                            [int(b) for b in stats.state_bytes], prepared.eos)
+                            [int(b) for b in stats.state_bytes], prepared.eos,
+                            [ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory])
     if output_path is not None:
         from meshplan.files import atomic_write_bytes
 

@@ -54,6 +54,7 @@ from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
+from meshplan.runtime.threads import ThreadChoice, choose_threads
 from meshplan.runtime.waiting import set_sleeping, wait_all
 from meshplan.sharding import LogicalMesh, ShardingSpec
 
@@ -94,7 +95,7 @@ class Job:
         """``check(plan)``, when given, runs on rank 0 with the start-up checks: its error
         stops every rank as theirs do. ``cache_in_place``: update a fixed-capacity key/value
         cache in place (see the module)."""
-        from meshplan.rank_layout import gather_layout, launch_advice, layout_mismatch
+        from meshplan.rank_layout import gather_affinities, gather_layout, launch_advice, layout_mismatch
 
         MPI, world = _world()
         world = comm if comm is not None else world
@@ -102,6 +103,8 @@ class Job:
         self.cache_in_place = cache_in_place
         self.rank, self.size = world.Get_rank(), world.Get_size()
         layout = gather_layout(world, MPI)
+        affinities = gather_affinities(world)
+        self.threads: ThreadChoice | None = None
         error = None
         try:
             plan_dir = Path(plan_dir)
@@ -125,11 +128,13 @@ class Job:
                 from meshplan.providers import CUDA, cuda_device_count, cuda_usable
 
                 # the cores of a machine go to the ranks that work there (idle ranks only wait)
-                here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]]
-                working = max(1, sum(1 for r in here if not plan.is_idle(r)))
-                threads = max(1, (os.cpu_count() or 1) // working)
+                here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]
+                        and not plan.is_idle(r)]
+                self.threads = choose_threads(len(here), affinities[self.rank], os.cpu_count(),
+                                              [affinities[r] for r in here if r != self.rank])
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
-                session = ProgramRunner(path, providers_for(provider, device_id), threads=threads)
+                session = ProgramRunner(path, providers_for(provider, device_id), threads=self.threads.threads,
+                                        spinning=self.threads.spinning)
                 buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
                 set_sleeping(session.providers[0] != CUDA)
             if check is not None and self.rank == 0:

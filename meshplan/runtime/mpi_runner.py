@@ -37,6 +37,7 @@ from meshplan.runtime.buffers import HOST, DeviceBuffers
 from meshplan.runtime.collectives import axis_communicator, perform
 from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
 from meshplan.runtime.tensors import read_inputs, write_outputs
+from meshplan.runtime.threads import ThreadChoice
 
 
 class ReportedElsewhere(MeshplanError):
@@ -59,6 +60,7 @@ class RunReport:
     peak_rss_bytes: list[int] = field(default_factory=list)   # per rank: the process's peak resident memory
     program_bytes: list[int] = field(default_factory=list)    # per rank: its program file and weights files
     idle_ranks: list[int] = field(default_factory=list)       # ranks the plan leaves idle (no program)
+    threads: list = field(default_factory=list)               # per rank: its ThreadChoice (None: idle)
 
     def memory_rows(self) -> list[dict]:
         """Per rank: its peak resident set (host memory) next to its program's bytes."""
@@ -187,7 +189,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     job = Job(plan_dir, provider, transfer, check=check)
     if not job.is_driver:
         job.serve()
-        _gather_memory(job.plan, plan_dir, _world()[1])
+        _gather_memory(job.plan, plan_dir, _world()[1], job.threads)
         return None
     plan = job.plan
     inputs = held["inputs"]
@@ -208,7 +210,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         job.close()
         raise
     job.close()
-    memory = _gather_memory(plan, plan_dir, _world()[1])
+    memory = _gather_memory(plan, plan_dir, _world()[1], job.threads)
     if output_path is not None:
         write_outputs(output_path, {spec.name: outputs[spec.name] for spec in plan.outputs if spec.name in outputs})
     return RunReport(
@@ -217,6 +219,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         batch_size=_batch_of(plan, inputs), trace_events=stats.trace,
         peak_rss_bytes=[int(m) for m in memory[:, 0]], program_bytes=[int(m) for m in memory[:, 1]],
         idle_ranks=plan.idle_ranks,
+        threads=[ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory],
     )
 
 
@@ -239,13 +242,14 @@ def _resharders(plan: Plan, comm, buffers) -> list[CrossMeshResharder]:
     ]
 
 
-def _gather_memory(plan: Plan, plan_dir: Path, comm) -> np.ndarray | None:
-    """[peak RSS, program bytes] of every rank, on rank 0 (a [ranks, 2] array; None elsewhere)."""
+def _gather_memory(plan: Plan, plan_dir: Path, comm, threads=None) -> np.ndarray | None:
+    """[peak RSS, program bytes, *its ThreadChoice.row() (zeros on an idle rank)] of every
+    rank, on rank 0 (a [ranks, 7] array; None elsewhere)."""
     program = plan.program_of_rank(comm.rank)   # None on an idle rank
     held = 0 if program is None else sum((plan_dir / f).stat().st_size
                                          for f in [program.file] + [d["file"] for d in program.data_files])
-    mine = np.array([peak_rss_bytes(), held], dtype=np.int64)
-    everyone = np.empty((comm.size, 2), dtype=np.int64) if comm.rank == 0 else None
+    mine = np.array([peak_rss_bytes(), held, *(threads.row() if threads is not None else [0] * 5)], dtype=np.int64)
+    everyone = np.empty((comm.size, mine.size), dtype=np.int64) if comm.rank == 0 else None
     comm.Gather(mine, everyone, root=0)
     return everyone
 

@@ -86,11 +86,11 @@ class Segment:
     label: str | None = None               # what errors call it
     in_place: dict[str, str] | None = None  # output → the input whose buffer it may be written into
 
-    def open(self, providers: list[str], threads: int = 0) -> None:
+    def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None) -> None:
         """Create the session (and so load the segment's weights) if it is not open."""
         if self.session is None and self.source is not None:
             self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label,
-                                        in_place=self.in_place)
+                                        in_place=self.in_place, spinning=spinning)
 
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
@@ -108,9 +108,11 @@ def _collective(node: onnx.NodeProto) -> Collective:
 
 
 class ProgramRunner:
-    def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False):
+    def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
+                 spinning: bool | None = None):
         """``lazy``: open no session yet; the caller opens and closes each segment
-        (``Segment.open``/``close``), so that only the segments it runs hold weights."""
+        (``Segment.open``/``close``), so that only the segments it runs hold weights.
+        ``spinning``: see ``StageSession``."""
         header = onnx.load(str(path), load_external_data=False)
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
             weights = {t.name for t in header.graph.initializer}
@@ -120,7 +122,7 @@ class ProgramRunner:
             segment = Segment(None, [v.name for v in graph.input if v.name not in weights],
                               [v.name for v in graph.output], None, path, in_place=pairs)
             if not lazy:
-                segment.open(providers, threads)
+                segment.open(providers, threads, spinning)
             self.segments = [segment]
             self.providers = segment.session.providers if segment.session else providers
             return
@@ -164,7 +166,7 @@ class ProgramRunner:
             segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
                               f"{path.name} (segment {index})", pairs)
             if not lazy:
-                segment.open(providers, threads)
+                segment.open(providers, threads, spinning)
             self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 

@@ -50,14 +50,16 @@ class StageSession:
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
                  weights_dir: Path | None = None, optimization: str = "all", label: str | None = None,
-                 in_place: dict[str, str] | None = None):
+                 in_place: dict[str, str] | None = None, spinning: bool | None = None):
         """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
         where the external data files of a model given as bytes lie; onnxruntime reads
         them itself, straight into the memory it runs from (the host for the CPU provider,
         the GPU for CUDA), so no second copy of a weight stays behind in this process.
         ``optimization``: ``"all"`` (onnxruntime's default) or ``"basic"`` (only rewrites
         that keep the arithmetic: constant folding, redundant nodes). ``in_place``: output →
-        the input whose buffer it may be written into (``program.in_place_pairs``)."""
+        the input whose buffer it may be written into (``program.in_place_pairs``). ``spinning``:
+        whether onnxruntime's pool threads may spin-wait between runs (``runtime.threads``;
+        None: onnxruntime's default, off for one thread)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -71,8 +73,9 @@ class StageSession:
         options.add_session_config_entry("session.disable_quant_qdq", "1")
         if threads:
             options.intra_op_num_threads = threads
-            if threads == 1:  # many small sessions share the cores: don't spin-wait
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if spinning is False or spinning is None and threads == 1:   # cores shared with other ranks or sessions
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         label = label or ("a program segment" if isinstance(source, bytes) else Path(source).name)
         self.label = label
         try:
