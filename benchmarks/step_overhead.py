@@ -1,0 +1,147 @@
+"""What a 1x1 decode step costs meshplan on top of onnxruntime's own run of the same program.
+
+The builder Llama sample (``sample_models/genai/llama_fp32``, 1 MB: the model's own work is
+tens of microseconds, so what is left is the fixed cost every step pays, on a GPU too) is
+planned for generation on one device at ``--capacity``; then, in one process, rounds in
+turns of ``--steps`` decode steps each, after a prefill of 8 tokens:
+
+- **onnxruntime**: the plan's program in one session with one IOBinding: the key/value
+  buffers bound once as inputs and as their outputs (updated in place, as onnxruntime-genai
+  runs them), the token and the attention mask bound each step, the logits to the host;
+- **meshplan Job**: ``Job.run`` of the same program (one rank, no mpiexec), the cache kept
+  in the job, only the last position's logits asked for: what ``meshplan generate`` calls.
+
+Prints the median µs per step of each runner over the rounds and the difference (the
+target: at most 30 µs). ``--json PATH`` writes the numbers.
+
+    python benchmarks/step_overhead.py [--steps 400] [--rounds 7] [--capacity 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODEL = REPO / "sample_models" / "genai" / "llama_fp32" / "model.onnx"
+PROMPT = 8
+
+
+def plan_one_device(workdir: Path, capacity: int) -> Path:
+    """``meshplan plan MODEL --mesh 1x1 --generate --max-length CAPACITY``."""
+    import subprocess
+
+    plan_dir = workdir / "plan"
+    done = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(MODEL), "--mesh", "1x1", "--device", "cpu",
+                           "--generate", "--max-length", str(capacity), "-o", str(plan_dir)],
+                          capture_output=True, text=True, cwd=REPO)
+    if done.returncode:
+        raise SystemExit(f"meshplan plan failed: {done.stderr.strip()}")
+    return plan_dir
+
+
+def cache_names(session) -> list[tuple[str, str]]:
+    """(past input, present output) pairs of the builder's program."""
+    inputs = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    return [(name, name.replace("past_key_values", "present")) for name in inputs]
+
+
+def onnxruntime_steps(program: Path, capacity: int, steps: int, threads: int) -> float:
+    """Seconds per decode step of the program alone, bound once where onnxruntime allows."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(program), options, providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    binding = session.io_binding()
+    caches = {}
+    for past, present in cache_names(session):
+        heads, head = shapes[past][1], shapes[past][3]
+        buffer = np.zeros((1, heads, capacity, head), np.float32)
+        caches[past] = ort.OrtValue.ortvalue_from_numpy(buffer)
+        binding.bind_ortvalue_input(past, caches[past])
+        binding.bind_ortvalue_output(present, caches[past])
+    binding.bind_output("logits", "cpu")
+    ids = np.arange(1, PROMPT + 1, dtype=np.int64)[None]
+    binding.bind_cpu_input("input_ids", ids)
+    binding.bind_cpu_input("attention_mask", np.ones((1, PROMPT), np.int64))
+    session.run_with_iobinding(binding)
+    last = binding.get_outputs()[0].numpy()[0, -1]
+    binding.bind_output("logits", "cpu")   # decode's shape from now on, allocated by the first step
+    length = PROMPT
+    token = np.zeros((1, 1), np.int64)
+    started = time.perf_counter()
+    for _ in range(steps):
+        length += 1
+        token[0, 0] = int(last.argmax())
+        binding.bind_cpu_input("input_ids", token)
+        binding.bind_cpu_input("attention_mask", np.ones((1, length), np.int64))
+        session.run_with_iobinding(binding)
+        last = binding.get_outputs()[0].numpy()[0, -1]
+    return (time.perf_counter() - started) / steps
+
+
+def job_steps(job, steps: int) -> float:
+    """Seconds per decode step through ``Job.run``."""
+    job.reset_state()
+    ids = np.arange(1, PROMPT + 1, dtype=np.int64)[None]
+    logits = job.run({"input_ids": ids, "attention_mask": np.ones((1, PROMPT), np.int64)},
+                     outputs={"logits": np.s_[:, -1:]})["logits"]
+    length = PROMPT
+    started = time.perf_counter()
+    for _ in range(steps):
+        length += 1
+        token = np.array([[int(logits[0, -1].argmax())]], np.int64)
+        logits = job.run({"input_ids": token, "attention_mask": np.ones((1, length), np.int64)},
+                         outputs={"logits": np.s_[:, -1:]})["logits"]
+    return (time.perf_counter() - started) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--capacity", type=int, default=512)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if PROMPT + args.steps >= args.capacity:
+        raise SystemExit(f"--steps must stay below the capacity less the prompt ({args.capacity - PROMPT})")
+
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.job import Job
+
+    with tempfile.TemporaryDirectory(prefix="meshplan-step-") as work:
+        plan_dir = plan_one_device(Path(work), args.capacity)
+        plan = read_plan(plan_dir)
+        program = plan_dir / plan.programs[0].file
+        job = Job(plan_dir, "cpu", cache_in_place=True)
+        threads = job.threads.threads
+        ort_times, job_times = [], []
+        for _ in range(args.rounds):
+            ort_times.append(onnxruntime_steps(program, args.capacity, args.steps, threads))
+            job_times.append(job_steps(job, args.steps))
+        job.close()
+    ort_us, job_us = statistics.median(ort_times) * 1e6, statistics.median(job_times) * 1e6
+    print(f"1x1 decode step, builder Llama sample, capacity {args.capacity}, {threads} onnxruntime thread(s), "
+          f"{args.rounds} rounds of {args.steps} steps (medians):")
+    print(f"  onnxruntime alone (IOBinding, cache bound once)  {ort_us:8.1f} us/step")
+    print(f"  meshplan Job.run                                  {job_us:8.1f} us/step")
+    print(f"  meshplan's overhead                               {job_us - ort_us:8.1f} us/step (target: <= 30)")
+    if args.json:
+        args.json.write_text(json.dumps({"onnxruntime_us": ort_us, "job_us": job_us, "overhead_us": job_us - ort_us,
+                                         "rounds": args.rounds, "steps": args.steps, "capacity": args.capacity,
+                                         "threads": threads}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
