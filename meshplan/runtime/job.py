@@ -184,6 +184,7 @@ class Job:
             + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
         self.state_shapes: dict[str, tuple | None] = {}   # on rank 0: each state's whole shape, where known
+        self._route_cache: dict[frozenset, tuple] = {}     # ``_routes`` by the set of wanted outputs
         self.calls = 0
         self.sent: dict[str, int] = {}
         self.program_seconds = 0.0
@@ -239,8 +240,10 @@ class Job:
 
     def _bcast_header(self, header: np.ndarray) -> None:
         """The call's header from rank 0 to every rank, waited for without holding a core
-        (``waiting``): workers wait here between calls, idle ranks all the time."""
-        wait_all([self.comm.Ibcast(header, root=0)], self.MPI)
+        (``waiting``): workers wait here between calls, idle ranks all the time. A job of one
+        rank has no one to tell."""
+        if self.size > 1:
+            wait_all([self.comm.Ibcast(header, root=0)], self.MPI)
 
     def close(self) -> None:
         """End the workers' loop (driver). The job's communicators are released on every rank."""
@@ -539,11 +542,18 @@ class Job:
     def _dtype_of(self, name: str) -> str:
         return next(t.dtype for t in self.plan.inputs if t.name == name)
 
-    def _microbatches(self, micro: list[dict], wanted: dict, origin: float) -> list[dict]:
-        plan, stage, rank, comm, b, MPI = self.plan, self.stage, self.rank, self.comm, self.buffers, self.MPI
-        B = plan.microbatches
-        arriving = [(r, x) for r, x in zip(plan.reshardings, self.resharders) if r.dst_stage == stage.index]
-        leaving = [(r, x) for r, x in zip(plan.reshardings, self.resharders) if r.src_stage == stage.index]
+    def _routes(self, wanted: dict) -> tuple:
+        """What this rank receives, sends and keeps in a call that brings ``wanted`` to rank
+        0: the plan fixes it, so it is worked out once per set of wanted outputs."""
+        key = frozenset(wanted)
+        found = self._route_cache.get(key)
+        if found is not None:
+            return found
+        plan, stage, rank = self.plan, self.stage, self.rank
+        arriving = [(local_name(r.tensor, ShardingSpec.parse(r.dst_spec)), x)
+                    for r, x in zip(plan.reshardings, self.resharders) if r.dst_stage == stage.index]
+        leaving = [(r.tensor, local_name(r.tensor, ShardingSpec.parse(r.src_spec)), x)
+                   for r, x in zip(plan.reshardings, self.resharders) if r.src_stage == stage.index]
         whole = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.dst_stage == stage.index]
         outgoing = [(i, t) for i, t in enumerate(plan.transfers)
                     if t.src_rank == rank and t.dst_rank != rank
@@ -552,27 +562,38 @@ class Job:
                     if rank == 0 and t.dst_stage == OUTPUT_COLLECTOR and t.src_rank != 0 and t.tensor in wanted]
         local_outputs = [t for t in plan.transfers
                          if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank and t.tensor in wanted]
+        # state this stage reads (input, its local name) and makes (input, output's local name)
+        reads = [(name, local_name(name, self.state_specs[name])) for name in stage.inputs if name in self.state_inputs]
+        makes = [(e["input"], local_name(e["output"], self.state_specs[e["input"]]))
+                 for e in self.state_entries if e["stage"] == stage.index]
+        found = self._route_cache[key] = (arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes)
+        return found
+
+    def _microbatches(self, micro: list[dict], wanted: dict, origin: float) -> list[dict]:
+        plan, stage, rank, comm, b, MPI = self.plan, self.stage, self.rank, self.comm, self.buffers, self.MPI
+        B = plan.microbatches
+        arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes = self._routes(wanted)
         shape_tag = len(plan.transfers)
         results = [dict() for _ in range(B)] if rank == 0 else []
         sends, kept = [], []
         for mb in range(B):
             feeds = {}
             waited = MPI.Wtime()
-            for r, resharder in arriving:
-                feeds[local_name(r.tensor, ShardingSpec.parse(r.dst_spec))] = resharder.run(None)
+            for local, resharder in arriving:
+                feeds[local] = resharder.run(None)
             for i, t in whole:   # from an earlier stage, whole: its shape, then it
                 shape = np.empty(len(t.shape), dtype=np.int64)
                 comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
                 value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
                 comm.Recv(byte_view(value), source=t.src_rank, tag=i)
                 feeds[t.tensor] = b.from_host(value)
-            for name in stage.inputs:
-                if name in micro[mb]:
-                    feeds[name] = b.from_host(micro[mb][name])
-                elif name in self.state_inputs:
-                    if name not in self.state:
-                        raise RunError(f"state '{name}' is not set on rank {rank}")
-                    feeds[local_name(name, self.state_specs[name])] = self.state[name]
+            for name, value in micro[mb].items():
+                if name in stage.inputs:
+                    feeds[name] = b.from_host(value)
+            for name, local in reads:
+                if name not in self.state:
+                    raise RunError(f"state '{name}' is not set on rank {rank}")
+                feeds[local] = self.state[name]
             started = MPI.Wtime()
             outs = self.session.run(feeds, self.communicators, b, observe=self._observe, writable=self.own_state)
             finished = MPI.Wtime()
@@ -580,14 +601,12 @@ class Job:
             if started - waited > 1e-5:
                 self.trace.append(_event("wait", rank, waited - origin, started - waited, mb))
             self.trace.append(_event(f"stage {stage.index}", rank, started - origin, finished - started, mb))
-            for r, resharder in leaving:
-                value = outs[local_name(r.tensor, ShardingSpec.parse(r.src_spec))]
+            for tensor, local, resharder in leaving:
+                value = outs[local]
                 resharder.run(value)
-                self._send(r.tensor, _nbytes(b, value))
-            for entry in self.state_entries:
-                if entry["stage"] == stage.index:
-                    spec = self.state_specs[entry["input"]]
-                    self.state[entry["input"]] = outs[local_name(entry["output"], spec)]
+                self._send(tensor, _nbytes(b, value))
+            for name, local in makes:
+                self.state[name] = outs[local]
             for i, t in outgoing:
                 data = np.asarray(b.to_host(outs[t.tensor]), order="C")
                 if t.dst_stage == OUTPUT_COLLECTOR:

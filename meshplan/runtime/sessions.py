@@ -135,9 +135,12 @@ class StageSession:
             shared[source] = held[1]
         for name in self.input_names:
             if name in shared:
-                binding.bind_ortvalue_input(name, shared[name])
+                if bound.get(("input", name)) is not shared[name]:   # still bound from the last run otherwise
+                    binding.bind_ortvalue_input(name, shared[name])
+                    bound[("input", name)] = shared[name]
             elif name in feeds:
                 binding.bind_cpu_input(name, feeds[name])
+                bound.pop(("input", name), None)
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
