@@ -16,7 +16,7 @@ from meshplan.reshard.steps import apply_steps
 from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.runtime.cross_mesh_mpi import reshard_in_memory
-from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.program import ProgramRunner, run_lockstep
 from meshplan.runtime.sessions import StageSession, check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
@@ -104,20 +104,18 @@ def _output_of(plan: Plan, held, name: str) -> np.ndarray:
 
 def _run_stage(stage, runners, feeds: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
     mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-    values = {rank: dict(feeds[rank]) for rank in stage.devices}
-    first = runners[stage.devices[0]]
-    for index, segment in enumerate(first.segments):
-        for rank in stage.devices:
-            part = runners[rank].segments[index]
-            if part.session is not None:
-                values[rank].update(part.session.run({n: values[rank][n] for n in part.inputs}))
-        if segment.collective is not None:
-            c = segment.collective
-            locals_ = {mesh.coord(rank): values[rank][c.input] for rank in stage.devices}
-            result = apply_steps(locals_, [c.step], mesh)
-            for rank in stage.devices:
-                values[rank][c.output] = result[mesh.coord(rank)]
-    return values
+    values = [{rank: dict(feeds[rank]) for rank in stage.devices}]
+    run_lockstep({rank: runners[rank] for rank in stage.devices}, values, in_memory_exchange(mesh))
+    return values[0]
+
+
+def in_memory_exchange(mesh: LogicalMesh):
+    """A collective step across every rank of ``mesh`` in this process (``apply_steps``):
+    the exchange ``run_lockstep`` calls, with the same semantics as MPI's."""
+    def exchange(step, tensors: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        result = apply_steps({mesh.coord(rank): value for rank, value in tensors.items()}, [step], mesh)
+        return {rank: result[mesh.coord(rank)] for rank in tensors}
+    return exchange
 
 
 def reference_outputs(plan: Plan, inputs: dict[str, np.ndarray], model_path: str | Path | None = None,

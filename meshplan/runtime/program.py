@@ -177,25 +177,56 @@ class ProgramRunner:
                 segment.session.release()
 
     def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset()) -> dict:
-        """Run every segment; ``collective_fn(step, tensor) -> tensor`` performs collectives
-        (``observe(name, tensor)``, when given, sees each collective's input first).
-        ``writable``: the feeds the caller owns, which a segment may update in place (its
-        output is then that same buffer).
+        """Run every segment (``run_lockstep`` with this rank alone); ``collective_fn(step,
+        tensor) -> tensor`` performs collectives (``observe(name, tensor)``, when given, sees
+        each collective's input first). ``writable``: the feeds the caller owns, which a
+        segment may update in place (its output is then that same buffer).
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
         and outputs bound on that device."""
-        values = dict(feeds)
-        for segment in self.segments:
-            if segment.session is not None:
-                feeds_now = {n: values[n] for n in segment.inputs}
-                if buffers is HOST:
-                    values.update(segment.session.run(feeds_now, writable))
-                else:
-                    values.update(segment.session.run_bound(feeds_now, buffers, writable))
-            if segment.collective is not None:
-                c = segment.collective
+        values = [{0: dict(feeds)}]
+        run_lockstep({0: self}, values, lambda step, tensors: {0: collective_fn(step, tensors[0])},
+                     buffers=buffers, writable=writable, observe=observe)
+        return values[0][0]
+
+
+def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]], exchange, *, buffers=HOST,
+                 writable=frozenset(), observe=None, around=None, after=None) -> None:
+    """The one executor of segments: a stage's programs (``runners``, rank → its program),
+    segment by segment, every rank in lockstep, on every microbatch of ``values``
+    (microbatch → rank → its named tensors, updated in place). Each segment runs on each
+    rank and microbatch, then the segment's collective across the ranks:
+    ``exchange(step, {rank: tensor}) -> {rank: tensor}`` (MPI in a job, where this process
+    holds one rank; numpy in memory for the in-process and stage-by-stage checks, which hold
+    them all). ``observe(name, tensor)`` sees each collective's input first.
+
+    ``around(index, rank, opening)``: called before (True) and after (False) a rank runs
+    segment ``index`` (the stage-by-stage check loads one segment's weights at a time);
+    ``after(index)``: called once segment ``index`` and its collective are done."""
+    ranks = list(runners)
+    for index, segment in enumerate(runners[ranks[0]].segments):
+        for rank in ranks:
+            part = runners[rank].segments[index]
+            if around is not None:
+                around(index, rank, True)
+            session = part.session
+            if session is not None:
+                for held in values:
+                    mine = held[rank]
+                    feeds = {n: mine[n] for n in part.inputs}
+                    mine.update(session.run(feeds, writable) if buffers is HOST
+                                else session.run_bound(feeds, buffers, writable))
+            if around is not None:
+                around(index, rank, False)
+        c = segment.collective
+        if c is not None:
+            for held in values:
+                tensors = {rank: held[rank][c.input] for rank in ranks}
                 if observe is not None:
-                    observe(c.input, values[c.input])
-                values[c.output] = collective_fn(c.step, values[c.input])
-        return values
+                    for tensor in tensors.values():
+                        observe(c.input, tensor)
+                for rank, result in exchange(c.step, tensors).items():
+                    held[rank][c.output] = result
+        if after is not None:
+            after(index)

@@ -26,10 +26,9 @@ from meshplan.errors import PlanError
 from meshplan.model.weights import load_tensor
 from meshplan.process_memory import available_memory
 from meshplan.plan_format import Plan, local_name
-from meshplan.reshard.steps import apply_steps
 from meshplan.sharding import LogicalMesh, ShardingSpec
-from meshplan.runtime.inprocess import Comparison, checked_model_path, compare_outputs
-from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.inprocess import Comparison, checked_model_path, compare_outputs, in_memory_exchange
+from meshplan.runtime.program import ProgramRunner, run_lockstep
 from meshplan.runtime.quantization_bound import bounds_between, use_float_activations
 from meshplan.runtime.sessions import StageSession, check_program_files, providers_for
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
@@ -274,28 +273,24 @@ def _run_programs(plan: Plan, plan_dir: Path, stage, reference: list[dict], micr
                for p in plan.programs if p.rank in stage.devices}
     values = [{rank: _feeds(stage, mesh, rank, reference[mb], micro[mb]) for rank in stage.devices}
               for mb in range(len(micro))]
-    first = runners[stage.devices[0]]
-    for index, segment in enumerate(first.segments):
-        for rank in stage.devices:
-            part = runners[rank].segments[index]
+
+    def around(index: int, rank: int, opening: bool) -> None:   # one segment's weights loaded at a time
+        part = runners[rank].segments[index]
+        if opening:
             part.open(providers)
-            if part.session is not None:
-                for mb in range(len(micro)):
-                    values[mb][rank].update(part.session.run({n: values[mb][rank][n] for n in part.inputs}))
+        else:
             part.close()
-        if segment.collective is not None:
-            c = segment.collective
-            for mb in range(len(micro)):
-                locals_ = {mesh.coord(rank): values[mb][rank][c.input] for rank in stage.devices}
-                result = apply_steps(locals_, [c.step], mesh)
-                for rank in stage.devices:
-                    values[mb][rank][c.output] = result[mesh.coord(rank)]
-        for rank in stage.devices:       # keep what later segments or the stage's outputs read
+
+    def after(index: int) -> None:       # keep what later segments or the stage's outputs read
+        for rank in stage.devices:
             keep = _read_after(runners[rank].segments, index)
             for mb_values in values:
                 for name in list(mb_values[rank]):
                     if name not in keep and name not in stage.outputs and name.rsplit("@", 1)[0] not in stage.outputs:
                         del mb_values[rank][name]
+
+    run_lockstep({rank: runners[rank] for rank in stage.devices}, values, in_memory_exchange(mesh),
+                 around=around, after=after)
     return [{name: _whole(stage, mesh, name, values[mb]) for name in stage.outputs} for mb in range(len(micro))]
 
 
