@@ -53,7 +53,8 @@ class rank_guard:
     def __exit__(self, kind, exc, tb):
         if exc is None:
             return False
-        from meshplan.runtime.mpi_runner import JobFailure, ReportedElsewhere, abort_job
+        from meshplan.errors import JobFailure, ReportedElsewhere
+        from meshplan.runtime.transport import abort_job
 
         if isinstance(exc, ReportedElsewhere):
             sys.exit(1)

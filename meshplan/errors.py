@@ -34,3 +34,11 @@ class RunError(MeshplanError):
 
 class HintError(PlanError):
     """A hint (an annotation of the model or of ``--hints``) that is malformed or cannot hold."""
+
+
+class ReportedElsewhere(MeshplanError):
+    """Start-up of a job failed on another rank, which reports it; this rank only exits 1."""
+
+
+class JobFailure(RunError):
+    """A rank of a job failed after start-up: the whole job must be aborted."""

@@ -18,7 +18,7 @@ from meshplan.errors import RunError
 from meshplan.make_plan import make_plan
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.providers import CPU, CUDA
-from meshplan.runtime import mpi_runner
+from meshplan.runtime import transport
 from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor, MpiView
 from sample_models import make_gpt, make_inputs
 from tests.conftest import check_against_onnxruntime, run_mpi, run_mpi_script, save_npz
@@ -113,8 +113,8 @@ class _FakeMPI:
     ("host", CUDA, True, "host", "staged through the host (--transfer host)"),
 ])
 def test_choice_of_transfer_path(monkeypatch, transfer, provider, aware, kind, words):
-    monkeypatch.setattr(mpi_runner, "cuda_aware", lambda MPI: {"value": aware, "method": "test"})
-    buffers, text = mpi_runner.choose_buffers(transfer, provider, 1, _FakeMPI)
+    monkeypatch.setattr(transport, "cuda_aware", lambda MPI: {"value": aware, "method": "test"})
+    buffers, text = transport.choose_buffers(transfer, provider, 1, _FakeMPI)
     assert buffers.name == kind and words in text
     if kind == "device" and provider == CUDA:
         assert (buffers.device_type, buffers.device_id) == ("cuda", 1)
@@ -122,11 +122,11 @@ def test_choice_of_transfer_path(monkeypatch, transfer, provider, aware, kind, w
 
 @pytest.mark.parametrize("aware, words", [(False, "is not CUDA-aware"), (None, "may not be CUDA-aware")])
 def test_device_transfer_needs_cuda_aware_mpi(monkeypatch, aware, words):
-    monkeypatch.setattr(mpi_runner, "cuda_aware", lambda MPI: {"value": aware, "method": "test"})
+    monkeypatch.setattr(transport, "cuda_aware", lambda MPI: {"value": aware, "method": "test"})
     with pytest.raises(RunError, match=words):
-        mpi_runner.choose_buffers("device", CUDA, 0, _FakeMPI)
+        transport.choose_buffers("device", CUDA, 0, _FakeMPI)
     with pytest.raises(RunError, match="unknown transfer path"):
-        mpi_runner.choose_buffers("gpu", CPU, 0, _FakeMPI)
+        transport.choose_buffers("gpu", CPU, 0, _FakeMPI)
 
 
 @pytest.mark.mpi

@@ -180,7 +180,8 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
     tokens come (``on_text`` gets the ids of every sequence otherwise: ``on_text(None,
     step, ids)``)."""
     from meshplan.runtime.job import Job
-    from meshplan.runtime.mpi_runner import _gather_memory, _world
+    from meshplan.runtime.mpi_runner import _gather_memory
+    from meshplan.runtime.transport import world
 
     plan_dir = Path(plan_dir)
     held: dict = {}
@@ -197,7 +198,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
     job = Job(plan_dir, provider, transfer, check=check, cache_in_place=True)
     if not job.is_driver:
         job.serve()
-        _gather_memory(job.plan, plan_dir, _world()[1], job.threads)
+        _gather_memory(job.plan, plan_dir, world()[1], job.threads)
         return None
     prepared: Prepared = held["prepared"]
     tokenizer = prepared.tokenizer
@@ -225,7 +226,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         job.close()
         raise
     job.close()
-    memory = _gather_memory(job.plan, plan_dir, _world()[1], job.threads)
+    memory = _gather_memory(job.plan, plan_dir, world()[1], job.threads)
     if tokenizer is not None:
         for sequence in sequences:
             sequence.text = tokenizer.decode(sequence.ids, skip_special_tokens=True)

@@ -37,25 +37,25 @@ Every rank counts the bytes it sends per tensor during each call (``moved_bytes`
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from meshplan.errors import MeshplanError, RunError
+from meshplan.errors import JobFailure, MeshplanError, ReportedElsewhere, RunError
 from meshplan.model.sizes import Sizes
 from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
-from meshplan.runtime.buffers import HOST, byte_view
-from meshplan.runtime.mpi_runner import (JobFailure, MeshCommunicators, ReportedElsewhere, _agree, _resharders, _world,
-                                         abort_job, choose_buffers)
+from meshplan.runtime.buffers import HOST
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 from meshplan.runtime.threads import ThreadChoice, choose_threads
-from meshplan.runtime.waiting import set_sleeping, wait_all
+from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffers, world
+from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec
 
 CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS = range(6)
@@ -97,13 +97,13 @@ class Job:
         cache in place (see the module)."""
         from meshplan.rank_layout import gather_affinities, gather_layout, launch_advice, layout_mismatch
 
-        MPI, world = _world()
-        world = comm if comm is not None else world
+        MPI, everyone = world()
+        everyone = comm if comm is not None else everyone
         self.MPI = MPI
         self.cache_in_place = cache_in_place
-        self.rank, self.size = world.Get_rank(), world.Get_size()
-        layout = gather_layout(world, MPI)
-        affinities = gather_affinities(world)
+        self.rank, self.size = everyone.Get_rank(), everyone.Get_size()
+        layout = gather_layout(everyone, MPI)
+        affinities = gather_affinities(everyone)
         self.threads: ThreadChoice | None = None
         error = None
         try:
@@ -144,15 +144,13 @@ class Job:
         except Exception as exc:  # must still reach the agreement, or the others wait forever
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             error = RunError(f"rank {self.rank} could not start: {text}")
-        _agree(world, MPI, error)
+        agree(everyone, MPI, error)
         try:
             self.plan, self.plan_dir, self.session, self.buffers = plan, plan_dir, session, buffers
             self.transfer_path = path_text
             self.provider = session.providers[0] if session is not None else "none"
-            self.comm = world.Dup()
-            self.communicators = MeshCommunicators(plan, self.comm, MPI, buffers)
-            self.resharders = _resharders(plan, self.comm, buffers)
             self._setup()
+            self.transport = Transport(plan, everyone, MPI, buffers, [t.name for t in self.inputs])
         except Exception as exc:
             raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
         self.closed = False
@@ -173,13 +171,6 @@ class Job:
         # the job owns its state buffers: a program may update them in place (a fixed-capacity cache)
         self.own_state = frozenset(local_name(name, spec) for name, spec in self.state_specs.items()) \
             if self.cache_in_place else frozenset()
-        # one broadcast group per model input: rank 0 and the ranks whose stage reads it
-        self.groups = []
-        for spec in self.inputs:
-            readers = {r for s in plan.stages if spec.name in s.inputs for r in s.devices} | {0}
-            color = 0 if self.rank in readers else self.MPI.UNDEFINED
-            group = self.comm.Split(color, self.rank)
-            self.groups.append(group if self.rank in readers else None)
         self.header_size = 2 + sum(len(t.shape) for t in self.inputs) + sum(1 + len(t.shape) for t in self.state_entries_specs()) \
             + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
@@ -239,11 +230,7 @@ class Job:
         self._bcast_header(header)
 
     def _bcast_header(self, header: np.ndarray) -> None:
-        """The call's header from rank 0 to every rank, waited for without holding a core
-        (``waiting``): workers wait here between calls, idle ranks all the time. A job of one
-        rank has no one to tell."""
-        if self.size > 1:
-            wait_all([self.comm.Ibcast(header, root=0)], self.MPI)
+        self.transport.header(header)
 
     def close(self) -> None:
         """End the workers' loop (driver). The job's communicators are released on every rank."""
@@ -256,13 +243,7 @@ class Job:
     def _free(self) -> None:
         self.closed = True
         try:
-            self.communicators.free()
-            for resharder in self.resharders:
-                resharder.free()
-            for group in self.groups:
-                if group is not None:
-                    group.Free()
-            self.comm.Free()
+            self.transport.free()
         except Exception as exc:
             raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
 
@@ -492,10 +473,9 @@ class Job:
 
     def _run_call(self, header: np.ndarray, feeds: list[np.ndarray] | None) -> dict[str, np.ndarray]:
         plan, stage, rank, b = self.plan, self.stage, self.rank, self.buffers
-        MPI = self.MPI
         self.sent = {}
         self.program_seconds = 0.0
-        origin = MPI.Wtime()
+        origin = time.perf_counter()
         self.trace = []
         if stage is None:   # an idle rank: nothing reaches it, it sends nothing
             return {}
@@ -505,18 +485,11 @@ class Job:
         for index, spec in enumerate(self.inputs):
             shape = tuple(int(d) for d in header[k:k + len(spec.shape)])
             k += len(spec.shape)
-            group = self.groups[index]
-            if group is None:
+            if not self.transport.reads_input(index):
                 continue
-            array = feeds[index] if rank == 0 else np.empty(shape, dtype=spec.dtype)
-            if group.Get_size() > 1:
-                if np.dtype(spec.dtype) == np.dtype(object):
-                    array, sent = _bcast_strings(group, array if rank == 0 else None, shape)
-                else:
-                    group.Bcast(byte_view(array), root=0)
-                    sent = array.nbytes
-                if rank == 0:
-                    self._send(spec.name, sent * (group.Get_size() - 1))
+            array, sent = self.transport.bcast_input(index, feeds[index] if rank == 0 else None, shape, spec.dtype)
+            if rank == 0 and sent:
+                self._send(spec.name, sent)
             received[spec.name] = array
         create = {}
         for spec in self.state_entries_specs():
@@ -550,10 +523,10 @@ class Job:
         if found is not None:
             return found
         plan, stage, rank = self.plan, self.stage, self.rank
-        arriving = [(local_name(r.tensor, ShardingSpec.parse(r.dst_spec)), x)
-                    for r, x in zip(plan.reshardings, self.resharders) if r.dst_stage == stage.index]
-        leaving = [(r.tensor, local_name(r.tensor, ShardingSpec.parse(r.src_spec)), x)
-                   for r, x in zip(plan.reshardings, self.resharders) if r.src_stage == stage.index]
+        arriving = [(local_name(r.tensor, ShardingSpec.parse(r.dst_spec)), i)
+                    for i, r in enumerate(plan.reshardings) if r.dst_stage == stage.index]
+        leaving = [(r.tensor, local_name(r.tensor, ShardingSpec.parse(r.src_spec)), i)
+                   for i, r in enumerate(plan.reshardings) if r.src_stage == stage.index]
         whole = [(i, t) for i, t in enumerate(plan.transfers) if t.dst_rank == rank and t.dst_stage == stage.index]
         outgoing = [(i, t) for i, t in enumerate(plan.transfers)
                     if t.src_rank == rank and t.dst_rank != rank
@@ -570,22 +543,18 @@ class Job:
         return found
 
     def _microbatches(self, micro: list[dict], wanted: dict, origin: float) -> list[dict]:
-        plan, stage, rank, comm, b, MPI = self.plan, self.stage, self.rank, self.comm, self.buffers, self.MPI
+        plan, stage, rank, b, transport = self.plan, self.stage, self.rank, self.buffers, self.transport
         B = plan.microbatches
         arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes = self._routes(wanted)
         shape_tag = len(plan.transfers)
         results = [dict() for _ in range(B)] if rank == 0 else []
-        sends, kept = [], []
         for mb in range(B):
             feeds = {}
-            waited = MPI.Wtime()
-            for local, resharder in arriving:
-                feeds[local] = resharder.run(None)
+            waited = time.perf_counter()
+            for local, index in arriving:
+                feeds[local] = transport.reshard(index, None)
             for i, t in whole:   # from an earlier stage, whole: its shape, then it
-                shape = np.empty(len(t.shape), dtype=np.int64)
-                comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
-                value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
-                comm.Recv(byte_view(value), source=t.src_rank, tag=i)
+                value = transport.recv_with_shape(len(t.shape), t.dtype, t.src_rank, shape_tag + i, i)
                 feeds[t.tensor] = b.from_host(value)
             for name, value in micro[mb].items():
                 if name in stage.inputs:
@@ -594,16 +563,16 @@ class Job:
                 if name not in self.state:
                     raise RunError(f"state '{name}' is not set on rank {rank}")
                 feeds[local] = self.state[name]
-            started = MPI.Wtime()
-            outs = self.session.run(feeds, self.communicators, b, observe=self._observe, writable=self.own_state)
-            finished = MPI.Wtime()
+            started = time.perf_counter()
+            outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state)
+            finished = time.perf_counter()
             self.program_seconds += finished - started
             if started - waited > 1e-5:
                 self.trace.append(_event("wait", rank, waited - origin, started - waited, mb))
             self.trace.append(_event(f"stage {stage.index}", rank, started - origin, finished - started, mb))
-            for tensor, local, resharder in leaving:
+            for tensor, local, index in leaving:
                 value = outs[local]
-                resharder.run(value)
+                transport.reshard(index, value)
                 self._send(tensor, _nbytes(b, value))
             for name, local in makes:
                 self.state[name] = outs[local]
@@ -611,22 +580,15 @@ class Job:
                 data = np.asarray(b.to_host(outs[t.tensor]), order="C")
                 if t.dst_stage == OUTPUT_COLLECTOR:
                     data = _take(data, wanted[t.tensor])
-                kept.append(np.array(data.shape, dtype=np.int64))
-                sends.append(comm.Isend(kept[-1], dest=t.dst_rank, tag=shape_tag + i))
-                kept.append(data)
-                sends.append(comm.Isend(byte_view(data), dest=t.dst_rank, tag=i))
+                transport.post_with_shape(data, t.dst_rank, shape_tag + i, i)
                 self._send(t.tensor, data.nbytes)
             for t in local_outputs:
                 results[mb][t.tensor] = _take(b.to_host(outs[t.tensor]), wanted[t.tensor])
         for mb in range(B):
             for i, t in incoming:
                 spec = next(o for o in plan.outputs if o.name == t.tensor)
-                shape = np.empty(len(spec.shape), dtype=np.int64)
-                comm.Recv(shape, source=t.src_rank, tag=shape_tag + i)
-                value = np.empty(tuple(int(d) for d in shape), dtype=t.dtype)
-                comm.Recv(byte_view(value), source=t.src_rank, tag=i)
-                results[mb][t.tensor] = value
-        wait_all(sends, MPI)
+                results[mb][t.tensor] = transport.recv_with_shape(len(spec.shape), t.dtype, t.src_rank, shape_tag + i, i)
+        transport.finish_posted()
         return results
 
     def _observe(self, name: str, value) -> None:
@@ -651,17 +613,15 @@ class Job:
                 if self.rank == 0:
                     pieces[0] = local
                 else:
-                    self.comm.Send(np.array(local.shape, dtype=np.int64), dest=0, tag=_STATE_TAG + 2 * index)
-                    self.comm.Send(byte_view(local), dest=0, tag=_STATE_TAG + 2 * index + 1)
+                    self.transport.send(np.array(local.shape, dtype=np.int64), 0, _STATE_TAG + 2 * index)
+                    self.transport.send(local, 0, _STATE_TAG + 2 * index + 1)
                     self._send(name, local.nbytes)
             if self.rank == 0:
                 for r in holders:
                     if r == 0:
                         continue
-                    shape = np.empty(len(spec.dims), dtype=np.int64)
-                    self.comm.Recv(shape, source=r, tag=_STATE_TAG + 2 * index)
-                    pieces[r] = np.empty(tuple(int(d) for d in shape), dtype=self._dtype_of(name))
-                    self.comm.Recv(byte_view(pieces[r]), source=r, tag=_STATE_TAG + 2 * index + 1)
+                    pieces[r] = self.transport.recv_with_shape(len(spec.dims), self._dtype_of(name), r,
+                                                               _STATE_TAG + 2 * index, _STATE_TAG + 2 * index + 1)
                 found[name] = assemble(pieces, spec, state_mesh(self.plan, entry))
         return found
 
@@ -688,11 +648,11 @@ class Job:
                         own = np.array(piece, copy=True) if self.cache_in_place else piece
                         self.state[name] = self.buffers.from_host(own)
                     else:
-                        self.comm.Send(byte_view(piece), dest=r, tag=_STATE_TAG + 2 * index)
+                        self.transport.send(piece, r, _STATE_TAG + 2 * index)
                         self._send(name, piece.nbytes)
             elif self.rank in stage.devices:
-                local = np.empty(spec.local_shape(shapes[name], mesh), dtype=self._dtype_of(name))
-                self.comm.Recv(byte_view(local), source=0, tag=_STATE_TAG + 2 * index)
+                local = self.transport.recv(spec.local_shape(shapes[name], mesh), self._dtype_of(name), 0,
+                                            _STATE_TAG + 2 * index)
                 self.state[name] = self.buffers.from_host(local)
 
     def state_bytes(self) -> int:
@@ -705,18 +665,12 @@ class Job:
         mine = json.dumps({"seconds": self.program_seconds, "sent": self.sent,
                            "state_bytes": self.state_bytes(), "trace": self.trace,
                            "rss": peak_rss_bytes()}).encode()
-        payload = np.frombuffer(mine, dtype=np.uint8)
-        counts = np.zeros(self.size, dtype=np.int64) if self.rank == 0 else None
-        self.comm.Gather(np.array([len(payload)], dtype=np.int64), counts, root=0)
-        if self.rank != 0:
-            self.comm.Gatherv(payload, None, root=0)
+        every = self.transport.gather_bytes(mine)
+        if every is None:
             return CallStats()
-        received = np.empty(int(counts.sum()), dtype=np.uint8)
-        self.comm.Gatherv(payload, [received, counts, self.MPI.BYTE], root=0)
-        stats, offset = CallStats(), 0
-        for count in counts:
-            item = json.loads(received[offset:offset + count].tobytes())
-            offset += count
+        stats = CallStats()
+        for payload in every:
+            item = json.loads(payload)
             stats.program_seconds.append(item["seconds"])
             stats.sent_bytes.append(item["sent"])
             stats.state_bytes.append(item["state_bytes"])
@@ -729,27 +683,6 @@ def _take(data: np.ndarray, index: tuple) -> np.ndarray:
     """``data[index]`` as a C-contiguous array (a 0-d one stays 0-d)."""
     index = index[:np.ndim(data)]
     return np.asarray(data[index] if index else data, order="C")
-
-
-def _bcast_strings(group, array: np.ndarray | None, shape: tuple) -> tuple[np.ndarray, int]:
-    """A string tensor from the group's rank 0 to the others, as bytes: each item's UTF-8
-    length, then every item's bytes."""
-    count = int(np.prod(shape))
-    if array is not None:
-        items = [str(x).encode() for x in array.reshape(-1)]
-        lengths = np.array([len(b) for b in items], dtype=np.int64)
-        data = np.frombuffer(b"".join(items), dtype=np.uint8).copy()
-    else:
-        lengths = np.empty(count, dtype=np.int64)
-    group.Bcast(lengths, root=0)
-    if array is None:
-        data = np.empty(int(lengths.sum()), dtype=np.uint8)
-    group.Bcast(data, root=0)
-    if array is not None:
-        return array, lengths.nbytes + data.nbytes
-    raw, offsets = data.tobytes(), np.concatenate([[0], np.cumsum(lengths)])
-    items = [raw[offsets[i]:offsets[i + 1]].decode() for i in range(count)]
-    return np.array(items, dtype=object).reshape(shape), lengths.nbytes + data.nbytes
 
 
 def _nbytes(buffers, value) -> int:

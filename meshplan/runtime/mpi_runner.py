@@ -3,10 +3,9 @@
 ``run_rank`` is a driver of the resident job (``job.Job``): every rank loads its program
 once, then rank 0 makes ``--repeat`` calls on one inputs file and writes the outputs once.
 In each call a rank receives its stage's boundary tensors for every microbatch by
-cross-mesh resharding (broadcasts and sends on group communicators), runs them in order
-(fill-drain), performs the collectives inside its stage's mesh, and hands its outputs on —
-all with mpi4py's buffer-based calls (never pickled objects). This module also holds the
-start-up agreement, the mesh communicators, the transfer path and the trace writer.
+cross-mesh resharding, runs them in order (fill-drain), performs the collectives inside
+its stage's mesh, and hands its outputs on — all through the job's ``transport``. This
+module also holds the run's report, each rank's memory and threads, and the trace writer.
 
 Failure handling: start-up checks (plan, rank count, files, inputs) run on every rank
 and the ranks agree on the outcome with one Allreduce, so all of them exit 1 and the
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,26 +24,11 @@ import numpy as np
 
 from meshplan.errors import MeshplanError, RunError
 from meshplan.plan_format import Plan
-from meshplan.reshard.simulator import Schedule
-from meshplan.reshard.steps import Step
-from meshplan.reshard.tasks import CrossMeshTransfer
-from meshplan.sharding import LogicalMesh
-from meshplan.mpi_support import cuda_aware, load_mpi
 from meshplan.process_memory import peak_rss_bytes
-from meshplan.providers import CPU, CUDA, cuda_provider
-from meshplan.runtime.buffers import HOST, DeviceBuffers
-from meshplan.runtime.collectives import axis_communicator, perform
-from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
+from meshplan.runtime.job import Job
 from meshplan.runtime.tensors import read_inputs, write_outputs
 from meshplan.runtime.threads import ThreadChoice
-
-
-class ReportedElsewhere(MeshplanError):
-    """Start-up failed on another rank, which reports it; this rank only exits 1."""
-
-
-class JobFailure(RunError):
-    """A rank failed after start-up: the whole job must be aborted."""
+from meshplan.runtime.transport import gather_rows, world
 
 
 @dataclass
@@ -72,106 +55,12 @@ class RunReport:
         return statistics.median(self.latencies)
 
 
-def _world():
-    MPI = load_mpi()
-
-    return MPI, MPI.COMM_WORLD
-
-
-ABORT_GRACE_SECONDS = 0.5
-
-
-def abort_job(code: int = 1) -> None:
-    """End every rank of the job (after a rank has reported its failure). The launcher
-    forwards each rank's output through its own pipes and stops forwarding when the abort
-    kills the ranks, so this waits ``ABORT_GRACE_SECONDS`` first: once, on a loaded machine,
-    a job ended 1 with nothing at all on stderr (the error line and MPICH's own lost)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    time.sleep(ABORT_GRACE_SECONDS)
-    MPI, comm = _world()
-    comm.Abort(code)
-
-
-def _agree(comm, MPI, error: MeshplanError | None) -> None:
-    """All ranks learn whether any failed; the lowest failing rank raises its own error."""
-    flag = np.array([comm.rank if error is not None else comm.size], dtype=np.int64)
-    first = np.empty_like(flag)
-    comm.Allreduce(flag, first, op=MPI.MIN)
-    if first[0] == comm.size:
-        return
-    if error is not None and first[0] == comm.rank:
-        raise error
-    raise ReportedElsewhere("start-up failed on another rank")
-
-
-
-TRANSFERS = ("auto", "host", "device")
-
-
-def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI) -> tuple[object, str]:
-    """Where this rank's tensors live and travel, and the sentence that says so.
-
-    ``auto``: device memory when the programs run on CUDA and MPI is CUDA-aware, else
-    host memory (CUDA outputs staged through the host). ``host``: always host memory.
-    ``device``: OrtValues handed to MPI as they are; on CUDA that needs a CUDA-aware MPI
-    (an error otherwise); with the CPU provider they sit in host memory.
-    """
-    if transfer not in TRANSFERS:
-        raise RunError(f"unknown transfer path {transfer!r} (choose from {', '.join(TRANSFERS)})")
-    on_cuda = session_provider == CUDA
-    if not on_cuda:
-        if transfer == "device":
-            return DeviceBuffers("cpu", 0, [CPU]), "OrtValue buffers in host memory (CPU provider), passed to MPI by pointer"
-        return HOST, "host memory (CPU provider)"
-    if transfer == "host":
-        return HOST, "host memory: CUDA outputs staged through the host (--transfer host)"
-    aware = cuda_aware(MPI)
-    if aware["value"]:
-        buffers = DeviceBuffers("cuda", device_id, [cuda_provider(device_id), CPU])
-        return buffers, f"device memory: CUDA buffers straight to CUDA-aware MPI ({aware['method']})"
-    if transfer == "device":
-        state = "is not CUDA-aware" if aware["value"] is False else "may not be CUDA-aware"
-        raise RunError(f"--transfer device needs a CUDA-aware MPI; this one {state} ({aware['method']})",
-                       hint="use --transfer auto or host to stage tensors through host memory")
-    return HOST, f"host memory: CUDA outputs staged through the host (MPI not known to be CUDA-aware: {aware['method']})"
-
-
-class MeshCommunicators:
-    """One communicator per mesh axis of every stage, built once; ranks ordered by coordinate.
-
-    Every rank takes part in every split (with MPI.UNDEFINED outside the stage), so all
-    ranks must build this object together."""
-
-    def __init__(self, plan: Plan, comm, MPI, buffers=HOST):
-        self.MPI = MPI
-        self.buffers = buffers
-        self.axes: dict[int, object] = {}
-        for stage in plan.stages:
-            mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
-            for axis in (0, 1, 2):
-                group = axis_communicator(comm, MPI, mesh, axis)
-                if group is not None:
-                    self.axes[axis] = group
-
-    def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
-        return perform(step, array, self.axes[step.axis], self.MPI, self.buffers)
-
-    def free(self) -> None:
-        """Release the axis communicators (collective over each axis group)."""
-        for group in self.axes.values():
-            group.Free()
-        self.axes = {}
-
-
 def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | Path | None,
              repeat: int = 1, provider: str = "auto", transfer: str = "auto") -> RunReport | None:
     """``meshplan run``: a driver of the resident job (``job.Job``) that makes ``repeat``
     calls on one inputs file and writes the outputs once. Rank 0 returns the report, the
     others None. State inputs in the file are set before every call (so each repetition is
     the same call); state outputs are gathered and written with the others."""
-    from meshplan.runtime.job import Job
-
     plan_dir, inputs_path = Path(plan_dir), Path(inputs_path)
     output_path = Path(output_path) if output_path else None
     held: dict = {}
@@ -189,7 +78,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     job = Job(plan_dir, provider, transfer, check=check)
     if not job.is_driver:
         job.serve()
-        _gather_memory(job.plan, plan_dir, _world()[1], job.threads)
+        _gather_memory(job.plan, plan_dir, world()[1], job.threads)
         return None
     plan = job.plan
     inputs = held["inputs"]
@@ -210,7 +99,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         job.close()
         raise
     job.close()
-    memory = _gather_memory(plan, plan_dir, _world()[1], job.threads)
+    memory = _gather_memory(plan, plan_dir, world()[1], job.threads)
     if output_path is not None:
         write_outputs(output_path, {spec.name: outputs[spec.name] for spec in plan.outputs if spec.name in outputs})
     return RunReport(
@@ -233,27 +122,13 @@ def _batch_of(plan: Plan, inputs: dict) -> int:
     return plan.batch["size"]
 
 
-def _resharders(plan: Plan, comm, buffers) -> list[CrossMeshResharder]:
-    """One executor per cross-mesh resharding, built by every rank in plan order (collective)."""
-    return [
-        CrossMeshResharder(CrossMeshTransfer.from_dict(r.transfer), Schedule.from_dict(r.schedule), comm,
-                           dtype=np.dtype(r.dtype), buffers=buffers)
-        for r in plan.reshardings
-    ]
-
-
 def _gather_memory(plan: Plan, plan_dir: Path, comm, threads=None) -> np.ndarray | None:
     """[peak RSS, program bytes, *its ThreadChoice.row() (zeros on an idle rank)] of every
-    rank, on rank 0 (a [ranks, 7] array; None elsewhere)."""
+    rank, on rank 0 (a [ranks, 7] array; None elsewhere). Collective."""
     program = plan.program_of_rank(comm.rank)   # None on an idle rank
     held = 0 if program is None else sum((plan_dir / f).stat().st_size
                                          for f in [program.file] + [d["file"] for d in program.data_files])
-    mine = np.array([peak_rss_bytes(), held, *(threads.row() if threads is not None else [0] * 5)], dtype=np.int64)
-    everyone = np.empty((comm.size, mine.size), dtype=np.int64) if comm.rank == 0 else None
-    comm.Gather(mine, everyone, root=0)
-    return everyone
-
-
+    return gather_rows(comm, np.array([peak_rss_bytes(), held, *(threads.row() if threads is not None else [0] * 5)]))
 
 
 def write_trace(path: str | Path, events: list[dict], ranks: int, memory: list[dict] | None = None) -> None:

@@ -19,7 +19,7 @@ from mpi4py import MPI  # noqa: E402
 from meshplan.plan_format import Stage  # noqa: E402
 from meshplan.reshard.steps import Step, apply_steps  # noqa: E402
 from meshplan.runtime.buffers import HOST  # noqa: E402
-from meshplan.runtime.mpi_runner import MeshCommunicators  # noqa: E402
+from meshplan.runtime.transport import MeshCommunicators  # noqa: E402
 from meshplan.sharding import LogicalMesh  # noqa: E402
 from tests.mpi_scripts.reshard_case import report  # noqa: E402
 
