@@ -81,7 +81,9 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                f"({m['prompt_tokens']} prompt tokens)")
     if tpot is not None:
         click.echo(f"decode: {tpot * 1e3:.2f} ms per output token, {decode:.1f} tokens/s "
-                   f"({m['generated_tokens']} tokens in {m['decode_steps'] + 1} steps)")
+                   f"({m['generated_tokens']} tokens in {m['decode_steps'] + 1} steps); "
+                   f"estimate {report.estimate_seconds * 1e3:.2f} ms per step (the plan's, at a full cache)")
+    click.echo(f"load {report.load_seconds:.2f} s (every rank's programs and a warm-up call, before the first token)")
     for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
         threads = report.threads[rank] if rank < len(report.threads) else None
         click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}"

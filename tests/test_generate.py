@@ -226,7 +226,11 @@ def test_generate_command(planned, tmp_path):
     metrics = body["metrics"]
     assert metrics["generated_tokens"] == 5 and metrics["decode_steps"] == 4 and len(metrics["ranks"]) == 2
     assert all(r["weight_bytes"] > 0 and r["kv_cache_bytes"] > 0 for r in metrics["ranks"])
-    for word in ("TTFT", "per output token", "rank 0: weights", "rank 1: weights", "key/value cache"):
+    # the load (programs and a warm-up call) apart from the first token; the plan's estimate
+    assert metrics["load_seconds"] > metrics["ttft_seconds"] > 0 and metrics["estimate_step_seconds"] > 0
+    assert all(r["threads"] >= 1 and r["threads_why"] for r in metrics["ranks"])
+    for word in ("TTFT", "per output token", "rank 0: weights", "rank 1: weights", "key/value cache",
+                 "ms per step (the plan's", "load ", "onnxruntime thread(s)"):
         assert word in done.stdout, done.stdout
 
 

@@ -10,6 +10,7 @@ and stays on the ranks that hold its heads. The other ranks serve. Rank 0 return
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,9 +91,13 @@ class GenerateReport:
     cache_bytes: list[int]       # per rank: the key/value cache it holds
     eos: list[int]
     threads: list = field(default_factory=list)   # per rank: its ThreadChoice (None: idle)
+    load_seconds: float = 0.0          # from the start to a warm job (loading, a warm-up call)
+    estimate_seconds: float = 0.0      # the plan's estimate of a decode step (at a full cache)
 
     def to_dict(self) -> dict:
         metrics = self.metrics.to_dict()
+        metrics["load_seconds"] = self.load_seconds
+        metrics["estimate_step_seconds"] = self.estimate_seconds
         metrics["ranks"] = [{"rank": r, "weight_bytes": w, "kv_cache_bytes": c,
                              **({"threads": t.threads, "spinning": t.spinning, "threads_why": t.why} if t else {})}
                             for r, (w, c, t) in enumerate(zip(self.weight_bytes, self.cache_bytes,
@@ -185,6 +190,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
 
     plan_dir = Path(plan_dir)
     held: dict = {}
+    loading = time.perf_counter()
 
     def check(plan) -> None:
         if output_path is not None:
@@ -216,6 +222,10 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
 
     try:
         generation = Generation(prepared.shape, JobStepper(job), prepared.pad_id)
+        # a warm-up of one prefill and one decode step, so that the first token's time is not
+        # the process's start-up (kernels, the allocator's first blocks); the load reported apart
+        generation.run([prompt[:1] for prompt in prepared.prompts], 2, Sampler(), ())
+        load_seconds = time.perf_counter() - loading
         sequences, metrics = generation.run(prepared.prompts, request.max_new_tokens, request.sampler,
                                             prepared.eos, on_tokens)
         rest = stream.finish() if on_text is not None and len(sequences) == 1 and stream is not None else ""
@@ -232,7 +242,8 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
             sequence.text = tokenizer.decode(sequence.ids, skip_special_tokens=True)
     report = GenerateReport(sequences, metrics, job.size, [int(m) for m in memory[:, 1]],
                             [int(b) for b in stats.state_bytes], prepared.eos,
-                            [ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory])
+                            [ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory],
+                            load_seconds, float(job.plan.estimate["latency_seconds"]))
     if output_path is not None:
         from meshplan.files import atomic_write_bytes
 
