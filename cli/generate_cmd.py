@@ -38,12 +38,16 @@ FLUSH_SECONDS = 0.05   # streamed tokens reach the terminal at least this often
               help="Execution provider for the programs.")
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
               help="Where tensors travel between ranks (see meshplan run).")
+@click.option("--deterministic", is_flag=True,
+              help="Ask onnxruntime for deterministic kernels in every session (use_deterministic_compute: on CUDA, "
+                   "no atomic adds in reductions), so that two runs give the same bits; may be slower.")
 @click.pass_context
 def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, tokenizer,
-             output_path, provider, transfer):
+             output_path, provider, transfer, deterministic):
     """Generate tokens with a plan of an LLM: `mpiexec -n N meshplan generate PLAN_DIR --prompt TEXT`."""
     from meshplan.generation.driver import Request, generate_rank, read_prompt_ids
     from meshplan.generation.sampling import Sampler
+    from meshplan.runtime.sessions import set_deterministic
 
     debug = debugging(ctx)
 
@@ -65,6 +69,7 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                           max_new_tokens=max_new_tokens,
                           sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
                           tokenizer=tokenizer)
+        set_deterministic(deterministic)
         report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path)
     out.flush()
     if report is None:
@@ -83,7 +88,8 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
         click.echo(f"decode: {tpot * 1e3:.2f} ms per output token, {decode:.1f} tokens/s "
                    f"({m['generated_tokens']} tokens in {m['decode_steps'] + 1} steps); "
                    f"estimate {report.estimate_seconds * 1e3:.2f} ms per step (the plan's, at a full cache)")
-    click.echo(f"load {report.load_seconds:.2f} s (every rank's programs and a warm-up call, before the first token)")
+    click.echo(f"load {report.load_seconds:.2f} s (every rank's programs and a warm-up call, before the first token)"
+               + ("; deterministic kernels (use_deterministic_compute)" if deterministic else ""))
     for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
         threads = report.threads[rank] if rank < len(report.threads) else None
         click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}"

@@ -20,20 +20,26 @@ from cli.guard import debugging, rank_guard
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
               help="Where tensors travel between ranks: device memory when the programs run on CUDA and MPI "
                    "is CUDA-aware (auto), always through host memory (host), or as OrtValue buffers (device).")
+@click.option("--deterministic", is_flag=True,
+              help="Ask onnxruntime for deterministic kernels in every session (use_deterministic_compute: on CUDA, "
+                   "no atomic adds in reductions), so that two runs give the same bits; may be slower.")
 @click.pass_context
-def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer):
+def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer, deterministic):
     """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""
     from meshplan.emit.report import human_seconds
     from meshplan.runtime.mpi_runner import run_rank, write_trace
+    from meshplan.runtime.sessions import set_deterministic
 
     with rank_guard(debugging(ctx)):
+        set_deterministic(deterministic)
         report = run_rank(plan_dir, inputs_path, output_path, repeat, provider, transfer)
     if report is None:
         return
     if trace_path:
         write_trace(trace_path, report.trace_events, report.ranks, report.memory_rows())
     latency = report.median_latency
-    click.echo(f"ran {report.ranks} rank(s) on {report.provider}; transfer path: {report.transfer_path}")
+    click.echo(f"ran {report.ranks} rank(s) on {report.provider}; transfer path: {report.transfer_path}"
+               + ("; deterministic kernels (use_deterministic_compute)" if deterministic else ""))
     click.echo(
         f"measured: latency {human_seconds(latency)} per batch of {report.batch_size} "
         f"(median of {len(report.latencies)}), throughput {report.batch_size / latency:.1f} samples/s"

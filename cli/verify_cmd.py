@@ -40,9 +40,12 @@ from cli.guard import debugging, guard
               help="With --generate: a folder with tokenizer.json [default: the model's folder].")
 @click.option("--provider", type=click.Choice(["auto", "cuda", "cpu"]), default="cpu", show_default=True,
               help="Where the plan's programs and onnxruntime's reference both run (the same device for both).")
+@click.option("--deterministic", is_flag=True,
+              help="Ask onnxruntime for deterministic kernels in every session, the reference's too "
+                   "(use_deterministic_compute).")
 @click.pass_context
 def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_stages, generate, prompts, prompt_ids,
-           max_new_tokens, tokenizer, provider):
+           max_new_tokens, tokenizer, provider, deterministic):
     """Run all of a plan's programs in one process and compare with onnxruntime on the original model.
 
     Each float output passes within its dtype's tolerance; where the model quantizes its
@@ -50,10 +53,12 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
     output's quantization bound, measured on the same inputs and printed as "+ bound"."""
     from meshplan.plan_format import read_plan, require_programs
     from meshplan.runtime.inprocess import compare_outputs, reference_with_bounds, run_in_process
+    from meshplan.runtime.sessions import set_deterministic
     from meshplan.runtime.staged import needs_stages
     from meshplan.runtime.tensors import read_inputs
 
     with guard(debugging(ctx)):
+        set_deterministic(deterministic)
         started = time.perf_counter()
         the_plan = read_plan(plan_dir)
         require_programs(the_plan, plan_dir)

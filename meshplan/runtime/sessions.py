@@ -13,6 +13,21 @@ from meshplan.plan_format import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
 
+# onnxruntime's deterministic kernels (``use_deterministic_compute``: e.g. no atomic adds in
+# CUDA reductions), for every session of this process once set: ``--deterministic``.
+_deterministic = [False]
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Whether every session made from now on in this process asks onnxruntime for
+    deterministic kernels. Set once per process (each rank parses the same command line),
+    before the job loads."""
+    _deterministic[0] = bool(enabled)
+
+
+def deterministic() -> bool:
+    return _deterministic[0]
+
 # onnxruntime's session option: the folder that the external data of a model loaded from
 # bytes is read from (paths in the model are relative to it and may not leave it).
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
@@ -66,6 +81,8 @@ class StageSession:
         if weights_dir is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
         options.log_severity_level = 4   # errors reach the user as RunError lines, not onnxruntime's log
+        if _deterministic[0]:
+            options.use_deterministic_compute = True
         if optimization == "basic":
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         # Dequantize-then-compute stays that: onnxruntime's QDQ fusions would quantize
