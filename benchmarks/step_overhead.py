@@ -7,14 +7,16 @@ turns of ``--steps`` decode steps each, after a prefill of 8 tokens:
 
 - **onnxruntime**: the plan's program in one session with one IOBinding: the key/value
   buffers bound once as inputs and as their outputs (updated in place, as onnxruntime-genai
-  runs them), the token and the attention mask bound each step, the logits to the host;
-- **meshplan Job**: ``Job.run`` of the same program (one rank, no mpiexec), the cache kept
-  in the job, only the last position's logits asked for: what ``meshplan generate`` calls.
+  runs them), the token and a static attention mask of the capacity bound once and updated
+  in place each step, the logits to the host;
+- **meshplan Job**: ``Job.run`` of the same program (one rank, no mpiexec) fed the same
+  token and static mask, the cache kept in the job, only the last position's logits asked
+  for: what ``meshplan generate`` calls.
 
 Prints the median µs per step of each runner over the rounds, their difference and the
 median of the rounds' own differences (the target: at most 30 µs). ``--json PATH`` writes the numbers.
 
-    python benchmarks/step_overhead.py [--steps 400] [--rounds 7] [--capacity 256]
+    python benchmarks/step_overhead.py [--steps 400] [--rounds 7] [--capacity 512]
 """
 
 from __future__ import annotations
@@ -76,34 +78,43 @@ def onnxruntime_steps(program: Path, capacity: int, steps: int, threads: int) ->
     binding.bind_cpu_input("input_ids", ids)
     binding.bind_cpu_input("attention_mask", np.ones((1, PROMPT), np.int64))
     session.run_with_iobinding(binding)
-    last = binding.get_outputs()[0].numpy()[0, -1]
+    last = binding.get_outputs()[0].numpy()[0, -1].copy()
     binding.bind_output("logits", "cpu")   # decode's shape from now on, allocated by the first step
-    length = PROMPT
+    # decode: the token and a static mask of the capacity, each bound once and updated in place
+    mask = np.zeros((1, capacity), np.int64)
+    mask[0, :PROMPT] = 1
     token = np.zeros((1, 1), np.int64)
+    token_value, mask_value = ort.OrtValue.ortvalue_from_numpy(token), ort.OrtValue.ortvalue_from_numpy(mask)
+    binding.bind_ortvalue_input("input_ids", token_value)
+    binding.bind_ortvalue_input("attention_mask", mask_value)
+    length = PROMPT
     started = time.perf_counter()
     for _ in range(steps):
-        length += 1
         token[0, 0] = int(last.argmax())
-        binding.bind_cpu_input("input_ids", token)
-        binding.bind_cpu_input("attention_mask", np.ones((1, length), np.int64))
+        mask[0, length] = 1
+        length += 1
+        token_value.update_inplace(token)
+        mask_value.update_inplace(mask)
         session.run_with_iobinding(binding)
         last = binding.get_outputs()[0].numpy()[0, -1]
     return (time.perf_counter() - started) / steps
 
 
-def job_steps(job, steps: int) -> float:
+def job_steps(job, capacity: int, steps: int) -> float:
     """Seconds per decode step through ``Job.run``."""
     job.reset_state()
     ids = np.arange(1, PROMPT + 1, dtype=np.int64)[None]
     logits = job.run({"input_ids": ids, "attention_mask": np.ones((1, PROMPT), np.int64)},
                      outputs={"logits": np.s_[:, -1:]})["logits"]
+    mask = np.zeros((1, capacity), np.int64)
+    mask[0, :PROMPT] = 1
     length = PROMPT
     started = time.perf_counter()
     for _ in range(steps):
-        length += 1
         token = np.array([[int(logits[0, -1].argmax())]], np.int64)
-        logits = job.run({"input_ids": token, "attention_mask": np.ones((1, length), np.int64)},
-                         outputs={"logits": np.s_[:, -1:]})["logits"]
+        mask[0, length] = 1
+        length += 1
+        logits = job.run({"input_ids": token, "attention_mask": mask}, outputs={"logits": np.s_[:, -1:]})["logits"]
     return (time.perf_counter() - started) / steps
 
 
@@ -129,7 +140,7 @@ def main() -> None:
         ort_times, job_times = [], []
         for _ in range(args.rounds):
             ort_times.append(onnxruntime_steps(program, args.capacity, args.steps, threads))
-            job_times.append(job_steps(job, args.steps))
+            job_times.append(job_steps(job, args.capacity, args.steps))
         job.close()
     ort_us, job_us = statistics.median(ort_times) * 1e6, statistics.median(job_times) * 1e6
     paired_us = statistics.median(j - o for j, o in zip(job_times, ort_times)) * 1e6

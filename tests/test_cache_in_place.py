@@ -179,3 +179,35 @@ def test_growing_cache_export_has_no_pairs(tmp_path):
     weights = {t.name for t in header.graph.initializer}
     assert in_place_pairs(list(header.graph.node), {v.name: v for v in header.graph.input if v.name not in weights},
                           {v.name: v for v in header.graph.output}) == {}
+
+
+def test_decode_inputs_keep_their_address():
+    """A decode step of one shape finds every input the caller does not own at the address
+    it had the step before (copied in place into a buffer the session keeps), with the new
+    values; a new shape gets a new buffer."""
+    import onnxruntime as ort
+
+    from meshplan.runtime.sessions import StageSession
+
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n"])
+    model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    session = StageSession(model.SerializeToString(), [CPU])
+    binding, bound = session.session.io_binding(), {}
+    binding.bind_output("y", "cpu")
+    addresses = []
+    for step in range(3):
+        session._bind_feed(binding, bound, "x", np.full(4, step, np.float32))
+        addresses.append(session_value_address(bound))
+        session.session.run_with_iobinding(binding)
+        assert np.array_equal(binding.get_outputs()[0].numpy(), np.full(4, -step, np.float32))
+    assert len(set(addresses)) == 1
+    session._bind_feed(binding, bound, "x", np.ones(6, np.float32))
+    assert session_value_address(bound) != addresses[0]
+    assert isinstance(bound[("feed", "x")][1], ort.OrtValue)
+
+
+def session_value_address(bound: dict) -> int:
+    return bound[("feed", "x")][1].data_ptr()

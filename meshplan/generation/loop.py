@@ -231,6 +231,12 @@ class Generation:
         if on_tokens is not None:
             on_tokens(0, chosen[:rows], sequences)
         total = longest
+        # a shared buffer decodes with a static mask of its capacity, updated in place (as
+        # onnxruntime-genai's graph mode keeps it): every decode call then has one shape
+        static = shape.shared and not shape.position_ids
+        if static:
+            mask = (np.arange(shape.context)[None, :] < lengths[:, None]).astype(np.int64)
+        rows_ = np.arange(batch)
         for step in range(1, max_new_tokens):
             if all(s.done for s in sequences) or total + 1 > shape.context:
                 break
@@ -238,6 +244,9 @@ class Generation:
                            + [[int(chosen[r])] for r in range(rows, batch)], dtype=np.int64)
             if shape.padding_side == "left":
                 mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+            elif static:
+                mask[rows_, lengths] = 1
+                lengths = lengths + 1
             else:
                 lengths = lengths + 1
                 mask = (np.arange(int(lengths.max()))[None, :] < lengths[:, None]).astype(np.int64)

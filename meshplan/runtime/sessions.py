@@ -131,8 +131,9 @@ class StageSession:
     def _run_in_place(self, feeds: dict[str, np.ndarray], reused: dict[str, str]) -> dict[str, np.ndarray]:
         """One IOBinding per session, kept between runs (``release`` drops it): a generation
         step runs the same segments on the same cache buffers every time, so an output written
-        in place stays bound to its buffer's OrtValue while that same array is fed; inputs
-        and the other outputs are bound anew."""
+        in place stays bound to its buffer's OrtValue while that same array is fed; the other
+        inputs are copied into buffers kept per shape (``_bind_feed``); the other outputs are
+        onnxruntime's, allocated at each run's shape."""
         import onnxruntime as ort
 
         if self._binding is None:
@@ -155,9 +156,10 @@ class StageSession:
                 if bound.get(("input", name)) is not shared[name]:   # still bound from the last run otherwise
                     binding.bind_ortvalue_input(name, shared[name])
                     bound[("input", name)] = shared[name]
+                    bound.pop(("feed", name), None)
             elif name in feeds:
-                binding.bind_cpu_input(name, feeds[name])
                 bound.pop(("input", name), None)
+                self._bind_feed(binding, bound, name, feeds[name])
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
@@ -165,6 +167,31 @@ class StageSession:
         values = binding.get_outputs()
         return {name: feeds[reused[name]] if name in reused else value.numpy()
                 for name, value in zip(self.output_names, values)}
+
+    @staticmethod
+    def _bind_feed(binding, bound: dict, name: str, array: np.ndarray) -> None:
+        """An input the caller does not own, copied into a buffer this session keeps: bound
+        once per shape, then updated in place (``OrtValue.update_inplace``), so that a decode
+        step of one shape finds every input at the address it had the step before."""
+        import onnxruntime as ort
+
+        key = ("feed", name)
+        held = bound.get(key)
+        if held is not None and held[0] == (array.shape, array.dtype) and array.dtype.isbuiltin == 1:
+            held[1].update_inplace(np.ascontiguousarray(array))
+            return
+        if array.dtype.isbuiltin != 1 or array.dtype == object:
+            binding.bind_cpu_input(name, array)
+            bound.pop(key, None)
+            return
+        value = ort.OrtValue.ortvalue_from_numpy(np.array(array, order="C", copy=True))
+        binding.bind_ortvalue_input(name, value)
+        bound[key] = ((array.shape, array.dtype), value)
+
+    def bound_input(self, name: str):
+        """The OrtValue input ``name`` is bound to in the kept binding (None: none kept)."""
+        held = self._bound.get(("feed", name))
+        return held[1] if held is not None else None
 
     def release(self) -> None:
         """Forget the kept binding and the buffers it holds (the job's state was dropped)."""
