@@ -54,9 +54,15 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
             click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, idle (no program in the plan)")
             continue
         threads = report.threads[row["rank"]] if row["rank"] < len(report.threads) else None
+        estimate = report.memory_estimates[row["rank"]] if row["rank"] < len(report.memory_estimates) else 0
         click.echo(f"rank {row['rank']}: peak RSS {rss / 2**30:.2f} GiB, program {held / 2**30:.2f} GiB"
                    + (f" ({rss / held:.1f}x)" if held >= 2**20 else "")
+                   + (f", the plan's estimate {estimate / 2**30:.2f} GiB" if estimate else "")
                    + (f"; {threads.describe()}" if threads is not None else ""))
+    crowded = next((t for t in report.threads if t is not None and t.oversubscribed), None)
+    if crowded is not None:
+        click.echo(f"warning: {crowded.working} working ranks share {crowded.cores} core(s) on one machine: they take "
+                   "turns, which a plan for devices of their own does not model", err=True)
     if output_path:
         click.echo(f"wrote {output_path}")
     if trace_path:

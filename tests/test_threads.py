@@ -24,6 +24,9 @@ def test_shared_cores_are_divided_without_spinning():
     assert (choice.threads, choice.spinning) == (4, False)
     assert choice.why == "16 core(s) shared by 4 working ranks"
     assert choose_threads(3, cores={0, 1}, machine_cores=2).threads == 1   # never below one thread
+    # more working ranks than cores: they take turns (meshplan run warns)
+    assert choose_threads(4, cores={0, 1}, machine_cores=2).oversubscribed
+    assert not choose_threads(2, cores={0, 1}, machine_cores=2).oversubscribed
 
 
 def test_own_cores_from_the_launcher_keep_spinning():

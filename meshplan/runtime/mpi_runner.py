@@ -44,6 +44,7 @@ class RunReport:
     program_bytes: list[int] = field(default_factory=list)    # per rank: its program file and weights files
     idle_ranks: list[int] = field(default_factory=list)       # ranks the plan leaves idle (no program)
     threads: list = field(default_factory=list)               # per rank: its ThreadChoice (None: idle)
+    memory_estimates: list = field(default_factory=list)      # per rank: the plan's estimate of its memory (bytes)
 
     def memory_rows(self) -> list[dict]:
         """Per rank: its peak resident set (host memory) next to its program's bytes."""
@@ -109,6 +110,8 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         peak_rss_bytes=[int(m) for m in memory[:, 0]], program_bytes=[int(m) for m in memory[:, 1]],
         idle_ranks=plan.idle_ranks,
         threads=[ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory],
+        memory_estimates=[float(plan.stage_of_rank(r).memory_bytes) if plan.stage_of_rank(r) else 0.0
+                          for r in range(job.size)],
     )
 
 

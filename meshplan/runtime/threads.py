@@ -34,6 +34,11 @@ class ThreadChoice:
             return f"bound by the launcher to {self.cores} core(s) of its own"
         return f"{self.cores} core(s) shared by {self.working} working ranks"
 
+    @property
+    def oversubscribed(self) -> bool:
+        """More working ranks than cores on its machine: they take turns on the cores."""
+        return not self.bound and self.working > self.cores
+
     def describe(self) -> str:
         return f"{self.threads} onnxruntime thread(s), spinning {'on' if self.spinning else 'off'} ({self.why})"
 
