@@ -47,6 +47,7 @@ class Facts:
     local_rank: int = 0
     gpu: int | None = None                                # the GPU this rank would use (runtime's rule)
     cores: list = field(default_factory=list)             # the cores it may run on (its affinity)
+    cpu_count: int = 0                                    # its machine's cores
     threads: str = ""                                     # the onnxruntime threads a job would give it, and why
 
 
@@ -172,6 +173,7 @@ def local_facts(launched: bool = False):
         solvers={name: solver_problem(name) for name in SOLVERS},
         gpus=gpu_names(),
         cores=sorted(own_cores()),
+        cpu_count=os.cpu_count() or 0,
     )
     return facts, MPI
 
@@ -183,7 +185,7 @@ def assign_threads(facts: list[Facts], machines: list[int]) -> None:
 
     for f in facts:
         here = [g for g, m in zip(facts, machines) if m == machines[f.rank]]
-        choice = choose_threads(len(here), set(f.cores), os.cpu_count(), [set(g.cores) for g in here if g is not f])
+        choice = choose_threads(len(here), set(f.cores), f.cpu_count or None, [set(g.cores) for g in here if g is not f])
         f.threads = choice.describe()
 
 

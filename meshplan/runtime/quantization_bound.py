@@ -14,9 +14,11 @@ differ from onnxruntime's by its dtype's tolerance plus a **quantization bound**
 on the same inputs: ``BOUND_FACTOR`` times the largest change that onnxruntime's own
 activation quantization makes in that output, found by running the model once more with
 every such operator at ``accuracy_level`` 0 (float activations, the computation the
-quantization approximates). The plan and the reference each sit within their rounding of
-that float computation, so their difference is at most the sum of the two; a model without
-such operators has no bound (0) and no second run. Where the provider does not quantize
+quantization approximates). The plan and the reference each differ from that float
+computation by roundings of the same kind and size, so their difference is taken to be at
+most two such: a bound measured on the inputs at hand, not proven for every input (a flip
+moves an output by one step, the whole quantization by many). A model without such
+operators has no bound (0) and no second run. Where the provider does not quantize
 activations (CUDA's MatMulNBits), both runs compute the same and the bound is 0.
 """
 
@@ -66,7 +68,8 @@ def bounds_between(reference: dict[str, np.ndarray], float_activations: dict[str
     bounds = {}
     for name, want in reference.items():
         other = float_activations.get(name)
-        if other is None or not isinstance(want, np.ndarray) or want.dtype.kind != "f" and want.dtype.type.__module__ != "ml_dtypes":
+        floating = isinstance(want, np.ndarray) and (want.dtype.kind == "f" or want.dtype.type.__module__ == "ml_dtypes")
+        if other is None or not floating:
             continue
         if want.size == 0 or other.shape != want.shape:
             continue

@@ -24,10 +24,6 @@ def set_deterministic(enabled: bool) -> None:
     before the job loads."""
     _deterministic[0] = bool(enabled)
 
-
-def deterministic() -> bool:
-    return _deterministic[0]
-
 # onnxruntime's session option: the folder that the external data of a model loaded from
 # bytes is read from (paths in the model are relative to it and may not leave it).
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
@@ -187,11 +183,6 @@ class StageSession:
         value = ort.OrtValue.ortvalue_from_numpy(np.array(array, order="C", copy=True))
         binding.bind_ortvalue_input(name, value)
         bound[key] = ((array.shape, array.dtype), value)
-
-    def bound_input(self, name: str):
-        """The OrtValue input ``name`` is bound to in the kept binding (None: none kept)."""
-        held = self._bound.get(("feed", name))
-        return held[1] if held is not None else None
 
     def release(self) -> None:
         """Forget the kept binding and the buffers it holds (the job's state was dropped)."""

@@ -115,12 +115,12 @@ def verify_by_stages(plan: Plan, plan_dir: Path, inputs: dict[str, np.ndarray], 
             actual = _run_programs(plan, plan_dir, stage, reference, micro, providers)
             check = StageCheck(stage.index, list(stage.devices), weight_bytes, len(pieces))
             check.comparisons = _compare(actual, expected, rtol, atol, bounds)
+            model_outputs = {o.name for o in plan.outputs}
             for per_micro in bounds:
                 for name, value in per_micro.items():
-                    if name in {o.name for o in plan.outputs}:
+                    if name in model_outputs:
                         output_bounds[name] = max(output_bounds.get(name, 0.0), value)
             checks.append(check)
-            model_outputs = {o.name for o in plan.outputs}
             for mb in range(len(micro)):
                 reference[mb].update(expected[mb])
                 produced[mb].update({n: v for n, v in actual[mb].items() if n in model_outputs})

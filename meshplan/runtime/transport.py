@@ -162,7 +162,8 @@ class Transport:
             readers = {r for s in plan.stages if name in s.inputs for r in s.devices} | {0}
             group = self.comm.Split(0 if self.rank in readers else MPI.UNDEFINED, self.rank)
             self.input_groups.append(group if self.rank in readers else None)
-        self._posted: list = []    # sends in flight and the arrays they read
+        self._posted: list = []    # sends in flight
+        self._kept: list = []      # the arrays they read, alive until they are done
 
     # --- the call ------------------------------------------------------------------------------
 
@@ -205,13 +206,12 @@ class Transport:
 
     def post(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Send ``array`` (host memory, C order) without waiting; ``finish_posted`` waits."""
-        self._posted.append(array)
+        self._kept.append(array)
         self._posted.append(self.comm.Isend(byte_view(array), dest=dest, tag=tag))
 
     def finish_posted(self) -> None:
-        requests = [r for r in self._posted if not isinstance(r, np.ndarray)]
-        wait_all(requests, self.MPI)
-        self._posted = []
+        wait_all(self._posted, self.MPI)
+        self._posted, self._kept = [], []
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         self.comm.Send(byte_view(np.ascontiguousarray(array)), dest=dest, tag=tag)
