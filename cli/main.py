@@ -11,6 +11,7 @@ import click
 
 from cli.doctor_cmd import doctor
 from cli.generate_cmd import generate
+from cli.serve_cmd import serve
 from cli.inputs_cmd import inputs
 from cli.plan_cmd import plan
 from cli.profile_cmd import profile
@@ -28,7 +29,7 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-for command in (plan, run, generate, verify, inputs, profile, doctor, show):
+for command in (plan, run, generate, serve, verify, inputs, profile, doctor, show):
     main.add_command(command)
 
 if __name__ == "__main__":

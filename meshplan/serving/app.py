@@ -1,0 +1,163 @@
+"""The ASGI application (Starlette): the OpenAI endpoints over the engine.
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent
+events, ``data: [DONE]`` last), ``GET /v1/models``, ``/health`` and ``/metrics``. Every
+error is an OpenAI-style body: 400 for a request the plan cannot take, 404 for another
+model, 429 with ``Retry-After`` when the queue is full, 503 while the server stops, 500
+when the job fails. A client that goes away cancels its request (its slot is free within
+one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from meshplan.serving.batching import Work
+from meshplan.serving.engine import QueueFull, Stopping
+from meshplan.serving.protocol import BadRequest, parse_body, read_submission
+
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+def build_app(engine, limits, metrics, started: float | None = None):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    created = int(started or time.time())
+
+    def error(exc: BadRequest, headers=None) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def health(request):
+        if engine.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": limits.model, "object": "model", "created": created,
+                                                         "owned_by": "meshplan", "max_model_len": limits.context}]})
+
+    async def metrics_text(request):
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request):
+        return await generate(request, chat=True)
+
+    async def generate(request, chat: bool):
+        try:
+            submission = read_submission(parse_body(await request.body()), limits, chat)
+            sampler = submission.sampler()
+        except BadRequest as exc:
+            return error(exc)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        work = Work(submission.prompt_ids, submission.max_tokens, sampler,
+                    emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                    stop=submission.stop)
+        try:
+            engine.submit(work)
+        except QueueFull:
+            return error(BadRequest("too many requests wait: try again later", status=429, kind="rate_limit_error"),
+                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except Stopping:
+            return error(BadRequest("the server is stopping", status=503, kind="server_error"))
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        shape = _Shape(ident, limits.model, int(time.time()), chat)
+        if submission.stream:
+            return StreamingResponse(_stream(engine, work, events, shape, submission.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, ids = [], []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        engine.cancel(work)
+                        return Response(status_code=499)
+                    continue
+                if event[0] == "token":
+                    text.append(event[1])
+                    ids.append(event[2])
+                elif event[0] == "done":
+                    return JSONResponse(shape.whole("".join(text), ids, event[1], event[2]))
+                else:
+                    return error(BadRequest(event[1], status=500, kind="server_error"))
+        finally:
+            if work.finished is None:
+                engine.cancel(work)
+
+    async def not_found(request, exc: HTTPException):
+        return JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=exc.status_code)
+
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics_text),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+class _Shape:
+    """The response bodies of one request, completion or chat."""
+
+    def __init__(self, ident: str, model: str, created: int, chat: bool):
+        self.ident, self.model, self.created, self.chat = ident, model, created, chat
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, ids: list[int], reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason, "token_ids": ids}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "token_ids": ids}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, ids: list[int], reason: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason, "token_ids": ids}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason,
+                             "token_ids": ids}]}
+
+    def usage(self, usage: dict) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage}
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _stream(engine, work, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk("", [], None, first=True))
+        while True:
+            event = await events.get()
+            if event[0] == "token":
+                yield _sse(shape.chunk(event[1], [event[2]], None))
+            elif event[0] == "done":
+                yield _sse(shape.chunk(None, [], event[1]))
+                if include_usage:
+                    yield _sse(shape.usage(event[2]))
+                yield _sse("[DONE]")
+                return
+            else:
+                yield _sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
+                return
+    finally:   # the client went away (the generator is closed) or the stream ended
+        if work.finished is None:
+            engine.cancel(work)

@@ -1,0 +1,260 @@
+"""The plan's batch as slots that requests take and give back between calls.
+
+``SlotBatch`` (a shared key/value buffer of fixed capacity, the builder's format): every
+row has its own length. A request takes a free row whenever one is free; its prompt goes
+into the row's part of the buffer, and it then decodes with the others. A finished or
+cancelled request frees its row at once; the next request simply writes over it. The rows'
+lengths are told to the model by the attention mask alone (each row's count of ones is its
+length after the call), so a call may mix rows that prefill with rows that decode.
+
+onnxruntime's GroupQueryAttention takes a call of several new positions per row only as a
+*first* prompt (every row's past empty) or at batch 1; so prompts go in whole (in pieces of
+the plan's longest call) when every busy row is new or the plan's batch is 1, and one
+token per call otherwise, riding along with the other rows' decode steps.
+
+``RunToCompletion`` (a cache that grows by one position per call, optimum and torch
+exports): every row shares the call's length, so requests are batched as they arrive and
+each batch runs until all its requests are done; a request that comes meanwhile waits for
+the next batch.
+
+Both return, per call, the tokens chosen for the rows whose prompt is in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from meshplan.generation.loop import GenerationShape
+from meshplan.generation.sampling import Sampler
+
+
+@dataclass(eq=False)
+class Work:
+    """One request inside the engine."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    emit: Callable = lambda event: None     # the engine's events for this request
+    stop: list[str] = field(default_factory=list)
+    cancelled: bool = False                 # set by the front (the client went away)
+    arrived: float = field(default_factory=time.perf_counter)
+    fed: int = 0                            # prompt tokens in the cache
+    ids: list[int] = field(default_factory=list)
+    started: float | None = None            # admitted into a row
+    first_at: float | None = None           # its first token chosen
+    last_at: float | None = None
+    finished: str | None = None             # "stop", "length", "cancelled", "error"
+    stream: object = None                   # the engine's text stream for it
+    text: str = ""                          # its text so far (stop strings cut it)
+    sent: int = 0                           # how much of it was emitted
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+
+class SlotBatch:
+    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int):
+        self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
+        self.slots: list[Work | None] = [None] * rows
+        self.lengths = np.zeros(rows, dtype=np.int64)      # positions of each row in the buffer
+        # the static mask of the buffer's capacity, kept in place: row r has lengths[r] + 1 ones
+        # in a decode call (an idle row one, so that its write lands at position 0)
+        self.mask = np.zeros((rows, shape.context), dtype=np.int64)
+        self.mask[:, 0] = 1
+        self.stepper.reset()
+
+    @property
+    def busy(self) -> list[Work]:
+        return [w for w in self.slots if w is not None]
+
+    def accepts(self) -> bool:
+        return any(w is None for w in self.slots)
+
+    def admit(self, work: Work) -> None:
+        row = self.slots.index(None)
+        self.slots[row] = work
+        self.lengths[row] = 0
+        work.fed, work.started = 0, time.perf_counter()
+
+    def release(self, work: Work) -> None:
+        row = self.slots.index(work)
+        self.slots[row] = None
+        self.lengths[row] = 0
+        self.mask[row] = 0
+        self.mask[row, 0] = 1
+
+    def room(self, work: Work) -> int:
+        """Positions left in its row."""
+        return self.shape.context - int(self.lengths[self.slots.index(work)])
+
+    def step(self) -> list[tuple[Work, int]]:
+        busy = [(r, w) for r, w in enumerate(self.slots) if w is not None]
+        fresh = all(self.lengths[r] == 0 for r, _ in busy)
+        longest = max((len(w.prompt) - w.fed for _, w in busy if w.prefilling), default=0)
+        if longest > 1 and fresh:
+            return self._first_prompt(busy, min(longest, self.shape.chunk))
+        if longest > 1 and self.rows == 1:
+            return self._piece(busy[0], min(longest, self.shape.chunk))
+        return self._one_each(busy)
+
+    # --- the three kinds of call ----------------------------------------------------------------
+
+    def _first_prompt(self, busy, width: int) -> list[tuple[Work, int]]:
+        """Every busy row new: up to ``width`` prompt tokens each, padded on the right; the
+        mask is as wide as the call (onnxruntime's first prompt: every row's past empty)."""
+        ids = np.full((self.rows, width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((self.rows, width), dtype=np.int64)
+        counts = np.ones(self.rows, dtype=np.int64)
+        mask[:, 0] = 1
+        for row, work in busy:
+            part = work.prompt[work.fed:work.fed + width]
+            ids[row, :len(part)], mask[row, :len(part)] = part, 1
+            counts[row] = len(part)
+        last = width - int(counts.min()) + 1
+        window = self.stepper.step(self._feeds(ids, mask, np.zeros(self.rows, dtype=np.int64)), last)
+        chosen = []
+        for row, work in busy:
+            n = int(counts[row])
+            work.fed += n
+            self.lengths[row] = n
+            self.mask[row] = 0
+            self.mask[row, :n + 1] = 1
+            if not work.prefilling:
+                chosen.append((work, self._choose(work, window[row, n - 1 - (width - last)])))
+        return chosen
+
+    def _piece(self, busy_row, width: int) -> list[tuple[Work, int]]:
+        """Batch 1: the next ``width`` prompt tokens in one call, after what the row holds."""
+        row, work = busy_row
+        width = min(width, self.shape.context - int(self.lengths[row]))
+        start = int(self.lengths[row])
+        part = work.prompt[work.fed:work.fed + width]
+        self.mask[row, :start + width] = 1
+        window = self.stepper.step(self._feeds(np.array([part], dtype=np.int64), self.mask,
+                                               np.array([start], dtype=np.int64)), 1)
+        work.fed += width
+        self.lengths[row] += width
+        self.mask[row, int(self.lengths[row])] = 1 if self.lengths[row] < self.shape.context else 0
+        return [(work, self._choose(work, window[row, -1]))] if not work.prefilling else []
+
+    def _one_each(self, busy) -> list[tuple[Work, int]]:
+        """One new position per row: a prompt token or the last chosen one (idle rows a pad
+        at position 0)."""
+        ids = np.full((self.rows, 1), self.pad_id, dtype=np.int64)
+        for row, work in busy:
+            ids[row, 0] = work.prompt[work.fed] if work.prefilling else work.ids[-1]
+        window = self.stepper.step(self._feeds(ids, self.mask, self.lengths.copy()), 1)
+        chosen = []
+        for row, work in busy:
+            if work.prefilling:
+                work.fed += 1
+            self.lengths[row] += 1
+            if self.lengths[row] < self.shape.context:
+                self.mask[row, self.lengths[row]] = 1
+            if not work.prefilling:
+                chosen.append((work, self._choose(work, window[row, 0])))
+        return chosen
+
+    def _feeds(self, ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+        shape = self.shape
+        feeds = {shape.input_ids: ids}
+        if shape.attention_mask:
+            feeds[shape.attention_mask] = mask
+        if shape.position_ids:
+            feeds[shape.position_ids] = starts[:, None] + np.arange(ids.shape[1], dtype=np.int64)[None, :]
+        return feeds
+
+    @staticmethod
+    def _choose(work: Work, logits: np.ndarray) -> int:
+        return int(work.sampler(logits[None, :])[0])
+
+
+class RunToCompletion:
+    """A growing cache: one batch at a time, padded on the left, run until all its requests
+    are done (the next batch starts from an empty cache)."""
+
+    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int):
+        self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
+        self.slots: list[Work | None] = [None] * rows
+        self.live: list[bool] = [False] * rows
+        self.mask = self.ids = None
+        self.total = 0
+
+    @property
+    def busy(self) -> list[Work]:
+        return [w for w, live in zip(self.slots, self.live) if live]
+
+    def accepts(self) -> bool:
+        return self.ids is None and any(w is None for w in self.slots)   # before the batch's first call
+
+    def admit(self, work: Work) -> None:
+        if all(w is None for w in self.slots):
+            self.stepper.reset()
+            self.total = 0
+        row = self.slots.index(None)
+        self.slots[row], self.live[row] = work, True
+        work.fed, work.started = 0, time.perf_counter()
+
+    def release(self, work: Work) -> None:
+        self.live[self.slots.index(work)] = False
+        if not any(self.live):   # the batch is over
+            self.slots = [None] * self.rows
+            self.mask = self.ids = None
+
+    def room(self, work: Work) -> int:
+        return self.shape.context - self.total
+
+    def step(self) -> list[tuple[Work, int]]:
+        rows = [r for r, w in enumerate(self.slots) if w is not None]
+        batch = max(len(rows), self.shape.batch[0])
+        if self.ids is None:   # the batch's prompts, padded on the left
+            longest = max(len(self.slots[r].prompt) for r in rows)
+            self.ids = np.full((batch, longest), self.pad_id, dtype=np.int64)
+            self.mask = np.zeros((batch, longest), dtype=np.int64)
+            for i, r in enumerate(rows):
+                prompt = self.slots[r].prompt
+                self.ids[i, longest - len(prompt):], self.mask[i, longest - len(prompt):] = prompt, 1
+            for i in range(len(rows), batch):   # a fixed batch: copies of the first
+                self.ids[i], self.mask[i] = self.ids[0], self.mask[0]
+        longest = self.ids.shape[1]
+        if self.total < longest:   # the prompts, in pieces of the plan's longest call
+            stop = min(self.total + self.shape.chunk, longest)
+            window = self.stepper.step(self._feeds(self.ids[:, self.total:stop], self.mask[:, :stop]), 1)
+            self.total = stop
+            if stop < longest:
+                return []
+            for r in rows:
+                self.slots[r].fed = len(self.slots[r].prompt)
+        else:
+            fed = np.full((batch, 1), self.pad_id, dtype=np.int64)
+            for i, r in enumerate(rows):
+                work = self.slots[r]
+                if self.live[r] and work.ids:
+                    fed[i, 0] = work.ids[-1]
+            self.mask = np.concatenate([self.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+            window = self.stepper.step(self._feeds(fed, self.mask), 1)
+            self.total += 1
+        return [(self.slots[r], SlotBatch._choose(self.slots[r], window[i, -1]))
+                for i, r in enumerate(rows) if self.live[r]]
+
+    def _feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        shape = self.shape
+        feeds = {shape.input_ids: np.ascontiguousarray(ids)}
+        if shape.attention_mask:
+            feeds[shape.attention_mask] = np.ascontiguousarray(mask)
+        if shape.position_ids:
+            positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -ids.shape[1]:]
+            feeds[shape.position_ids] = np.ascontiguousarray(positions)
+        return feeds
+
+
+def batch_for(shape: GenerationShape, stepper, pad_id: int):
+    """The batching the plan's cache allows, over the plan's largest batch."""
+    kind = SlotBatch if shape.shared else RunToCompletion
+    return kind(shape, stepper, pad_id, shape.batch[1])

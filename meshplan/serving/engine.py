@@ -1,0 +1,164 @@
+"""The engine on rank 0: requests in, a step of the job per call, tokens out.
+
+It runs on the thread that calls MPI (the main one); the HTTP front submits ``Work`` from
+its own thread (``submit``, which refuses when the queue is full or the server stops) and
+gets events back through ``Work.emit``: ``("token", text, id)`` per token, then ``("done",
+finish_reason, usage)``, or ``("error", message)``. Between two calls it takes new
+requests into free slots, drops cancelled ones and frees finished ones, so a slot is free
+again within one step of its request's end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from meshplan.generation.driver import TextStream
+from meshplan.serving.batching import Work
+
+
+class QueueFull(Exception):
+    """More requests wait than ``max_queue``: try again later (HTTP 429)."""
+
+
+class Stopping(Exception):
+    """The server is stopping and takes no new request (HTTP 503)."""
+
+
+class Engine:
+    def __init__(self, batch, tokenizer, eos_ids, metrics, max_queue: int):
+        self.batch, self.tokenizer, self.eos = batch, tokenizer, set(int(e) for e in eos_ids)
+        self.metrics, self.max_queue = metrics, max_queue
+        self._lock = threading.Lock()
+        self._inbox: deque[Work] = deque()
+        self._queued = 0
+        self.waiting: deque[Work] = deque()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.calls = 0
+
+    # --- the front's side (any thread) ------------------------------------------------------------
+
+    def submit(self, work: Work) -> None:
+        with self._lock:
+            if self.stopping:
+                raise Stopping()
+            if self._queued >= self.max_queue:
+                raise QueueFull()
+            self._queued += 1
+            self._inbox.append(work)
+            self.metrics.waiting.set(self._queued)
+        self.wake.set()
+
+    def cancel(self, work: Work) -> None:
+        work.cancelled = True
+        self.wake.set()
+
+    # --- the engine's side (the MPI thread) -------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set and what runs has finished (what waits is refused)."""
+        try:
+            while True:
+                self._take_new(stop.is_set())
+                if not self.batch.busy and not self.waiting:
+                    if self.stopping:
+                        return
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+                    continue
+                if not self.batch.busy:   # all waiting were cancelled
+                    continue
+                chosen = self.batch.step()
+                self.calls += 1
+                self.metrics.steps.inc()
+                for work, token in chosen:
+                    self._deliver(work, token)
+        except BaseException as exc:
+            self.fail_all(f"the job failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            raise
+
+    def fail_all(self, message: str) -> None:
+        """Every request in flight or queued gets an error (the job cannot go on)."""
+        with self._lock:
+            self.stopping = True
+            pending = list(self._inbox) + list(self.waiting) + list(self.batch.busy)
+            self._inbox.clear()
+        for work in pending:
+            if work.finished is None:
+                work.finished = "error"
+                self.metrics.requests.labels("error").inc()
+                work.emit(("error", message))
+
+    def _take_new(self, stop: bool) -> None:
+        with self._lock:
+            if stop:
+                self.stopping = True
+            while self._inbox:
+                self.waiting.append(self._inbox.popleft())
+        for work in [w for w in self.batch.busy if w.cancelled]:
+            self._finish(work, "cancelled")
+        for work in [w for w in self.waiting if w.cancelled or self.stopping]:
+            self.waiting.remove(work)
+            self._dequeued()
+            if work.cancelled:
+                self.metrics.requests.labels("cancelled").inc()
+            else:
+                work.finished = "error"
+                self.metrics.requests.labels("refused").inc()
+                work.emit(("error", "the server is stopping"))
+        while self.waiting and self.batch.accepts():
+            work = self.waiting.popleft()
+            self._dequeued()
+            work.stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+            work.text, work.sent = "", 0
+            self.batch.admit(work)
+            self.metrics.prompt_tokens.inc(len(work.prompt))
+        self.metrics.running.set(len(self.batch.busy))
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+            self.metrics.waiting.set(self._queued)
+
+    def _deliver(self, work: Work, token: int) -> None:
+        now = time.perf_counter()
+        if work.first_at is None:
+            work.first_at = now
+            self.metrics.ttft.observe(now - work.arrived)
+        else:
+            self.metrics.tpot.observe(now - work.last_at)
+        work.last_at = now
+        work.ids.append(token)
+        self.metrics.tokens(1)
+        finish = None
+        if token in self.eos:
+            finish = "stop"
+        elif len(work.ids) >= work.max_tokens or self.batch.room(work) <= 0:
+            finish = "length"
+        text = ""
+        if work.stream is not None and token not in self.eos:
+            work.text += work.stream.add([token])
+        if finish is not None and work.stream is not None:
+            work.text += work.stream.finish()
+        if work.stop:   # text up to the first stop string; hold back what may begin one
+            hits = [i for i in (work.text.find(s) for s in work.stop) if i >= 0]
+            if hits:
+                work.text, finish = work.text[:min(hits)], "stop"
+            safe = len(work.text) if finish else max(work.sent, len(work.text) - max(map(len, work.stop)) + 1)
+        else:
+            safe = len(work.text)
+        text, work.sent = work.text[work.sent:safe], safe
+        work.emit(("token", text, token))
+        if finish is not None:
+            self._finish(work, finish)
+
+    def _finish(self, work: Work, reason: str) -> None:
+        self.batch.release(work)
+        work.finished = reason
+        self.metrics.requests.labels(reason).inc()
+        self.metrics.running.set(len(self.batch.busy))
+        if reason != "cancelled":
+            work.emit(("done", reason, {"prompt_tokens": len(work.prompt), "completion_tokens": len(work.ids),
+                                        "total_tokens": len(work.prompt) + len(work.ids)}))

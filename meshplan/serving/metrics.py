@@ -1,0 +1,55 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+WINDOW_SECONDS = 10.0    # tokens/s is measured over this much of the recent past
+
+
+class ServerMetrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+        disable_created_metrics()   # the *_created series say nothing here
+
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("meshplan_requests_running", "Requests holding a batch slot", registry=r)
+        self.waiting = Gauge("meshplan_requests_waiting", "Requests queued for a batch slot", registry=r)
+        self.requests = Counter("meshplan_requests", "Requests ended, by how", ["outcome"], registry=r)
+        self.ttft = Histogram("meshplan_time_to_first_token_seconds", "From arrival to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("meshplan_time_per_output_token_seconds", "Between a request's tokens",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("meshplan_prompt_tokens", "Prompt tokens taken", registry=r)
+        self.output_tokens = Counter("meshplan_generation_tokens", "Tokens generated", registry=r)
+        self.steps = Counter("meshplan_model_calls", "Calls of the model (each a step of every busy slot)",
+                             registry=r)
+        self.rate = Gauge("meshplan_output_tokens_per_second",
+                          f"Tokens generated per second over the last {WINDOW_SECONDS:.0f} s", registry=r)
+        self.slots = Gauge("meshplan_batch_slots", "The plan's batch: slots requests take", registry=r)
+        self.weight_bytes = Gauge("meshplan_rank_weight_bytes", "Each rank's program and weight files", ["rank"],
+                                  registry=r)
+        self.cache_bytes = Gauge("meshplan_rank_kv_cache_bytes", "Each rank's key/value cache", ["rank"],
+                                 registry=r)
+        self._recent: deque = deque()
+
+    def tokens(self, count: int) -> None:
+        self.output_tokens.inc(count)
+        now = time.monotonic()
+        self._recent.append((now, count))
+        self._update(now)
+
+    def _update(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - WINDOW_SECONDS:
+            self._recent.popleft()
+        self.rate.set(sum(c for _, c in self._recent) / WINDOW_SECONDS)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        self._update(time.monotonic())
+        return generate_latest(self.registry)

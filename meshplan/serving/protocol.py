@@ -1,0 +1,202 @@
+"""Request bodies of the OpenAI API read into a ``Submission``, or refused with one
+``BadRequest`` (HTTP 400 and an OpenAI-style error body): malformed JSON, a field this
+server does not know or cannot honour, a value of the wrong type or range, a prompt
+longer than the context, token ids outside the vocabulary, ``max_tokens`` beyond the
+context."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from meshplan.errors import RunError
+from meshplan.generation.sampling import Sampler
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+          "user", "presence_penalty", "frequency_penalty", "logprobs"}
+COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default for /v1/completions
+
+
+class BadRequest(Exception):
+    """One line for the client; ``status`` 400 unless said."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class Limits:
+    """What the plan and model folder accept."""
+
+    model: str
+    context: int
+    vocab: int | None
+    tokenizer: object | None = None
+    chat: object | None = None      # a ChatTemplate
+
+
+@dataclass
+class Submission:
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+    def sampler(self) -> Sampler:
+        try:
+            return Sampler(self.temperature, self.top_k, self.top_p, self.seed)
+        except RunError as exc:
+            raise BadRequest(str(exc).replace("--", "").replace("-", "_")) from None
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _number(body, name, lo=None, hi=None, integer=False, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        span = f"from {lo}" + (f" to {hi}" if hi is not None else " up")
+        raise BadRequest(f"'{name}' must be {span}, got {value}", name)
+    return value
+
+
+def _must_be(body, name, allowed, why):
+    if name in body and body[name] not in allowed:
+        raise BadRequest(f"'{name}' = {json.dumps(body[name])} is not supported: {why}", name)
+
+
+def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
+    known = CHAT if chat else COMPLETION
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unknown field '{unknown[0]}'", unknown[0])
+    model = body.get("model")
+    if model is not None and model != limits.model:
+        raise BadRequest(f"the model '{model}' does not exist: this server serves '{limits.model}'", "model",
+                         status=404)
+    _must_be(body, "n", (None, 1), "one choice per request")
+    _must_be(body, "best_of", (None, 1), "one choice per request")
+    _must_be(body, "echo", (None, False), "the prompt is not echoed")
+    _must_be(body, "suffix", (None,), "no suffix")
+    _must_be(body, "logprobs", (None, False, 0), "no log-probabilities")
+    _must_be(body, "top_logprobs", (None, 0), "no log-probabilities")
+    _must_be(body, "presence_penalty", (None, 0, 0.0), "no penalties")
+    _must_be(body, "frequency_penalty", (None, 0, 0.0), "no penalties")
+    prompt = _chat_prompt(body, limits) if chat else _completion_prompt(body, limits)
+    if len(prompt) >= limits.context:
+        raise BadRequest(f"the prompt has {len(prompt)} tokens: the context holds {limits.context} "
+                         "(the prompt and at least one new token)", "messages" if chat else "prompt")
+    room = limits.context - len(prompt)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, name, lo=1, integer=True)
+    if max_tokens is None:
+        max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
+    if max_tokens > room:
+        raise BadRequest(f"'{name}' is {max_tokens}, but the context holds {limits.context} tokens and the prompt "
+                         f"takes {len(prompt)}: at most {room}", name)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest("'stream_options' may only hold include_usage (true or false)", "stream_options")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    if stop and limits.tokenizer is None:
+        raise BadRequest("'stop' needs text: the model folder has no tokenizer.json", "stop")
+    submission = Submission(
+        chat=chat, prompt_ids=prompt, max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", lo=0, hi=2, default=1.0)),
+        top_p=float(_number(body, "top_p", lo=0, hi=1, default=1.0)),
+        top_k=int(_number(body, "top_k", lo=0, integer=True, default=0)),
+        seed=_number(body, "seed", integer=True), stop=stop, stream=stream,
+        include_usage=bool(options and options.get("include_usage")))
+    if submission.top_p == 0:
+        raise BadRequest("'top_p' must be above 0", "top_p")
+    submission.sampler()   # the sampler's own checks, as a 400
+    return submission
+
+
+def _completion_prompt(body: dict, limits: Limits) -> list[int]:
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]   # a batch of one
+    if isinstance(prompt, str):
+        if limits.tokenizer is None:
+            raise BadRequest("the model folder has no tokenizer.json: give the prompt as token ids", "prompt")
+        ids = limits.tokenizer.encode(prompt).ids
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if limits.vocab is not None:
+            bad = [t for t in ids if not 0 <= t < limits.vocab]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0 to {limits.vocab - 1})", "prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("one prompt per request (send the others as requests of their own)", "prompt")
+    else:
+        raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise BadRequest("the prompt has no tokens", "prompt")
+    return ids
+
+
+def _chat_prompt(body: dict, limits: Limits) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"message {index} must be an object with a 'role'", "messages")
+        content = message.get("content")
+        if isinstance(content, list):   # parts: only text
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"message {index}: only text content is supported", "messages")
+        elif not isinstance(content, str):
+            raise BadRequest(f"message {index} must have a string 'content'", "messages")
+    if limits.chat is None:
+        raise BadRequest("the model folder has no chat template (tokenizer_config.json's chat_template): "
+                         "use /v1/completions", "messages")
+    if limits.tokenizer is None:
+        raise BadRequest("the model folder has no tokenizer.json: use /v1/completions with token ids", "messages")
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str)
+             else "".join(p["text"] for p in m["content"])} for m in messages]
+    try:
+        text = limits.chat.render(flat)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    ids = limits.tokenizer.encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise BadRequest("the messages render to no tokens", "messages")
+    return ids

@@ -1,0 +1,190 @@
+"""``meshplan serve`` on every rank: the resident job, and on rank 0 the HTTP server.
+
+Every rank loads its program once (``Job``); the other ranks follow rank 0's calls
+(``Job.serve``). Rank 0 checks the plan (a model that generates), binds the port before
+any rank goes on (a port in use is one line, like any start-up error), makes a warm-up
+call, then runs the engine on its main thread (the one that calls MPI) and uvicorn on
+another. SIGTERM or SIGINT: no new request is taken, what runs finishes, what waits is
+refused, and the job closes with exit 0. A failure of the job gives every request in
+flight an error, and the job ends with exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshplan.errors import JobFailure, MeshplanError, RunError
+from meshplan.generation.sampling import Sampler
+from meshplan.serving.batching import SlotBatch, Work, batch_for
+
+START_SECONDS = 30      # the HTTP server must be up within this
+
+
+@dataclass
+class Options:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 64
+    model_name: str | None = None
+    provider: str = "auto"
+    transfer: str = "auto"
+
+
+@dataclass
+class Started:
+    """What rank 0 says once the server listens."""
+
+    url: str
+    model: str
+    ranks: int
+    slots: int
+    continuous: bool
+    context: int
+    load_seconds: float
+    weight_bytes: list[int] = field(default_factory=list)
+    cache_bytes: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    threads: list = field(default_factory=list)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                       hint="choose another --port" if exc.errno in (98, 48) else None) from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int | None:
+    """Every rank: serve until stopped. Rank 0 returns the exit status (0 after a stop by
+    signal) and calls ``on_started(Started)`` once it listens; the others return None."""
+    from meshplan.generation.driver import JobStepper, prepare, Request
+    from meshplan.model.llm import ModelFolder
+    from meshplan.runtime.job import Job
+    from meshplan.runtime.mpi_runner import _gather_memory
+    from meshplan.runtime.threads import ThreadChoice
+    from meshplan.runtime.transport import world
+    from meshplan.serving.chat import ChatTemplate
+    from meshplan.serving.protocol import Limits
+
+    plan_dir = Path(plan_dir)
+    held: dict = {}
+    loading = time.perf_counter()
+
+    def check(plan) -> None:
+        if options.max_queue < 1:
+            raise RunError(f"--max-queue must be at least 1, got {options.max_queue}")
+        prepared = prepare(plan, Request(ids=[[0]], max_new_tokens=1))
+        folder = ModelFolder.read(plan.model["path"])
+        held["prepared"], held["folder"] = prepared, folder
+        held["chat"] = ChatTemplate.of_folder(folder.path)
+        held["socket"] = _listen(options.host, options.port)
+
+    job = Job(plan_dir, options.provider, options.transfer, check=check, cache_in_place=True)
+    comm = world()[1]
+    memory = _gather_memory(job.plan, plan_dir, comm, job.threads)
+    pids = comm.gather(os.getpid(), root=0)
+    if not job.is_driver:
+        job.serve()
+        return None
+    sock = held["socket"]
+    try:
+        return _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started,
+                      JobStepper, Limits, ThreadChoice)
+    finally:
+        sock.close()
+
+
+def _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started, JobStepper, Limits, ThreadChoice):
+    import uvicorn
+
+    from meshplan.serving.app import build_app
+    from meshplan.serving.engine import Engine
+    from meshplan.serving.metrics import ServerMetrics
+
+    prepared, folder = held["prepared"], held["folder"]
+    shape = prepared.shape
+    stepper = JobStepper(job)
+    try:
+        batch = batch_for(shape, stepper, prepared.pad_id)
+        _warm_up(batch, prepared.pad_id)
+        cache = [int(b) for b in job.stats().state_bytes]
+    except MeshplanError:
+        job.close()
+        raise
+    name = options.model_name or folder.path.name
+    limits = Limits(name, shape.context, shape.vocab, prepared.tokenizer, held["chat"])
+    metrics = ServerMetrics()
+    metrics.slots.set(batch.rows)
+    for rank, row in enumerate(memory):
+        metrics.weight_bytes.labels(str(rank)).set(int(row[1]))
+        metrics.cache_bytes.labels(str(rank)).set(cache[rank] if rank < len(cache) else 0)
+    engine = Engine(batch, prepared.tokenizer, prepared.eos, metrics, options.max_queue)
+    app = build_app(engine, limits, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+    thread.start()
+    began = time.monotonic()
+    while not server.started and thread.is_alive() and time.monotonic() - began < START_SECONDS:
+        time.sleep(0.01)
+    if not server.started:
+        job.close()
+        raise RunError("the HTTP server did not start")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (stop.set(), engine.wake.set()))
+    host, port = sock.getsockname()[:2]
+    if on_started is not None:
+        on_started(Started(f"http://{host}:{port}", name, job.size, batch.rows, isinstance(batch, SlotBatch),
+                           shape.context, time.perf_counter() - loading, [int(r[1]) for r in memory], cache,
+                           list(pids), [ThreadChoice.from_row(r[2:]) if r[2] else None for r in memory]))
+    try:
+        engine.run(stop)
+    except MeshplanError as exc:
+        _stop_http(server, thread)
+        raise JobFailure(str(exc)) from exc
+    except BaseException:
+        _stop_http(server, thread)
+        raise
+    _stop_http(server, thread)
+    job.close()
+    return 0
+
+
+def _stop_http(server, thread) -> None:
+    time.sleep(0.05)    # the last events reach their responses
+    server.should_exit = True
+    thread.join(10)
+
+
+def _warm_up(batch, pad_id: int) -> None:
+    """A prefill and a decode step in every slot, so that a request's first token is not
+    the process's start-up (kernels, the allocator's first blocks)."""
+    works = []
+    while batch.accepts():
+        work = Work([pad_id, pad_id], 2, Sampler())
+        batch.admit(work)
+        works.append(work)
+    while any(len(w.ids) < 2 for w in works):
+        for work, token in batch.step():
+            work.ids.append(token)
+    for work in works:
+        batch.release(work)

@@ -1,0 +1,154 @@
+"""Continuous batching (``serving.batching``) gives every request the ids it gets alone.
+
+In one process, with onnxruntime on the original model as the stepper: requests admitted
+into the slots of a shared key/value buffer at different steps (so that calls mix rows
+that prefill with rows that decode, and rows that were freed and taken again), prompts
+longer than the plan's longest call, batch 1 (prompts in pieces), and the growing cache's
+batches run to completion. Each request's greedy ids must equal the ids of the generation
+loop run on that prompt alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshplan.cost.cluster import make_cluster
+from meshplan.generation.loop import Generation, GenerationShape, SessionStepper
+from meshplan.generation.sampling import Sampler
+from meshplan.inter.pipeline import PlanOptions
+from meshplan.make_plan import generation_plan_dims, make_plan
+from meshplan.runtime.sessions import StageSession, providers_for
+from meshplan.serving.batching import RunToCompletion, SlotBatch, Work, batch_for
+from sample_models import SAMPLE_DIR
+
+CONTEXT, CHUNK = 48, 8
+
+
+def model_path(name: str):
+    return SAMPLE_DIR / "genai" / name / "model.onnx" if "_" in name and "optimum" not in name \
+        and "dynamo" not in name else SAMPLE_DIR / f"{name}.onnx"
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    """name, batch → (shape, a stepper on the original model)."""
+    found = {}
+
+    def get(name: str, batch: int):
+        if (name, batch) not in found:
+            dims, _ = generation_plan_dims(model_path(name), batch, CONTEXT, CHUNK)
+            out = tmp_path_factory.mktemp(f"{name}_{batch}")
+            plan = make_plan(model_path(name), make_cluster((1, 1), "cpu"), dims, out, PlanOptions())
+            shape = GenerationShape.of_plan(plan)
+            session = StageSession(plan.model["path"], providers_for("cpu"), optimization="basic")
+            found[name, batch] = (shape, session)
+        shape, session = found[name, batch]
+        return shape, SessionStepper(shape, session.run)
+    return get
+
+
+def alone(shape, stepper, prompt, count) -> list[int]:
+    sequences, _ = Generation(shape, stepper).run([prompt], count, Sampler())
+    return sequences[0].ids
+
+
+def drive(batch, arrivals: dict[int, list[tuple[list[int], int]]]) -> tuple[list[list[int]], int]:
+    """Admit each (prompt, tokens) at its step (or as soon as a slot is free after it), step
+    until all are done; the ids in order of arrival and the number of calls."""
+    queue, works, calls = [], [], 0
+    step = 0
+    while True:
+        for prompt, count in arrivals.get(step, []):
+            work = Work(prompt, count, Sampler())
+            queue.append(work)
+            works.append(work)
+        while queue and batch.accepts():
+            batch.admit(queue.pop(0))
+        if not batch.busy:
+            if step > max(arrivals):
+                return [w.ids for w in works], calls
+            step += 1
+            continue
+        for work, token in batch.step():
+            work.ids.append(token)
+            if len(work.ids) >= work.max_tokens:
+                batch.release(work)
+        calls += 1
+        step += 1
+
+
+PROMPTS = [[295, 277, 75, 312, 223, 311, 89], [17, 42, 7], [5, 9, 11, 13, 200, 201, 202, 203, 204, 205, 206, 207, 3],
+           [100], [250, 251, 252, 253, 254]]
+
+
+@pytest.mark.parametrize("name", ["llama_fp32", "qwen2_int4", "phi3_fp32"])
+def test_requests_joining_running_ones_get_their_own_ids(setups, name):
+    shape, stepper = setups(name, 4)
+    assert shape.shared
+    arrivals = {0: [(PROMPTS[0], 12), (PROMPTS[1], 5)], 3: [(PROMPTS[2], 6)], 4: [(PROMPTS[3], 9)],
+                9: [(PROMPTS[4], 7), (PROMPTS[1], 4)]}
+    batch = batch_for(shape, stepper, 0)
+    assert isinstance(batch, SlotBatch) and batch.rows == 4
+    got, calls = drive(batch, arrivals)
+    expected = [alone(*setups(name, 1), p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
+    assert got == expected
+    # the requests shared calls: fewer than their prompts' and tokens' calls one after the other
+    assert calls < sum(len(p) + n for step in arrivals.values() for p, n in step) // 2
+
+
+def test_prompt_longer_than_a_call_and_a_freed_slot_taken_again(setups):
+    shape, stepper = setups("llama_fp32", 2)
+    long = list(range(20, 20 + 3 * CHUNK + 2))
+    arrivals = {0: [(long, 4), (PROMPTS[1], 2)], 1: [(PROMPTS[0], 5), (PROMPTS[3], 3)]}
+    got, _ = drive(batch_for(shape, stepper, 0), arrivals)
+    expected = [alone(*setups("llama_fp32", 1), p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
+    assert got == expected
+
+
+def test_batch_of_one_takes_prompts_in_pieces(setups):
+    shape, stepper = setups("llama_fp32", 1)
+    long = list(range(40, 40 + 2 * CHUNK + 3))
+    calls = []
+    original = stepper.step
+    stepper.step = lambda feeds, last: (calls.append(feeds[shape.input_ids].shape[1]), original(feeds, last))[1]
+    got, _ = drive(batch_for(shape, stepper, 0), {0: [(long, 3)], 1: [(PROMPTS[0], 4)]})
+    reference = setups("llama_fp32", 1)
+    assert got == [alone(*reference, long, 3), alone(*reference, PROMPTS[0], 4)]
+    assert calls[:3] == [CHUNK, CHUNK, 3]     # the long prompt in three calls, not one per token
+
+
+def test_a_row_at_the_end_of_the_context_stops_with_room_zero(setups):
+    shape, stepper = setups("llama_fp32", 2)
+    batch = batch_for(shape, stepper, 0)
+    work = Work(list(range(30, 30 + CONTEXT - 3)), 10, Sampler())
+    batch.admit(work)
+    while batch.room(work) > 0:
+        for w, token in batch.step():
+            w.ids.append(token)
+    assert len(work.ids) == 4 and batch.room(work) == 0
+
+
+@pytest.mark.parametrize("name", ["llama_optimum", "llama_dynamo"])
+def test_a_growing_cache_runs_batches_to_completion(setups, name):
+    shape, stepper = setups(name, 2)
+    assert not shape.shared
+    batch = batch_for(shape, stepper, 0)
+    assert isinstance(batch, RunToCompletion)
+    arrivals = {0: [([5, 17, 42, 7, 9, 3], 6), ([11, 12], 3)], 2: [([7, 8, 9], 4)], 3: [([21, 22, 23, 24], 2)]}
+    got, _ = drive(batch, arrivals)
+    reference = setups(name, 1)
+    assert got == [alone(*reference, p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
+
+
+def test_a_growing_batch_takes_no_request_once_it_runs(setups):
+    shape, stepper = setups("llama_optimum", 2)
+    batch = batch_for(shape, stepper, 0)
+    first = Work([5, 17, 42], 3, Sampler())
+    batch.admit(first)
+    assert batch.accepts()          # before its first call the batch still fills
+    batch.step()
+    assert not batch.accepts()      # then it runs to completion
+    batch.release(first)
+    assert batch.accepts()
+    assert np.all([w is None for w in batch.slots])
