@@ -19,7 +19,7 @@ from cli.guard import debugging, rank_guard
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1),
               help="Requests that may wait for a batch slot; more get HTTP 429 with Retry-After.")
 @click.option("--served-model-name", "model_name", metavar="NAME",
-              help="The model's name in the API [default: the model folder's name].")
+              help="The model's name in the API [default: the model folder's name for a model.onnx, else the model file's stem].")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
               help="Execution provider for the programs.")
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",

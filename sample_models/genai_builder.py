@@ -9,7 +9,8 @@ what it ships for real models: com.microsoft GroupQueryAttention with the rotary
 fused in and past/present buffers shared at a fixed capacity, SkipSimplifiedLayerNormalization,
 SimplifiedLayerNormalization in the default domain, a packed QKV projection (MatMul, or
 MatMulNBits in int4, with its bias Add for Qwen2), GatherBlockQuantized for Qwen2's tied
-int4 embedding, ``genai_config.json`` and the tokenizer files beside ``model.onnx``.
+int4 embedding, ``genai_config.json`` and the tokenizer files beside ``model.onnx`` (with a chat template
+added to ``tokenizer_config.json``).
 
 Each model lands in ``sample_models/genai/NAME_PRECISION/``. Hidden size 128 (head size
 16: onnxruntime's CPU GroupQueryAttention with rotary needs a multiple of 16), 2 layers,
@@ -25,6 +26,7 @@ onnxruntime-genai 0.18.0 wrote them; other versions may write other graphs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +44,11 @@ TEXT = [
     "grouped query attention shares one key and value head among several query heads.",
     "the plan splits the weights so that every device reads a part of them per token.",
 ]
+
+# A chat template (Hugging Face's convention: Jinja2 in tokenizer_config.json), so that the
+# samples serve /v1/chat/completions: each message as <|role|>content</s>, then <|assistant|>.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] "
+                 "+ eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 # name → (transformers config class, its arguments)
 CONFIGS = {
@@ -108,6 +115,13 @@ def build(name: str, precision: str, out: Path, work: Path) -> None:
     out.mkdir(parents=True)
     for file in sorted(target.iterdir()):
         shutil.copy2(file, out / file.name)
+    add_chat_template(out / "tokenizer_config.json")
+
+
+def add_chat_template(path: Path) -> None:
+    config = json.loads(path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

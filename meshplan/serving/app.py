@@ -91,7 +91,7 @@ def build_app(engine, limits, metrics, started: float | None = None):
                 elif event[0] == "done":
                     return JSONResponse(shape.whole("".join(text), ids, event[1], event[2]))
                 else:
-                    return error(BadRequest(event[1], status=500, kind="server_error"))
+                    return error(BadRequest(event[1], status=event[2], kind="server_error"))
         finally:
             if work.finished is None:
                 engine.cancel(work)

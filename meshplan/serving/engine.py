@@ -3,7 +3,7 @@
 It runs on the thread that calls MPI (the main one); the HTTP front submits ``Work`` from
 its own thread (``submit``, which refuses when the queue is full or the server stops) and
 gets events back through ``Work.emit``: ``("token", text, id)`` per token, then ``("done",
-finish_reason, usage)``, or ``("error", message)``. Between two calls it takes new
+finish_reason, usage)``, or ``("error", message, HTTP status)``. Between two calls it takes new
 requests into free slots, drops cancelled ones and frees finished ones, so a slot is free
 again within one step of its request's end.
 """
@@ -89,7 +89,7 @@ class Engine:
             if work.finished is None:
                 work.finished = "error"
                 self.metrics.requests.labels("error").inc()
-                work.emit(("error", message))
+                work.emit(("error", message, 500))
 
     def _take_new(self, stop: bool) -> None:
         with self._lock:
@@ -107,7 +107,7 @@ class Engine:
             else:
                 work.finished = "error"
                 self.metrics.requests.labels("refused").inc()
-                work.emit(("error", "the server is stopping"))
+                work.emit(("error", "the server is stopping", 503))
         while self.waiting and self.batch.accepts():
             work = self.waiting.popleft()
             self._dequeued()

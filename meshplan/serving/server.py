@@ -102,6 +102,10 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
     memory = _gather_memory(job.plan, plan_dir, comm, job.threads)
     pids = comm.gather(os.getpid(), root=0)
     if not job.is_driver:
+        # a signal to the launcher reaches every rank: rank 0 decides when the job ends (it
+        # finishes what runs, then closes the job, and this rank with it)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         job.serve()
         return None
     sock = held["socket"]
@@ -129,7 +133,8 @@ def _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started
     except MeshplanError:
         job.close()
         raise
-    name = options.model_name or folder.path.name
+    model_file = Path(job.plan.model["path"])
+    name = options.model_name or (folder.path.name if model_file.name == "model.onnx" else model_file.stem)
     limits = Limits(name, shape.context, shape.vocab, prepared.tokenizer, held["chat"])
     metrics = ServerMetrics()
     metrics.slots.set(batch.rows)

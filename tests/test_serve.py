@@ -1,0 +1,321 @@
+"""``meshplan serve`` under mpiexec, with the openai client on a loopback port.
+
+A 1x2 plan of the sample builder Llama (batch 4, a shared key/value buffer): completions
+and chat, whole and streamed, give the ids of ``meshplan generate``; requests that arrive
+at different times share the model's calls; bad requests get OpenAI-style 400s and leave
+no slot taken; a client that goes away frees its slot; a full queue answers 429 with
+Retry-After; SIGTERM lets what runs finish and exits 0; a rank that dies ends the job
+with an error for the request in flight. A growing-cache export (optimum) serves batches
+run to completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from meshplan.generation.driver import load_tokenizer
+from sample_models import SAMPLE_DIR
+from tests.conftest import run_cli, run_mpi
+from tests.serving import Served
+
+pytestmark = pytest.mark.mpi
+
+LLAMA = SAMPLE_DIR / "genai" / "llama_fp32"
+MODEL = "llama_fp32"
+PROMPT = "the quick brown fox"
+
+
+def plan(tmp_path_factory, name: str, model, *args):
+    out = tmp_path_factory.mktemp(name)
+    done = run_cli("plan", model, "--mesh", "1x2", "--generate", "--max-length", "256", "--prefill-chunk", "16",
+                   "-o", out, *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def batch4(tmp_path_factory):
+    return plan(tmp_path_factory, "batch4", LLAMA / "model.onnx", "--batch", "4")
+
+
+@pytest.fixture(scope="module")
+def batch1(tmp_path_factory):
+    return plan(tmp_path_factory, "batch1", LLAMA / "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def server(batch4):
+    with Served(batch4, 2) as served:
+        yield served
+
+
+def post(url: str, body, raw: bytes | None = None):
+    """(status, JSON body, headers) of a POST."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), error.headers
+
+
+def generate_ids(plan_dir, prompt: str, tokens: int, tmp_path) -> list[int]:
+    out = tmp_path / "generated.json"
+    done = run_mpi(2, "generate", plan_dir, "--prompt", prompt, "--max-new-tokens", tokens, "--output", out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text())["sequences"][0]["ids"]
+
+
+def test_models_health_and_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    assert server.metric("meshplan_batch_slots") == 4
+    for rank in (0, 1):
+        assert server.metric("meshplan_rank_weight_bytes", f'{{rank="{rank}"}}') > 0
+        assert server.metric("meshplan_rank_kv_cache_bytes", f'{{rank="{rank}"}}') > 0
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    for name in ("meshplan_requests_running", "meshplan_requests_waiting", "meshplan_time_to_first_token_seconds_bucket",
+                 "meshplan_time_per_output_token_seconds_bucket", "meshplan_output_tokens_per_second"):
+        assert name in text
+
+
+def test_completion_gives_the_ids_of_meshplan_generate(server, batch4, tmp_path):
+    expected = generate_ids(batch4, PROMPT, 12, tmp_path)
+    whole = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = whole.choices[0]
+    assert choice.model_extra["token_ids"] == expected
+    tokenizer = load_tokenizer(LLAMA)
+    assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(PROMPT).ids)
+    assert whole.usage.completion_tokens == 12 and choice.finish_reason == "length"
+    # the same streamed, with the usage chunk last
+    chunks = list(server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra["token_ids"]]
+    assert ids == expected
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+    # token ids as the prompt
+    by_ids = server.client().completions.create(model=MODEL, prompt=tokenizer.encode(PROMPT).ids, max_tokens=12,
+                                                temperature=0)
+    assert by_ids.choices[0].model_extra["token_ids"] == expected
+
+
+def test_chat_renders_the_folders_template(server):
+    from meshplan.serving.chat import ChatTemplate
+
+    messages = [{"role": "user", "content": "a small model speaks"}]
+    reply = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    rendered = ChatTemplate.of_folder(LLAMA).render(messages)
+    assert rendered == "<s><|user|>a small model speaks</s><|assistant|>"
+    ids = load_tokenizer(LLAMA).encode(rendered, add_special_tokens=False).ids
+    assert reply.usage.prompt_tokens == len(ids)
+    same = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert reply.choices[0].model_extra["token_ids"] == same.choices[0].model_extra["token_ids"]
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == same.choices[0].text
+    streamed = list(server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                            temperature=0, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == reply.choices[0].message.content
+
+
+def test_stop_strings_and_end_tokens(server):
+    whole = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = whole.choices[0].text
+    cut = next(i for i in range(3, len(text)) if text[i - 2:i].strip())   # a stop string inside the text
+    stop = text[cut - 2:cut]
+    stopped = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[:text.find(stop)]
+
+
+def test_sampling_is_seeded(server):
+    def sample(seed):
+        return server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0,
+                                                  top_p=0.9, seed=seed, extra_body={"top_k": 40}
+                                                  ).choices[0].model_extra["token_ids"]
+    assert sample(7) == sample(7)
+    assert len({tuple(sample(s)) for s in range(6)}) > 1
+
+
+BAD = [
+    ("/v1/completions", None, b"{not json", "not JSON"),
+    ("/v1/completions", None, b"[1, 2]", "JSON object"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "bogus": 1}, None, "unknown field 'bogus'"),
+    ("/v1/completions", {"prompt": [5, 400, 7], "max_tokens": 4}, None, "token id 400 is outside the vocabulary"),
+    ("/v1/completions", {"prompt": [5] * 256}, None, "the context holds 256"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 400}, None, "'max_tokens' is 400"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}, None, "one choice per request"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, None, "'temperature' must be from 0 to 2"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, None, "'max_tokens' must be an integer"),
+    ("/v1/completions", {"max_tokens": 3}, None, "'prompt' is required"),
+    ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, None, "one prompt per request"),
+    ("/v1/chat/completions", {"messages": []}, None, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, None, "string 'content'"),
+]
+
+
+@pytest.mark.parametrize("path, body, raw, message", BAD, ids=[b[3] for b in BAD])
+def test_bad_requests_get_a_400(server, path, body, raw, message):
+    status, answer, _ = post(server.url + path, body, raw)
+    assert status == 400, answer
+    assert message in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
+    assert server.metric("meshplan_requests_running") == 0 and server.metric("meshplan_requests_waiting") == 0
+
+
+def test_another_model_is_a_404_and_the_client_says_so(server):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"best": 1})
+    assert server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_requests_arriving_at_different_times_share_calls(server):
+    client = server.client()
+    alone = {}
+    for name, prompt, tokens in (("long", PROMPT, 200), ("short", "each device holds the heads", 8)):
+        alone[name] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0
+                                                ).choices[0].model_extra["token_ids"]
+    before = server.metric("meshplan_model_calls_total")
+    got = {}
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True)
+    ids = []
+    for chunk in stream:
+        ids.extend(chunk.choices[0].model_extra["token_ids"])
+        if len(ids) == 1:   # the long one runs: the short one arrives
+            worker = threading.Thread(target=lambda: got.update(short=client.completions.create(
+                model=MODEL, prompt="each device holds the heads", max_tokens=8, temperature=0
+            ).choices[0].model_extra["token_ids"]))
+            worker.start()
+    worker.join(60)
+    calls = server.metric("meshplan_model_calls_total") - before
+    assert ids == alone["long"] and got["short"] == alone["short"]
+    # one after the other they need 200 + 8 calls; together the short one rides along
+    assert calls < 200 + 8, calls
+
+
+def test_a_client_that_goes_away_frees_its_slot(server):
+    before = server.metric("meshplan_generation_tokens_total")
+    stream = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=240, temperature=0,
+                                                stream=True)
+    for count, _ in enumerate(stream):
+        if count == 2:
+            break
+    stream.response.close()
+    deadline = time.monotonic() + 10
+    while server.metric("meshplan_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.metric("meshplan_requests_running") == 0
+    assert server.metric("meshplan_requests_total", '{outcome="cancelled"}') >= 1
+    generated = server.metric("meshplan_generation_tokens_total") - before
+    assert generated < 240, generated
+
+
+def test_full_queue_answers_429_and_sigterm_finishes_what_runs(batch1):
+    import openai
+
+    with Served(batch1, 2, "--max-queue", "1") as served:
+        client = served.client()
+        holder = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=240, temperature=0, stream=True)
+        first = next(iter(holder))                     # it holds the one slot
+        waited = {}
+
+        def wait():
+            try:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+            except openai.APIStatusError as exc:
+                waited["status"] = exc.status_code
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while served.metric("meshplan_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, answer, headers = post(served.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 429 and answer["error"]["type"] == "rate_limit_error"
+        assert int(headers["Retry-After"]) >= 1
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        # SIGTERM to the launcher: the running request finishes, the waiting one is refused
+        os.kill(served.process.pid, signal.SIGTERM)
+        rest = list(holder)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(first.choices[0].model_extra["token_ids"]) + sum(
+            len(c.choices[0].model_extra["token_ids"]) for c in rest) == 240
+        waiter.join(30)
+        assert waited == {"status": 503}      # it waited, and the server stopped before its turn
+        assert served.wait(60) == 0, served.output
+        assert "stopped" in served.output
+
+
+def test_a_rank_that_dies_ends_the_job_with_an_error(batch4):
+    import openai
+
+    with Served(batch4, 2) as served:
+        stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=240, temperature=0,
+                                                    stream=True)
+        began = time.monotonic()
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            for count, chunk in enumerate(stream):
+                if count == 2:
+                    os.kill(served.pids[1], signal.SIGKILL)
+        assert time.monotonic() - began < 60
+        assert served.wait(60) != 0
+
+
+def test_a_growing_cache_serves_batches(tmp_path_factory):
+    from meshplan.generation.loop import Generation, GenerationShape, SessionStepper
+    from meshplan.generation.sampling import Sampler
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.sessions import StageSession, providers_for
+
+    plan_dir = plan(tmp_path_factory, "optimum", SAMPLE_DIR / "llama_optimum.onnx", "--batch", "2",
+                    "--max-length", "64")
+    prompts = [[5, 17, 42, 7, 9, 3], [11, 12], [7, 8, 9]]
+    shape = GenerationShape.of_plan(read_plan(plan_dir))
+    session = StageSession(str(SAMPLE_DIR / "llama_optimum.onnx"), providers_for("cpu"), optimization="basic")
+    expected = [Generation(shape, SessionStepper(shape, session.run)).run([p], 5, Sampler())[0][0].ids
+                for p in prompts]
+    with Served(plan_dir, 2) as served:
+        assert "batches run to completion" in served.output
+        got = [None] * 3
+
+        def ask(i):
+            got[i] = served.client().completions.create(model="llama_optimum", prompt=prompts[i], max_tokens=5,
+                                                        temperature=0).choices[0].model_extra["token_ids"]
+        workers = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+    assert got == expected
+
+
+def test_start_up_errors_are_one_line(batch4, tmp_path_factory):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        done = run_mpi(2, "serve", batch4, "--port", taken.getsockname()[1], timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("meshplan: error:")]
+    assert lines and "cannot listen on 127.0.0.1" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    no_cache = tmp_path_factory.mktemp("mlp")
+    assert run_cli("plan", SAMPLE_DIR / "mlp.onnx", "--mesh", "1x2", "--dim", "batch=4", "-o", no_cache).returncode == 0
+    done = run_mpi(2, "serve", no_cache, "--port", "0", timeout=120)
+    assert done.returncode == 1 and "no key/value cache" in done.stderr and "Traceback" not in done.stderr
