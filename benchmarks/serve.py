@@ -1,0 +1,321 @@
+"""Throughput and latency of ``meshplan serve`` under concurrent clients, against serving
+one request at a time.
+
+Three servers behind the same HTTP front (``meshplan.serving.app``, OpenAI API, streamed),
+each loaded with the same requests by ``--clients`` concurrent clients (loopback only,
+``--requests`` in all, prompts of mixed lengths as token ids, mixed ``max_tokens``, greedy):
+
+- **continuous**: ``mpiexec -n R meshplan serve`` on a plan of ``--batch`` slots (a shared
+  key/value buffer: requests take slots between steps);
+- **meshplan 1-at-a-time**: the same model planned at batch 1, so requests queue and run
+  one after another;
+- **genai 1-at-a-time**: onnxruntime-genai's generator, one request at a time, behind the
+  same front (what its users write: it takes one batch at a time), ``--genai-threads``.
+
+The model is a Llama in the builder's format of ``--gigabytes`` in float32
+(``sample_models.genai_large``, written into ``--workdir``). Printed per server: output
+tokens/s over the whole run, TTFT p50/p99, time per output token p50/p99 (per request:
+from its first to its last token over the tokens between), failed requests, and the
+server's resident memory before and after the load.
+
+    python benchmarks/serve.py --gigabytes 0.4 --clients 8 --requests 64 [--json PATH]
+    python benchmarks/serve.py --only continuous --clients 16 --requests 200   # nothing lost
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+START_SECONDS = 300
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"VmRSS:\s+(\d+) kB", text)
+    return int(found.group(1)) * 1024 if found else 0
+
+
+class Server:
+    """A server process whose first lines say its address (and rank 0's pid)."""
+
+    def __init__(self, command: list[str]):
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=env, cwd=REPO, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        began = time.monotonic()
+        self.url = self.pid = None
+        while time.monotonic() - began < START_SECONDS:
+            text = "\n".join(self.lines)
+            url = re.search(r" on (http://\S+)", text)
+            pid = re.search(r"^rank 0: pid (\d+)", text, re.M)
+            if url and pid:
+                self.url, self.pid = url.group(1), int(pid.group(1))
+                return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        raise SystemExit("the server did not start:\n" + "\n".join(self.lines))
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def one_request(url: str, body: dict) -> dict:
+    """Stream one completion; the arrival time of each token."""
+    parts = urlparse(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    started = time.perf_counter()
+    times, error = [], None
+    try:
+        connection.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            return {"error": f"HTTP {response.status}: {response.read()[:200]!r}", "times": [], "started": started}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                break
+            now = time.perf_counter()
+            times.extend([now] * len(event["choices"][0].get("token_ids", [])))
+    except (OSError, http.client.HTTPException) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        connection.close()
+    return {"error": error, "times": times, "started": started}
+
+
+def load(url: str, requests: list[dict], clients: int) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+    pending = list(requests)
+
+    def client():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                body = pending.pop(0)
+            result = one_request(url, body)
+            with lock:
+                results.append(result)
+
+    began = time.perf_counter()
+    workers = [threading.Thread(target=client) for _ in range(clients)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    wall = time.perf_counter() - began
+    done = [r for r in results if not r["error"] and r["times"]]
+    ttft = [r["times"][0] - r["started"] for r in done]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done if len(r["times"]) > 1]
+    tokens = sum(len(r["times"]) for r in done)
+    return {"requests": len(requests), "failed": len(results) - len(done) + (len(requests) - len(results)),
+            "errors": sorted({r["error"] for r in results if r["error"]})[:3], "output_tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99)}
+
+
+def make_requests(count: int, vocab: int, prompt_lengths: tuple[int, int], new_tokens: tuple[int, int],
+                  seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lengths))],
+             "max_tokens": rng.randint(*new_tokens), "temperature": 0} for _ in range(count)]
+
+
+def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
+    """onnxruntime-genai's generator, one request at a time, behind meshplan's HTTP front."""
+    import uvicorn
+
+    import onnxruntime_genai as og
+
+    sys.path.insert(0, str(REPO))
+    from meshplan.model.llm import ModelFolder
+    from meshplan.serving.app import build_app
+    from meshplan.serving.engine import Engine
+    from meshplan.serving.metrics import ServerMetrics
+    from meshplan.serving.protocol import Limits
+
+    model = og.Model(folder)
+
+    class OneAtATime:
+        rows = 1
+
+        def __init__(self):
+            self.work = self.generator = None
+
+        @property
+        def busy(self):
+            return [self.work] if self.work is not None else []
+
+        def accepts(self):
+            return self.work is None
+
+        def admit(self, work):
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=capacity, do_sample=False)
+            self.generator = og.Generator(model, params)
+            self.work, self.fresh = work, True
+
+        def release(self, work):
+            self.work = self.generator = None
+
+        def room(self, work):
+            return capacity - len(work.prompt) - len(work.ids)
+
+        def step(self):
+            if self.fresh:
+                self.generator.append_tokens([self.work.prompt])
+                self.fresh = False
+            self.generator.generate_next_token()
+            return [(self.work, int(self.generator.get_next_tokens()[0]))]
+
+    info = ModelFolder.read(Path(folder) / "model.onnx")
+    metrics = ServerMetrics()
+    engine = Engine(OneAtATime(), None, info.eos_ids, metrics, max_queue=10_000)
+    app = build_app(engine, Limits("genai", capacity, info.vocab_size), metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           lifespan="off"))
+    sock_ready = threading.Thread(target=server.run, daemon=True)
+    sock_ready.start()
+    while not server.started:
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()
+    print(f"serving genai on http://{bound[0]}:{bound[1]}", flush=True)
+    print(f"rank 0: pid {os.getpid()}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    engine.run(stop)
+    server.should_exit = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gigabytes", type=float, default=0.4, help="size of the float32 builder model")
+    parser.add_argument("--workdir", type=Path, help="where the model and plans go [default: a temporary folder]")
+    parser.add_argument("--mesh", default="1x1", help="the plans' mesh (ranks = its product)")
+    parser.add_argument("--batch", type=int, default=8, help="slots of the continuous server's plan")
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-lengths", default="8:48", help="LO:HI tokens per prompt")
+    parser.add_argument("--new-tokens", default="32:96", help="LO:HI max_tokens per request")
+    parser.add_argument("--genai-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--only", choices=["continuous", "meshplan-one", "genai-one"], action="append",
+                        help="run only these servers (repeatable)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
+    parser.add_argument("--genai-front", nargs=4, metavar=("FOLDER", "HOST", "PORT", "CAPACITY"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.genai_front:
+        folder, host, port, capacity = args.genai_front
+        genai_front(folder, host, int(port), int(capacity))
+        return
+    sys.path.insert(0, str(REPO))
+    from sample_models.genai_large import write_builder_llama
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-serve-"))
+    folder = workdir / f"builder_fp32_{args.gigabytes}"
+    if not (folder / "model.onnx").exists():
+        write_builder_llama(folder, args.gigabytes, context=args.max_length)
+    ranks = eval(args.mesh.replace("x", "*"))
+    plans = {}
+    for batch in sorted({args.batch, 1}):
+        out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
+        if not (out / "plan.json").exists():
+            policy = ["--policy", "megatron", "--max-stages", "1"] if ranks > 1 else []
+            subprocess.run([str(BIN / "meshplan"), "plan", str(folder / "model.onnx"), "--mesh", args.mesh,
+                            "--device", "cpu", "--generate", "--batch", str(batch), "--max-length",
+                            str(args.max_length), "--prefill-chunk", str(args.max_length), *policy, "-o", str(out)],
+                           check=True, capture_output=True, cwd=REPO)
+        plans[batch] = out
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = args.genai_threads
+    (folder / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n")
+    vocab = config["model"]["vocab_size"]
+    lo, hi = map(int, args.prompt_lengths.split(":"))
+    new_lo, new_hi = map(int, args.new_tokens.split(":"))
+    requests = make_requests(args.requests, vocab, (lo, hi), (new_lo, new_hi))
+    serve = [str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "serve", "--port", "0",
+             "--max-queue", str(args.requests + 1)]
+    servers = {
+        "continuous": lambda: Server(serve + [str(plans[args.batch])]),
+        "meshplan-one": lambda: Server(serve + [str(plans[1])]),
+        "genai-one": lambda: Server([sys.executable, str(Path(__file__).resolve()), "--genai-front", str(folder),
+                                     "127.0.0.1", "0", str(args.max_length)]),
+    }
+    rows = []
+    print(f"model {args.gigabytes} GB float32, mesh {args.mesh}, {args.clients} clients, {args.requests} requests "
+          f"(prompts {lo}-{hi} tokens, {new_lo}-{new_hi} new), {os.cpu_count()} cores")
+    for name, start in servers.items():
+        if args.only and name not in args.only:
+            continue
+        server = start()
+        try:
+            load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), seed=1), 2)   # warm
+            before = rss_bytes(server.pid)
+            row = {"server": name, **load(server.url, requests, args.clients)}
+            row["rss_before_mb"], row["rss_after_mb"] = before / 2**20, rss_bytes(server.pid) / 2**20
+        finally:
+            server.stop()
+        rows.append(row)
+        print(f"{name:14s} {row['tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} ms "
+              f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {row['tpot_p50_s'] * 1e3:6.1f} ms "
+              f"p99 {row['tpot_p99_s'] * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "
+              f"RSS {row['rss_before_mb']:.0f} -> {row['rss_after_mb']:.0f} MB"
+              + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
+    by = {r["server"]: r["tokens_per_s"] for r in rows}
+    if "continuous" in by:
+        for other in ("genai-one", "meshplan-one"):
+            if other in by:
+                print(f"continuous / {other}: {by['continuous'] / by[other]:.2f}x output tokens/s")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
