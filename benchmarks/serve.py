@@ -16,7 +16,8 @@ The model is a Llama in the builder's format of ``--gigabytes`` in float32
 (``sample_models.genai_large``, written into ``--workdir``). Printed per server: output
 tokens/s over the whole run, TTFT p50/p99, time per output token p50/p99 (per request:
 from its first to its last token over the tokens between), failed requests, and the
-server's resident memory before and after the load.
+server's resident memory (rank 0) before the load, once a quarter of the requests are
+done, and at the end (flat when the last two agree).
 
     python benchmarks/serve.py --gigabytes 0.4 --clients 8 --requests 64 [--json PATH]
     python benchmarks/serve.py --only continuous --clients 16 --requests 200   # nothing lost
@@ -127,7 +128,9 @@ def one_request(url: str, body: dict) -> dict:
     return {"error": error, "times": times, "started": started}
 
 
-def load(url: str, requests: list[dict], clients: int) -> dict:
+def load(url: str, requests: list[dict], clients: int, pid: int | None = None) -> dict:
+    """Run the requests from ``clients`` threads; the server's RSS (rank 0, ``pid``) is
+    sampled as they go."""
     results: list[dict] = []
     lock = threading.Lock()
     pending = list(requests)
@@ -146,6 +149,11 @@ def load(url: str, requests: list[dict], clients: int) -> dict:
     workers = [threading.Thread(target=client) for _ in range(clients)]
     for worker in workers:
         worker.start()
+    samples = []   # (requests finished, RSS)
+    while any(w.is_alive() for w in workers):
+        if pid is not None:
+            samples.append((len(results), rss_bytes(pid)))
+        time.sleep(0.25)
     for worker in workers:
         worker.join()
     wall = time.perf_counter() - began
@@ -157,7 +165,10 @@ def load(url: str, requests: list[dict], clients: int) -> dict:
             "errors": sorted({r["error"] for r in results if r["error"]})[:3], "output_tokens": tokens,
             "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99)}
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            # memory once a quarter of the requests are done, and at the end: flat when equal
+            "rss_quarter_mb": next((m / 2**20 for n, m in samples if n >= len(requests) // 4), 0.0),
+            "rss_end_mb": samples[-1][1] / 2**20 if samples else 0.0}
 
 
 def make_requests(count: int, vocab: int, prompt_lengths: tuple[int, int], new_tokens: tuple[int, int],
@@ -298,15 +309,15 @@ def main() -> None:
         try:
             load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), seed=1), 2)   # warm
             before = rss_bytes(server.pid)
-            row = {"server": name, **load(server.url, requests, args.clients)}
-            row["rss_before_mb"], row["rss_after_mb"] = before / 2**20, rss_bytes(server.pid) / 2**20
+            row = {"server": name, **load(server.url, requests, args.clients, server.pid)}
+            row["rss_before_mb"] = before / 2**20
         finally:
             server.stop()
         rows.append(row)
         print(f"{name:14s} {row['tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} ms "
               f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {row['tpot_p50_s'] * 1e3:6.1f} ms "
               f"p99 {row['tpot_p99_s'] * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "
-              f"RSS {row['rss_before_mb']:.0f} -> {row['rss_after_mb']:.0f} MB"
+              f"RSS {row['rss_before_mb']:.0f} / {row['rss_quarter_mb']:.0f} / {row['rss_end_mb']:.0f} MB"
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
     by = {r["server"]: r["tokens_per_s"] for r in rows}
     if "continuous" in by:

@@ -278,6 +278,15 @@ def generation_plan_dims(model_path: str | os.PathLike, batch: int = 1, max_leng
     chunk = min(chunk or DEFAULT_PREFILL_CHUNK, max_length)
     dims = generation_dims(layout, batch, max_length, chunk)
     dims.update(given or {})
+    if batch > 1 and isinstance(layout.dims["batch"], str) and layout.dims["batch"] not in (given or {}):
+        # 1 to ``batch`` sequences where the model's other dims still follow from its sizes (a
+        # dynamo export's fit of its mask's length may need the batch fixed: then it is)
+        from meshplan.model.sizes import derive_dims, split_dims
+
+        try:
+            derive_dims(header, split_dims(dims))
+        except ModelError:
+            dims[layout.dims["batch"]] = batch
     chosen = {"batch": batch, "max_length": max_length, "prefill_chunk": chunk, "cache": layout.cache,
               "padding": layout.padding_side}
     return dims, chosen

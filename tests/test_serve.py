@@ -1,6 +1,7 @@
 """``meshplan serve`` under mpiexec, with the openai client on a loopback port.
 
-A 1x2 plan of the sample builder Llama (batch 4, a shared key/value buffer): completions
+A 1x2 tensor-parallel plan of the sample builder Llama (batch 4, a shared key/value buffer
+split by heads): completions
 and chat, whole and streamed, give the ids of ``meshplan generate``; requests that arrive
 at different times share the model's calls; bad requests get OpenAI-style 400s and leave
 no slot taken; a client that goes away frees its slot; a full queue answers 429 with
@@ -37,7 +38,7 @@ PROMPT = "the quick brown fox"
 def plan(tmp_path_factory, name: str, model, *args):
     out = tmp_path_factory.mktemp(name)
     done = run_cli("plan", model, "--mesh", "1x2", "--generate", "--max-length", "256", "--prefill-chunk", "16",
-                   "-o", out, *args)
+                   "--policy", "megatron", "--max-stages", "1", "-o", out, *args)   # heads and cache on both ranks
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -192,7 +193,10 @@ def test_requests_arriving_at_different_times_share_calls(server):
     for name, prompt, tokens in (("long", PROMPT, 200), ("short", "each device holds the heads", 8)):
         alone[name] = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0
                                                 ).choices[0].model_extra["token_ids"]
-    before = server.metric("meshplan_model_calls_total")
+    def calls():
+        return {kind: server.metric("meshplan_model_calls_total", f'{{kind="{kind}"}}')
+                for kind in ("prompts", "row", "decode")}
+    before = calls()
     got = {}
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True)
     ids = []
@@ -204,10 +208,11 @@ def test_requests_arriving_at_different_times_share_calls(server):
             ).choices[0].model_extra["token_ids"]))
             worker.start()
     worker.join(60)
-    calls = server.metric("meshplan_model_calls_total") - before
+    made = {kind: count - before[kind] for kind, count in calls().items()}
     assert ids == alone["long"] and got["short"] == alone["short"]
-    # one after the other they need 200 + 8 calls; together the short one rides along
-    assert calls < 200 + 8, calls
+    # one after the other they need 200 + 8 calls; together the short one's prompt goes in
+    # one call of its row, then it decodes in the long one's steps
+    assert made == {"prompts": 1, "row": 1, "decode": 199}, made
 
 
 def test_a_client_that_goes_away_frees_its_slot(server):

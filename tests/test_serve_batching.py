@@ -3,7 +3,8 @@
 In one process, with onnxruntime on the original model as the stepper: requests admitted
 into the slots of a shared key/value buffer at different steps (so that calls mix rows
 that prefill with rows that decode, and rows that were freed and taken again), prompts
-longer than the plan's longest call, batch 1 (prompts in pieces), and the growing cache's
+longer than the plan's longest call, the prompts of requests joining running ones in calls
+of their row alone (or one token per call), batch 1 (prompts in pieces), and the growing cache's
 batches run to completion. Each request's greedy ids must equal the ids of the generation
 loop run on that prompt alone.
 """
@@ -82,14 +83,16 @@ PROMPTS = [[295, 277, 75, 312, 223, 311, 89], [17, 42, 7], [5, 9, 11, 13, 200, 2
            [100], [250, 251, 252, 253, 254]]
 
 
+@pytest.mark.parametrize("rows_alone", [True, False], ids=["prompts in row calls", "prompts token by token"])
 @pytest.mark.parametrize("name", ["llama_fp32", "qwen2_int4", "phi3_fp32"])
-def test_requests_joining_running_ones_get_their_own_ids(setups, name):
+def test_requests_joining_running_ones_get_their_own_ids(setups, name, rows_alone):
     shape, stepper = setups(name, 4)
-    assert shape.shared
+    assert shape.shared and shape.batch == (1, 4)
     arrivals = {0: [(PROMPTS[0], 12), (PROMPTS[1], 5)], 3: [(PROMPTS[2], 6)], 4: [(PROMPTS[3], 9)],
                 9: [(PROMPTS[4], 7), (PROMPTS[1], 4)]}
     batch = batch_for(shape, stepper, 0)
-    assert isinstance(batch, SlotBatch) and batch.rows == 4
+    assert isinstance(batch, SlotBatch) and batch.rows == 4 and batch.row_calls
+    batch.row_calls = rows_alone
     got, calls = drive(batch, arrivals)
     expected = [alone(*setups(name, 1), p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
     assert got == expected
@@ -97,11 +100,14 @@ def test_requests_joining_running_ones_get_their_own_ids(setups, name):
     assert calls < sum(len(p) + n for step in arrivals.values() for p, n in step) // 2
 
 
-def test_prompt_longer_than_a_call_and_a_freed_slot_taken_again(setups):
+@pytest.mark.parametrize("rows_alone", [True, False], ids=["prompts in row calls", "prompts token by token"])
+def test_prompt_longer_than_a_call_and_a_freed_slot_taken_again(setups, rows_alone):
     shape, stepper = setups("llama_fp32", 2)
     long = list(range(20, 20 + 3 * CHUNK + 2))
-    arrivals = {0: [(long, 4), (PROMPTS[1], 2)], 1: [(PROMPTS[0], 5), (PROMPTS[3], 3)]}
-    got, _ = drive(batch_for(shape, stepper, 0), arrivals)
+    arrivals = {0: [(long, 4), (PROMPTS[1], 2)], 1: [(PROMPTS[0], 5), (PROMPTS[3], 3)], 3: [(long[::-1], 3)]}
+    batch = batch_for(shape, stepper, 0)
+    batch.row_calls = rows_alone
+    got, _ = drive(batch, arrivals)
     expected = [alone(*setups("llama_fp32", 1), p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
     assert got == expected
 
@@ -152,3 +158,17 @@ def test_a_growing_batch_takes_no_request_once_it_runs(setups):
     batch.release(first)
     assert batch.accepts()
     assert np.all([w is None for w in batch.slots])
+
+
+def test_a_joining_prompt_goes_in_by_row_calls_of_whole_pieces(setups):
+    shape, stepper = setups("llama_fp32", 4)
+    calls = []
+    original = stepper.step
+    stepper.step = lambda feeds, last, row=None: (calls.append((row, feeds[shape.input_ids].shape)),
+                                                   original(feeds, last, row))[1]
+    long = list(range(60, 60 + CHUNK + 3))
+    got, _ = drive(batch_for(shape, stepper, 0), {0: [(PROMPTS[0], 10)], 2: [(long, 3)]})
+    reference = setups("llama_fp32", 1)
+    assert got == [alone(*reference, PROMPTS[0], 10), alone(*reference, long, 3)]
+    rows = [(row, s) for row, s in calls if row is not None]
+    assert rows == [(1, (1, CHUNK)), (1, (1, 3))]      # its prompt in two calls of its row

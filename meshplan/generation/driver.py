@@ -32,8 +32,12 @@ class JobStepper:
     def reset(self) -> None:
         self.job.reset_state()
 
-    def step(self, feeds: dict[str, np.ndarray], last: int) -> np.ndarray:
-        return self.job.run(feeds, outputs={"logits": np.s_[:, -last:]})["logits"]
+    @property
+    def row_calls(self) -> bool:
+        return self.job.row_calls
+
+    def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
+        return self.job.run(feeds, outputs={"logits": np.s_[:, -last:]}, row=row)["logits"]
 
 
 class TextStream:

@@ -298,11 +298,19 @@ class SessionStepper:
     def reset(self) -> None:
         self.cache = None
 
-    def step(self, feeds: dict[str, np.ndarray], last: int) -> np.ndarray:
+    row_calls = True
+
+    def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
+        """``row``: a call of one sequence on that row of the cache (written back into it)."""
+        if row is not None:
+            outputs = self._run({**feeds, **{name: value[row:row + 1] for name, value in self.cache.items()}})
+            for output, name in self.shape.state.items():
+                self.cache[name][row:row + 1] = outputs[output]
+            return np.asarray(outputs["logits"])[:, -last:]
         if self.cache is None:
             self.cache = self.empty_cache(len(feeds[self.shape.input_ids]))
         outputs = self._run({**feeds, **self.cache})
-        self.cache = {self.shape.state[o]: np.ascontiguousarray(outputs[o]) for o in self.shape.state}
+        self.cache = {self.shape.state[o]: np.array(outputs[o], order="C") for o in self.shape.state}
         return np.asarray(outputs["logits"])[:, -last:]
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:

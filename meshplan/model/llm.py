@@ -156,7 +156,9 @@ def _dim_names(value: onnx.ValueInfoProto) -> list:
 
 
 def generation_dims(layout: LlmLayout, batch: int, max_length: int, chunk: int) -> dict:
-    """The sizes a plan for generation is made for: ``batch`` sequences, prompts fed in
+    """The sizes a plan for generation is made for: 1 to ``batch`` sequences (costed at
+    ``batch``: a call of fewer runs at its own size, and a server prefills one sequence's
+    row alone), prompts fed in
     pieces of up to ``chunk`` positions, every call costed at a decode step (one new
     position) with the cache at ``max_length`` — the longest it gets, counted in memory."""
     if max_length < 2:
@@ -164,8 +166,8 @@ def generation_dims(layout: LlmLayout, batch: int, max_length: int, chunk: int) 
     chunk = max(1, min(chunk, max_length))
     dims: dict = {}
     names = layout.dims
-    if isinstance(names["batch"], str):
-        dims[names["batch"]] = batch
+    if isinstance(names["batch"], str):   # any number of sequences up to ``batch``, costed at it
+        dims[names["batch"]] = DimRange(1, batch, 1, batch) if batch > 1 else 1
     if isinstance(names["sequence"], str):
         dims[names["sequence"]] = DimRange(1, chunk, 1, 1) if chunk > 1 else 1
     if layout.cache == SHARED:

@@ -56,7 +56,7 @@ from meshplan.runtime.tensors import join_microbatches, split_microbatches
 from meshplan.runtime.threads import ThreadChoice, choose_threads
 from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffers, world
 from meshplan.runtime.waiting import set_sleeping
-from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
 
 CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS = range(6)
 END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
@@ -221,7 +221,7 @@ class Job:
 
     def _header(self, op: int, fill=None) -> np.ndarray:
         header = np.zeros(self.header_size, dtype=np.int64)
-        header[0], header[1] = op, self.calls
+        header[0], header[1] = op, -1     # [1]: a call's row (-1: the whole batch)
         if fill is not None:
             fill(header)
         return header
@@ -253,27 +253,58 @@ class Job:
         if getattr(self, "closed", False):
             raise RunError(f"Job.{what}: the job is closed")
 
-    def run(self, inputs: dict[str, np.ndarray], outputs=None) -> dict[str, np.ndarray]:
+    def run(self, inputs: dict[str, np.ndarray], outputs=None, row: int | None = None) -> dict[str, np.ndarray]:
         """One call (driver): ``inputs`` maps the model's inputs to arrays (state inputs may be
         left out: the held state is used; given, they replace it). ``outputs``: the names to
         bring to rank 0 (default: every output that is not state), or a dict of names to
-        slices. Returns those outputs."""
+        slices. Returns those outputs.
+
+        ``row``: a call of one sequence (inputs of batch 1) on row ``row`` of the held state,
+        which it reads and updates where it lies (``row_calls`` says whether the plan allows
+        it): a server prefills one request so while the others' rows stay as they are."""
         self._require_driver("run")
         given_state = {n: v for n, v in inputs.items() if n in self.state_inputs}
         plain = {n: v for n, v in inputs.items() if n not in self.state_inputs}
+        if row is not None:
+            self._check_row(row, given_state)
         wanted = self._wanted(outputs)
-        feeds, values, create = self._check_call(plain, given_state)
+        feeds, values, create = self._check_call(plain, given_state, row)
         if given_state:
             self.set_state(given_state)
         header = self._header(RUN, lambda h: self._fill_run(h, feeds, create, wanted))
+        header[1] = -1 if row is None else row
         self._send_header(header)
         try:
             result = self._run_call(header, feeds)
         except Exception as exc:
             raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
         self.calls += 1
-        self._track_state(values)
+        if row is None:
+            self._track_state(values)
         return result
+
+    @property
+    def row_calls(self) -> bool:
+        """Whether ``run(..., row=r)`` works: every state held on the host, whole along its
+        batch axis on every rank, no microbatches, and a plan whose batch may be 1."""
+        plan = self.plan
+        dim = plan.batch.get("dim")
+        one = self.sizes is None or dim is None or (dim in self.sizes.ranges and self.sizes.ranges[dim].accepts(1)) \
+            or self.sizes.fixed.get(dim) == 1
+        return bool(self.state_entries) and plan.microbatches == 1 and self.buffers is HOST and one \
+            and all(not placement_axes(spec.dims[0]) for spec in self.state_specs.values() if spec.dims)
+
+    def _check_row(self, row: int, given_state: dict) -> None:
+        if not self.row_calls:
+            raise RunError("this plan takes no call of one row (it needs host buffers, no microbatches, the state "
+                           "whole along the batch and a batch that may be 1)")
+        if given_state:
+            raise RunError("a call of one row runs on the held state: give no state with it")
+        shapes = [self.state_shapes.get(name) for name in self.state_inputs]
+        if any(shape is None for shape in shapes):
+            raise RunError("a call of one row needs the state a call of the whole batch made")
+        if not 0 <= row < shapes[0][0]:
+            raise RunError(f"row {row} is outside the held state's batch of {shapes[0][0]}")
 
     def _wanted(self, outputs) -> dict[str, tuple]:
         names = [t.name for t in self.outputs]
@@ -292,9 +323,10 @@ class Job:
             wanted[name] = index
         return wanted
 
-    def _check_call(self, plain: dict, given_state: dict):
+    def _check_call(self, plain: dict, given_state: dict, row: int | None = None):
         """The call's feeds in plan order, every dim's size, and the state to create (its whole
-        shape) — or RunError, one line, before any rank hears of the call."""
+        shape) — or RunError, one line, before any rank hears of the call. A call of one
+        ``row`` sees the state as one row of it."""
         names = {t.name for t in self.inputs}
         extra = sorted(set(plain) - names)
         if extra:
@@ -315,6 +347,8 @@ class Job:
         by_name = {t.name: t for t in self.plan.inputs}
         for name in self.state_inputs:
             shape = np.shape(given_state[name]) if name in given_state else self.state_shapes.get(name)
+            if shape is not None and row is not None:
+                shape = (1, *shape[1:])
             if shape is not None:
                 if name in given_state and np.asarray(given_state[name]).dtype != np.dtype(by_name[name].dtype):
                     raise RunError(f"state '{name}' has dtype {np.asarray(given_state[name]).dtype}, "
@@ -509,7 +543,7 @@ class Job:
                 self.state[name] = b.from_host(np.zeros(spec.local_shape(shape, self.mesh),
                                                         dtype=self._dtype_of(name)))
         micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
-        results = self._microbatches(micro, wanted, origin)
+        results = self._microbatches(micro, wanted, origin, int(header[1]))
         return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
 
     def _dtype_of(self, name: str) -> str:
@@ -542,7 +576,9 @@ class Job:
         found = self._route_cache[key] = (arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes)
         return found
 
-    def _microbatches(self, micro: list[dict], wanted: dict, origin: float) -> list[dict]:
+    def _microbatches(self, micro: list[dict], wanted: dict, origin: float, row: int = -1) -> list[dict]:
+        """The stage's programs on each microbatch; with ``row`` >= 0, on that row of the state
+        (a view of it, updated in place, or written back where the program made a copy)."""
         plan, stage, rank, b, transport = self.plan, self.stage, self.rank, self.buffers, self.transport
         B = plan.microbatches
         arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes = self._routes(wanted)
@@ -562,7 +598,7 @@ class Job:
             for name, local in reads:
                 if name not in self.state:
                     raise RunError(f"state '{name}' is not set on rank {rank}")
-                feeds[local] = self.state[name]
+                feeds[local] = self.state[name] if row < 0 else self.state[name][row:row + 1]
             started = time.perf_counter()
             outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state)
             finished = time.perf_counter()
@@ -575,7 +611,10 @@ class Job:
                 transport.reshard(index, value)
                 self._send(tensor, _nbytes(b, value))
             for name, local in makes:
-                self.state[name] = outs[local]
+                if row < 0:
+                    self.state[name] = outs[local]
+                elif outs[local] is not feeds.get(local_name(name, self.state_specs[name])):
+                    self.state[name][row:row + 1] = np.asarray(b.to_host(outs[local]))
             for i, t in outgoing:
                 data = np.asarray(b.to_host(outs[t.tensor]), order="C")
                 if t.dst_stage == OUTPUT_COLLECTOR:

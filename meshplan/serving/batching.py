@@ -17,7 +17,9 @@ exports): every row shares the call's length, so requests are batched as they ar
 each batch runs until all its requests are done; a request that comes meanwhile waits for
 the next batch.
 
-Both return, per call, the tokens chosen for the rows whose prompt is in.
+Both return, per step, the tokens chosen for the rows whose prompt is in, and list the
+kinds of the calls they made in ``made``: "prompts" (every busy row's prompt at once),
+"row" (one row's), "decode" (one position per row).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class SlotBatch:
         # in a decode call (an idle row one, so that its write lands at position 0)
         self.mask = np.zeros((rows, shape.context), dtype=np.int64)
         self.mask[:, 0] = 1
+        # prompts of requests that join running ones go in by calls of their row alone, where
+        # the stepper can make them (else one token per call, riding along the decode steps)
+        self.row_calls = rows > 1 and bool(getattr(stepper, "row_calls", False))
+        self.made: list[str] = []      # the kinds of the calls made since the engine last looked
         self.stepper.reset()
 
     @property
@@ -96,11 +102,19 @@ class SlotBatch:
     def step(self) -> list[tuple[Work, int]]:
         busy = [(r, w) for r, w in enumerate(self.slots) if w is not None]
         fresh = all(self.lengths[r] == 0 for r, _ in busy)
-        longest = max((len(w.prompt) - w.fed for _, w in busy if w.prefilling), default=0)
+        prefilling = [(r, w) for r, w in busy if w.prefilling]
+        longest = max((len(w.prompt) - w.fed for _, w in prefilling), default=0)
         if longest > 1 and fresh:
             return self._first_prompt(busy, min(longest, self.shape.chunk))
         if longest > 1 and self.rows == 1:
             return self._piece(busy[0], min(longest, self.shape.chunk))
+        if prefilling and self.row_calls:
+            # the earliest request's next piece in a call of its row alone, then a decode step of
+            # the rows whose prompts are in (the others' rows wait: their pad lands at their
+            # length, where their next piece goes)
+            chosen = self._row_piece(*min(prefilling, key=lambda p: p[1].started))
+            decoding = [(r, w) for r, w in busy if not w.prefilling and not any(w is c[0] for c in chosen)]
+            return chosen + (self._one_each(decoding) if decoding else [])
         return self._one_each(busy)
 
     # --- the three kinds of call ----------------------------------------------------------------
@@ -117,6 +131,7 @@ class SlotBatch:
             ids[row, :len(part)], mask[row, :len(part)] = part, 1
             counts[row] = len(part)
         last = width - int(counts.min()) + 1
+        self.made.append("prompts")
         window = self.stepper.step(self._feeds(ids, mask, np.zeros(self.rows, dtype=np.int64)), last)
         chosen = []
         for row, work in busy:
@@ -136,6 +151,7 @@ class SlotBatch:
         start = int(self.lengths[row])
         part = work.prompt[work.fed:work.fed + width]
         self.mask[row, :start + width] = 1
+        self.made.append("row")
         window = self.stepper.step(self._feeds(np.array([part], dtype=np.int64), self.mask,
                                                np.array([start], dtype=np.int64)), 1)
         work.fed += width
@@ -143,12 +159,27 @@ class SlotBatch:
         self.mask[row, int(self.lengths[row])] = 1 if self.lengths[row] < self.shape.context else 0
         return [(work, self._choose(work, window[row, -1]))] if not work.prefilling else []
 
+    def _row_piece(self, row: int, work: Work) -> list[tuple[Work, int]]:
+        """The next prompt tokens of one row, in a call of that row alone (batch 1: onnxruntime
+        takes several positions after a past there), up to the plan's longest call."""
+        start = int(self.lengths[row])
+        width = min(len(work.prompt) - work.fed, self.shape.chunk, self.shape.context - start)
+        ids = np.array([work.prompt[work.fed:work.fed + width]], dtype=np.int64)
+        self.made.append("row")
+        window = self.stepper.step(self._feeds(ids, np.ones((1, start + width), dtype=np.int64),
+                                               np.array([start], dtype=np.int64)), 1, row=row)
+        work.fed += width
+        self.lengths[row] += width
+        self.mask[row, :min(int(self.lengths[row]) + 1, self.shape.context)] = 1
+        return [(work, self._choose(work, window[0, -1]))] if not work.prefilling else []
+
     def _one_each(self, busy) -> list[tuple[Work, int]]:
         """One new position per row: a prompt token or the last chosen one (idle rows a pad
         at position 0)."""
         ids = np.full((self.rows, 1), self.pad_id, dtype=np.int64)
         for row, work in busy:
             ids[row, 0] = work.prompt[work.fed] if work.prefilling else work.ids[-1]
+        self.made.append("decode")
         window = self.stepper.step(self._feeds(ids, self.mask, self.lengths.copy()), 1)
         chosen = []
         for row, work in busy:
@@ -183,6 +214,7 @@ class RunToCompletion:
         self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
         self.slots: list[Work | None] = [None] * rows
         self.live: list[bool] = [False] * rows
+        self.made: list[str] = []
         self.mask = self.ids = None
         self.total = 0
 
@@ -225,6 +257,7 @@ class RunToCompletion:
         longest = self.ids.shape[1]
         if self.total < longest:   # the prompts, in pieces of the plan's longest call
             stop = min(self.total + self.shape.chunk, longest)
+            self.made.append("prompts")
             window = self.stepper.step(self._feeds(self.ids[:, self.total:stop], self.mask[:, :stop]), 1)
             self.total = stop
             if stop < longest:
@@ -238,6 +271,7 @@ class RunToCompletion:
                 if self.live[r] and work.ids:
                     fed[i, 0] = work.ids[-1]
             self.mask = np.concatenate([self.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+            self.made.append("decode")
             window = self.stepper.step(self._feeds(fed, self.mask), 1)
             self.total += 1
         return [(self.slots[r], SlotBatch._choose(self.slots[r], window[i, -1]))

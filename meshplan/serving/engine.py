@@ -71,8 +71,10 @@ class Engine:
                 if not self.batch.busy:   # all waiting were cancelled
                     continue
                 chosen = self.batch.step()
-                self.calls += 1
-                self.metrics.steps.inc()
+                for kind in self.batch.made:
+                    self.calls += 1
+                    self.metrics.calls.labels(kind).inc()
+                self.batch.made.clear()
                 for work, token in chosen:
                     self._deliver(work, token)
         except BaseException as exc:

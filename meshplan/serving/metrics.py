@@ -26,7 +26,8 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("meshplan_prompt_tokens", "Prompt tokens taken", registry=r)
         self.output_tokens = Counter("meshplan_generation_tokens", "Tokens generated", registry=r)
-        self.steps = Counter("meshplan_model_calls", "Calls of the model (each a step of every busy slot)",
+        self.calls = Counter("meshplan_model_calls", "Calls of the model, by kind: every busy slot's prompt "
+                             "(prompts), one slot's prompt (row), one position per slot (decode)", ["kind"],
                              registry=r)
         self.rate = Gauge("meshplan_output_tokens_per_second",
                           f"Tokens generated per second over the last {WINDOW_SECONDS:.0f} s", registry=r)
