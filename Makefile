@@ -1,4 +1,5 @@
-# meshplan: `make demo` runs the main job on a sample model, `make test` runs the tests.
+# meshplan: `make demo` runs the main job on a sample model, `make test` runs the tests,
+# `make serve` serves a sample LLM with the OpenAI API.
 # Both create the virtual environment (.venv) first when it is missing or stale: it holds
 # exactly the versions in uv.lock (the set the tests passed with), installed by uv, which
 # `make` itself installs into .tools/ at a pinned version. `make lock` re-resolves uv.lock
@@ -19,7 +20,7 @@ DEMO := demo
 # uv uses the interpreter $(PYTHON) names and never downloads one.
 UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PROJECT_ENVIRONMENT=$(VENV)
 
-.PHONY: all venv demo test test-all bench clean samples lock
+.PHONY: all venv demo serve test test-all bench clean samples lock
 
 all: test
 
@@ -44,6 +45,13 @@ demo: $(STAMP)
 	$(BIN)/meshplan plan $(DEMO_MODEL) --mesh $(MESH) --device cpu $(DEMO_DIMS) --microbatches 4 --profile $(DEMO)/profile.json -o $(DEMO)/plan
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n $(NP) $(BIN)/meshplan run $(DEMO)/plan --inputs $(DEMO)/inputs.npz --output $(DEMO)/outputs.npz --repeat 5 --trace $(DEMO)/trace.json
 	$(BIN)/meshplan verify $(DEMO)/plan --inputs $(DEMO)/inputs.npz --outputs $(DEMO)/outputs.npz
+
+# the sample builder Llama, 4 slots on 1x2 (heads and cache split), served on localhost:$(PORT)
+PORT ?= 8000
+SERVE_MODEL ?= sample_models/genai/llama_fp32/model.onnx
+serve: $(STAMP)
+	$(BIN)/meshplan plan $(SERVE_MODEL) --mesh 1x2 --generate --batch 4 --max-length 256 --policy megatron --max-stages 1 -o $(DEMO)/serve_plan
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n 2 $(BIN)/meshplan serve $(DEMO)/serve_plan --port $(PORT)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q

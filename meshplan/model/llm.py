@@ -158,9 +158,9 @@ def _dim_names(value: onnx.ValueInfoProto) -> list:
 def generation_dims(layout: LlmLayout, batch: int, max_length: int, chunk: int) -> dict:
     """The sizes a plan for generation is made for: 1 to ``batch`` sequences (costed at
     ``batch``: a call of fewer runs at its own size, and a server prefills one sequence's
-    row alone), prompts fed in
-    pieces of up to ``chunk`` positions, every call costed at a decode step (one new
-    position) with the cache at ``max_length`` — the longest it gets, counted in memory."""
+    row alone), prompts fed in pieces of up to ``chunk`` positions, every call costed at a
+    decode step (one new position) with the cache at ``max_length`` — the longest it gets,
+    counted in memory."""
     if max_length < 2:
         raise ModelError(f"--max-length must be at least 2, got {max_length}")
     chunk = max(1, min(chunk, max_length))

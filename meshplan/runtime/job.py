@@ -29,6 +29,10 @@ positions past a sequence's length then keep what they held instead of onnxrunti
 zeros (attention never reads them). ``meshplan generate`` runs so; ``meshplan run``
 does not, so that its state outputs are onnxruntime's to the bit.
 
+A call of one sequence (``run(..., row=r)``, where ``row_calls`` allows it) runs on row
+``r`` of the held state, a view of it updated in place: ``meshplan serve`` prefills a
+request that joins running ones so, in its own row, while the other rows keep theirs.
+
 Only what rank 0 asks for reaches it: ``run(..., outputs=[names])`` or a dict of names to
 slices (``{"logits": np.s_[:, -1:]}``: the source rank cuts the slice before sending).
 Every rank counts the bytes it sends per tensor during each call (``moved_bytes``).
