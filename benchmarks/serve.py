@@ -198,6 +198,7 @@ def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
 
         def __init__(self):
             self.work = self.generator = None
+            self.made = []     # the kinds of calls made (the engine counts them)
 
         @property
         def busy(self):
@@ -222,6 +223,9 @@ def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
             if self.fresh:
                 self.generator.append_tokens([self.work.prompt])
                 self.fresh = False
+                self.made.append("prompts")
+            else:
+                self.made.append("decode")
             self.generator.generate_next_token()
             return [(self.work, int(self.generator.get_next_tokens()[0]))]
 
@@ -314,6 +318,9 @@ def main() -> None:
         finally:
             server.stop()
         rows.append(row)
+        if not row["output_tokens"]:
+            print(f"{name:14s} every request failed: {row['errors']}", flush=True)
+            continue
         print(f"{name:14s} {row['tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} ms "
               f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {row['tpot_p50_s'] * 1e3:6.1f} ms "
               f"p99 {row['tpot_p99_s'] * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "

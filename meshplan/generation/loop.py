@@ -275,16 +275,19 @@ class Generation:
                 sequence.done = True
 
     def _feeds(self, ids: np.ndarray, mask: np.ndarray, start: int) -> dict[str, np.ndarray]:
-        """A call's inputs: ``ids`` [batch, new positions], the mask of every position so
-        far; position ids count the real tokens before each new one."""
-        shape = self.shape
-        feeds = {shape.input_ids: np.ascontiguousarray(ids)}
-        if shape.attention_mask:
-            feeds[shape.attention_mask] = np.ascontiguousarray(mask)
-        if shape.position_ids:
-            positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -ids.shape[1]:]
-            feeds[shape.position_ids] = np.ascontiguousarray(positions.astype(np.int64))
-        return feeds
+        return call_feeds(self.shape, ids, mask)
+
+
+def call_feeds(shape: GenerationShape, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    """A call's inputs: ``ids`` [batch, new positions], the mask of every position so far;
+    position ids count the real tokens before each new one."""
+    feeds = {shape.input_ids: np.ascontiguousarray(ids)}
+    if shape.attention_mask:
+        feeds[shape.attention_mask] = np.ascontiguousarray(mask)
+    if shape.position_ids:
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -ids.shape[1]:]
+        feeds[shape.position_ids] = np.ascontiguousarray(positions.astype(np.int64))
+    return feeds
 
 
 class SessionStepper:

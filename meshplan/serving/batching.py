@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from meshplan.generation.loop import GenerationShape
+from meshplan.generation.loop import GenerationShape, call_feeds
 from meshplan.generation.sampling import Sampler
 
 
@@ -278,14 +278,7 @@ class RunToCompletion:
                 for i, r in enumerate(rows) if self.live[r]]
 
     def _feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        shape = self.shape
-        feeds = {shape.input_ids: np.ascontiguousarray(ids)}
-        if shape.attention_mask:
-            feeds[shape.attention_mask] = np.ascontiguousarray(mask)
-        if shape.position_ids:
-            positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -ids.shape[1]:]
-            feeds[shape.position_ids] = np.ascontiguousarray(positions)
-        return feeds
+        return call_feeds(self.shape, ids, mask)
 
 
 def batch_for(shape: GenerationShape, stepper, pad_id: int):
