@@ -172,10 +172,15 @@ def load(url: str, requests: list[dict], clients: int, pid: int | None = None) -
 
 
 def make_requests(count: int, vocab: int, prompt_lengths: tuple[int, int], new_tokens: tuple[int, int],
-                  seed: int = 0) -> list[dict]:
+                  context: int, seed: int = 0) -> list[dict]:
+    """Random prompts and token counts, each within the context."""
     rng = random.Random(seed)
-    return [{"prompt": [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lengths))],
-             "max_tokens": rng.randint(*new_tokens), "temperature": 0} for _ in range(count)]
+    found = []
+    for _ in range(count):
+        prompt = [rng.randrange(3, vocab) for _ in range(min(rng.randint(*prompt_lengths), context - 2))]
+        found.append({"prompt": prompt, "max_tokens": min(rng.randint(*new_tokens), context - len(prompt)),
+                      "temperature": 0})
+    return found
 
 
 def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
@@ -294,7 +299,7 @@ def main() -> None:
     vocab = config["model"]["vocab_size"]
     lo, hi = map(int, args.prompt_lengths.split(":"))
     new_lo, new_hi = map(int, args.new_tokens.split(":"))
-    requests = make_requests(args.requests, vocab, (lo, hi), (new_lo, new_hi))
+    requests = make_requests(args.requests, vocab, (lo, hi), (new_lo, new_hi), args.max_length)
     serve = [str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "serve", "--port", "0",
              "--max-queue", str(args.requests + 1)]
     servers = {
@@ -311,7 +316,7 @@ def main() -> None:
             continue
         server = start()
         try:
-            load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), seed=1), 2)   # warm
+            load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), args.max_length, seed=1), 2)   # warm
             before = rss_bytes(server.pid)
             row = {"server": name, **load(server.url, requests, args.clients, server.pid)}
             row["rss_before_mb"] = before / 2**20

@@ -25,7 +25,7 @@ import pytest
 
 from meshplan.generation.driver import load_tokenizer
 from sample_models import SAMPLE_DIR
-from tests.conftest import run_cli, run_mpi
+from tests.conftest import run_cli, run_mpi, run_mpi_script
 from tests.serving import Served
 
 pytestmark = pytest.mark.mpi
@@ -324,3 +324,9 @@ def test_start_up_errors_are_one_line(batch4, tmp_path_factory):
     assert run_cli("plan", SAMPLE_DIR / "mlp.onnx", "--mesh", "1x2", "--dim", "batch=4", "-o", no_cache).returncode == 0
     done = run_mpi(2, "serve", no_cache, "--port", "0", timeout=120)
     assert done.returncode == 1 and "no key/value cache" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_calls_of_one_row_through_the_job(tmp_path_factory):
+    plan_dir = plan(tmp_path_factory, "rows", LLAMA / "model.onnx", "--batch", "2")
+    lines = run_mpi_script("row_calls_case.py", ranks=2, args=[plan_dir])
+    assert len(lines) == 2

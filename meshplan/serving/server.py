@@ -156,6 +156,15 @@ def _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: (stop.set(), engine.wake.set()))
+    http_ended = threading.Event()
+
+    def watch() -> None:   # an HTTP server that ends on its own stops the engine too
+        thread.join()
+        if not stop.is_set():
+            http_ended.set()
+            stop.set()
+            engine.wake.set()
+    threading.Thread(target=watch, name="http-watch", daemon=True).start()
     host, port = sock.getsockname()[:2]
     if on_started is not None:
         on_started(Started(f"http://{host}:{port}", name, job.size, batch.rows, isinstance(batch, SlotBatch),
@@ -171,6 +180,8 @@ def _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started
         raise
     _stop_http(server, thread)
     job.close()
+    if http_ended.is_set():
+        raise RunError("the HTTP server stopped on its own")
     return 0
 
 
