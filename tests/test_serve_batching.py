@@ -172,3 +172,35 @@ def test_a_joining_prompt_goes_in_by_row_calls_of_whole_pieces(setups):
     assert got == [alone(*reference, PROMPTS[0], 10), alone(*reference, long, 3)]
     rows = [(row, s) for row, s in calls if row is not None]
     assert rows == [(1, (1, CHUNK)), (1, (1, 3))]      # its prompt in two calls of its row
+
+
+def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups):
+    """Random schedules (hypothesis): requests of random prompts and lengths arriving at
+    random steps into 3 slots, prompts by row calls or token by token."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    shape, stepper = setups("llama_fp32", 3)
+    reference = setups("llama_fp32", 1)
+    memo: dict[tuple, list[int]] = {}
+
+    def expected(prompt: list[int], count: int) -> list[int]:
+        key = tuple(prompt)
+        if key not in memo:   # greedy: fewer tokens are a prefix of more
+            memo[key] = alone(*reference, prompt, 8)
+        return memo[key][:count]
+
+    request = st.tuples(st.lists(st.integers(3, 319), min_size=1, max_size=20), st.integers(1, 8),
+                        st.integers(0, 10))
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(request, min_size=1, max_size=6), st.booleans())
+    def check(requests, rows_alone):
+        arrivals: dict[int, list] = {}
+        for prompt, count, step in requests:
+            arrivals.setdefault(step, []).append((prompt, count))
+        batch = batch_for(shape, stepper, 0)
+        batch.row_calls = rows_alone
+        got, _ = drive(batch, arrivals)
+        assert got == [expected(p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
+
+    check()

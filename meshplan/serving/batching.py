@@ -104,7 +104,7 @@ class SlotBatch:
         fresh = all(self.lengths[r] == 0 for r, _ in busy)
         prefilling = [(r, w) for r, w in busy if w.prefilling]
         longest = max((len(w.prompt) - w.fed for _, w in prefilling), default=0)
-        if longest > 1 and fresh:
+        if prefilling and fresh:   # (also the call that makes the state, before any row call)
             return self._first_prompt(busy, min(longest, self.shape.chunk))
         if longest > 1 and self.rows == 1:
             return self._piece(busy[0], min(longest, self.shape.chunk))
