@@ -232,6 +232,22 @@ def test_a_client_that_goes_away_frees_its_slot(server):
     assert generated < 240, generated
 
 
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(server):
+    import openai
+
+    before = server.metric("meshplan_generation_tokens_total")
+    cancelled = server.metric("meshplan_requests_total", '{outcome="cancelled"}')
+    with pytest.raises(openai.APITimeoutError):
+        server.client().with_options(timeout=0.03).completions.create(model=MODEL, prompt=PROMPT, max_tokens=240,
+                                                                     temperature=0)
+    deadline = time.monotonic() + 10
+    while server.metric("meshplan_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.metric("meshplan_requests_running") == 0
+    assert server.metric("meshplan_requests_total", '{outcome="cancelled"}') == cancelled + 1
+    assert server.metric("meshplan_generation_tokens_total") - before < 240
+
+
 def test_full_queue_answers_429_and_sigterm_finishes_what_runs(batch1):
     import openai
 

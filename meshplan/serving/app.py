@@ -20,7 +20,6 @@ from meshplan.serving.engine import QueueFull, Stopping
 from meshplan.serving.protocol import BadRequest, parse_body, read_submission
 
 RETRY_AFTER_SECONDS = 1
-DISCONNECT_POLL_SECONDS = 0.25
 
 
 def build_app(engine, limits, metrics, started: float | None = None):
@@ -76,15 +75,16 @@ def build_app(engine, limits, metrics, started: float | None = None):
             return StreamingResponse(_stream(engine, work, events, shape, submission.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, ids = [], []
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.cancel(work)
-                        return Response(status_code=499)
-                    continue
+                getter = asyncio.ensure_future(events.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():   # the client went away: its slot is freed at the next step
+                    getter.cancel()
+                    engine.cancel(work)
+                    return Response(status_code=499)
+                event = getter.result()
                 if event[0] == "token":
                     text.append(event[1])
                     ids.append(event[2])
@@ -93,6 +93,7 @@ def build_app(engine, limits, metrics, started: float | None = None):
                 else:
                     return error(BadRequest(event[1], status=event[2], kind="server_error"))
         finally:
+            gone.cancel()
             if work.finished is None:
                 engine.cancel(work)
 
@@ -135,6 +136,12 @@ class _Shape:
     def usage(self, usage: dict) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": usage}
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client disconnects (the body was read: what comes next is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(data: dict | str) -> str:
