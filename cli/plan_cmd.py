@@ -117,7 +117,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             if not Path(model).is_file():
                 raise ModelError(f"model file not found: {model}")
             dims, chosen = generation_plan_dims(model, gen_batch, max_length, prefill_chunk, dims, state)
-            click.echo(f"generation: batch {chosen['batch']}, context {chosen['max_length']} positions, prompts in "
+            click.echo(f"generation: {chosen['batch_text']}, context {chosen['max_length']} positions, prompts in "
                        f"pieces of up to {chosen['prefill_chunk']}; costed at a decode step with the cache full; "
                        f"{'a shared cache buffer' if chosen['cache'] == 'shared' else 'a growing cache'}, prompts "
                        f"padded on the {chosen['padding']}")

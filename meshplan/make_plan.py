@@ -287,8 +287,10 @@ def generation_plan_dims(model_path: str | os.PathLike, batch: int = 1, max_leng
             derive_dims(header, split_dims(dims))
         except ModelError:
             dims[layout.dims["batch"]] = batch
+    ranged = not isinstance(dims.get(layout.dims["batch"], batch), int)
     chosen = {"batch": batch, "max_length": max_length, "prefill_chunk": chunk, "cache": layout.cache,
-              "padding": layout.padding_side}
+              "padding": layout.padding_side,
+              "batch_text": f"1 to {batch} sequences (costed at {batch})" if ranged else f"batch {batch}"}
     return dims, chosen
 
 
