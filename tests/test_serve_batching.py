@@ -170,8 +170,33 @@ def test_a_joining_prompt_goes_in_by_row_calls_of_whole_pieces(setups):
     got, _ = drive(batch_for(shape, stepper, 0), {0: [(PROMPTS[0], 10)], 2: [(long, 3)]})
     reference = setups("llama_fp32", 1)
     assert got == [alone(*reference, PROMPTS[0], 10), alone(*reference, long, 3)]
-    rows = [(row, s) for row, s in calls if row is not None]
-    assert rows == [(1, (1, CHUNK)), (1, (1, 3))]      # its prompt in two calls of its row
+    assert [(row, s) for row, s in calls if row] == [(1, (1, CHUNK)), (1, (1, 3))]   # its prompt: two calls of its row
+    assert calls[0] == (None, (4, len(PROMPTS[0])))    # the call that makes the cache covers every row
+    assert calls[1] == (0, (1, 1))                     # then the lone request decodes at batch 1
+    assert (0, (2, 1)) in calls                        # and both busy rows together
+
+
+def test_calls_cover_the_rows_up_to_the_last_busy_one(setups):
+    shape, stepper = setups("llama_fp32", 4)
+    widths = []
+    original = stepper.step
+    stepper.step = lambda feeds, last, row=None: (widths.append(len(feeds[shape.input_ids])),
+                                                   original(feeds, last, row))[1]
+    batch = batch_for(shape, stepper, 0)
+    works = [Work(p, 6, Sampler()) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[3])]
+    for work in works:
+        batch.admit(work)
+    for _ in range(2):
+        for work, token in batch.step():
+            work.ids.append(token)
+    batch.release(works[2])           # the last busy row leaves: calls shrink to two rows
+    widths.clear()
+    batch.step()
+    batch.release(works[0])           # a hole below the last busy row: still two rows
+    batch.step()
+    assert widths == [2, 2]
+    batch.admit(Work(PROMPTS[4], 3, Sampler()))   # takes the lowest free slot, row 0
+    assert batch.slots[0] is not None and batch.slots[0].prompt == PROMPTS[4]
 
 
 def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups):

@@ -304,11 +304,13 @@ class SessionStepper:
     row_calls = True
 
     def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
-        """``row``: a call of one sequence on that row of the cache (written back into it)."""
+        """``row``: a call of the feeds' batch of sequences on the rows of the cache from
+        ``row`` on (written back into them)."""
         if row is not None:
-            outputs = self._run({**feeds, **{name: value[row:row + 1] for name, value in self.cache.items()}})
+            window = slice(row, row + len(feeds[self.shape.input_ids]))
+            outputs = self._run({**feeds, **{name: value[window] for name, value in self.cache.items()}})
             for output, name in self.shape.state.items():
-                self.cache[name][row:row + 1] = outputs[output]
+                self.cache[name][window] = outputs[output]
             return np.asarray(outputs["logits"])[:, -last:]
         if self.cache is None:
             self.cache = self.empty_cache(len(feeds[self.shape.input_ids]))

@@ -29,9 +29,11 @@ positions past a sequence's length then keep what they held instead of onnxrunti
 zeros (attention never reads them). ``meshplan generate`` runs so; ``meshplan run``
 does not, so that its state outputs are onnxruntime's to the bit.
 
-A call of one sequence (``run(..., row=r)``, where ``row_calls`` allows it) runs on row
-``r`` of the held state, a view of it updated in place: ``meshplan serve`` prefills a
-request that joins running ones so, in its own row, while the other rows keep theirs.
+A call of fewer sequences than the held state's batch (``run(..., row=r)``, where
+``row_calls`` allows it) runs on rows ``r`` to ``r`` + its batch - 1 of the held state, a
+view of them updated in place: ``meshplan serve`` prefills a request that joins running
+ones in its own row while the other rows keep theirs, and decodes only the rows up to the
+last busy one.
 
 Only what rank 0 asks for reaches it: ``run(..., outputs=[names])`` or a dict of names to
 slices (``{"logits": np.s_[:, -1:]}``: the source rank cuts the slice before sending).
@@ -65,6 +67,7 @@ from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
 CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS = range(6)
 END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
 _SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
+_ROWS = 1 << 32     # a call of some rows: header[1] = first row * _ROWS + their count
 
 
 @dataclass
@@ -225,7 +228,7 @@ class Job:
 
     def _header(self, op: int, fill=None) -> np.ndarray:
         header = np.zeros(self.header_size, dtype=np.int64)
-        header[0], header[1] = op, -1     # [1]: a call's row (-1: the whole batch)
+        header[0], header[1] = op, -1     # [1]: a call's rows (_ROWS), -1: the whole batch
         if fill is not None:
             fill(header)
         return header
@@ -263,20 +266,20 @@ class Job:
         bring to rank 0 (default: every output that is not state), or a dict of names to
         slices. Returns those outputs.
 
-        ``row``: a call of one sequence (inputs of batch 1) on row ``row`` of the held state,
-        which it reads and updates where it lies (``row_calls`` says whether the plan allows
-        it): a server prefills one request so while the others' rows stay as they are."""
+        ``row``: a call of the inputs' batch of sequences on the rows of the held state from
+        ``row`` on, which it reads and updates where they lie (``row_calls`` says whether the
+        plan allows it): a server prefills one request so while the others' rows stay as they
+        are."""
         self._require_driver("run")
         given_state = {n: v for n, v in inputs.items() if n in self.state_inputs}
         plain = {n: v for n, v in inputs.items() if n not in self.state_inputs}
-        if row is not None:
-            self._check_row(row, given_state)
+        count = self._check_rows(row, plain, given_state) if row is not None else None
         wanted = self._wanted(outputs)
-        feeds, values, create = self._check_call(plain, given_state, row)
+        feeds, values, create = self._check_call(plain, given_state, count)
         if given_state:
             self.set_state(given_state)
         header = self._header(RUN, lambda h: self._fill_run(h, feeds, create, wanted))
-        header[1] = -1 if row is None else row
+        header[1] = -1 if row is None else row * _ROWS + count
         self._send_header(header)
         try:
             result = self._run_call(header, feeds)
@@ -293,22 +296,30 @@ class Job:
         batch axis on every rank, no microbatches, and a plan whose batch may be 1."""
         plan = self.plan
         dim = plan.batch.get("dim")
-        one = self.sizes is None or dim is None or (dim in self.sizes.ranges and self.sizes.ranges[dim].accepts(1)) \
-            or self.sizes.fixed.get(dim) == 1
+        one = self.sizes is not None and dim is not None and (
+            (dim in self.sizes.ranges and self.sizes.ranges[dim].accepts(1)) or self.sizes.fixed.get(dim) == 1)
         return bool(self.state_entries) and plan.microbatches == 1 and self.buffers is HOST and one \
             and all(not placement_axes(spec.dims[0]) for spec in self.state_specs.values() if spec.dims)
 
-    def _check_row(self, row: int, given_state: dict) -> None:
+    def _check_rows(self, row: int, plain: dict, given_state: dict) -> int:
+        """The number of rows a call from ``row`` covers (its inputs' batch), or RunError."""
         if not self.row_calls:
-            raise RunError("this plan takes no call of one row (it needs host buffers, no microbatches, the state "
+            raise RunError("this plan takes no call of some rows (it needs host buffers, no microbatches, the state "
                            "whole along the batch and a batch that may be 1)")
         if given_state:
-            raise RunError("a call of one row runs on the held state: give no state with it")
+            raise RunError("a call of some rows runs on the held state: give no state with it")
         shapes = [self.state_shapes.get(name) for name in self.state_inputs]
         if any(shape is None for shape in shapes):
-            raise RunError("a call of one row needs the state a call of the whole batch made")
-        if not 0 <= row < shapes[0][0]:
-            raise RunError(f"row {row} is outside the held state's batch of {shapes[0][0]}")
+            raise RunError("a call of some rows needs the state a call of the whole batch made")
+        dim = self.plan.batch["dim"]
+        counts = {int(np.shape(plain[spec.name])[0]) for spec in self.inputs
+                  if spec.shape and spec.shape[0] == dim and spec.name in plain and np.ndim(plain[spec.name])}
+        if len(counts) != 1:
+            raise RunError(f"a call of some rows needs inputs whose first dim is the batch ({dim})")
+        count = counts.pop()
+        if not (0 <= row and row + count <= shapes[0][0]):
+            raise RunError(f"rows {row} to {row + count - 1} are outside the held state's batch of {shapes[0][0]}")
+        return count
 
     def _wanted(self, outputs) -> dict[str, tuple]:
         names = [t.name for t in self.outputs]
@@ -327,10 +338,10 @@ class Job:
             wanted[name] = index
         return wanted
 
-    def _check_call(self, plain: dict, given_state: dict, row: int | None = None):
+    def _check_call(self, plain: dict, given_state: dict, rows: int | None = None):
         """The call's feeds in plan order, every dim's size, and the state to create (its whole
-        shape) — or RunError, one line, before any rank hears of the call. A call of one
-        ``row`` sees the state as one row of it."""
+        shape) — or RunError, one line, before any rank hears of the call. A call of some
+        ``rows`` sees the state as that many rows of it."""
         names = {t.name for t in self.inputs}
         extra = sorted(set(plain) - names)
         if extra:
@@ -351,8 +362,8 @@ class Job:
         by_name = {t.name: t for t in self.plan.inputs}
         for name in self.state_inputs:
             shape = np.shape(given_state[name]) if name in given_state else self.state_shapes.get(name)
-            if shape is not None and row is not None:
-                shape = (1, *shape[1:])
+            if shape is not None and rows is not None:
+                shape = (rows, *shape[1:])
             if shape is not None:
                 if name in given_state and np.asarray(given_state[name]).dtype != np.dtype(by_name[name].dtype):
                     raise RunError(f"state '{name}' has dtype {np.asarray(given_state[name]).dtype}, "
@@ -580,9 +591,11 @@ class Job:
         found = self._route_cache[key] = (arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes)
         return found
 
-    def _microbatches(self, micro: list[dict], wanted: dict, origin: float, row: int = -1) -> list[dict]:
-        """The stage's programs on each microbatch; with ``row`` >= 0, on that row of the state
-        (a view of it, updated in place, or written back where the program made a copy)."""
+    def _microbatches(self, micro: list[dict], wanted: dict, origin: float, rows: int = -1) -> list[dict]:
+        """The stage's programs on each microbatch; with ``rows`` >= 0 (``_ROWS``: the first
+        row and the count), on those rows of the state (a view of them, updated in place, or
+        written back where the program made a copy)."""
+        window = slice(rows // _ROWS, rows // _ROWS + rows % _ROWS) if rows >= 0 else None
         plan, stage, rank, b, transport = self.plan, self.stage, self.rank, self.buffers, self.transport
         B = plan.microbatches
         arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes = self._routes(wanted)
@@ -602,7 +615,7 @@ class Job:
             for name, local in reads:
                 if name not in self.state:
                     raise RunError(f"state '{name}' is not set on rank {rank}")
-                feeds[local] = self.state[name] if row < 0 else self.state[name][row:row + 1]
+                feeds[local] = self.state[name] if window is None else self.state[name][window]
             started = time.perf_counter()
             outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state)
             finished = time.perf_counter()
@@ -615,10 +628,10 @@ class Job:
                 transport.reshard(index, value)
                 self._send(tensor, _nbytes(b, value))
             for name, local in makes:
-                if row < 0:
+                if window is None:
                     self.state[name] = outs[local]
                 elif outs[local] is not feeds.get(local_name(name, self.state_specs[name])):
-                    self.state[name][row:row + 1] = np.asarray(b.to_host(outs[local]))
+                    self.state[name][window] = np.asarray(b.to_host(outs[local]))
             for i, t in outgoing:
                 data = np.asarray(b.to_host(outs[t.tensor]), order="C")
                 if t.dst_stage == OUTPUT_COLLECTOR:

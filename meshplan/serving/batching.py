@@ -12,6 +12,10 @@ onnxruntime's GroupQueryAttention takes a call of several new positions per row 
 the plan's longest call) when every busy row is new or the plan's batch is 1, and one
 token per call otherwise, riding along with the other rows' decode steps.
 
+Where the stepper can call some rows of the cache (``Job.row_calls``), requests take the
+lowest free slot and a call covers only the rows up to the last busy one: a lone request
+on a plan of 8 slots decodes at batch 1.
+
 ``RunToCompletion`` (a cache that grows by one position per call, optimum and torch
 exports): every row shares the call's length, so requests are batched as they arrive and
 each batch runs until all its requests are done; a request that comes meanwhile waits for
@@ -74,6 +78,7 @@ class SlotBatch:
         self.row_calls = rows > 1 and bool(getattr(stepper, "row_calls", False))
         self.made: list[str] = []      # the kinds of the calls made since the engine last looked
         self.stepper.reset()
+        self.state_made = False        # a call of every row made the cache (row calls need it)
 
     @property
     def busy(self) -> list[Work]:
@@ -119,12 +124,25 @@ class SlotBatch:
 
     # --- the three kinds of call ----------------------------------------------------------------
 
+    def _span(self, busy) -> int:
+        """How many rows a call covers: the rows up to the last busy one (requests take the
+        lowest free slot), where the stepper can call some rows, else all."""
+        if not self.row_calls or not self.state_made:
+            return self.rows
+        return max(r for r, _ in busy) + 1
+
+    def _call(self, feeds: dict, last: int, span: int) -> np.ndarray:
+        window = self.stepper.step(feeds, last, row=0) if span < self.rows else self.stepper.step(feeds, last)
+        self.state_made = True
+        return window
+
     def _first_prompt(self, busy, width: int) -> list[tuple[Work, int]]:
         """Every busy row new: up to ``width`` prompt tokens each, padded on the right; the
         mask is as wide as the call (onnxruntime's first prompt: every row's past empty)."""
-        ids = np.full((self.rows, width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((self.rows, width), dtype=np.int64)
-        counts = np.ones(self.rows, dtype=np.int64)
+        span = self._span(busy)
+        ids = np.full((span, width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((span, width), dtype=np.int64)
+        counts = np.ones(span, dtype=np.int64)
         mask[:, 0] = 1
         for row, work in busy:
             part = work.prompt[work.fed:work.fed + width]
@@ -132,7 +150,7 @@ class SlotBatch:
             counts[row] = len(part)
         last = width - int(counts.min()) + 1
         self.made.append("prompts")
-        window = self.stepper.step(self._feeds(ids, mask, np.zeros(self.rows, dtype=np.int64)), last)
+        window = self._call(self._feeds(ids, mask, np.zeros(span, dtype=np.int64)), last, span)
         chosen = []
         for row, work in busy:
             n = int(counts[row])
@@ -152,8 +170,8 @@ class SlotBatch:
         part = work.prompt[work.fed:work.fed + width]
         self.mask[row, :start + width] = 1
         self.made.append("row")
-        window = self.stepper.step(self._feeds(np.array([part], dtype=np.int64), self.mask,
-                                               np.array([start], dtype=np.int64)), 1)
+        window = self._call(self._feeds(np.array([part], dtype=np.int64), self.mask,
+                                        np.array([start], dtype=np.int64)), 1, self.rows)
         work.fed += width
         self.lengths[row] += width
         self.mask[row, int(self.lengths[row])] = 1 if self.lengths[row] < self.shape.context else 0
@@ -176,11 +194,12 @@ class SlotBatch:
     def _one_each(self, busy) -> list[tuple[Work, int]]:
         """One new position per row: a prompt token or the last chosen one (idle rows a pad
         at position 0)."""
-        ids = np.full((self.rows, 1), self.pad_id, dtype=np.int64)
+        span = self._span(busy)
+        ids = np.full((span, 1), self.pad_id, dtype=np.int64)
         for row, work in busy:
             ids[row, 0] = work.prompt[work.fed] if work.prefilling else work.ids[-1]
         self.made.append("decode")
-        window = self.stepper.step(self._feeds(ids, self.mask, self.lengths.copy()), 1)
+        window = self._call(self._feeds(ids, self.mask[:span], self.lengths[:span].copy()), 1, span)
         chosen = []
         for row, work in busy:
             if work.prefilling:
