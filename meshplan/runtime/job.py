@@ -68,6 +68,7 @@ CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS = range(6)
 END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
 _SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
 _ROWS = 1 << 32     # a call of some rows: header[1] = first row * _ROWS + their count
+_SIZED_KEPT = 512   # calls' checked sizes kept (by shapes): a decode loop's few, a prompt's pieces
 
 
 @dataclass
@@ -183,6 +184,10 @@ class Job:
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
         self.state_shapes: dict[str, tuple | None] = {}   # on rank 0: each state's whole shape, where known
         self._route_cache: dict[frozenset, tuple] = {}     # ``_routes`` by the set of wanted outputs
+        self._sized: dict[tuple, tuple] = {}    # ``_check_call``'s sizes by the call's shapes (and the state's)
+        self._tracked = None                   # the sizes ``_track_state`` last followed
+        self._last_key = None                  # the last call's shapes (``_check_call``)
+        self._headers: dict[tuple, np.ndarray] = {}   # RUN headers by shapes and wanted outputs
         self.calls = 0
         self.sent: dict[str, int] = {}
         self.program_seconds = 0.0
@@ -278,7 +283,7 @@ class Job:
         feeds, values, create = self._check_call(plain, given_state, count)
         if given_state:
             self.set_state(given_state)
-        header = self._header(RUN, lambda h: self._fill_run(h, feeds, create, wanted))
+        header = self._run_header(feeds, create, wanted)
         header[1] = -1 if row is None else row * _ROWS + count
         self._send_header(header)
         try:
@@ -347,7 +352,6 @@ class Job:
         if extra:
             raise RunError(f"the model has no input {extra[0]!r} (inputs: {', '.join(sorted(names | set(self.state_inputs)))})")
         feeds = []
-        sizes = CallSizes(self.sizes)
         for spec in self.inputs:
             if spec.name not in plain:
                 raise RunError(f"input '{spec.name}' is missing")
@@ -356,8 +360,17 @@ class Job:
                 array = array.astype(object)
             if array.dtype != np.dtype(spec.dtype):
                 raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
-            sizes.add(spec, array.shape)
             feeds.append(np.asarray(array, order="C"))
+        # a decode step has the shapes of the step before: their sizes were checked then
+        key = None if given_state else (rows, tuple(f.shape for f in feeds),
+                                        tuple(self.state_shapes.get(n) for n in self.state_inputs))
+        self._last_key = key
+        found = self._sized.get(key) if key is not None else None
+        if found is not None:
+            return feeds, found[0], found[1]
+        sizes = CallSizes(self.sizes)
+        for spec, array in zip(self.inputs, feeds):
+            sizes.add(spec, array.shape)
         sizes.check_ranges()
         by_name = {t.name: t for t in self.plan.inputs}
         for name in self.state_inputs:
@@ -379,7 +392,28 @@ class Job:
                 raise RunError(f"state '{name}' is not set and its shape {by_name[name].shape} does not follow "
                                "from the call's sizes", hint="set it with set_state, or pass it as an input")
             create[name] = shape
+        if key is not None:
+            if len(self._sized) >= _SIZED_KEPT:
+                self._sized.clear()
+            self._sized[key] = (values, create)
         return feeds, values, create
+
+    def _run_header(self, feeds: list[np.ndarray], create: dict, wanted: dict) -> np.ndarray:
+        """A call's header: kept by the call's shapes and wanted outputs (a decode step's is
+        the step before's)."""
+        key = None
+        if self._last_key is not None and not create:
+            key = (self._last_key, tuple((name, tuple((s.start, s.stop) for s in index))
+                                         for name, index in wanted.items()))
+            found = self._headers.get(key)
+            if found is not None:
+                return found.copy()
+        header = self._header(RUN, lambda h: self._fill_run(h, feeds, create, wanted))
+        if key is not None:
+            if len(self._headers) >= _SIZED_KEPT:
+                self._headers.clear()
+            self._headers[key] = header.copy()
+        return header
 
     def _fill_run(self, header: np.ndarray, feeds: list[np.ndarray], create: dict, wanted: dict) -> None:
         k = 2
@@ -401,6 +435,9 @@ class Job:
             k += 1 + 2 * len(spec.shape)
 
     def _track_state(self, values: dict) -> None:
+        if values is self._tracked:   # the same sizes as the call before (``_sized``)
+            return
+        self._tracked = values
         by_name = {t.name: t for t in self.plan.outputs}
         for entry in self.state_entries:
             self.state_shapes[entry["input"]] = shape_at(by_name[entry["output"]].shape, values)
@@ -413,6 +450,7 @@ class Job:
         self._send_header(self._header(RESET))
         self._drop_state()
         self.state_shapes = {}
+        self._tracked = None
 
     def get_state(self, names=None) -> dict[str, np.ndarray]:
         """The held state, gathered on rank 0, by input name (default: all) (driver)."""
@@ -454,6 +492,7 @@ class Job:
             raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
         for name, value in values.items():
             self.state_shapes[name] = tuple(np.shape(value))
+            self._tracked = None
 
     def _drop_state(self) -> None:
         self.state.clear()
