@@ -11,10 +11,16 @@ turns of ``--steps`` decode steps each, after a prefill of 8 tokens:
   in place each step, the logits to the host;
 - **meshplan Job**: ``Job.run`` of the same program (one rank, no mpiexec) fed the same
   token and static mask, the cache kept in the job, only the last position's logits asked
-  for: what ``meshplan generate`` calls.
+  for: what ``meshplan generate`` calls;
+- **meshplan generate's loop**: the whole decode step of ``meshplan generate`` (the loop,
+  the feeds, the token chosen, ``Job.run``), timed by the loop itself;
+- **onnxruntime-genai** (where it is installed): its generator on the sample's own folder
+  with as many threads, ``generate_next_token`` and ``get_next_tokens`` per step.
 
-Prints the median µs per step of each runner over the rounds, their difference and the
-median of the rounds' own differences (the target: at most 30 µs). ``--json PATH`` writes the numbers.
+Prints the median µs per step of each runner over the rounds, meshplan's overhead over
+onnxruntime (the target: at most 30 µs) and its loop's over onnxruntime-genai's (the
+target: at most 50 µs), and the medians of the rounds' own differences. ``--json PATH``
+writes the numbers.
 
     python benchmarks/step_overhead.py [--steps 400] [--rounds 7] [--capacity 512]
 """
@@ -118,6 +124,47 @@ def job_steps(job, capacity: int, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def loop_steps(job, steps: int) -> float:
+    """Seconds per decode step of ``meshplan generate``'s loop (its own timing)."""
+    from meshplan.generation.driver import JobStepper
+    from meshplan.generation.loop import Generation, GenerationShape
+    from meshplan.generation.sampling import Sampler
+
+    _, metrics = Generation(GenerationShape.of_plan(job.plan), JobStepper(job)).run(
+        [list(range(1, PROMPT + 1))], steps + 1, Sampler())
+    return statistics.mean(metrics.decode_seconds)
+
+
+def genai_runner(workdir: Path, capacity: int, threads: int):
+    """A function timing onnxruntime-genai's decode steps on a copy of the sample's folder
+    (None where onnxruntime-genai is not installed)."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    import shutil
+
+    folder = workdir / "genai"
+    shutil.copytree(MODEL.parent, folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = og.Model(str(folder))
+
+    def run(steps: int) -> float:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=capacity, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([list(range(1, PROMPT + 1))])
+        generator.generate_next_token()
+        started = time.perf_counter()
+        for _ in range(steps):
+            generator.generate_next_token()
+            generator.get_next_tokens()
+        return (time.perf_counter() - started) / steps
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -137,10 +184,14 @@ def main() -> None:
         program = plan_dir / plan.programs[0].file
         job = Job(plan_dir, "cpu", cache_in_place=True)
         threads = job.threads.threads
-        ort_times, job_times = [], []
+        genai = genai_runner(Path(work), args.capacity, threads)
+        ort_times, job_times, loop_times, genai_times = [], [], [], []
         for _ in range(args.rounds):
             ort_times.append(onnxruntime_steps(program, args.capacity, args.steps, threads))
             job_times.append(job_steps(job, args.capacity, args.steps))
+            loop_times.append(loop_steps(job, args.steps))
+            if genai is not None:
+                genai_times.append(genai(args.steps))
         job.close()
     ort_us, job_us = statistics.median(ort_times) * 1e6, statistics.median(job_times) * 1e6
     paired_us = statistics.median(j - o for j, o in zip(job_times, ort_times)) * 1e6
@@ -150,9 +201,18 @@ def main() -> None:
     print(f"  meshplan Job.run                                  {job_us:8.1f} us/step")
     print(f"  meshplan's overhead                               {job_us - ort_us:8.1f} us/step (target: <= 30)")
     print(f"  median of the rounds' differences                 {paired_us:8.1f} us/step")
+    loop_us = statistics.median(loop_times) * 1e6
+    print(f"  meshplan generate's loop (its whole step)         {loop_us:8.1f} us/step")
+    genai_us = over_genai_us = None
+    if genai_times:
+        genai_us = statistics.median(genai_times) * 1e6
+        over_genai_us = statistics.median(m - g for m, g in zip(loop_times, genai_times)) * 1e6
+        print(f"  onnxruntime-genai                                 {genai_us:8.1f} us/step")
+        print(f"  the loop over onnxruntime-genai (rounds' median)  {over_genai_us:8.1f} us/step (target: <= 50)")
     if args.json:
         args.json.write_text(json.dumps({"onnxruntime_us": ort_us, "job_us": job_us, "overhead_us": job_us - ort_us,
-                                         "paired_overhead_us": paired_us,
+                                         "paired_overhead_us": paired_us, "loop_us": loop_us, "genai_us": genai_us,
+                                         "loop_over_genai_us": over_genai_us,
                                          "rounds": args.rounds, "steps": args.steps, "capacity": args.capacity,
                                          "threads": threads}, indent=1) + "\n")
 
