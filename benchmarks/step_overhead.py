@@ -17,7 +17,9 @@ turns of ``--steps`` decode steps each, after a prefill of 8 tokens:
 - **onnxruntime-genai** (where it is installed): its generator on the sample's own folder
   with as many threads, ``generate_next_token`` and ``get_next_tokens`` per step.
 
-Prints the median µs per step of each runner over the rounds, meshplan's overhead over
+Each runner runs in a process of its own (another session's pool threads, spinning beside
+it, slowed onnxruntime alone from 45 to 85 µs a step on 2 cores). Prints the median µs per
+step of each runner over the rounds, meshplan's overhead over
 onnxruntime (the target: at most 30 µs) and its loop's over onnxruntime-genai's (the
 target: at most 50 µs), and the medians of the rounds' own differences. ``--json PATH``
 writes the numbers.
@@ -144,8 +146,8 @@ def genai_runner(workdir: Path, capacity: int, threads: int):
         return None
     import shutil
 
-    folder = workdir / "genai"
-    shutil.copytree(MODEL.parent, folder)
+    folder = workdir
+    shutil.copytree(MODEL.parent, folder, dirs_exist_ok=True)
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
     (folder / "genai_config.json").write_text(json.dumps(config))
@@ -165,34 +167,64 @@ def genai_runner(workdir: Path, capacity: int, threads: int):
     return run
 
 
+def run_alone(name: str, work: Path, capacity: int, steps: int) -> dict:
+    """Seconds per step of one runner (a warm-up run first), and the threads it used."""
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.job import Job
+
+    plan_dir = work / "plan"
+    job = Job(plan_dir, "cpu", cache_in_place=True)
+    threads = job.threads.threads
+    if name == "onnxruntime":
+        job.close()
+        program = plan_dir / read_plan(plan_dir).programs[0].file
+        run = lambda: onnxruntime_steps(program, capacity, steps, threads)   # noqa: E731
+    elif name == "job":
+        run = lambda: job_steps(job, capacity, steps)   # noqa: E731
+    elif name == "loop":
+        run = lambda: loop_steps(job, steps)   # noqa: E731
+    else:
+        job.close()
+        run = genai_runner(work / name, capacity, threads)
+        run = (lambda run=run: run(steps))
+    run()
+    return {"seconds": run(), "threads": threads}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--runner", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if PROMPT + args.steps >= args.capacity:
         raise SystemExit(f"--steps must stay below the capacity less the prompt ({args.capacity - PROMPT})")
 
-    from meshplan.plan_format import read_plan
-    from meshplan.runtime.job import Job
+    if args.runner:   # one runner in a process of its own: its seconds per step
+        print(json.dumps(run_alone(args.runner, Path(args.work), args.capacity, args.steps)))
+        return
+    import importlib.util
+    import subprocess
 
+    runners = ["onnxruntime", "job", "loop"] + (["genai"] if importlib.util.find_spec("onnxruntime_genai") else [])
+    times: dict[str, list[float]] = {name: [] for name in runners}
     with tempfile.TemporaryDirectory(prefix="meshplan-step-") as work:
-        plan_dir = plan_one_device(Path(work), args.capacity)
-        plan = read_plan(plan_dir)
-        program = plan_dir / plan.programs[0].file
-        job = Job(plan_dir, "cpu", cache_in_place=True)
-        threads = job.threads.threads
-        genai = genai_runner(Path(work), args.capacity, threads)
-        ort_times, job_times, loop_times, genai_times = [], [], [], []
+        plan_one_device(Path(work), args.capacity)
         for _ in range(args.rounds):
-            ort_times.append(onnxruntime_steps(program, args.capacity, args.steps, threads))
-            job_times.append(job_steps(job, args.capacity, args.steps))
-            loop_times.append(loop_steps(job, args.steps))
-            if genai is not None:
-                genai_times.append(genai(args.steps))
-        job.close()
+            for name in runners:   # each in a fresh process: no other session's threads spin beside it
+                done = subprocess.run([sys.executable, __file__, "--runner", name, "--work", work, "--capacity",
+                                       str(args.capacity), "--steps", str(args.steps)],
+                                      capture_output=True, text=True, cwd=REPO)
+                if done.returncode:
+                    raise SystemExit(f"runner {name} failed: {done.stderr.strip()[-500:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                times[name].append(result["seconds"])
+                threads = result["threads"]
+    ort_times, job_times, loop_times, genai_times = (times["onnxruntime"], times["job"], times["loop"],
+                                                     times.get("genai", []))
     ort_us, job_us = statistics.median(ort_times) * 1e6, statistics.median(job_times) * 1e6
     paired_us = statistics.median(j - o for j, o in zip(job_times, ort_times)) * 1e6
     print(f"1x1 decode step, builder Llama sample, capacity {args.capacity}, {threads} onnxruntime thread(s), "

@@ -677,8 +677,8 @@ class Job:
                     data = _take(data, wanted[t.tensor])
                 transport.post_with_shape(data, t.dst_rank, shape_tag + i, i)
                 self._send(t.tensor, data.nbytes)
-            for t in local_outputs:
-                results[mb][t.tensor] = _take(b.to_host(outs[t.tensor]), wanted[t.tensor])
+            for t in local_outputs:   # a copy: the program's buffer is the next call's
+                results[mb][t.tensor] = np.array(_take(b.to_host(outs[t.tensor]), wanted[t.tensor]))
         for mb in range(B):
             for i, t in incoming:
                 spec = next(o for o in plan.outputs if o.name == t.tensor)

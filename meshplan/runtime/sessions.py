@@ -129,17 +129,23 @@ class StageSession:
         step runs the same segments on the same cache buffers every time, so an output written
         in place stays bound to its buffer's OrtValue while that same array is fed; the other
         inputs are copied into buffers kept per shape (``_bind_feed``); the other outputs are
-        onnxruntime's, allocated at each run's shape."""
+        onnxruntime's, allocated by the first run of a set of input shapes and bound again on the
+        next runs of those shapes (each run's value is a view of that buffer, which the next run
+        of those shapes overwrites)."""
         import onnxruntime as ort
 
         if self._binding is None:
             self._binding, self._bound = self.session.io_binding(), {}
         binding, bound = self._binding, self._bound
+        shapes = tuple(np.shape(feeds[n]) for n in self.input_names if n in feeds)
+        kept = bound.get("outputs")     # (the input shapes, their outputs' values) of the last run
+        reuse = kept is not None and kept[0] == shapes
         shared = {}
         for name in self.output_names:
             source = reused.get(name)
             if source is None:   # onnxruntime allocates it, at this run's shape
-                binding.bind_output(name, "cpu")
+                if not reuse:
+                    binding.bind_output(name, "cpu")
                 bound.pop(name, None)
                 continue
             held = bound.get(name)
@@ -159,10 +165,17 @@ class StageSession:
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
+            bound.pop("outputs", None)
             raise self._failed(exc) from exc
-        values = binding.get_outputs()
-        return {name: feeds[reused[name]] if name in reused else value.numpy()
-                for name, value in zip(self.output_names, values)}
+        if reuse:
+            values = kept[1]
+        else:
+            values = {name: value for name, value in zip(self.output_names, binding.get_outputs())
+                      if name not in reused}
+            for name, value in values.items():   # the next run of these shapes writes into them
+                binding.bind_ortvalue_output(name, value)
+            bound["outputs"] = (shapes, values)
+        return {name: feeds[reused[name]] if name in reused else values[name].numpy() for name in self.output_names}
 
     @staticmethod
     def _bind_feed(binding, bound: dict, name: str, array: np.ndarray) -> None:
