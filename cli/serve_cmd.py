@@ -18,6 +18,9 @@ from cli.guard import debugging, rank_guard
               help="Port to listen on (0: any free port, said in the first line).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1),
               help="Requests that may wait for a batch slot; more get HTTP 429 with Retry-After.")
+@click.option("--prefill-chunk", type=int, metavar="N",
+              help="Prompt positions per call, at most the plan's longest call [default: that]: smaller pieces "
+                   "stall the running requests' decode steps less while a long prompt goes in.")
 @click.option("--served-model-name", "model_name", metavar="NAME",
               help="The model's name in the API [default: the model folder's name for a model.onnx, else the model file's stem].")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
@@ -26,7 +29,7 @@ from cli.guard import debugging, rank_guard
               help="Where tensors travel between ranks (see meshplan run).")
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels in every session (see meshplan generate).")
 @click.pass_context
-def serve(ctx, plan_dir, host, port, max_queue, model_name, provider, transfer, deterministic):
+def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provider, transfer, deterministic):
     """Serve a plan of an LLM over HTTP with the OpenAI API: `mpiexec -n N meshplan serve PLAN_DIR`.
 
     Requests share the plan's batch: each takes a slot between two steps and frees it when
@@ -49,7 +52,7 @@ def serve(ctx, plan_dir, host, port, max_queue, model_name, provider, transfer, 
 
     with rank_guard(debugging(ctx)):
         set_deterministic(deterministic)
-        status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, provider, transfer), started)
+        status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, prefill_chunk, provider, transfer), started)
     if status is not None:
         click.echo("stopped")
         sys.exit(status)

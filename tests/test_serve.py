@@ -336,6 +336,8 @@ def test_start_up_errors_are_one_line(batch4, tmp_path_factory):
     lines = [line for line in done.stderr.splitlines() if line.startswith("meshplan: error:")]
     assert lines and "cannot listen on 127.0.0.1" in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+    done = run_mpi(2, "serve", batch4, "--port", "0", "--prefill-chunk", "17", timeout=120)
+    assert done.returncode == 1 and "--prefill-chunk must be from 1 to the plan's longest call (16)" in done.stderr
     no_cache = tmp_path_factory.mktemp("mlp")
     assert run_cli("plan", SAMPLE_DIR / "mlp.onnx", "--mesh", "1x2", "--dim", "batch=4", "-o", no_cache).returncode == 0
     done = run_mpi(2, "serve", no_cache, "--port", "0", timeout=120)

@@ -229,3 +229,19 @@ def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups):
         assert got == [expected(p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
 
     check()
+
+
+def test_a_smaller_prefill_chunk_cuts_prompts_finer(setups):
+    shape, stepper = setups("llama_fp32", 4)
+    widths = []
+    original = stepper.step
+    stepper.step = lambda feeds, last, row=None: (widths.append((row, feeds[shape.input_ids].shape[1])),
+                                                   original(feeds, last, row))[1]
+    long = list(range(60, 60 + 2 * CHUNK + 1))
+    batch = batch_for(shape, stepper, 0, chunk=3)
+    assert batch.chunk == 3 and batch_for(shape, stepper, 0, chunk=10 * CHUNK).chunk == CHUNK
+    got, _ = drive(batch, {0: [(PROMPTS[0], 6)], 2: [(long, 3)]})
+    reference = setups("llama_fp32", 1)
+    assert got == [alone(*reference, PROMPTS[0], 6), alone(*reference, long, 3)]
+    assert max(width for _, width in widths) == 3
+    assert [w for row, w in widths if row == 1] == [3] * (len(long) // 3) + ([len(long) % 3] if len(long) % 3 else [])

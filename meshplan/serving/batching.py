@@ -65,8 +65,9 @@ class Work:
 
 
 class SlotBatch:
-    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int):
+    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int, chunk: int | None = None):
         self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
+        self.chunk = min(chunk or shape.chunk, shape.chunk)   # prompt positions per call
         self.slots: list[Work | None] = [None] * rows
         self.lengths = np.zeros(rows, dtype=np.int64)      # positions of each row in the buffer
         # the static mask of the buffer's capacity, kept in place: row r has lengths[r] + 1 ones
@@ -110,9 +111,9 @@ class SlotBatch:
         prefilling = [(r, w) for r, w in busy if w.prefilling]
         longest = max((len(w.prompt) - w.fed for _, w in prefilling), default=0)
         if prefilling and fresh:   # (also the call that makes the state, before any row call)
-            return self._first_prompt(busy, min(longest, self.shape.chunk))
+            return self._first_prompt(busy, min(longest, self.chunk))
         if longest > 1 and self.rows == 1:
-            return self._piece(busy[0], min(longest, self.shape.chunk))
+            return self._piece(busy[0], min(longest, self.chunk))
         if prefilling and self.row_calls:
             # the earliest request's next piece in a call of its row alone, then a decode step of
             # the rows whose prompts are in (the others' rows wait: their pad lands at their
@@ -181,7 +182,7 @@ class SlotBatch:
         """The next prompt tokens of one row, in a call of that row alone (batch 1: onnxruntime
         takes several positions after a past there), up to the plan's longest call."""
         start = int(self.lengths[row])
-        width = min(len(work.prompt) - work.fed, self.shape.chunk, self.shape.context - start)
+        width = min(len(work.prompt) - work.fed, self.chunk, self.shape.context - start)
         ids = np.array([work.prompt[work.fed:work.fed + width]], dtype=np.int64)
         self.made.append("row")
         window = self.stepper.step(self._feeds(ids, np.ones((1, start + width), dtype=np.int64),
@@ -229,8 +230,9 @@ class RunToCompletion:
     """A growing cache: one batch at a time, padded on the left, run until all its requests
     are done (the next batch starts from an empty cache)."""
 
-    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int):
+    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int, chunk: int | None = None):
         self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
+        self.chunk = min(chunk or shape.chunk, shape.chunk)   # prompt positions per call
         self.slots: list[Work | None] = [None] * rows
         self.live: list[bool] = [False] * rows
         self.made: list[str] = []
@@ -275,7 +277,7 @@ class RunToCompletion:
                 self.ids[i], self.mask[i] = self.ids[0], self.mask[0]
         longest = self.ids.shape[1]
         if self.total < longest:   # the prompts, in pieces of the plan's longest call
-            stop = min(self.total + self.shape.chunk, longest)
+            stop = min(self.total + self.chunk, longest)
             self.made.append("prompts")
             window = self.stepper.step(self._feeds(self.ids[:, self.total:stop], self.mask[:, :stop]), 1)
             self.total = stop
@@ -300,7 +302,8 @@ class RunToCompletion:
         return call_feeds(self.shape, ids, mask)
 
 
-def batch_for(shape: GenerationShape, stepper, pad_id: int):
-    """The batching the plan's cache allows, over the plan's largest batch."""
+def batch_for(shape: GenerationShape, stepper, pad_id: int, chunk: int | None = None):
+    """The batching the plan's cache allows, over the plan's largest batch; prompts in pieces
+    of up to ``chunk`` positions (at most the plan's longest call, its default)."""
     kind = SlotBatch if shape.shared else RunToCompletion
-    return kind(shape, stepper, pad_id, shape.batch[1])
+    return kind(shape, stepper, pad_id, shape.batch[1], chunk)

@@ -32,6 +32,7 @@ class Options:
     port: int = 8000
     max_queue: int = 64
     model_name: str | None = None
+    prefill_chunk: int | None = None   # prompt positions per call (None: the plan's longest call)
     provider: str = "auto"
     transfer: str = "auto"
 
@@ -92,6 +93,9 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
         if options.max_queue < 1:
             raise RunError(f"--max-queue must be at least 1, got {options.max_queue}")
         prepared = prepare(plan, Request(ids=[[0]], max_new_tokens=1))
+        if options.prefill_chunk is not None and not 1 <= options.prefill_chunk <= prepared.shape.chunk:
+            raise RunError(f"--prefill-chunk must be from 1 to the plan's longest call ({prepared.shape.chunk}), "
+                           f"got {options.prefill_chunk}")
         folder = ModelFolder.read(plan.model["path"])
         held["prepared"], held["folder"] = prepared, folder
         held["chat"] = ChatTemplate.of_folder(folder.path)
@@ -127,7 +131,7 @@ def _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started
     shape = prepared.shape
     stepper = JobStepper(job)
     try:
-        batch = batch_for(shape, stepper, prepared.pad_id)
+        batch = batch_for(shape, stepper, prepared.pad_id, options.prefill_chunk)
         _warm_up(batch, prepared.pad_id)
         cache = [int(b) for b in job.stats().state_bytes]
     except MeshplanError:
