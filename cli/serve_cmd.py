@@ -39,7 +39,7 @@ def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provi
     from meshplan.serving.server import Options, serve_rank
 
     def started(info):
-        kind = "continuous batching" if info.continuous else "batches run to completion (a growing cache)"
+        kind = "continuous batching" + ("" if info.continuous else " (a growing cache: requests join while it has room)")
         click.echo(f"serving {info.model} on {info.url} (OpenAI API: /v1/completions, /v1/chat/completions; "
                    f"/v1/models, /health, /metrics)")
         click.echo(f"{info.ranks} rank(s), {info.slots} slot(s), {kind}; context {info.context} positions; "

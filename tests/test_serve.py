@@ -1,13 +1,13 @@
 """``meshplan serve`` under mpiexec, with the openai client on a loopback port.
 
 A 1x2 tensor-parallel plan of the sample builder Llama (batch 4, a shared key/value buffer
-split by heads): completions
-and chat, whole and streamed, give the ids of ``meshplan generate``; requests that arrive
+split by heads): completions and chat, whole and streamed, give the ids of ``meshplan
+generate``; requests that arrive
 at different times share the model's calls; bad requests get OpenAI-style 400s and leave
 no slot taken; a client that goes away frees its slot; a full queue answers 429 with
 Retry-After; SIGTERM lets what runs finish and exits 0; a rank that dies ends the job
-with an error for the request in flight. A growing-cache export (optimum) serves batches
-run to completion.
+with an error for the request in flight. A growing-cache export (optimum) serves requests
+together, each with its own ids.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def test_a_rank_that_dies_ends_the_job_with_an_error(batch4):
         assert served.wait(60) != 0
 
 
-def test_a_growing_cache_serves_batches(tmp_path_factory):
+def test_a_growing_cache_serves_requests_together(tmp_path_factory):
     from meshplan.generation.loop import Generation, GenerationShape, SessionStepper
     from meshplan.generation.sampling import Sampler
     from meshplan.plan_format import read_plan
@@ -313,7 +313,7 @@ def test_a_growing_cache_serves_batches(tmp_path_factory):
     expected = [Generation(shape, SessionStepper(shape, session.run)).run([p], 5, Sampler())[0][0].ids
                 for p in prompts]
     with Served(plan_dir, 2) as served:
-        assert "batches run to completion" in served.output
+        assert "a growing cache: requests join while it has room" in served.output
         got = [None] * 3
 
         def ask(i):

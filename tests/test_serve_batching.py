@@ -4,8 +4,7 @@ In one process, with onnxruntime on the original model as the stepper: requests 
 into the slots of a shared key/value buffer at different steps (so that calls mix rows
 that prefill with rows that decode, and rows that were freed and taken again), prompts
 longer than the plan's longest call, the prompts of requests joining running ones in calls
-of their row alone (or one token per call), batch 1 (prompts in pieces), and the growing cache's
-batches run to completion. Each request's greedy ids must equal the ids of the generation
+of their row alone (or one token per call), batch 1 (prompts in pieces), and requests joining running batches of a growing cache. Each request's greedy ids must equal the ids of the generation
 loop run on that prompt alone.
 """
 
@@ -20,7 +19,7 @@ from meshplan.generation.sampling import Sampler
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.make_plan import generation_plan_dims, make_plan
 from meshplan.runtime.sessions import StageSession, providers_for
-from meshplan.serving.batching import RunToCompletion, SlotBatch, Work, batch_for
+from meshplan.serving.batching import GrowingBatch, SlotBatch, Work, batch_for
 from sample_models import SAMPLE_DIR
 
 CONTEXT, CHUNK = 48, 8
@@ -64,7 +63,7 @@ def drive(batch, arrivals: dict[int, list[tuple[list[int], int]]]) -> tuple[list
             work = Work(prompt, count, Sampler())
             queue.append(work)
             works.append(work)
-        while queue and batch.accepts():
+        while queue and batch.accepts(queue[0]):
             batch.admit(queue.pop(0))
         if not batch.busy:
             if step > max(arrivals):
@@ -136,28 +135,32 @@ def test_a_row_at_the_end_of_the_context_stops_with_room_zero(setups):
 
 
 @pytest.mark.parametrize("name", ["llama_optimum", "llama_dynamo"])
-def test_a_growing_cache_runs_batches_to_completion(setups, name):
+def test_a_growing_cache_takes_requests_into_running_batches(setups, name):
     shape, stepper = setups(name, 2)
     assert not shape.shared
     batch = batch_for(shape, stepper, 0)
-    assert isinstance(batch, RunToCompletion)
-    arrivals = {0: [([5, 17, 42, 7, 9, 3], 6), ([11, 12], 3)], 2: [([7, 8, 9], 4)], 3: [([21, 22, 23, 24], 2)]}
-    got, _ = drive(batch, arrivals)
+    assert isinstance(batch, GrowingBatch)
+    arrivals = {0: [([5, 17, 42, 7, 9, 3], 6), ([11, 12], 3)], 2: [([7, 8, 9], 4)], 3: [([21, 22, 23, 24], 2)],
+                9: [(list(range(30, 41)), 5)]}
+    got, calls = drive(batch, arrivals)
     reference = setups(name, 1)
     assert got == [alone(*reference, p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
+    assert calls < sum(len(p) + n for step in arrivals.values() for p, n in step) // 2
 
 
-def test_a_growing_batch_takes_no_request_once_it_runs(setups):
+def test_a_growing_cache_drains_when_the_next_request_does_not_fit(setups):
     shape, stepper = setups("llama_optimum", 2)
     batch = batch_for(shape, stepper, 0)
-    first = Work([5, 17, 42], 3, Sampler())
+    first = Work(list(range(5, 25)), 10, Sampler())
     batch.admit(first)
-    assert batch.accepts()          # before its first call the batch still fills
-    batch.step()
-    assert not batch.accepts()      # then it runs to completion
+    for _ in range(3):
+        for work, token in batch.step():
+            work.ids.append(token)
+    late = Work(list(range(40, 60)), CONTEXT - 20, Sampler())   # fits an empty cache only
+    assert not batch.accepts(late) and batch.draining
+    assert not batch.accepts(Work([5], 1, Sampler()))          # nothing joins while it drains
     batch.release(first)
-    assert batch.accepts()
-    assert np.all([w is None for w in batch.slots])
+    assert batch.total == 0 and batch.accepts(late)
 
 
 def test_a_joining_prompt_goes_in_by_row_calls_of_whole_pieces(setups):
@@ -199,13 +202,15 @@ def test_calls_cover_the_rows_up_to_the_last_busy_one(setups):
     assert batch.slots[0] is not None and batch.slots[0].prompt == PROMPTS[4]
 
 
-def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups):
+@pytest.mark.parametrize("name", ["llama_fp32", "llama_optimum"])
+def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups, name):
     """Random schedules (hypothesis): requests of random prompts and lengths arriving at
-    random steps into 3 slots, prompts by row calls or token by token."""
+    random steps into 3 slots (a shared buffer: prompts by row calls or token by token; a
+    growing cache: joining running batches)."""
     from hypothesis import HealthCheck, given, settings, strategies as st
 
-    shape, stepper = setups("llama_fp32", 3)
-    reference = setups("llama_fp32", 1)
+    shape, stepper = setups(name, 3)
+    reference = setups(name, 1)
     memo: dict[tuple, list[int]] = {}
 
     def expected(prompt: list[int], count: int) -> list[int]:
@@ -214,7 +219,8 @@ def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups):
             memo[key] = alone(*reference, prompt, 8)
         return memo[key][:count]
 
-    request = st.tuples(st.lists(st.integers(3, 319), min_size=1, max_size=20), st.integers(1, 8),
+    vocab = shape.vocab or 320
+    request = st.tuples(st.lists(st.integers(3, min(319, vocab - 1)), min_size=1, max_size=20), st.integers(1, 8),
                         st.integers(0, 10))
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -224,7 +230,8 @@ def test_any_schedule_of_arrivals_gives_each_request_its_own_ids(setups):
         for prompt, count, step in requests:
             arrivals.setdefault(step, []).append((prompt, count))
         batch = batch_for(shape, stepper, 0)
-        batch.row_calls = rows_alone
+        if isinstance(batch, SlotBatch):
+            batch.row_calls = rows_alone
         got, _ = drive(batch, arrivals)
         assert got == [expected(p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
 

@@ -16,10 +16,10 @@ Where the stepper can call some rows of the cache (``Job.row_calls``), requests 
 lowest free slot and a call covers only the rows up to the last busy one: a lone request
 on a plan of 8 slots decodes at batch 1.
 
-``RunToCompletion`` (a cache that grows by one position per call, optimum and torch
-exports): every row shares the call's length, so requests are batched as they arrive and
-each batch runs until all its requests are done; a request that comes meanwhile waits for
-the next batch.
+``GrowingBatch`` (a cache that grows with every call, optimum and torch exports): every row
+shares the call's length, so a call's new positions are masked out where a row has fewer
+tokens, a request joining a running batch masks out the positions before it, and requests
+join while the context has room for them (then the batch drains and starts again empty).
 
 Both return, per step, the tokens chosen for the rows whose prompt is in, and list the
 kinds of the calls they made in ``made``: "prompts" (every busy row's prompt at once),
@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from meshplan.generation.loop import GenerationShape, call_feeds
+from meshplan.generation.loop import GenerationShape
 from meshplan.generation.sampling import Sampler
 
 
@@ -85,7 +85,7 @@ class SlotBatch:
     def busy(self) -> list[Work]:
         return [w for w in self.slots if w is not None]
 
-    def accepts(self) -> bool:
+    def accepts(self, work: Work | None = None) -> bool:
         return any(w is None for w in self.slots)
 
     def admit(self, work: Work) -> None:
@@ -226,84 +226,100 @@ class SlotBatch:
         return int(work.sampler(logits[None, :])[0])
 
 
-class RunToCompletion:
-    """A growing cache: one batch at a time, padded on the left, run until all its requests
-    are done (the next batch starts from an empty cache)."""
+class GrowingBatch:
+    """A growing cache (every row's cache has the call's length): requests join running ones
+    too. Each call appends its width of positions to every row; a row's real tokens take the
+    last columns of the call with mask ones, the columns before them pads with mask zeros
+    (an idle row feeds one pad it attends to, so that no row attends to nothing). A request
+    that takes a freed row masks out every position before it (its predecessor's), and its
+    position ids count only its own ones. The cache grows for every row with every call:
+    a request is admitted while its prompt and tokens fit in what is left of the context;
+    once the first waiting one does not, no other joins until the batch is empty, and the
+    next starts from an empty cache."""
 
     def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int, chunk: int | None = None):
         self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
         self.chunk = min(chunk or shape.chunk, shape.chunk)   # prompt positions per call
         self.slots: list[Work | None] = [None] * rows
-        self.live: list[bool] = [False] * rows
         self.made: list[str] = []
-        self.mask = self.ids = None
-        self.total = 0
+        self.mask = np.zeros((rows, 0), dtype=np.int64)
+        self.draining = False
+        self.stepper.reset()
+
+    @property
+    def total(self) -> int:
+        return self.mask.shape[1]
 
     @property
     def busy(self) -> list[Work]:
-        return [w for w, live in zip(self.slots, self.live) if live]
+        return [w for w in self.slots if w is not None]
 
-    def accepts(self) -> bool:
-        return self.ids is None and any(w is None for w in self.slots)   # before the batch's first call
+    def accepts(self, work: Work | None = None) -> bool:
+        if self.draining or None not in self.slots:
+            return False
+        if work is not None and self.total + len(work.prompt) + work.max_tokens > self.shape.context:
+            self.draining = bool(self.busy)    # it waits for an empty cache
+            return not self.draining and len(work.prompt) + work.max_tokens <= self.shape.context
+        return True
 
     def admit(self, work: Work) -> None:
-        if all(w is None for w in self.slots):
-            self.stepper.reset()
-            self.total = 0
         row = self.slots.index(None)
-        self.slots[row], self.live[row] = work, True
+        self.slots[row] = work
+        self.mask[row] = 0                 # its predecessor's positions
         work.fed, work.started = 0, time.perf_counter()
 
     def release(self, work: Work) -> None:
-        self.live[self.slots.index(work)] = False
-        if not any(self.live):   # the batch is over
-            self.slots = [None] * self.rows
-            self.mask = self.ids = None
+        self.slots[self.slots.index(work)] = None
+        if not self.busy:                  # an empty batch starts again from an empty cache
+            self.mask = np.zeros((self.rows, 0), dtype=np.int64)
+            self.draining = False
+            self.stepper.reset()
 
     def room(self, work: Work) -> int:
         return self.shape.context - self.total
 
     def step(self) -> list[tuple[Work, int]]:
-        rows = [r for r, w in enumerate(self.slots) if w is not None]
-        batch = max(len(rows), self.shape.batch[0])
-        if self.ids is None:   # the batch's prompts, padded on the left
-            longest = max(len(self.slots[r].prompt) for r in rows)
-            self.ids = np.full((batch, longest), self.pad_id, dtype=np.int64)
-            self.mask = np.zeros((batch, longest), dtype=np.int64)
-            for i, r in enumerate(rows):
-                prompt = self.slots[r].prompt
-                self.ids[i, longest - len(prompt):], self.mask[i, longest - len(prompt):] = prompt, 1
-            for i in range(len(rows), batch):   # a fixed batch: copies of the first
-                self.ids[i], self.mask[i] = self.ids[0], self.mask[0]
-        longest = self.ids.shape[1]
-        if self.total < longest:   # the prompts, in pieces of the plan's longest call
-            stop = min(self.total + self.chunk, longest)
-            self.made.append("prompts")
-            window = self.stepper.step(self._feeds(self.ids[:, self.total:stop], self.mask[:, :stop]), 1)
-            self.total = stop
-            if stop < longest:
-                return []
-            for r in rows:
-                self.slots[r].fed = len(self.slots[r].prompt)
-        else:
-            fed = np.full((batch, 1), self.pad_id, dtype=np.int64)
-            for i, r in enumerate(rows):
-                work = self.slots[r]
-                if self.live[r] and work.ids:
-                    fed[i, 0] = work.ids[-1]
-            self.mask = np.concatenate([self.mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-            self.made.append("decode")
-            window = self.stepper.step(self._feeds(fed, self.mask), 1)
-            self.total += 1
-        return [(self.slots[r], SlotBatch._choose(self.slots[r], window[i, -1]))
-                for i, r in enumerate(rows) if self.live[r]]
-
-    def _feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        return call_feeds(self.shape, ids, mask)
+        busy = [(r, w) for r, w in enumerate(self.slots) if w is not None]
+        pending = [len(w.prompt) - w.fed for _, w in busy if w.prefilling]
+        width = min(max(pending), self.chunk) if pending else 1
+        left = self.shape.context - self.total
+        for _, work in busy:   # no row's pads may eat the positions its own tokens need
+            ahead = len(work.prompt) - work.fed
+            slack = left - ahead - (work.max_tokens - len(work.ids))
+            if not work.prefilling:
+                width = min(width, slack + 1)
+            elif ahead < width:
+                width = min(width, slack + ahead)
+        ids = np.full((self.rows, width), self.pad_id, dtype=np.int64)
+        new = np.zeros((self.rows, width), dtype=np.int64)
+        new[:, -1] = 1                     # idle rows: one pad they attend to
+        counts = {}
+        for row, work in busy:
+            part = work.prompt[work.fed:work.fed + width] if work.prefilling else work.ids[-1:]
+            ids[row, width - len(part):] = part
+            new[row, width - len(part):] = 1
+            counts[row] = len(part)
+        self.mask = np.concatenate([self.mask, new], axis=1)
+        self.made.append("prompts" if pending else "decode")
+        feeds = {self.shape.input_ids: ids}
+        if self.shape.attention_mask:
+            feeds[self.shape.attention_mask] = self.mask
+        if self.shape.position_ids:
+            positions = np.maximum(np.cumsum(self.mask, axis=1) - 1, 0)[:, -width:]
+            feeds[self.shape.position_ids] = np.ascontiguousarray(positions)
+        window = self.stepper.step(feeds, 1)
+        chosen = []
+        for row, work in busy:
+            if work.prefilling:
+                work.fed += counts[row]
+                if work.prefilling:
+                    continue
+            chosen.append((work, SlotBatch._choose(work, window[row, -1])))
+        return chosen
 
 
 def batch_for(shape: GenerationShape, stepper, pad_id: int, chunk: int | None = None):
     """The batching the plan's cache allows, over the plan's largest batch; prompts in pieces
     of up to ``chunk`` positions (at most the plan's longest call, its default)."""
-    kind = SlotBatch if shape.shared else RunToCompletion
+    kind = SlotBatch if shape.shared else GrowingBatch
     return kind(shape, stepper, pad_id, shape.batch[1], chunk)

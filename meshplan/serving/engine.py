@@ -110,7 +110,7 @@ class Engine:
                 work.finished = "error"
                 self.metrics.requests.labels("refused").inc()
                 work.emit(("error", "the server is stopping", 503))
-        while self.waiting and self.batch.accepts():
+        while self.waiting and self.batch.accepts(self.waiting[0]):
             work = self.waiting.popleft()
             self._dequeued()
             work.stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
