@@ -20,8 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshplan.errors import JobFailure, MeshplanError, RunError
+from meshplan.generation.driver import JobStepper, Request, prepare
 from meshplan.generation.sampling import Sampler
+from meshplan.model.llm import ModelFolder
+from meshplan.runtime.threads import ThreadChoice
 from meshplan.serving.batching import SlotBatch, Work, batch_for
+from meshplan.serving.chat import ChatTemplate
+from meshplan.serving.protocol import Limits
 
 START_SECONDS = 30      # the HTTP server must be up within this
 
@@ -76,14 +81,9 @@ def _listen(host: str, port: int) -> socket.socket:
 def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int | None:
     """Every rank: serve until stopped. Rank 0 returns the exit status (0 after a stop by
     signal) and calls ``on_started(Started)`` once it listens; the others return None."""
-    from meshplan.generation.driver import JobStepper, prepare, Request
-    from meshplan.model.llm import ModelFolder
     from meshplan.runtime.job import Job
     from meshplan.runtime.mpi_runner import _gather_memory
-    from meshplan.runtime.threads import ThreadChoice
     from meshplan.runtime.transport import world
-    from meshplan.serving.chat import ChatTemplate
-    from meshplan.serving.protocol import Limits
 
     plan_dir = Path(plan_dir)
     held: dict = {}
@@ -114,13 +114,13 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
         return None
     sock = held["socket"]
     try:
-        return _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started,
-                      JobStepper, Limits, ThreadChoice)
+        return _drive(job, held, options, sock, loading, memory, pids, on_started)
     finally:
         sock.close()
 
 
-def _drive(job, held, options, plan_dir, sock, loading, memory, pids, on_started, JobStepper, Limits, ThreadChoice):
+def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids: list[int], on_started) -> int:
+    """Rank 0 after start-up: warm up, serve HTTP on another thread, run the engine here."""
     import uvicorn
 
     from meshplan.serving.app import build_app
