@@ -112,8 +112,8 @@ class SlotBatch:
         longest = max((len(w.prompt) - w.fed for _, w in prefilling), default=0)
         if prefilling and fresh:   # (also the call that makes the state, before any row call)
             return self._first_prompt(busy, min(longest, self.chunk))
-        if longest > 1 and self.rows == 1:
-            return self._piece(busy[0], min(longest, self.chunk))
+        if longest > 1 and self.rows == 1:   # batch 1: the row is the whole batch
+            return self._row_piece(*busy[0])
         if prefilling and self.row_calls:
             # the earliest request's next piece in a call of its row alone, then a decode step of
             # the rows whose prompts are in (the others' rows wait: their pad lands at their
@@ -123,7 +123,7 @@ class SlotBatch:
             return chosen + (self._one_each(decoding) if decoding else [])
         return self._one_each(busy)
 
-    # --- the three kinds of call ----------------------------------------------------------------
+    # --- the calls ------------------------------------------------------------------------------
 
     def _span(self, busy) -> int:
         """How many rows a call covers: the rows up to the last busy one (requests take the
@@ -163,30 +163,15 @@ class SlotBatch:
                 chosen.append((work, self._choose(work, window[row, n - 1 - (width - last)])))
         return chosen
 
-    def _piece(self, busy_row, width: int) -> list[tuple[Work, int]]:
-        """Batch 1: the next ``width`` prompt tokens in one call, after what the row holds."""
-        row, work = busy_row
-        width = min(width, self.shape.context - int(self.lengths[row]))
-        start = int(self.lengths[row])
-        part = work.prompt[work.fed:work.fed + width]
-        self.mask[row, :start + width] = 1
-        self.made.append("row")
-        window = self._call(self._feeds(np.array([part], dtype=np.int64), self.mask,
-                                        np.array([start], dtype=np.int64)), 1, self.rows)
-        work.fed += width
-        self.lengths[row] += width
-        self.mask[row, int(self.lengths[row])] = 1 if self.lengths[row] < self.shape.context else 0
-        return [(work, self._choose(work, window[row, -1]))] if not work.prefilling else []
-
     def _row_piece(self, row: int, work: Work) -> list[tuple[Work, int]]:
         """The next prompt tokens of one row, in a call of that row alone (batch 1: onnxruntime
-        takes several positions after a past there), up to the plan's longest call."""
+        takes several positions after a past there), up to ``chunk`` of them."""
         start = int(self.lengths[row])
         width = min(len(work.prompt) - work.fed, self.chunk, self.shape.context - start)
         ids = np.array([work.prompt[work.fed:work.fed + width]], dtype=np.int64)
         self.made.append("row")
-        window = self.stepper.step(self._feeds(ids, np.ones((1, start + width), dtype=np.int64),
-                                               np.array([start], dtype=np.int64)), 1, row=row)
+        feeds = self._feeds(ids, np.ones((1, start + width), dtype=np.int64), np.array([start], dtype=np.int64))
+        window = self.stepper.step(feeds, 1, row=row) if self.rows > 1 else self._call(feeds, 1, self.rows)
         work.fed += width
         self.lengths[row] += width
         self.mask[row, :min(int(self.lengths[row]) + 1, self.shape.context)] = 1

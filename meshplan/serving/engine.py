@@ -36,7 +36,6 @@ class Engine:
         self.waiting: deque[Work] = deque()
         self.wake = threading.Event()
         self.stopping = False
-        self.calls = 0
 
     # --- the front's side (any thread) ------------------------------------------------------------
 
@@ -62,17 +61,14 @@ class Engine:
         try:
             while True:
                 self._take_new(stop.is_set())
-                if not self.batch.busy and not self.waiting:
-                    if self.stopping:
+                if not self.batch.busy:   # nothing runs: wait for a request (or the stop)
+                    if self.stopping and not self.waiting:
                         return
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
-                if not self.batch.busy:   # all waiting were cancelled
-                    continue
                 chosen = self.batch.step()
                 for kind in self.batch.made:
-                    self.calls += 1
                     self.metrics.calls.labels(kind).inc()
                 self.batch.made.clear()
                 for work, token in chosen:
