@@ -145,6 +145,16 @@ def test_stop_strings_and_end_tokens(server):
     assert stopped.choices[0].text == text[:text.find(stop)]
 
 
+def test_ignore_eos_goes_on_past_the_end_token(server):
+    ended = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0)
+    ids = ended.choices[0].model_extra["token_ids"]
+    assert ended.choices[0].finish_reason == "stop" and ids[-1] == 1 and len(ids) < 1000   # the sample's end token
+    on = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert on.choices[0].finish_reason == "length"
+    assert on.choices[0].model_extra["token_ids"][:len(ids)] == ids and on.usage.completion_tokens == 1000
+
+
 def test_sampling_is_seeded(server):
     def sample(seed):
         return server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0,
@@ -165,6 +175,7 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, None, "'temperature' must be from 0 to 2"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, None, "'max_tokens' must be an integer"),
     ("/v1/completions", {"max_tokens": 3}, None, "'prompt' is required"),
+    ("/v1/completions", {"prompt": PROMPT, "ignore_eos": "yes"}, None, "'ignore_eos' must be true or false"),
     ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, None, "one prompt per request"),
     ("/v1/chat/completions", {"messages": []}, None, "'messages' must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, None, "string 'content'"),
@@ -222,7 +233,7 @@ def test_requests_arriving_at_different_times_share_calls(server):
 def test_a_client_that_goes_away_frees_its_slot(server):
     before = server.metric("meshplan_generation_tokens_total")
     stream = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
-                                                stream=True)
+                                                stream=True, extra_body={"ignore_eos": True})
     for count, _ in enumerate(stream):
         if count == 2:
             break
@@ -243,6 +254,7 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(server):
     cancelled = server.metric("meshplan_requests_total", '{outcome="cancelled"}')
     with pytest.raises(openai.APITimeoutError):
         server.client().with_options(timeout=0.03).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000,
+                                                                     extra_body={"ignore_eos": True},
                                                                      temperature=0)
     deadline = time.monotonic() + 10
     while server.metric("meshplan_requests_running") and time.monotonic() < deadline:
@@ -257,7 +269,8 @@ def test_full_queue_answers_429_and_sigterm_finishes_what_runs(batch1):
 
     with Served(batch1, 2, "--max-queue", "1") as served:
         client = served.client()
-        holder = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0, stream=True)
+        holder = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
         first = next(iter(holder))                     # it holds the one slot
         waited = {}
 
@@ -280,8 +293,7 @@ def test_full_queue_answers_429_and_sigterm_finishes_what_runs(batch1):
         os.kill(served.process.pid, signal.SIGTERM)
         rest = list(holder)
         ids = first.choices[0].model_extra["token_ids"] + [i for c in rest for i in c.choices[0].model_extra["token_ids"]]
-        reason = rest[-1].choices[0].finish_reason     # it ran to its own end: all its tokens or the end token
-        assert (reason, len(ids)) == ("length", 1000) or (reason == "stop" and ids[-1] == 1), (reason, len(ids))
+        assert (rest[-1].choices[0].finish_reason, len(ids)) == ("length", 1000)   # it ran to its own end
         waiter.join(30)
         assert waited == {"status": 503}      # it waited, and the server stopped before its turn
         assert served.wait(60) == 0, served.output
@@ -293,6 +305,7 @@ def test_a_rank_that_dies_ends_the_job_with_an_error(batch4):
 
     with Served(batch4, 2) as served:
         stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
+                                                    extra_body={"ignore_eos": True},
                                                     stream=True)
         began = time.monotonic()
         with pytest.raises((openai.APIError, openai.APIConnectionError)):

@@ -166,6 +166,8 @@ class StageSession:
             self.session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             bound.pop("outputs", None)
+            if reuse:   # an output whose shape follows from values, not shapes: let onnxruntime allocate
+                return self._run_in_place(feeds, reused)
             raise self._failed(exc) from exc
         if reuse:
             values = kept[1]

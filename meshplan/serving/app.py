@@ -61,7 +61,7 @@ def build_app(engine, limits, metrics, started: float | None = None):
         events: asyncio.Queue = asyncio.Queue()
         work = Work(submission.prompt_ids, submission.max_tokens, sampler,
                     emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                    stop=submission.stop)
+                    stop=submission.stop, ignore_eos=submission.ignore_eos)
         try:
             engine.submit(work)
         except QueueFull:

@@ -47,6 +47,7 @@ class Work:
     sampler: Sampler
     emit: Callable = lambda event: None     # the engine's events for this request
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False                # end tokens do not end it (max_tokens does)
     cancelled: bool = False                 # set by the front (the client went away)
     arrived: float = field(default_factory=time.perf_counter)
     fed: int = 0                            # prompt tokens in the cache

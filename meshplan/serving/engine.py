@@ -131,12 +131,12 @@ class Engine:
         work.ids.append(token)
         self.metrics.tokens(1)
         finish = None
-        if token in self.eos:
+        end = token in self.eos and not work.ignore_eos
+        if end:
             finish = "stop"
         elif len(work.ids) >= work.max_tokens or self.batch.room(work) <= 0:
             finish = "length"
-        text = ""
-        if work.stream is not None and token not in self.eos:
+        if work.stream is not None and not end:
             work.text += work.stream.add([token])
         if finish is not None and work.stream is not None:
             work.text += work.stream.finish()

@@ -13,7 +13,7 @@ from meshplan.errors import RunError
 from meshplan.generation.sampling import Sampler
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "user", "presence_penalty", "frequency_penalty", "logprobs"}
+          "user", "presence_penalty", "frequency_penalty", "logprobs", "ignore_eos"}
 COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -53,6 +53,7 @@ class Submission:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False          # an extension (as vLLM's): generate max_tokens whatever comes
 
     def sampler(self) -> Sampler:
         try:
@@ -120,6 +121,9 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be true or false", "ignore_eos")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
                                 or not isinstance(options.get("include_usage", False), bool)):
@@ -139,7 +143,7 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
         top_p=float(_number(body, "top_p", lo=0, hi=1, default=1.0)),
         top_k=int(_number(body, "top_k", lo=0, integer=True, default=0)),
         seed=_number(body, "seed", integer=True), stop=stop, stream=stream,
-        include_usage=bool(options and options.get("include_usage")))
+        include_usage=bool(options and options.get("include_usage")), ignore_eos=ignore_eos)
     if submission.top_p == 0:
         raise BadRequest("'top_p' must be above 0", "top_p")
     submission.sampler()   # the sampler's own checks, as a 400
