@@ -19,6 +19,17 @@ table gives the best and the median of the rounds, and per model the ratio of 1x
 decode tokens/s to onnxruntime-genai's (the median of the rounds' ratios).
 
     python benchmarks/generate.py --gigabytes 0.4 [--export llama_large.onnx] [--json PATH]
+
+On a GPU, on builder folders made for CUDA (onnxruntime-genai-cuda beside onnxruntime-gpu),
+with the machine's own MPI launcher:
+
+    python benchmarks/generate.py --provider cuda --device h200 --folders fp16=/m/fp16 int4=/m/int4 \
+        --mpiexec "mpiexec --oversubscribe" --max-length 512 --new-tokens 128 --repeat 2
+
+adds a run of meshplan 1x1 without CUDA graphs (``--no-cuda-graph``), and reports each
+meshplan run's load, warm TTFT, ms per token, CUDA graphs and each rank's peak GPU memory
+(``nvidia-smi``) next to the plan's estimate; onnxruntime-genai's load, first and warm TTFT
+(two generations in one process) and ms per token.
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,42 +96,101 @@ def set_genai_threads(folder: Path, threads: int) -> None:
     path.write_text(json.dumps(config, indent=4) + "\n")
 
 
-def meshplan_run(model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int, max_length: int) -> dict:
+class Setup:
+    """How meshplan runs here: its command, the MPI launcher, the provider and the device the
+    plans are costed for."""
+
+    def __init__(self, args):
+        found = BIN / "meshplan"
+        self.meshplan = [str(found)] if found.exists() else [shutil.which("meshplan") or "meshplan"]
+        self.mpiexec = shlex.split(args.mpiexec) if args.mpiexec else [str(BIN / "mpiexec")]
+        self.provider, self.device, self.solver = args.provider, args.device, args.solver
+
+
+def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int,
+                 max_length: int, graphs: bool = True) -> dict:
     plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}_{max_length}"
     policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
     if not (plan_dir / "plan.json").exists():
-        _run([str(BIN / "meshplan"), "plan", str(model), "--mesh", mesh, "--device", "cpu", "--generate",
-              "--max-length", str(max_length), *policy, "-o", str(plan_dir)])
+        _run([*setup.meshplan, "plan", str(model), "--mesh", mesh, "--device", setup.device, "--generate",
+              "--max-length", str(max_length), "--solver", setup.solver, *policy, "-o", str(plan_dir)])
     ranks = int(mesh.split("x")[0]) * int(mesh.split("x")[1])
     ids = plans / "prompt.json"
     ids.write_text(json.dumps([prompt]))
     out = plans / f"out_{mesh}.json"
-    _run([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "generate", str(plan_dir), "--prompt-ids",
-          str(ids), "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out)])
+    memory = GpuMemory() if setup.provider == "cuda" else None
+    try:
+        _run([*setup.mpiexec, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir), "--prompt-ids", str(ids),
+              "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out), "--provider", setup.provider,
+              *([] if graphs else ["--no-cuda-graph"])])
+    finally:
+        peaks = memory.stop() if memory is not None else []
     body = json.loads(out.read_text())
     metrics = body["metrics"]
+    plan = json.loads((plan_dir / "plan.json").read_text())
     return {"ttft_s": metrics["ttft_seconds"], "decode_tokens_per_s": metrics["decode_tokens_per_second"],
+            "ms_per_token": metrics["time_per_output_token_seconds"] * 1e3, "load_s": metrics["load_seconds"],
+            "estimate_ms": metrics["estimate_step_seconds"] * 1e3, "graphs": metrics.get("cuda_graphs"),
+            "gpu_mib_per_rank": peaks,
+            "estimate_mib_per_rank": [round(s["memory_bytes"] / 2**20) for s in plan["stages"]
+                                      for _ in s["devices"]] if plan.get("stages") else [],
             "ids": body["sequences"][0]["ids"], "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks)}
+
+
+class GpuMemory:
+    """Each process's peak GPU memory while a run lasts (``nvidia-smi`` every 100 ms), in MiB,
+    highest first."""
+
+    def __init__(self):
+        self.peaks: dict[str, int] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.done.wait(0.1):
+            try:
+                text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                       "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                      timeout=5).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            for line in text.splitlines():
+                pid, _, used = line.partition(",")
+                if used.strip().isdigit():
+                    self.peaks[pid.strip()] = max(self.peaks.get(pid.strip(), 0), int(used))
+
+    def stop(self) -> list[int]:
+        self.done.set()
+        self.thread.join()
+        return sorted(self.peaks.values(), reverse=True)
 
 
 GENAI = textwrap.dedent("""
     import json, sys, time
     import onnxruntime_genai as og
     folder, prompt, new, capacity = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    loading = time.perf_counter()
     model = og.Model(folder)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=capacity, do_sample=False)   # the key/value buffer's capacity
-    generator = og.Generator(model, params)
-    start = time.perf_counter()
-    generator.append_tokens([prompt])
-    generator.generate_next_token()
-    first = time.perf_counter()
-    ids = [int(generator.get_next_tokens()[0])]
-    while len(ids) < new and not generator.is_done():
+    load = time.perf_counter() - loading
+    found = []
+    for _ in range(2):   # the first generation in the process, then a warm one (the one reported)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=capacity, do_sample=False)   # the key/value buffer's capacity
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens([prompt])
         generator.generate_next_token()
-        ids.append(int(generator.get_next_tokens()[0]))
-    end = time.perf_counter()
-    print(json.dumps({"ttft_s": first - start, "decode_tokens_per_s": (len(ids) - 1) / (end - first), "ids": ids}))
+        first = time.perf_counter()
+        ids = [int(generator.get_next_tokens()[0])]
+        while len(ids) < new and not generator.is_done():
+            generator.generate_next_token()
+            ids.append(int(generator.get_next_tokens()[0]))
+        end = time.perf_counter()
+        found.append((first - start, (len(ids) - 1) / (end - first), (end - first) * 1e3 / max(1, len(ids) - 1), ids))
+        del generator
+    print(json.dumps({"load_s": load, "first_ttft_s": found[0][0], "ttft_s": found[1][0],
+                      "decode_tokens_per_s": found[1][1], "ms_per_token": found[1][2], "ids": found[1][3]}))
 """)
 
 
@@ -127,7 +199,8 @@ def genai_run(model: Path, prompt: list[int], new_tokens: int, threads: int, max
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
-    set_genai_threads(model.parent, threads)
+    if threads:   # (a CUDA folder keeps its own settings)
+        set_genai_threads(model.parent, threads)
     done = _run([sys.executable, "-c", GENAI, str(model.parent), json.dumps(prompt), str(new_tokens), str(max_length)])
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["threads_per_rank"] = threads
@@ -140,6 +213,7 @@ def summary(runs: list[dict]) -> dict:
     rates = [r["decode_tokens_per_s"] for r in runs]
     chosen["decode_tokens_per_s"] = max(rates)
     chosen["median_decode_tokens_per_s"] = statistics.median(rates)
+    chosen["ms_per_token"] = 1e3 / statistics.median(rates)
     chosen["rounds"] = rates
     return chosen
 
@@ -155,29 +229,48 @@ def main() -> None:
     parser.add_argument("--genai-threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
+    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                        help="meshplan's provider (onnxruntime-genai runs as its folders say)")
+    parser.add_argument("--device", default="cpu", help="the device the plans are costed for (meshplan plan --device)")
+    parser.add_argument("--folders", nargs="+", metavar="NAME=DIR",
+                        help="builder folders to run instead of writing models (on a GPU: made for CUDA)")
+    parser.add_argument("--mpiexec", help="the MPI launcher and its options [default: the environment's mpiexec]")
+    parser.add_argument("--solver", default="cbc", choices=("cbc", "highs"), help="meshplan plan --solver")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    models = write_models(workdir, args.gigabytes, args.max_length)
+    if args.folders:
+        models = {f"builder {n}": Path(d).resolve() / "model.onnx" for n, _, d in (f.partition("=") for f in args.folders)}
+    else:
+        models = write_models(workdir, args.gigabytes, args.max_length)
     if args.export:
         models["export"] = args.export.resolve()
+    setup = Setup(args)
     prompt = [(7 * i + 5) % 250 + 2 for i in range(args.prompt_length)]
-    genai = f"onnxruntime-genai, {args.genai_threads} threads"
-    rows, ratios = [], {}
+    genai = f"onnxruntime-genai, {args.genai_threads} threads" if args.provider == "cpu" else "onnxruntime-genai"
+    rows, ratios, failures = [], {}, []
     for label, model in models.items():
         size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
         runners = {f"meshplan generate {mesh}": (lambda mesh=mesh: meshplan_run(
-            model, mesh, workdir, prompt, args.new_tokens, args.max_length)) for mesh in ("1x1", "1x2")}
+            setup, model, mesh, workdir, prompt, args.new_tokens, args.max_length)) for mesh in ("1x1", "1x2")}
+        if args.provider == "cuda":
+            runners["meshplan generate 1x1, no CUDA graph"] = lambda: meshplan_run(
+                setup, model, "1x1", workdir, prompt, args.new_tokens, args.max_length, graphs=False)
         if label != "export" and importlib.util.find_spec("onnxruntime_genai") is not None:
-            runners[genai] = lambda: genai_run(model, prompt, args.new_tokens, args.genai_threads, args.max_length)
+            threads = args.genai_threads if args.provider == "cpu" else 0
+            runners[genai] = lambda: genai_run(model, prompt, args.new_tokens, threads, args.max_length)
         runs: dict[str, list[dict]] = {name: [] for name in runners}
         for round_ in range(args.repeat):   # taking turns, each round in another order
             names = list(runners)
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                runs[name].append(runners[name]())
+                try:
+                    runs[name].append(runners[name]())
+                except SystemExit as exc:   # one runner's failure is a result too: the others go on
+                    failures.append(f"{label}, {name}: {str(exc)[-1500:]}")
         for name, found in runs.items():
-            rows.append({"model": label, "bytes": size, "runner": name, **summary(found)})
-        if genai in runs:
+            if found:
+                rows.append({"model": label, "bytes": size, "runner": name, **summary(found)})
+        if runs.get(genai) and len(runs["meshplan generate 1x2"]) == len(runs[genai]):
             ratios[label] = statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
                                               for a, b in zip(runs["meshplan generate 1x2"], runs[genai]))
     for row in rows:
@@ -197,6 +290,16 @@ def main() -> None:
               f"{r['same_ids_as_first']}")
     for label, ratio in ratios.items():
         print(f"{label}: decode tokens/s on 1x2 / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
+    print(f"\n{'model':14} {'runner':38} {'load':>7} {'first TTFT':>10} {'ms/token':>9} {'estimate':>9}  GPU MiB per rank "
+          "(estimate) / CUDA graphs")
+    for line in failures:
+        print(f"FAILED {line}")
+    for r in rows:
+        first = r.get("first_ttft_s", r["ttft_s"])
+        print(f"{r['model']:14} {r['runner']:38} {r.get('load_s', 0):6.2f}s {first * 1e3:8.1f}ms "
+              f"{r.get('ms_per_token', 1e3 / r['decode_tokens_per_s']):9.3f} "
+              f"{r['estimate_ms'] if 'estimate_ms' in r else float('nan'):9.3f}  "
+              f"{r.get('gpu_mib_per_rank', '')} ({r.get('estimate_mib_per_rank', '')}) / {r.get('graphs')}")
 
 
 if __name__ == "__main__":

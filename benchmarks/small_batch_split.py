@@ -60,12 +60,17 @@ def main() -> int:
     parser.add_argument("--meshes", default="1x2,1x4,1x8", help="comma-separated HxD meshes")
     parser.add_argument("--cores", action="store_true", help="report the cores and each rank's threads")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--mpiexec", help="the MPI launcher and its options [default: mpiexec on PATH]")
+    parser.add_argument("--solver", default="cbc", choices=("cbc", "highs"), help="the ILP solver of the plans")
     args = parser.parse_args()
     meshplan = shutil.which("meshplan")
     mpiexec = shutil.which("mpiexec")
-    if not meshplan or not mpiexec:
+    if not meshplan or not (mpiexec or args.mpiexec):
         print("needs the meshplan command and mpiexec on PATH")
         return 1
+    import shlex
+
+    launcher = shlex.split(args.mpiexec) if args.mpiexec else [mpiexec]
     from meshplan.rank_layout import own_cores
 
     meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
@@ -82,9 +87,10 @@ def main() -> int:
         print(f"onnxruntime alone, {cores} thread(s): {alone:.3f} ms")
         for mesh in meshes:
             plan_dir = Path(tmp) / f"plan-{mesh[0]}x{mesh[1]}"
-            plan = make_plan(path, make_cluster(mesh, "cpu"), {"batch": 1, "seq": 1}, plan_dir, PlanOptions())
-            done = subprocess.run([mpiexec, "-n", str(plan.num_ranks), meshplan, "run", str(plan_dir), "--inputs",
-                                   str(inputs), "--repeat", str(args.repeat)], capture_output=True, text=True)
+            plan = make_plan(path, make_cluster(mesh, "cpu"), {"batch": 1, "seq": 1}, plan_dir, PlanOptions(solver=args.solver))
+            done = subprocess.run([*launcher, "-n", str(plan.num_ranks), meshplan, "run", str(plan_dir), "--inputs",
+                                   str(inputs), "--repeat", str(args.repeat), "--provider", "cpu"],
+                                  capture_output=True, text=True)
             found = re.search(r"measured: latency ([\d.]+) (ms|us|µs|s)", done.stdout)
             if done.returncode or not found:
                 print(done.stdout + done.stderr)

@@ -41,9 +41,12 @@ FLUSH_SECONDS = 0.05   # streamed tokens reach the terminal at least this often
 @click.option("--deterministic", is_flag=True,
               help="Ask onnxruntime for deterministic kernels in every session (use_deterministic_compute: on CUDA, "
                    "no atomic adds in reductions), so that two runs give the same bits; may be slower.")
+@click.option("--cuda-graph/--no-cuda-graph", "cuda_graph", default=True, show_default=True,
+              help="On CUDA, capture a decode step as a CUDA graph once and replay it (a model with nodes "
+                   "onnxruntime keeps on the CPU runs without).")
 @click.pass_context
 def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, tokenizer,
-             output_path, provider, transfer, deterministic):
+             output_path, provider, transfer, deterministic, cuda_graph):
     """Generate tokens with a plan of an LLM: `mpiexec -n N meshplan generate PLAN_DIR --prompt TEXT`."""
     from meshplan.generation.driver import Request, generate_rank, read_prompt_ids
     from meshplan.generation.sampling import Sampler
@@ -70,7 +73,8 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                           sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
                           tokenizer=tokenizer)
         set_deterministic(deterministic)
-        report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path)
+        report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path,
+                               graphs=cuda_graph)
     out.flush()
     if report is None:
         return
@@ -90,6 +94,8 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                    f"estimate {report.estimate_seconds * 1e3:.2f} ms per step (the plan's, at a full cache)")
     click.echo(f"load {report.load_seconds:.2f} s (every rank's programs and a warm-up call, before the first token)"
                + ("; deterministic kernels (use_deterministic_compute)" if deterministic else ""))
+    if report.graphs is not None:
+        click.echo(_graphs_line(report.graphs))
     for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
         threads = report.threads[rank] if rank < len(report.threads) else None
         click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}"
@@ -103,3 +109,12 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def _graphs_line(graphs: dict) -> str:
+    """What rank 0's segments did with CUDA graphs."""
+    if graphs["enabled"] == 0:
+        why = f": {graphs['refused'][0]}" if graphs["refused"] else ""
+        return f"CUDA graphs: none on rank 0{why}"
+    return (f"CUDA graphs: {graphs['captured']} captured in {graphs['enabled']} of rank 0's {graphs['segments']} "
+            "segment(s), replayed at every decode step")

@@ -28,8 +28,11 @@ from cli.guard import debugging, rank_guard
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
               help="Where tensors travel between ranks (see meshplan run).")
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels in every session (see meshplan generate).")
+@click.option("--cuda-graph/--no-cuda-graph", "cuda_graph", default=True, show_default=True,
+              help="On CUDA, replay each batch's decode step as a CUDA graph (see meshplan generate).")
 @click.pass_context
-def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provider, transfer, deterministic):
+def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provider, transfer, deterministic,
+          cuda_graph):
     """Serve a plan of an LLM over HTTP with the OpenAI API: `mpiexec -n N meshplan serve PLAN_DIR`.
 
     Requests share the plan's batch: each takes a slot between two steps and frees it when
@@ -52,7 +55,8 @@ def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provi
 
     with rank_guard(debugging(ctx)):
         set_deterministic(deterministic)
-        status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, prefill_chunk, provider, transfer), started)
+        status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, prefill_chunk, provider, transfer,
+                                                    cuda_graph), started)
     if status is not None:
         click.echo("stopped")
         sys.exit(status)

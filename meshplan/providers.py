@@ -82,14 +82,31 @@ def _probe(ort) -> str | None:
 
 
 @lru_cache(maxsize=None)
+def _cuda_runtime():
+    """The CUDA runtime library (the one onnxruntime's CUDA provider loaded, where it did),
+    or None."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so", "libcudart.so.11.0"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def cuda_synchronize() -> None:
+    """Wait until this process's work on the current GPU is done (copies into buffers
+    included); nothing without a CUDA runtime."""
+    runtime = _cuda_runtime()
+    if runtime is not None:
+        runtime.cudaDeviceSynchronize()
+
+
+@lru_cache(maxsize=None)
 def cuda_device_count() -> int:
     """GPUs this process can see (the CUDA runtime's count; with none loadable, the
     entries of CUDA_VISIBLE_DEVICES, else 1)."""
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
-        try:
-            runtime = ctypes.CDLL(name)
-        except OSError:
-            continue
+    runtime = _cuda_runtime()
+    if runtime is not None:
         count = ctypes.c_int(0)
         if runtime.cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0:
             return count.value

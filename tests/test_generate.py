@@ -102,6 +102,8 @@ def planned(tmp_path_factory):
         prompts = BATCHED[family(name)]
         cases.append({"name": f"{name} 1x2 batch 2", "plan_dir": str(out), "prompts": prompts,
                       "new_tokens": NEW_TOKENS, "expected": reference_ids(plan, prompts), "ranks": 2})
+        # the same with the state and activations in onnxruntime's buffers (the GPU's path)
+        cases.append({**cases[-1], "name": f"{name} 1x2 batch 2 on device", "on_device": True})
     for name in EXPORTS:   # a longer context, one tensor-parallel stage: the growing cache split by heads
         out = root / f"{name}_long"
         dims, _ = generation_plan_dims(model_path(name), 1, LONG_CONTEXT, CHUNK)
@@ -121,7 +123,7 @@ def test_plans_for_generation_split_the_cache_by_heads(planned):
     from meshplan.emit.kv_cache import kv_cache_bytes
     from meshplan.plan_format import read_plan
 
-    assert len(planned) == len(BUILDER + EXPORTS) * len(MESHES) + 2 + len(EXPORTS)
+    assert len(planned) == len(BUILDER + EXPORTS) * len(MESHES) + 4 + len(EXPORTS)
     for case in planned:
         plan = read_plan(Path(case["plan_dir"]))
         assert plan.is_ranged and len(plan.state) == 4
@@ -217,7 +219,7 @@ def test_generate_command(planned, tmp_path):
 
     expected = reference_ids(read_plan(Path(case["plan_dir"])), [prompt], 5)
     command = [mpiexec_path(), "-n", "2", *meshplan_command(), "generate", case["plan_dir"], "--prompt", text,
-               "--max-new-tokens", "5", "--eos", "999", "--output", str(out)]
+               "--max-new-tokens", "5", "--eos", "999", "--output", str(out), "--no-cuda-graph"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     body = json.loads(out.read_text())
@@ -229,6 +231,7 @@ def test_generate_command(planned, tmp_path):
     # the load (programs and a warm-up call) apart from the first token; the plan's estimate
     assert metrics["load_seconds"] > metrics["ttft_seconds"] > 0 and metrics["estimate_step_seconds"] > 0
     assert all(r["threads"] >= 1 and r["threads_why"] for r in metrics["ranks"])
+    assert "cuda_graphs" not in metrics and "CUDA graphs" not in done.stdout   # the CPU provider: none
     for word in ("TTFT", "per output token", "rank 0: weights", "rank 1: weights", "key/value cache",
                  "ms per step (the plan's", "load ", "onnxruntime thread(s)"):
         assert word in done.stdout, done.stdout

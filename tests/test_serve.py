@@ -361,7 +361,10 @@ def test_start_up_errors_are_one_line(batch4, tmp_path_factory):
     assert done.returncode == 1 and "no key/value cache" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_calls_of_one_row_through_the_job(tmp_path_factory):
+@pytest.mark.parametrize("where", ["host", "on-device"])
+def test_calls_of_one_row_through_the_job(tmp_path_factory, where):
+    """``on-device``: the state and the tensors between segments in onnxruntime's buffers,
+    rows of the cache bound by address (the path a GPU runs)."""
     plan_dir = plan(tmp_path_factory, "rows", LLAMA / "model.onnx", "--batch", "2")
-    lines = run_mpi_script("row_calls_case.py", ranks=2, args=[plan_dir])
-    assert len(lines) == 2
+    lines = run_mpi_script("row_calls_case.py", ranks=2, args=[plan_dir] + ([where] if where != "host" else []))
+    assert len(lines) == (3 if where != "host" else 2)

@@ -39,7 +39,8 @@ class HostBuffers:
         return array
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
-        return x
+        # a tensor kept where its session computes (``DeviceTensor``) comes out as a copy
+        return x.numpy() if isinstance(x, DeviceTensor) else x
 
     def empty(self, shape: Sequence[int], dtype) -> np.ndarray:
         return np.empty(tuple(shape), dtype=dtype)
@@ -96,12 +97,12 @@ class MpiView:
     version 3: C-contiguous, no stream to wait on because every producer is finished
     before a view is made). Keeps the OrtValue alive while MPI uses it."""
 
-    def __init__(self, value, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, value, shape: tuple[int, ...], dtype: np.dtype, address: int | None = None):
         self.value = value
         self.__cuda_array_interface__ = {
             "shape": tuple(int(s) for s in shape),
             "typestr": np.dtype(dtype).str,
-            "data": (int(value.data_ptr()), False),
+            "data": (int(value.data_ptr()) if address is None else address, False),
             "strides": None,
             "version": 3,
             "stream": None,
@@ -109,14 +110,49 @@ class MpiView:
 
 
 class DeviceTensor:
-    """An OrtValue with its shape and numpy dtype (read once, not per use)."""
+    """An OrtValue with its shape and numpy dtype (read once, not per use); or a view of
+    some rows of one (``x[a:b]``: its first dim from ``a`` to ``b``, a contiguous run of
+    its memory), which a session binds by address."""
 
-    __slots__ = ("value", "shape", "dtype")
+    __slots__ = ("value", "shape", "dtype", "offset", "device")
 
-    def __init__(self, value, shape: Sequence[int], dtype):
+    def __init__(self, value, shape: Sequence[int], dtype, offset: int = 0, device: tuple[str, int] | None = None):
         self.value = value
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
+        self.offset = offset        # bytes from the OrtValue's start (a view of rows)
+        self.device = device        # (device type, id) of the OrtValue's memory, where known
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def whole(self) -> bool:
+        """The OrtValue itself, not a view of some of its rows."""
+        return self.offset == 0 and self.shape == tuple(self.value.shape())
+
+    @property
+    def address(self) -> int:
+        return int(self.value.data_ptr()) + self.offset
+
+    def __getitem__(self, rows: slice) -> "DeviceTensor":
+        """Rows ``rows`` of the first dim (step 1), as a view of the same memory."""
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1 or not self.shape:
+            raise ValueError("a device tensor's view is a run of rows")
+        row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+        return DeviceTensor(self.value, (stop - start, *self.shape[1:]), self.dtype, self.offset + start * row,
+                            self.device)
+
+    def numpy(self) -> np.ndarray:
+        """A host copy (of the view's rows only)."""
+        whole = np.asarray(self.value.numpy())
+        if self.whole:
+            return np.array(whole, copy=True)
+        row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+        start = self.offset // row if row else 0
+        return np.array(whole[start:start + self.shape[0]], copy=True)
 
 
 class DeviceBuffers:
@@ -139,30 +175,30 @@ class DeviceBuffers:
 
         array = np.asarray(array, order="C")   # 0-d stays 0-d; in host memory the OrtValue wraps (and keeps) it
         value = ort.OrtValue.ortvalue_from_numpy(array, self.device_type, self.device_id)
-        return DeviceTensor(value, array.shape, array.dtype)
+        return DeviceTensor(value, array.shape, array.dtype, device=(self.device_type, self.device_id))
 
     def to_host(self, x: DeviceTensor) -> np.ndarray:
-        return np.array(x.value.numpy(), copy=True)
+        return x.numpy()
 
     def empty(self, shape: Sequence[int], dtype) -> DeviceTensor:
         import onnxruntime as ort
 
         shape = [int(s) for s in shape]
         value = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device_type, self.device_id)
-        return DeviceTensor(value, shape, dtype)
+        return DeviceTensor(value, shape, dtype, device=(self.device_type, self.device_id))
 
     def shape(self, x: DeviceTensor) -> tuple[int, ...]:
         return x.shape
 
     def wrap(self, value) -> DeviceTensor:
         """A session output (an OrtValue) as a :class:`DeviceTensor`."""
-        return DeviceTensor(value, value.shape(), ort_dtype(value))
+        return DeviceTensor(value, value.shape(), ort_dtype(value), device=(self.device_type, self.device_id))
 
     def mpi(self, x: DeviceTensor) -> MpiView:
-        return MpiView(x.value, x.shape, x.dtype)
+        return MpiView(x.value, x.shape, x.dtype, x.address)
 
     def mpi_bytes(self, x: DeviceTensor) -> MpiView:
-        return MpiView(x.value, (int(np.prod(x.shape)) * x.dtype.itemsize,), np.dtype(np.uint8))
+        return MpiView(x.value, (x.nbytes,), np.dtype(np.uint8), x.address)
 
     # --- data movement on the device ------------------------------------------------------
     # Kernels are shape-generic (symbolic dims; slice bounds and shapes are inputs), so a

@@ -54,7 +54,7 @@ from meshplan.model.sizes import Sizes
 from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
-from meshplan.runtime.buffers import HOST
+from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
@@ -99,10 +99,14 @@ class Job:
     """See the module's description. Construct on every rank (collective)."""
 
     def __init__(self, plan_dir: str | Path, provider: str = "auto", transfer: str = "auto", comm=None, check=None,
-                 cache_in_place: bool = False):
+                 cache_in_place: bool = False, on_device: bool | None = None, graphs: bool = False):
         """``check(plan)``, when given, runs on rank 0 with the start-up checks: its error
         stops every rank as theirs do. ``cache_in_place``: update a fixed-capacity key/value
-        cache in place (see the module)."""
+        cache in place (see the module). ``on_device``: keep the state, the calls' inputs and
+        outputs and what passes between a rank's segments where its provider computes
+        (``StageSession.keep_on``), whatever the MPI; None: so on CUDA (with the CPU provider
+        they are in host memory anyway; True there runs the same path on host OrtValues).
+        ``graphs``: on CUDA, replay a call that repeats its shapes as a CUDA graph."""
         from meshplan.rank_layout import gather_affinities, gather_layout, launch_advice, layout_mismatch
 
         MPI, everyone = world()
@@ -128,7 +132,7 @@ class Job:
             if plan.is_idle(0):
                 raise RunError("the plan leaves rank 0 idle, but rank 0 drives the job", hint="re-run meshplan plan")
             program = plan.program_of_rank(self.rank)
-            session, buffers, path_text = None, HOST, "none: this rank is idle in the plan"
+            session, buffers, path_text, resident = None, HOST, "none: this rank is idle in the plan", None
             if program is not None:
                 path = check_program_files(plan, plan_dir, program)
                 import os
@@ -141,10 +145,17 @@ class Job:
                 self.threads = choose_threads(len(here), affinities[self.rank], os.cpu_count(),
                                               [affinities[r] for r in here if r != self.rank])
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
-                session = ProgramRunner(path, providers_for(provider, device_id), threads=self.threads.threads,
-                                        spinning=self.threads.spinning)
-                buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI)
+                providers = providers_for(provider, device_id)
+                session = ProgramRunner(path, providers, threads=self.threads.threads,
+                                        spinning=self.threads.spinning, graphs=graphs)
+                buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI,
+                                                    alone=self.size == 1)
                 set_sleeping(session.providers[0] != CUDA)
+                on_cuda = session.providers[0] == CUDA
+                if buffers is HOST and (on_device or on_device is None and on_cuda):
+                    resident = DeviceBuffers("cuda" if on_cuda else "cpu", device_id if on_cuda else 0, providers)
+                    session.keep_on(resident)
+                    path_text += "; state and activations kept on the " + ("GPU" if on_cuda else "device")
             if check is not None and self.rank == 0:
                 check(plan)
         except MeshplanError as exc:
@@ -155,6 +166,7 @@ class Job:
         agree(everyone, MPI, error)
         try:
             self.plan, self.plan_dir, self.session, self.buffers = plan, plan_dir, session, buffers
+            self.state_buffers = resident or buffers    # where the state lies (``on_device``)
             self.transfer_path = path_text
             self.provider = session.providers[0] if session is not None else "none"
             self._setup()
@@ -182,6 +194,7 @@ class Job:
         self.header_size = 2 + sum(len(t.shape) for t in self.inputs) + sum(1 + len(t.shape) for t in self.state_entries_specs()) \
             + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
+        self._spare: dict[tuple, list] = {}     # device state buffers let go, by shape, to take again
         self.state_shapes: dict[str, tuple | None] = {}   # on rank 0: each state's whole shape, where known
         self._route_cache: dict[frozenset, tuple] = {}     # ``_routes`` by the set of wanted outputs
         self._sized: dict[tuple, tuple] = {}    # ``_check_call``'s sizes by the call's shapes (and the state's)
@@ -495,6 +508,9 @@ class Job:
             self._tracked = None
 
     def _drop_state(self) -> None:
+        for tensor in self.state.values():
+            if isinstance(tensor, DeviceTensor) and tensor.whole:
+                self._spare.setdefault((tensor.shape, tensor.dtype.str), []).append(tensor)
         self.state.clear()
         if self.session is not None:
             self.session.release()   # the sessions' kept bindings hold the cache buffers too
@@ -593,12 +609,22 @@ class Job:
             k += 1 + 2 * len(spec.shape)
         for name, shape in create.items():
             if name in stage.inputs:
-                spec = self.state_specs[name]
-                self.state[name] = b.from_host(np.zeros(spec.local_shape(shape, self.mesh),
-                                                        dtype=self._dtype_of(name)))
+                self.state[name] = self._empty_state(self.state_specs[name].local_shape(shape, self.mesh),
+                                                     self._dtype_of(name))
         micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
         results = self._microbatches(micro, wanted, origin, int(header[1]))
         return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
+
+    def _empty_state(self, shape, dtype):
+        """A state of zeros; on the device, a buffer of this shape that an earlier state left
+        (``_drop_state``) is taken again, so that its address, which a CUDA graph reads, stays."""
+        zeros = np.zeros(tuple(shape), dtype=dtype)
+        spare = self._spare.get((tuple(shape), zeros.dtype.str)) if self.state_buffers is not HOST else None
+        if spare:
+            tensor = spare.pop()
+            tensor.value.update_inplace(zeros)
+            return tensor
+        return self.state_buffers.from_host(zeros)
 
     def _dtype_of(self, name: str) -> str:
         return next(t.dtype for t in self.plan.inputs if t.name == name)
@@ -741,14 +767,14 @@ class Job:
                     piece = piece_of(whole, spec, mesh, r)
                     if r == 0:   # updated in place: a copy, never the caller's array
                         own = np.array(piece, copy=True) if self.cache_in_place else piece
-                        self.state[name] = self.buffers.from_host(own)
+                        self.state[name] = self.state_buffers.from_host(own)
                     else:
                         self.transport.send(piece, r, _STATE_TAG + 2 * index)
                         self._send(name, piece.nbytes)
             elif self.rank in stage.devices:
                 local = self.transport.recv(spec.local_shape(shapes[name], mesh), self._dtype_of(name), 0,
                                             _STATE_TAG + 2 * index)
-                self.state[name] = self.buffers.from_host(local)
+                self.state[name] = self.state_buffers.from_host(local)
 
     def state_bytes(self) -> int:
         """Bytes of the state this rank holds."""

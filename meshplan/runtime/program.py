@@ -86,11 +86,11 @@ class Segment:
     label: str | None = None               # what errors call it
     in_place: dict[str, str] | None = None  # output → the input whose buffer it may be written into
 
-    def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None) -> None:
+    def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False) -> None:
         """Create the session (and so load the segment's weights) if it is not open."""
         if self.session is None and self.source is not None:
             self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label,
-                                        in_place=self.in_place, spinning=spinning)
+                                        in_place=self.in_place, spinning=spinning, graphs=graphs)
 
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
@@ -109,11 +109,15 @@ def _collective(node: onnx.NodeProto) -> Collective:
 
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
-                 spinning: bool | None = None):
+                 spinning: bool | None = None, graphs: bool = False):
         """``lazy``: open no session yet; the caller opens and closes each segment
         (``Segment.open``/``close``), so that only the segments it runs hold weights.
-        ``spinning``: see ``StageSession``."""
+        ``spinning``, ``graphs``: see ``StageSession``. Only a program of one segment captures
+        CUDA graphs: the segments of a program cut at its collectives pass shape values that
+        onnxruntime copies between the GPU and the host inside a run, which a capture refuses
+        (seen on an H200: "operation not permitted when stream is capturing")."""
         header = onnx.load(str(path), load_external_data=False)
+        self.graph_outputs = {o.name for o in header.graph.output}
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
             weights = {t.name for t in header.graph.initializer}
             graph = header.graph
@@ -122,7 +126,7 @@ class ProgramRunner:
             segment = Segment(None, [v.name for v in graph.input if v.name not in weights],
                               [v.name for v in graph.output], None, path, in_place=pairs)
             if not lazy:
-                segment.open(providers, threads, spinning)
+                segment.open(providers, threads, spinning, graphs)
             self.segments = [segment]
             self.providers = segment.session.providers if segment.session else providers
             return
@@ -165,10 +169,28 @@ class ProgramRunner:
             pairs = in_place_pairs(nodes, {i: typed[i] for i in inputs}, {o: typed[o] for o in outputs})
             segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
                               f"{path.name} (segment {index})", pairs)
-            if not lazy:
+            if not lazy:   # (no CUDA graphs: see ``__init__``)
                 segment.open(providers, threads, spinning)
             self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
+
+    def keep_on(self, device) -> None:
+        """Keep this rank's tensors on ``device`` between segments and calls
+        (``StageSession.keep_on``): what a segment hands to its collective and the program's
+        outputs come back to the host; what only a later segment reads stays on the device."""
+        for segment in self.segments:
+            if segment.session is not None:
+                crossing = {segment.collective.input} if segment.collective is not None else set()
+                segment.session.keep_on(device, crossing | (set(segment.outputs) & self.graph_outputs))
+
+    @property
+    def graphs(self) -> dict:
+        """Per segment that may capture CUDA graphs: how many it has; and why a segment
+        may not, where onnxruntime said (``{"captured": n, "refused": [reason, ...]}``)."""
+        sessions = [s.session for s in self.segments if s.session is not None]
+        return {"enabled": sum(1 for s in sessions if s.graphs), "segments": len(sessions),
+                "captured": sum(s.graph_count for s in sessions),
+                "refused": sorted({s.graphs_refused for s in sessions if s.graphs_refused})}
 
     def release(self) -> None:
         """Let go of the buffers the sessions' kept bindings hold (``StageSession.release``)."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from meshplan.files import file_sha256
 from meshplan.errors import PlanError, RunError
-from meshplan.providers import CPU, cuda_provider, cuda_usable
+from meshplan.providers import CPU, CUDA, cuda_provider, cuda_usable
 from meshplan.plan_format import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -23,6 +23,20 @@ def set_deterministic(enabled: bool) -> None:
     deterministic kernels. Set once per process (each rank parses the same command line),
     before the job loads."""
     _deterministic[0] = bool(enabled)
+
+# onnxruntime's run option: which CUDA graph a run captures or replays (-1: none)
+GRAPH_ID = "gpu_graph_id"
+
+
+def _provider_name(provider) -> str:
+    return provider[0] if isinstance(provider, tuple) else provider
+
+
+def _with_graphs(provider) -> tuple[str, dict]:
+    """The CUDA provider (with its options) that captures CUDA graphs."""
+    name, options = provider if isinstance(provider, tuple) else (provider, {})
+    return name, {**options, "enable_cuda_graph": "1"}
+
 
 # onnxruntime's session option: the folder that the external data of a model loaded from
 # bytes is read from (paths in the model are relative to it and may not leave it).
@@ -61,7 +75,7 @@ class StageSession:
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
                  weights_dir: Path | None = None, optimization: str = "all", label: str | None = None,
-                 in_place: dict[str, str] | None = None, spinning: bool | None = None):
+                 in_place: dict[str, str] | None = None, spinning: bool | None = None, graphs: bool = False):
         """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
         where the external data files of a model given as bytes lie; onnxruntime reads
         them itself, straight into the memory it runs from (the host for the CPU provider,
@@ -70,7 +84,9 @@ class StageSession:
         that keep the arithmetic: constant folding, redundant nodes). ``in_place``: output →
         the input whose buffer it may be written into (``program.in_place_pairs``). ``spinning``:
         whether onnxruntime's pool threads may spin-wait between runs (``runtime.threads``;
-        None: onnxruntime's default, off for one thread)."""
+        None: onnxruntime's default, off for one thread). ``graphs``: on CUDA, let the session
+        capture CUDA graphs (``keep_on``; a model that cannot, e.g. one with nodes on the
+        CPU, loads without them)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -91,11 +107,21 @@ class StageSession:
             options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         label = label or ("a program segment" if isinstance(source, bytes) else Path(source).name)
         self.label = label
-        try:
-            self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
-                                                providers=providers)
-        except Exception as exc:
-            raise RunError(f"onnxruntime cannot load {label}: {str(exc).splitlines()[0][:300]}") from exc
+        model = source if isinstance(source, bytes) else str(source)
+        self.graphs = False
+        self.graphs_refused = None     # onnxruntime's reason, where it would not capture this model
+        if graphs and providers and _provider_name(providers[0]) == CUDA:
+            try:
+                self.session = ort.InferenceSession(model, options, providers=[_with_graphs(providers[0]),
+                                                                               *providers[1:]])
+                self.graphs = True
+            except Exception as exc:  # e.g. "not all compute nodes on the CUDA EP": load it without graphs
+                self.graphs_refused = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        if not self.graphs:
+            try:
+                self.session = ort.InferenceSession(model, options, providers=providers)
+            except Exception as exc:
+                raise RunError(f"onnxruntime cannot load {label}: {str(exc).splitlines()[0][:300]}") from exc
         # Models before IR 4 list their weights as (optional) inputs too: feed only what is given.
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -103,6 +129,11 @@ class StageSession:
         self.in_place = dict(in_place or {})
         self._binding = None   # the in-place runs' IOBinding and what its outputs are bound to
         self._bound: dict[str, tuple] = {}
+        self._plain_run = None  # run options of a run that is not a graph's (a session with graphs)
+        if self.graphs:
+            self._plain_run = ort.RunOptions()
+            self._plain_run.add_run_config_entry(GRAPH_ID, "-1")
+        self.device = None      # ``keep_on``: tensors stay on this device between runs
 
     def _reused(self, feeds: dict, writable) -> dict[str, str]:
         """The outputs written into their input's buffer on this run: the input is fed and
@@ -113,13 +144,16 @@ class StageSession:
         """``writable``: feeds this run may overwrite; an output written in place is returned
         as that very array."""
         # numpy's own dtypes only: onnxruntime wraps no extension type (ml_dtypes' bfloat16)
+        if self.device is not None:
+            return self._resident.run(feeds, self._reused(feeds, writable))
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
         if reused:
             return self._run_in_place(feeds, reused)
         try:
-            values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds})
+            values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds},
+                                      self._plain_run)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             raise self._failed(exc) from exc
         return dict(zip(self.output_names, values))
@@ -163,7 +197,7 @@ class StageSession:
                 bound.pop(("input", name), None)
                 self._bind_feed(binding, bound, name, feeds[name])
         try:
-            self.session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding, self._plain_run)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             bound.pop("outputs", None)
             if reuse:   # an output whose shape follows from values, not shapes: let onnxruntime allocate
@@ -200,8 +234,26 @@ class StageSession:
         bound[key] = ((array.shape, array.dtype), value)
 
     def release(self) -> None:
-        """Forget the kept binding and the buffers it holds (the job's state was dropped)."""
+        """Forget the kept binding and the buffers it holds (the job's state was dropped). A
+        session that keeps its tensors on the device keeps its buffers: its graphs read them."""
         self._binding, self._bound = None, {}
+
+    def keep_on(self, device, to_host=frozenset()) -> None:
+        """From now on, run with every tensor where the provider computes (``device``, a
+        ``DeviceBuffers``): feeds given as device tensors are bound where they lie, numpy feeds
+        are copied into buffers of this session, outputs are written into buffers kept per
+        call shapes and stay there, except ``to_host`` (what the caller sends or returns),
+        copied out. On a session with graphs, a call that repeats its shapes and addresses is
+        captured once and replayed (``resident.ResidentRuns``)."""
+        from meshplan.runtime.resident import ResidentRuns
+
+        self.device = device
+        self._resident = ResidentRuns(self, device, frozenset(to_host))
+
+    @property
+    def graph_count(self) -> int:
+        """CUDA graphs this session has captured (0 without graphs)."""
+        return self._resident.graph_count if self.device is not None else 0
 
     def _failed(self, exc: Exception) -> RunError:
         """onnxruntime's error while running (bad input values, e.g. an index out of
@@ -225,7 +277,7 @@ class StageSession:
             else:
                 binding.bind_output(name, buffers.device_type, buffers.device_id)
         try:
-            self.session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding, self._plain_run)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             raise self._failed(exc) from exc
         binding.synchronize_outputs()

@@ -86,13 +86,15 @@ def gather_rows(comm, row: np.ndarray) -> np.ndarray | None:
 TRANSFERS = ("auto", "host", "device")
 
 
-def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI) -> tuple[object, str]:
-    """Where this rank's tensors live and travel, and the sentence that says so.
+def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI, alone: bool = False) -> tuple[object, str]:
+    """How this rank's tensors travel, and the sentence that says so.
 
     ``auto``: device memory when the programs run on CUDA and MPI is CUDA-aware, else
-    host memory (CUDA outputs staged through the host). ``host``: always host memory.
-    ``device``: OrtValues handed to MPI as they are; on CUDA that needs a CUDA-aware MPI
-    (an error otherwise); with the CPU provider they sit in host memory.
+    host memory (what crosses ranks is staged through the host; the job keeps the rest on
+    the GPU: ``Job(on_device=...)``). ``host``: always host memory. ``device``: OrtValues
+    handed to MPI as they are; on CUDA that needs a CUDA-aware MPI (an error otherwise)
+    unless the job is one rank (``alone``: nothing crosses); with the CPU provider they sit
+    in host memory.
     """
     if transfer not in TRANSFERS:
         raise RunError(f"unknown transfer path {transfer!r} (choose from {', '.join(TRANSFERS)})")
@@ -107,6 +109,9 @@ def choose_buffers(transfer: str, session_provider: str, device_id: int, MPI) ->
     if aware["value"]:
         buffers = DeviceBuffers("cuda", device_id, [cuda_provider(device_id), CPU])
         return buffers, f"device memory: CUDA buffers straight to CUDA-aware MPI ({aware['method']})"
+    if transfer == "device" and alone:
+        buffers = DeviceBuffers("cuda", device_id, [cuda_provider(device_id), CPU])
+        return buffers, "device memory (a job of one rank: nothing crosses to MPI)"
     if transfer == "device":
         state = "is not CUDA-aware" if aware["value"] is False else "may not be CUDA-aware"
         raise RunError(f"--transfer device needs a CUDA-aware MPI; this one {state} ({aware['method']})",

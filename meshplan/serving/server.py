@@ -40,6 +40,7 @@ class Options:
     prefill_chunk: int | None = None   # prompt positions per call (None: the plan's longest call)
     provider: str = "auto"
     transfer: str = "auto"
+    cuda_graph: bool = True            # on CUDA: decode steps replayed as CUDA graphs
 
 
 @dataclass
@@ -101,7 +102,8 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
         held["chat"] = ChatTemplate.of_folder(folder.path)
         held["socket"] = _listen(options.host, options.port)
 
-    job = Job(plan_dir, options.provider, options.transfer, check=check, cache_in_place=True)
+    job = Job(plan_dir, options.provider, options.transfer, check=check, cache_in_place=True,
+              graphs=options.cuda_graph)
     comm = world()[1]
     memory = _gather_memory(job.plan, plan_dir, comm, job.threads)
     pids = comm.gather(os.getpid(), root=0)

@@ -8,7 +8,8 @@ test computed), one for the cache bytes each rank reports holding (``Job.stats``
 for the bytes of the cache sent between ranks during generation (none may move). The job
 runs as ``meshplan generate`` runs it (``cache_in_place``): a fixed-capacity cache must
 stay in the buffers it started in (checked on rank 0), a growing one is replaced by
-each call's present outputs.
+each call's present outputs. An entry with ``on_device`` keeps the state and what passes
+between segments in onnxruntime's buffers (``Job(on_device=True)``), as a GPU runs it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def check(entry: dict) -> list[str]:
     from meshplan.runtime.job import Job
 
     lines = []
-    with Job(entry["plan_dir"], provider="cpu", cache_in_place=True) as job:
+    # "on_device": the state and activations in onnxruntime's buffers (the path a GPU runs)
+    with Job(entry["plan_dir"], provider="cpu", cache_in_place=True, on_device=entry.get("on_device")) as job:
         if job is None:
             return lines
         label = entry["name"]

@@ -1,6 +1,8 @@
 """Calls of one row through the resident job (``Job.run(..., row=r)``).
 
-Arguments: PLAN_DIR (a 1x2 generation plan of the sample builder Llama, batch 1 to 2).
+Arguments: PLAN_DIR (a 1x2 generation plan of the sample builder Llama, batch 1 to 2), and
+``on-device`` to keep the state and activations in onnxruntime's buffers (``Job(on_device=True)``:
+the path a GPU runs, here on OrtValues in host memory).
 Rank 0 prefills two prompts as one batch, then feeds the second one's next tokens by calls
 of its row alone and the first one's by calls of the whole batch; every logit must equal
 onnxruntime's on the original model running each sequence alone. A row call refuses, in
@@ -21,7 +23,8 @@ def main() -> int:
     from meshplan.runtime.job import Job
     from meshplan.runtime.sessions import StageSession, providers_for
 
-    with Job(sys.argv[1], provider="cpu", cache_in_place=True) as job:
+    on_device = sys.argv[2:] == ["on-device"]
+    with Job(sys.argv[1], provider="cpu", cache_in_place=True, on_device=on_device) as job:
         if job is None:
             return 0
         shape = GenerationShape.of_plan(job.plan)
@@ -73,6 +76,14 @@ def main() -> int:
             worst = max(worst, max(float(np.abs(a - b).max()) for a, b in zip(got[r], want)))
         print(f"{'ok' if worst < 1e-4 else 'FAIL'} row calls and batch calls against each sequence alone: "
               f"worst error {worst:.1e}")
+        if on_device:
+            from meshplan.runtime.buffers import DeviceTensor
+
+            kept = [type(v).__name__ for v in job.state.values() if not isinstance(v, DeviceTensor)]
+            sessions = [s.session for s in job.session.segments if s.session is not None]
+            ok = not kept and job.state and all(s.device is not None for s in sessions) and len(sessions) > 1
+            print(f"{'ok' if ok else 'FAIL'} state and {len(sessions)} segments on the device: state types not "
+                  f"on it {kept}")
         bad = [line for line in refused if line]
         print(f"{'ok' if not bad else 'FAIL'} row calls refused in one line: {bad or 'all'}")
     return 0

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/gpu.md in one command, on a machine with one NVIDIA GPU, onnxruntime-gpu and
+# onnxruntime-genai-cuda installed, `meshplan` on PATH and two builder folders made for CUDA (fp16, int4):
+#   MPIRUN="mpiexec --oversubscribe" bash benchmarks/gpu_suite.sh FP16_DIR INT4_DIR OUT_DIR [DEVICE=h200]
+# Writes OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1
+# with and without CUDA graphs, 1x2 with both ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU
+# memory per rank next to the plan's estimate); `meshplan verify --generate --provider cuda`; a non-LLM plan
+# run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider).
+set -u
+FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}
+HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
+  timeout "$limit" "$@" > "$O/$name.log" 2>&1; local rc=$?
+  tail -n "${TAIL:-25}" "$O/$name.log"; echo "== $name: exit $rc, $((SECONDS - t)) s"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+step doctor 60 meshplan doctor
+python3 -c "import json; print(json.dumps([[(7 * i + 5) % 250 + 2 for i in range(32)]]))" > "$O/ids.json"
+meshplan plan "$FP16/model.onnx" --mesh 1x1 --device "$DEVICE" --generate --max-length 512 --solver highs -o "$O/fp16_1x1" \
+  > "$O/plan_fp16_1x1.log" 2>&1 || tail -n 3 "$O/plan_fp16_1x1.log"
+TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
+  --eos -1 --provider cuda --output "$O/first_generate.json"
+TAIL=40 step generate 330 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
+  --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
+  --repeat 2 --solver highs --workdir "$O/work" --json "$O/generate.json"
+TAIL=12 step verify_generate 150 meshplan verify "$O/fp16_1x1" --generate --prompt-ids "$O/ids.json" \
+  --max-new-tokens 32 --provider cuda
+meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \
+  --solver highs -o "$O/gpt_1x2" > "$O/plan_gpt.log" 2>&1 || tail -n 3 "$O/plan_gpt.log"
+python3 -c "
+import numpy as np; r = np.random.default_rng(0)
+np.savez('$O/gpt_in.npz', input_ids=r.integers(0, 100, (8, 32)).astype(np.int64))" 2>/dev/null
+TAIL=6 step run_gpt 90 $MPIRUN -n 2 meshplan run "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --provider cuda --repeat 20 \
+  --output "$O/gpt_out.npz"
+TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
+TAIL=20 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --mpiexec "$MPIRUN"

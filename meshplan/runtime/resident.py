@@ -1,0 +1,178 @@
+"""A session's runs with its tensors kept where the provider computes (``StageSession.keep_on``).
+
+On CUDA the job keeps the key/value cache, the step's inputs, the outputs and the tensors
+passed between segments of one rank on the GPU, whatever its MPI: only what crosses ranks
+or returns to the caller is copied to the host (``to_host``). Each run:
+
+* binds a feed that is already a device tensor (the cache, or a view of some of its rows)
+  where it lies, and copies a numpy feed into a buffer this session keeps per input name
+  and shape (``OrtValue.update_inplace``), so a decode step finds every input at the
+  address it had the step before;
+* binds the outputs to buffers kept per set of input shapes (onnxruntime allocates them on
+  the first run of those shapes), or to the feed they are written into in place;
+* binds again only what changed since the run before.
+
+A session loaded with CUDA graphs (``StageSession(graphs=True)``) captures a run the second
+time its shapes and device addresses repeat (a decode step) and replays the graph from
+then on (onnxruntime's ``enable_cuda_graph`` with one ``gpu_graph_id`` per such run, at
+most ``MAX_GRAPHS``); every other run (a prompt, a new shape) runs without. A graph reads
+the addresses it was captured with: the buffers it uses are kept for the session's life,
+and a run is replayed only when every address it binds is the captured one.
+
+The same code runs with the CPU provider and OrtValues in host memory (graphs aside),
+which is how it is tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.runtime.buffers import DeviceTensor
+
+MAX_GRAPHS = 8      # graphs per session: a decode shape per batch a server runs, say
+_FEEDS_KEPT = 64    # numpy feeds' buffers kept (prompt pieces of many lengths come and go)
+
+
+class ResidentRuns:
+    def __init__(self, session, device, to_host: frozenset):
+        self.session = session          # a StageSession
+        self.device = device            # a DeviceBuffers: where new buffers are made
+        self.to_host = to_host
+        self.binding = session.session.io_binding()
+        self.bound: dict[tuple, tuple] = {}            # ("in"|"out", name) → (address, shape) bound
+        self.feeds: dict[tuple, DeviceTensor] = {}     # (name, shape, dtype) → the buffer a numpy feed is copied to
+        self.outputs: dict[tuple, dict] = {}           # input shapes → output name → its buffer
+        self.last_shapes = None
+        self.seen: dict[tuple, int] = {}               # a run's shapes and addresses → runs so far
+        self.graphs: dict[tuple, object] = {}          # … → the run options of its graph
+        self.pinned: set = set()                       # input shapes whose buffers a graph reads
+        self.no_graph: set = set()                     # input shapes whose outputs were remade
+
+    @property
+    def graph_count(self) -> int:
+        return len(self.graphs)
+
+    def run(self, feeds: dict, reused: dict[str, str]) -> dict:
+        """``reused``: output → the feed it is written into (a device tensor the caller owns)."""
+        session = self.session
+        reused = {o: i for o, i in reused.items() if isinstance(feeds[i], DeviceTensor)}
+        shapes, addresses = [], []
+        for name in session.input_names:
+            if name not in feeds:
+                continue
+            value = feeds[name]
+            if isinstance(value, DeviceTensor):
+                self._bind(("in", name), value)
+                shapes.append(value.shape)
+                addresses.append(value.address)
+                continue
+            array = np.asarray(value)
+            shapes.append(array.shape)
+            if array.dtype == object or array.dtype.isbuiltin != 1:   # strings, extension types: by copy
+                self.binding.bind_cpu_input(name, array)
+                self.bound.pop(("in", name), None)
+                addresses.append(None)
+                continue
+            buffer = self._feed_buffer(name, array)
+            self._bind(("in", name), buffer)
+            addresses.append(buffer.address)
+        shapes = tuple(shapes)
+        outputs = self.outputs.get(shapes)
+        for name in session.output_names:
+            if name in reused:
+                self._bind(("out", name), feeds[reused[name]])
+            elif outputs is not None:
+                self._bind(("out", name), outputs[name])
+            else:   # onnxruntime allocates it on the device at this run's shape
+                self.binding.bind_output(name, self.device.device_type, self.device.device_id)
+                self.bound.pop(("out", name), None)
+        key = (shapes, tuple(addresses), tuple(feeds[reused[o]].address for o in sorted(reused)))
+        options = self._graph_options(key, outputs is not None)
+        try:
+            session.session.run_with_iobinding(self.binding, options)
+        except Exception as exc:  # onnxruntime raises several unrelated exception types
+            if outputs is None:
+                raise session._failed(exc) from exc
+            # an output whose shape follows from values, not shapes: let onnxruntime allocate again
+            del self.outputs[shapes]
+            self.no_graph.add(shapes)
+            self.pinned.discard(shapes)
+            for name in session.output_names:
+                self.bound.pop(("out", name), None)
+            return self.run(feeds, reused)
+        if outputs is None:
+            outputs = {name: self.device.wrap(value) for name, value in zip(session.output_names,
+                                                                            self.binding.get_outputs())
+                       if name not in reused}
+            for name, tensor in outputs.items():
+                self.bound[("out", name)] = (tensor.address, tensor.shape)   # bound by onnxruntime to it
+                self.binding.bind_ortvalue_output(name, tensor.value)
+            if self.last_shapes is not None and self.last_shapes not in self.pinned:
+                self.outputs.pop(self.last_shapes, None)
+            self.outputs[shapes] = outputs
+        self.last_shapes = shapes
+        return {name: feeds[reused[name]] if name in reused
+                else outputs[name].numpy() if name in self.to_host else outputs[name]
+                for name in session.output_names}
+
+    def _bind(self, slot: tuple, tensor: DeviceTensor) -> None:
+        """Bind ``tensor`` to an input or output unless it is bound there already: a whole
+        OrtValue as itself, a view of some rows by its address."""
+        ident = (tensor.address, tensor.shape)
+        if self.bound.get(slot) == ident:
+            return
+        kind, name = slot
+        if tensor.whole:
+            (self.binding.bind_ortvalue_input if kind == "in" else self.binding.bind_ortvalue_output)(name, tensor.value)
+        else:
+            device_type, device_id = tensor.device or (self.device.device_type, self.device.device_id)
+            bind = self.binding.bind_input if kind == "in" else self.binding.bind_output
+            bind(name, device_type, device_id, tensor.dtype.type, list(tensor.shape), tensor.address)
+        self.bound[slot] = ident
+
+    def _feed_buffer(self, name: str, array: np.ndarray) -> DeviceTensor:
+        key = (name, array.shape, array.dtype.str)
+        buffer = self.feeds.get(key)
+        if buffer is None:
+            if len(self.feeds) >= _FEEDS_KEPT:   # keep what the graphs read
+                kept = {s for shapes in self.pinned for s in shapes}
+                self.feeds = {k: b for k, b in self.feeds.items() if k[1] in kept}
+            buffer = self.feeds[key] = self.device.empty(array.shape, array.dtype)
+        buffer.value.update_inplace(np.ascontiguousarray(array))
+        return buffer
+
+    def _graph_options(self, key: tuple, outputs_kept: bool):
+        """The run options of this run: its graph's where it has one or is captured now
+        (the second run of these shapes and addresses), else none (onnxruntime's default on
+        a session without graphs; "no graph" on one with them)."""
+        session = self.session
+        if not session.graphs:
+            return None
+        options = self.graphs.get(key)
+        if options is not None:
+            _wait_for_copies()
+            return options
+        count = self.seen.get(key, 0) + 1
+        shapes = key[0]
+        if (count < 2 or not outputs_kept or shapes in self.no_graph or len(self.graphs) >= MAX_GRAPHS
+                or None in key[1]):
+            if len(self.seen) < 4096:
+                self.seen[key] = count
+            return session._plain_run
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(len(self.graphs) + 1))
+        self.graphs[key] = options
+        self.pinned.add(shapes)
+        self.seen.pop(key, None)
+        _wait_for_copies()
+        return options
+
+
+def _wait_for_copies() -> None:
+    """A graph's replay reads its inputs on onnxruntime's stream: the copies into them
+    (``update_inplace``) must have landed first."""
+    from meshplan.providers import cuda_synchronize
+
+    cuda_synchronize()

@@ -1,0 +1,92 @@
+"""A session's runs with its tensors kept in onnxruntime's buffers (``StageSession.keep_on``,
+``runtime.resident``): the path a GPU runs, here on OrtValues in host memory.
+
+The jobs that run it end to end (generation on 1x2 with the cache and the tensors between
+segments kept so, rows of the cache bound by address) are in ``test_generate.py`` and
+``test_serve.py``; these check the session's own bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from meshplan.runtime.buffers import DeviceBuffers, DeviceTensor
+from meshplan.runtime.resident import MAX_GRAPHS
+from meshplan.runtime.sessions import GRAPH_ID, StageSession
+
+
+def _model_bytes() -> bytes:
+    """y = x + 1 (kept on the device), z = y * 2 (to the host), c2 = c + x[:, :1] (a cache the
+    caller owns, updated in place: an Add whose output the session may write into c)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "n"])
+    c = helper.make_tensor_value_info("c", TensorProto.FLOAT, ["b", 1])
+    nodes = [helper.make_node("Add", ["x", "one"], ["y"]), helper.make_node("Mul", ["y", "two"], ["z"]),
+             helper.make_node("Slice", ["x", "zero", "one_i", "one_i"], ["first"]),
+             helper.make_node("Add", ["c", "first"], ["c2"])]
+    weights = [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+               helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
+               helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+               helper.make_tensor("one_i", TensorProto.INT64, [1], [1])]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z", "c2")]
+    graph = helper.make_graph(nodes, "resident", [x, c], outputs, weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+@pytest.fixture
+def session():
+    found = StageSession(_model_bytes(), ["CPUExecutionProvider"], threads=1, in_place={"c2": "c"})
+    found.keep_on(DeviceBuffers("cpu", 0, ["CPUExecutionProvider"]), to_host={"z"})
+    return found
+
+
+def test_outputs_stay_or_come_back_and_buffers_are_kept(session):
+    device = session.device
+    cache = device.from_host(np.zeros((2, 1), np.float32))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = session.run({"x": x, "c": cache}, writable={"c"})
+    assert isinstance(out["y"], DeviceTensor) and isinstance(out["z"], np.ndarray)
+    assert np.array_equal(out["y"].numpy(), x + 1) and np.array_equal(out["z"], (x + 1) * 2)
+    assert out["c2"] is cache and np.array_equal(cache.numpy(), x[:, :1])     # written where it lies
+    addresses = (out["y"].address, session._resident.feeds[("x", (2, 3), "<f4")].address)
+    again = session.run({"x": x + 10, "c": cache}, writable={"c"})
+    assert (again["y"].address, session._resident.feeds[("x", (2, 3), "<f4")].address) == addresses
+    assert np.array_equal(again["y"].numpy(), x + 11) and np.array_equal(cache.numpy(), 2 * x[:, :1] + 10)
+    # another shape: other buffers, the right values; the cache not writable: a new output
+    other = session.run({"x": np.ones((2, 5), np.float32), "c": cache})
+    assert other["c2"] is not cache and np.array_equal(other["c2"].numpy(), cache.numpy() + 1)
+    assert np.array_equal(other["y"].numpy(), np.full((2, 5), 2.0))
+
+
+def test_rows_of_a_device_tensor_are_bound_by_address(session):
+    cache = session.device.from_host(np.array([[1.0], [2.0], [3.0]], np.float32))
+    rows = cache[1:3]
+    assert not rows.whole and rows.shape == (2, 1) and np.array_equal(rows.numpy(), [[2.0], [3.0]])
+    out = session.run({"x": np.full((2, 4), 5.0, np.float32), "c": rows}, writable={"c"})
+    assert out["c2"] is rows
+    assert np.array_equal(cache.numpy(), [[1.0], [7.0], [8.0]])   # row 0 untouched, rows 1 and 2 updated
+
+
+def test_a_call_that_repeats_its_shapes_and_addresses_gets_a_graph(session):
+    """The bookkeeping of CUDA graphs (onnxruntime's CPU provider ignores the run option): the
+    second run of the same shapes and addresses is given a graph id, replayed from then on; a
+    new address (another cache) is another graph; at most MAX_GRAPHS."""
+    session.graphs = True
+    session._plain_run = ort.RunOptions()
+    session._plain_run.add_run_config_entry(GRAPH_ID, "-1")
+    resident = session._resident
+    cache = session.device.from_host(np.zeros((1, 1), np.float32))
+    x = np.ones((1, 1), np.float32)
+    for step in range(4):
+        out = session.run({"x": x * step, "c": cache}, writable={"c"})
+        assert np.array_equal(out["z"], (x * step + 1) * 2)
+        assert session.graph_count == (0 if step == 0 else 1)
+    assert np.array_equal(cache.numpy(), [[0.0 + 1 + 2 + 3]])
+    caches = [session.device.from_host(np.zeros((1, 1), np.float32)) for _ in range(2 * MAX_GRAPHS)]
+    for _ in range(2):
+        for other in caches:
+            session.run({"x": x, "c": other}, writable={"c"})
+    assert session.graph_count == MAX_GRAPHS
+    assert all(np.array_equal(c.numpy(), [[2.0]]) for c in caches)
+    assert resident.pinned == {((1, 1), (1, 1))}
