@@ -19,9 +19,11 @@ meshplan plan "$FP16/model.onnx" --mesh 1x1 --device "$DEVICE" --generate --max-
   > "$O/plan_fp16_1x1.log" 2>&1 || tail -n 3 "$O/plan_fp16_1x1.log"
 TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --output "$O/first_generate.json"
+TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
+  --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
 TAIL=40 step generate 330 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
-  --repeat 2 --solver highs --workdir "$O/work" --json "$O/generate.json"
+  --repeat 3 --solver highs --workdir "$O/work" --json "$O/generate.json"
 TAIL=12 step verify_generate 150 meshplan verify "$O/fp16_1x1" --generate --prompt-ids "$O/ids.json" \
   --max-new-tokens 32 --provider cuda
 meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \

@@ -576,7 +576,7 @@ class Job:
         self.sent[key] = self.sent.get(key, 0) + int(nbytes)
 
     def _run_call(self, header: np.ndarray, feeds: list[np.ndarray] | None) -> dict[str, np.ndarray]:
-        plan, stage, rank, b = self.plan, self.stage, self.rank, self.buffers
+        plan, stage, rank = self.plan, self.stage, self.rank
         self.sent = {}
         self.program_seconds = 0.0
         origin = time.perf_counter()
