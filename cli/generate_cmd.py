@@ -116,5 +116,8 @@ def _graphs_line(graphs: dict) -> str:
     if graphs["enabled"] == 0:
         why = f": {graphs['refused'][0]}" if graphs["refused"] else ""
         return f"CUDA graphs: none on rank 0{why}"
+    if graphs["captured"] == 0:
+        return (f"CUDA graphs: allowed in {graphs['enabled']} of rank 0's {graphs['segments']} segment(s), none "
+                "captured (no call repeated its shapes and addresses on the path that keeps them)")
     return (f"CUDA graphs: {graphs['captured']} captured in {graphs['enabled']} of rank 0's {graphs['segments']} "
             "segment(s), replayed at every decode step")

@@ -275,6 +275,10 @@ def test_sampler():
     assert len(drawn) > 1                                               # and it does sample
     with pytest.raises(Exception):
         Sampler(temperature=-1)
+    # float16 logits (widened to float32 first): the same choice as exact arithmetic, ties included
+    half = np.random.default_rng(1).standard_normal((6, 32000)).astype(np.float16)
+    half[2, [5, 9]] = half[2].max() + 1
+    assert Sampler()(half).tolist() == half.astype(np.float64).argmax(axis=-1).tolist() and Sampler()(half)[2] == 5
 
 
 def test_end_tokens_stop_each_sequence(planned):

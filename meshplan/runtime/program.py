@@ -185,8 +185,9 @@ class ProgramRunner:
 
     @property
     def graphs(self) -> dict:
-        """Per segment that may capture CUDA graphs: how many it has; and why a segment
-        may not, where onnxruntime said (``{"captured": n, "refused": [reason, ...]}``)."""
+        """This rank's CUDA graphs: the segments whose sessions may capture them
+        (``enabled``) of all (``segments``), the graphs captured, and onnxruntime's reasons
+        where it would not load a segment with them (``refused``)."""
         sessions = [s.session for s in self.segments if s.session is not None]
         return {"enabled": sum(1 for s in sessions if s.graphs), "segments": len(sessions),
                 "captured": sum(s.graph_count for s in sessions),
