@@ -233,8 +233,9 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         # a warm-up of the prompts' prefill and one decode step, so that the first token's time
         # is not the process's start-up (kernels loaded at their first use, the allocator's first
         # blocks, a prefill shape's first run: 55 ms of a 0.4 B model's on an H200 where a
-        # one-token warm-up was used); the load is reported apart
-        generation.run(prepared.prompts, 2, Sampler(), ())
+        # one-token warm-up was used), at most one prefill call of each (a long prompt's first
+        # piece has the longest call's shape); the load is reported apart
+        generation.run([prompt[:prepared.shape.chunk] for prompt in prepared.prompts], 2, Sampler(), ())
         load_seconds = time.perf_counter() - loading
         sequences, metrics = generation.run(prepared.prompts, request.max_new_tokens, request.sampler,
                                             prepared.eos, on_tokens)
