@@ -24,7 +24,11 @@ onnxruntime (the target: at most 30 µs) and its loop's over onnxruntime-genai's
 target: at most 50 µs), and the medians of the rounds' own differences. ``--json PATH``
 writes the numbers.
 
-    python benchmarks/step_overhead.py [--steps 400] [--rounds 7] [--capacity 512]
+``--folder DIR`` runs another builder folder (the 398 MB model of ``generate.py``, say) and
+adds a runner: onnxruntime alone on the folder's original model, so that the plan's program
+and the model it came from can be told apart.
+
+    python benchmarks/step_overhead.py [--steps 400] [--rounds 7] [--capacity 512] [--folder DIR]
 """
 
 from __future__ import annotations
@@ -46,12 +50,12 @@ MODEL = REPO / "sample_models" / "genai" / "llama_fp32" / "model.onnx"
 PROMPT = 8
 
 
-def plan_one_device(workdir: Path, capacity: int) -> Path:
+def plan_one_device(workdir: Path, capacity: int, model: Path = MODEL) -> Path:
     """``meshplan plan MODEL --mesh 1x1 --generate --max-length CAPACITY``."""
     import subprocess
 
     plan_dir = workdir / "plan"
-    done = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(MODEL), "--mesh", "1x1", "--device", "cpu",
+    done = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(model), "--mesh", "1x1", "--device", "cpu",
                            "--generate", "--max-length", str(capacity), "-o", str(plan_dir)],
                           capture_output=True, text=True, cwd=REPO)
     if done.returncode:
@@ -75,9 +79,10 @@ def onnxruntime_steps(program: Path, capacity: int, steps: int, threads: int) ->
     shapes = {i.name: i.shape for i in session.get_inputs()}
     binding = session.io_binding()
     caches = {}
+    kinds = {i.name: i.type for i in session.get_inputs()}
     for past, present in cache_names(session):
         heads, head = shapes[past][1], shapes[past][3]
-        buffer = np.zeros((1, heads, capacity, head), np.float32)
+        buffer = np.zeros((1, heads, capacity, head), np.float16 if kinds[past] == "tensor(float16)" else np.float32)
         caches[past] = ort.OrtValue.ortvalue_from_numpy(buffer)
         binding.bind_ortvalue_input(past, caches[past])
         binding.bind_ortvalue_output(present, caches[past])
@@ -137,18 +142,21 @@ def loop_steps(job, steps: int) -> float:
     return statistics.mean(metrics.decode_seconds)
 
 
-def genai_runner(workdir: Path, capacity: int, threads: int):
-    """A function timing onnxruntime-genai's decode steps on a copy of the sample's folder
-    (None where onnxruntime-genai is not installed)."""
+def genai_runner(workdir: Path, capacity: int, threads: int, source: Path = MODEL.parent):
+    """A function timing onnxruntime-genai's decode steps on a copy of the ``source`` folder's
+    configuration (its model files linked, not copied) (None where onnxruntime-genai is not
+    installed)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
         return None
-    import shutil
-
     folder = workdir
-    shutil.copytree(MODEL.parent, folder, dirs_exist_ok=True)
-    config = json.loads((folder / "genai_config.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and not (folder / item.name).exists():
+            (folder / item.name).symlink_to(item.resolve())
+    (folder / "genai_config.json").unlink()
+    config = json.loads((source / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
     (folder / "genai_config.json").write_text(json.dumps(config))
     model = og.Model(str(folder))
@@ -167,7 +175,7 @@ def genai_runner(workdir: Path, capacity: int, threads: int):
     return run
 
 
-def run_alone(name: str, work: Path, capacity: int, steps: int) -> dict:
+def run_alone(name: str, work: Path, capacity: int, steps: int, model: Path = MODEL) -> dict:
     """Seconds per step of one runner (a warm-up run first), and the threads it used."""
     from meshplan.plan_format import read_plan
     from meshplan.runtime.job import Job
@@ -175,9 +183,9 @@ def run_alone(name: str, work: Path, capacity: int, steps: int) -> dict:
     plan_dir = work / "plan"
     job = Job(plan_dir, "cpu", cache_in_place=True)
     threads = job.threads.threads
-    if name == "onnxruntime":
+    if name in ("onnxruntime", "model"):
         job.close()
-        program = plan_dir / read_plan(plan_dir).programs[0].file
+        program = plan_dir / read_plan(plan_dir).programs[0].file if name == "onnxruntime" else model
         run = lambda: onnxruntime_steps(program, capacity, steps, threads)   # noqa: E731
     elif name == "job":
         run = lambda: job_steps(job, capacity, steps)   # noqa: E731
@@ -185,7 +193,7 @@ def run_alone(name: str, work: Path, capacity: int, steps: int) -> dict:
         run = lambda: loop_steps(job, steps)   # noqa: E731
     else:
         job.close()
-        run = genai_runner(work / name, capacity, threads)
+        run = genai_runner(work / name, capacity, threads, model.parent)
         run = (lambda run=run: run(steps))
     run()
     return {"seconds": run(), "threads": threads}
@@ -197,26 +205,31 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--folder", type=Path, help="a builder folder [default: the 1 MB sample's]")
     parser.add_argument("--runner", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if PROMPT + args.steps >= args.capacity:
         raise SystemExit(f"--steps must stay below the capacity less the prompt ({args.capacity - PROMPT})")
 
+    model = (args.folder / "model.onnx").resolve() if args.folder else MODEL
     if args.runner:   # one runner in a process of its own: its seconds per step
-        print(json.dumps(run_alone(args.runner, Path(args.work), args.capacity, args.steps)))
+        print(json.dumps(run_alone(args.runner, Path(args.work), args.capacity, args.steps, model)))
         return
     import importlib.util
     import subprocess
 
     runners = ["onnxruntime", "job", "loop"] + (["genai"] if importlib.util.find_spec("onnxruntime_genai") else [])
+    if args.folder:
+        runners.insert(0, "model")
     times: dict[str, list[float]] = {name: [] for name in runners}
     with tempfile.TemporaryDirectory(prefix="meshplan-step-") as work:
-        plan_one_device(Path(work), args.capacity)
+        plan_one_device(Path(work), args.capacity, model)
         for _ in range(args.rounds):
             for name in runners:   # each in a fresh process: no other session's threads spin beside it
                 done = subprocess.run([sys.executable, __file__, "--runner", name, "--work", work, "--capacity",
-                                       str(args.capacity), "--steps", str(args.steps)],
+                                       str(args.capacity), "--steps", str(args.steps),
+                                       *(["--folder", str(args.folder)] if args.folder else [])],
                                       capture_output=True, text=True, cwd=REPO)
                 if done.returncode:
                     raise SystemExit(f"runner {name} failed: {done.stderr.strip()[-500:]}")
@@ -227,8 +240,10 @@ def main() -> None:
                                                      times.get("genai", []))
     ort_us, job_us = statistics.median(ort_times) * 1e6, statistics.median(job_times) * 1e6
     paired_us = statistics.median(j - o for j, o in zip(job_times, ort_times)) * 1e6
-    print(f"1x1 decode step, builder Llama sample, capacity {args.capacity}, {threads} onnxruntime thread(s), "
-          f"{args.rounds} rounds of {args.steps} steps (medians):")
+    print(f"1x1 decode step, {args.folder or 'builder Llama sample'}, capacity {args.capacity}, {threads} onnxruntime "
+          f"thread(s), {args.rounds} rounds of {args.steps} steps (medians):")
+    if "model" in times:
+        print(f"  onnxruntime alone on the original model            {statistics.median(times['model']) * 1e6:8.1f} us/step")
     print(f"  onnxruntime alone (IOBinding, cache bound once)  {ort_us:8.1f} us/step")
     print(f"  meshplan Job.run                                  {job_us:8.1f} us/step")
     print(f"  meshplan's overhead                               {job_us - ort_us:8.1f} us/step (target: <= 30)")

@@ -125,6 +125,9 @@ def test_device_transfer_needs_cuda_aware_mpi(monkeypatch, aware, words):
     monkeypatch.setattr(transport, "cuda_aware", lambda MPI: {"value": aware, "method": "test"})
     with pytest.raises(RunError, match=words):
         transport.choose_buffers("device", CUDA, 0, _FakeMPI)
+    # a job of one rank sends nothing through MPI: device buffers need no CUDA-aware MPI there
+    buffers, text = transport.choose_buffers("device", CUDA, 0, _FakeMPI, alone=True)
+    assert (buffers.name, buffers.device_type) == ("device", "cuda") and "nothing crosses" in text
     with pytest.raises(RunError, match="unknown transfer path"):
         transport.choose_buffers("gpu", CPU, 0, _FakeMPI)
 
