@@ -26,8 +26,9 @@ their range: an empty cache). With ``cache_in_place``, a key/value cache of fixe
 (onnxruntime-genai's shared past/present buffer) is updated where it lies, as
 onnxruntime-genai does, instead of copied whole into a new present buffer on every call;
 positions past a sequence's length then keep what they held instead of onnxruntime's
-zeros (attention never reads them). ``meshplan generate`` runs so; ``meshplan run``
-does not, so that its state outputs are onnxruntime's to the bit.
+zeros (attention never reads them), and a state kept on the device takes again, without
+zeroing it, the buffer the state before it left. ``meshplan generate`` runs so; ``meshplan
+run`` does not, so that its state outputs are onnxruntime's to the bit.
 
 A call of fewer sequences than the held state's batch (``run(..., row=r)``, where
 ``row_calls`` allows it) runs on rows ``r`` to ``r`` + its batch - 1 of the held state, a
