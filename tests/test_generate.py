@@ -275,10 +275,20 @@ def test_sampler():
     assert len(drawn) > 1                                               # and it does sample
     with pytest.raises(Exception):
         Sampler(temperature=-1)
-    # float16 logits (widened to float32 first): the same choice as exact arithmetic, ties included
-    half = np.random.default_rng(1).standard_normal((6, 32000)).astype(np.float16)
+    # float16 logits (chosen from their bits): numpy's choice on the same values, ties (-0 and
+    # +0 too), all-negative rows, infinities and NaN (the first NaN) included
+    rng = np.random.default_rng(1)
+    half = rng.standard_normal((8, 32000)).astype(np.float16)
     half[2, [5, 9]] = half[2].max() + 1
-    assert Sampler()(half).tolist() == half.astype(np.float64).argmax(axis=-1).tolist() and Sampler()(half)[2] == 5
+    half[3] = -np.abs(half[3])
+    half[4] = -np.abs(half[4]) - 1
+    half[4, [3, 7]] = [-0.0, 0.0]   # equal: the first
+    half[5, [11, 12]] = np.nan
+    half[6] = -np.inf
+    half[7, 100] = np.inf
+    want = half.astype(np.float64).argmax(axis=-1).tolist()
+    assert Sampler()(half).tolist() == want and want[2] == 5 and want[4] == 3 and want[5] == 11
+    assert Sampler()(half[:5]).tolist() == want[:5]   # without a NaN: the bits' own path
 
 
 def test_end_tokens_stop_each_sequence(planned):

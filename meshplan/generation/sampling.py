@@ -39,10 +39,10 @@ class Sampler:
         """One token id per row of ``logits`` [batch, vocab]."""
         logits = np.asarray(logits)
         if self.greedy:   # widening keeps the order: take the maximum where it lies
-            # float16 (and bfloat16) are widened to float32 first: numpy's argmax over float16
-            # is emulated, 209 µs for a 32000-token vocabulary against 39 µs widened first
+            if logits.dtype == np.float16:
+                return _float16_argmax(logits)
             exact = logits.dtype in (np.float32, np.float64)
-            wide = np.float32 if logits.dtype.kind == "f" or logits.dtype.name == "bfloat16" else np.float64
+            wide = np.float32 if logits.dtype.name == "bfloat16" else np.float64
             return (logits if exact else logits.astype(wide)).argmax(axis=-1).astype(np.int64)
         logits = logits.astype(np.float64)
         scaled = logits / self.temperature
@@ -60,3 +60,17 @@ class Sampler:
                 order, probs = order[:count], probs[:count] / probs[:count].sum()
             chosen[row] = order[self._rng.choice(len(order), p=probs)]
         return chosen
+
+
+def _float16_argmax(logits: np.ndarray) -> np.ndarray:
+    """``argmax`` over the last axis of float16 logits, as numpy's over the same values, from
+    their bits: numpy's float16 comparisons are emulated (209 µs for a 32000-token
+    vocabulary; widening to float32 first 39–47 µs; this 5 µs). A float16's bits read as an
+    int16 order like the values once the negative ones are mirrored (and -0 put on +0);
+    logits holding a NaN take numpy's own float path (it answers the first NaN)."""
+    bits = np.ascontiguousarray(logits).view(np.int16)
+    if ((bits & 0x7FFF) > 0x7C00).any():
+        return logits.astype(np.float32).argmax(axis=-1).astype(np.int64)
+    sign = bits >> 15                                  # -1 where negative, else 0
+    keys = (bits ^ (sign & 0x7FFF)) - sign             # negatives mirrored below zero, -0 on +0
+    return keys.argmax(axis=-1).astype(np.int64)
