@@ -114,7 +114,7 @@ class DeviceTensor:
     some rows of one (``x[a:b]``: its first dim from ``a`` to ``b``, a contiguous run of
     its memory), which a session binds by address."""
 
-    __slots__ = ("value", "shape", "dtype", "offset", "device")
+    __slots__ = ("value", "shape", "dtype", "offset", "device", "_address")
 
     def __init__(self, value, shape: Sequence[int], dtype, offset: int = 0, device: tuple[str, int] | None = None):
         self.value = value
@@ -122,6 +122,7 @@ class DeviceTensor:
         self.dtype = np.dtype(dtype)
         self.offset = offset        # bytes from the OrtValue's start (a view of rows)
         self.device = device        # (device type, id) of the OrtValue's memory, where known
+        self._address = None        # read once: an OrtValue's memory stays where it is
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +135,9 @@ class DeviceTensor:
 
     @property
     def address(self) -> int:
-        return int(self.value.data_ptr()) + self.offset
+        if self._address is None:
+            self._address = int(self.value.data_ptr()) + self.offset
+        return self._address
 
     def __getitem__(self, rows: slice) -> "DeviceTensor":
         """Rows ``rows`` of the first dim (step 1), as a view of the same memory."""
