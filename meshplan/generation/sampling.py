@@ -39,11 +39,12 @@ class Sampler:
         """One token id per row of ``logits`` [batch, vocab]."""
         logits = np.asarray(logits)
         if self.greedy:   # widening keeps the order: take the maximum where it lies
+            if logits.dtype == np.float32 or logits.dtype == np.float64:
+                return logits.argmax(axis=-1).astype(np.int64)
             if logits.dtype == np.float16:
                 return _float16_argmax(logits)
-            exact = logits.dtype in (np.float32, np.float64)
             wide = np.float32 if logits.dtype.name == "bfloat16" else np.float64
-            return (logits if exact else logits.astype(wide)).argmax(axis=-1).astype(np.int64)
+            return logits.astype(wide).argmax(axis=-1).astype(np.int64)
         logits = logits.astype(np.float64)
         scaled = logits / self.temperature
         chosen = np.empty(len(scaled), dtype=np.int64)

@@ -202,6 +202,7 @@ class Job:
         self._tracked = None                   # the sizes ``_track_state`` last followed
         self._last_key = None                  # the last call's shapes (``_check_call``)
         self._headers: dict[tuple, np.ndarray] = {}   # RUN headers by shapes and wanted outputs
+        self._parsed: dict[bytes, tuple] = {}         # ``_parse_run``: RUN headers read, by their bytes
         self.calls = 0
         self.sent: dict[str, int] = {}
         self.program_seconds = 0.0
@@ -584,18 +585,37 @@ class Job:
         self.trace = []
         if stage is None:   # an idle rank: nothing reaches it, it sends nothing
             return {}
+        shapes, create, wanted = self._parse_run(header)
         # the call's inputs, from rank 0 to the ranks that read them
-        k = 2
         received: dict[str, np.ndarray] = {}
         for index, spec in enumerate(self.inputs):
-            shape = tuple(int(d) for d in header[k:k + len(spec.shape)])
-            k += len(spec.shape)
             if not self.transport.reads_input(index):
                 continue
-            array, sent = self.transport.bcast_input(index, feeds[index] if rank == 0 else None, shape, spec.dtype)
+            array, sent = self.transport.bcast_input(index, feeds[index] if rank == 0 else None, shapes[index],
+                                                     spec.dtype)
             if rank == 0 and sent:
                 self._send(spec.name, sent)
             received[spec.name] = array
+        for name, shape in create.items():
+            if name in stage.inputs:
+                self.state[name] = self._empty_state(self.state_specs[name].local_shape(shape, self.mesh),
+                                                     self._dtype_of(name))
+        micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
+        results = self._microbatches(micro, wanted, origin, int(header[1]))
+        return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
+
+    def _parse_run(self, header: np.ndarray) -> tuple[list, dict, dict]:
+        """A RUN header read: each input's shape, the state to create, the outputs wanted
+        (name → slices). Kept by the header's bytes: a decode step's is the step before's."""
+        key = header.tobytes()
+        found = self._parsed.get(key)
+        if found is not None:
+            return found
+        k = 2
+        shapes = []
+        for spec in self.inputs:
+            shapes.append(tuple(int(d) for d in header[k:k + len(spec.shape)]))
+            k += len(spec.shape)
         create = {}
         for spec in self.state_entries_specs():
             if header[k]:
@@ -608,13 +628,10 @@ class Job:
                                                 None if header[k + 2 + 2 * d] == END else int(header[k + 2 + 2 * d]))
                                           for d in range(len(spec.shape)))
             k += 1 + 2 * len(spec.shape)
-        for name, shape in create.items():
-            if name in stage.inputs:
-                self.state[name] = self._empty_state(self.state_specs[name].local_shape(shape, self.mesh),
-                                                     self._dtype_of(name))
-        micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
-        results = self._microbatches(micro, wanted, origin, int(header[1]))
-        return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
+        if len(self._parsed) >= _SIZED_KEPT:
+            self._parsed.clear()
+        found = self._parsed[key] = (shapes, create, wanted)
+        return found
 
     def _empty_state(self, shape, dtype):
         """A state of zeros; on the device, a buffer of this shape that an earlier state left
