@@ -143,9 +143,9 @@ class StageSession:
     def run(self, feeds: dict[str, np.ndarray], writable=frozenset()) -> dict[str, np.ndarray]:
         """``writable``: feeds this run may overwrite; an output written in place is returned
         as that very array."""
-        # numpy's own dtypes only: onnxruntime wraps no extension type (ml_dtypes' bfloat16)
-        if self.device is not None:
+        if self.device is not None:   # tensors kept where the provider computes (``keep_on``)
             return self._resident.run(feeds, self._reused(feeds, writable))
+        # numpy's own dtypes only: onnxruntime wraps no extension type (ml_dtypes' bfloat16)
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
