@@ -90,3 +90,28 @@ def test_a_call_that_repeats_its_shapes_and_addresses_gets_a_graph(session):
     assert session.graph_count == MAX_GRAPHS
     assert all(np.array_equal(c.numpy(), [[2.0]]) for c in caches)
     assert resident.pinned == {((1, 1), (1, 1))}
+
+
+def test_an_output_whose_shape_follows_from_values_drops_its_graph():
+    """NonZero's output has as many columns as the input has non-zeros: the buffer kept for the
+    input's shape stops fitting, the run is made again on a new buffer, and the graph those
+    shapes had is dropped (its buffers kept: a graph holds their addresses)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, None)
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["y"])], "nonzero", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    session = StageSession(model.SerializeToString(), ["CPUExecutionProvider"], threads=1)
+    session.keep_on(DeviceBuffers("cpu", 0, ["CPUExecutionProvider"]), to_host={"y"})
+    session.graphs = True
+    session._plain_run = ort.RunOptions()
+    session._plain_run.add_run_config_entry(GRAPH_ID, "-1")
+    two = np.array([1, 0, 2, 0], np.float32)
+    for _ in range(3):
+        assert session.run({"x": two})["y"].tolist() == [[0, 2]]
+    assert session.graph_count == 1
+    three = np.array([1, 5, 2, 0], np.float32)
+    assert session.run({"x": three})["y"].tolist() == [[0, 1, 2]]
+    assert session.graph_count == 0 and len(session._resident.retired) == 1
+    for _ in range(3):   # these shapes are given no graph again
+        assert session.run({"x": two})["y"].tolist() == [[0, 2]]
+    assert session.graph_count == 0

@@ -47,9 +47,12 @@ class ResidentRuns:
         self.graphs: dict[tuple, object] = {}          # … → the run options of its graph
         self.pinned: set = set()                       # input shapes whose buffers a graph reads
         self.no_graph: set = set()                     # input shapes whose outputs were remade
+        self.retired: list = []                        # their old outputs, which a graph may have read
+        self.captured = 0                              # graph ids given so far (each id once)
 
     @property
     def graph_count(self) -> int:
+        """Graphs in use (a dropped one no longer counts)."""
         return len(self.graphs)
 
     def run(self, feeds: dict, reused: dict[str, str]) -> dict:
@@ -93,8 +96,11 @@ class ResidentRuns:
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             if outputs is None:
                 raise session._failed(exc) from exc
-            # an output whose shape follows from values, not shapes: let onnxruntime allocate again
-            del self.outputs[shapes]
+            # an output whose shape follows from values, not shapes: let onnxruntime allocate again;
+            # the graphs of these shapes are dropped, the buffers they were captured with kept
+            # (a graph still holds their addresses)
+            self.retired.append(self.outputs.pop(shapes))
+            self.graphs = {k: o for k, o in self.graphs.items() if k[0] != shapes}
             self.no_graph.add(shapes)
             self.pinned.discard(shapes)
             for name in session.output_names:
@@ -154,7 +160,7 @@ class ResidentRuns:
             return options
         count = self.seen.get(key, 0) + 1
         shapes = key[0]
-        if (count < 2 or not outputs_kept or shapes in self.no_graph or len(self.graphs) >= MAX_GRAPHS
+        if (count < 2 or not outputs_kept or shapes in self.no_graph or self.captured >= MAX_GRAPHS
                 or None in key[1]):
             if len(self.seen) < 4096:
                 self.seen[key] = count
@@ -162,7 +168,8 @@ class ResidentRuns:
         import onnxruntime as ort
 
         options = ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", str(len(self.graphs) + 1))
+        self.captured += 1
+        options.add_run_config_entry("gpu_graph_id", str(self.captured))   # never an id given before
         self.graphs[key] = options
         self.pinned.add(shapes)
         self.seen.pop(key, None)
