@@ -240,6 +240,9 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.folders:
+        bad = [f for f in args.folders if "=" not in f or not (Path(f.partition("=")[2]) / "model.onnx").is_file()]
+        if bad:
+            raise SystemExit(f"--folders takes NAME=DIR, DIR holding a model.onnx: {bad[0]!r}")
         models = {f"builder {n}": Path(d).resolve() / "model.onnx" for n, _, d in (f.partition("=") for f in args.folders)}
     else:
         models = write_models(workdir, args.gigabytes, args.max_length)
