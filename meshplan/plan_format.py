@@ -103,6 +103,18 @@ class Program:
     sha256: str
     data_files: list[dict] = field(default_factory=list)   # [{"file", "sha256"}] external weights
 
+    @property
+    def files(self) -> list[tuple[str, str]]:
+        """(file, sha256) of the program and of its weights' data files."""
+        return [(self.file, self.sha256)] + [(d["file"], d["sha256"]) for d in self.data_files]
+
+    @property
+    def hash_record(self) -> str:
+        """The plan folder's record of its files' sums and stamps (``files.HashRecord``): a
+        run reads a file again only if it changed since planning (or since the run that
+        last read it)."""
+        return f".{self.file}.sha256.json"
+
 
 @dataclass
 class Plan:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.files import file_sha256
+from meshplan.files import HashRecord
 from meshplan.errors import PlanError, RunError
 from meshplan.providers import CPU, CUDA, cuda_provider, cuda_usable
 from meshplan.plan_format import Plan, Program
@@ -57,16 +57,23 @@ def providers_for(choice: str, device_id: int = 0) -> list:
 
 
 def check_program_files(plan: Plan, plan_dir: Path, program: Program) -> Path:
-    """The program file and its weights exist and are the ones planned (sha256)."""
+    """The program file and its weights exist and are the ones planned (sha256; a file
+    unchanged since the plan or an earlier run recorded its sum is not read again:
+    ``Program.hash_record``)."""
     path = plan_dir / program.file
     if not path.is_file():
         raise PlanError(f"program {program.file} of rank {program.rank} is missing from {plan_dir}")
-    if file_sha256(path) != program.sha256:
-        raise PlanError(f"program {program.file} was changed after planning (sha256 mismatch)", hint="re-run meshplan plan")
-    for data in program.data_files:
-        data_path = plan_dir / data["file"]
-        if not data_path.is_file() or file_sha256(data_path) != data["sha256"]:
-            raise PlanError(f"weights file {data['file']} is missing or changed since planning", hint="re-run meshplan plan")
+    record = HashRecord(plan_dir / program.hash_record)
+    try:
+        if record.sha256(path) != program.sha256:
+            raise PlanError(f"program {program.file} was changed after planning (sha256 mismatch)",
+                            hint="re-run meshplan plan")
+        for name, digest in program.files[1:]:
+            data_path = plan_dir / name
+            if not data_path.is_file() or record.sha256(data_path) != digest:
+                raise PlanError(f"weights file {name} is missing or changed since planning", hint="re-run meshplan plan")
+    finally:
+        record.save()
     return path
 
 
