@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import bind_cores_option
 from cli.guard import debugging, rank_guard
 
 FLUSH_SECONDS = 0.05   # streamed tokens reach the terminal at least this often
@@ -44,13 +45,15 @@ FLUSH_SECONDS = 0.05   # streamed tokens reach the terminal at least this often
 @click.option("--cuda-graph/--no-cuda-graph", "cuda_graph", default=True, show_default=True,
               help="On CUDA, capture a decode step as a CUDA graph once and replay it (a model with nodes "
                    "onnxruntime keeps on the CPU runs without).")
+@bind_cores_option
 @click.pass_context
 def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos, tokenizer,
-             output_path, provider, transfer, deterministic, cuda_graph):
+             output_path, provider, transfer, deterministic, cuda_graph, bind_cores):
     """Generate tokens with a plan of an LLM: `mpiexec -n N meshplan generate PLAN_DIR --prompt TEXT`."""
     from meshplan.generation.driver import Request, generate_rank, read_prompt_ids
     from meshplan.generation.sampling import Sampler
     from meshplan.runtime.sessions import set_deterministic
+    from meshplan.runtime.threads import set_binding
 
     debug = debugging(ctx)
 
@@ -73,6 +76,7 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                           sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
                           tokenizer=tokenizer)
         set_deterministic(deterministic)
+        set_binding(bind_cores)
         report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path,
                                graphs=cuda_graph)
     out.flush()

@@ -65,6 +65,12 @@ cluster_option = click.option(
     help="Cluster description in TOML (instead of --mesh/--device).",
 )
 
+bind_cores_option = click.option(
+    "--bind-cores/--no-bind-cores", "bind_cores", default=True, show_default=True,
+    help="Where the launcher bound no rank to cores, each rank binds itself to a share of its machine's physical "
+         "cores (two or more each) and runs one spinning onnxruntime thread per core.",
+)
+
 
 def device_option(help: str):
     """``--device PRESET``; no default, so that each command can tell whether it was given."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import bind_cores_option
 from cli.guard import debugging, rank_guard
 
 
@@ -23,15 +24,18 @@ from cli.guard import debugging, rank_guard
 @click.option("--deterministic", is_flag=True,
               help="Ask onnxruntime for deterministic kernels in every session (use_deterministic_compute: on CUDA, "
                    "no atomic adds in reductions), so that two runs give the same bits; may be slower.")
+@bind_cores_option
 @click.pass_context
-def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer, deterministic):
+def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, transfer, deterministic, bind_cores):
     """Run a plan: start as `mpiexec -n N meshplan run PLAN_DIR --inputs IN.npz`."""
     from meshplan.emit.report import human_seconds
     from meshplan.runtime.mpi_runner import run_rank, write_trace
     from meshplan.runtime.sessions import set_deterministic
+    from meshplan.runtime.threads import set_binding
 
     with rank_guard(debugging(ctx)):
         set_deterministic(deterministic)
+        set_binding(bind_cores)
         report = run_rank(plan_dir, inputs_path, output_path, repeat, provider, transfer)
     if report is None:
         return

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from cli.generate_cmd import _size
+from cli.options import bind_cores_option
 from cli.guard import debugging, rank_guard
 
 
@@ -30,15 +31,17 @@ from cli.guard import debugging, rank_guard
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels in every session (see meshplan generate).")
 @click.option("--cuda-graph/--no-cuda-graph", "cuda_graph", default=True, show_default=True,
               help="On CUDA, replay each batch's decode step as a CUDA graph (see meshplan generate).")
+@bind_cores_option
 @click.pass_context
 def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provider, transfer, deterministic,
-          cuda_graph):
+          cuda_graph, bind_cores):
     """Serve a plan of an LLM over HTTP with the OpenAI API: `mpiexec -n N meshplan serve PLAN_DIR`.
 
     Requests share the plan's batch: each takes a slot between two steps and frees it when
     done (continuous batching where the key/value cache is one buffer of fixed capacity).
     SIGTERM or Ctrl-C stops it: running requests finish, exit 0."""
     from meshplan.runtime.sessions import set_deterministic
+    from meshplan.runtime.threads import set_binding
     from meshplan.serving.server import Options, serve_rank
 
     def started(info):
@@ -55,6 +58,7 @@ def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provi
 
     with rank_guard(debugging(ctx)):
         set_deterministic(deterministic)
+        set_binding(bind_cores)
         status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, prefill_chunk, provider, transfer,
                                                     cuda_graph), started)
     if status is not None:

@@ -180,12 +180,14 @@ def local_facts(launched: bool = False):
 
 def assign_threads(facts: list[Facts], machines: list[int]) -> None:
     """The onnxruntime threads each rank would get in a job where every rank works
-    (``runtime.threads``: its own cores, or a share of its machine's with spinning off)."""
-    from meshplan.runtime.threads import choose_threads
+    (``runtime.threads``: its own cores, a share of its machine's physical cores it binds
+    itself to where the launcher bound none, or a share of its machine's with spinning off;
+    physical cores as on this machine)."""
+    from meshplan.runtime.threads import plan_threads
 
     for f in facts:
         here = [g for g, m in zip(facts, machines) if m == machines[f.rank]]
-        choice = choose_threads(len(here), set(f.cores), f.cpu_count or None, [set(g.cores) for g in here if g is not f])
+        choice, _ = plan_threads([set(g.cores) for g in here], here.index(f), f.cpu_count or None)
         f.threads = choice.describe()
 
 

@@ -127,8 +127,7 @@ def _rank_lines(plan: Plan, stage: Stage, directory: Path) -> list[str]:
         text += "(weights, state and activations in flight)"
         program = programs.get(rank)
         if program is not None:
-            files = [program.file] + [d["file"] for d in program.data_files]
-            size = sum((directory / f).stat().st_size for f in files if (directory / f).is_file())
+            size = sum((directory / f).stat().st_size for f, _ in program.files if (directory / f).is_file())
             text += f"; program {program.file}: {human_bytes(size)}"
         lines.append(text)
     return lines

@@ -1,15 +1,20 @@
 """The onnxruntime threads of a rank (``runtime.threads``): alone on a machine it takes every
 core it may run on and spins; ranks sharing a machine's cores divide them and do not spin;
-ranks the launcher bound to cores of their own keep those cores and spin. A job says what
-each rank got (``meshplan run``, ``generate``, ``doctor``)."""
+ranks the launcher bound to cores of their own keep those cores and spin; ranks the launcher
+left unbound bind themselves to a share of the machine's physical cores where each gets two
+or more. A job says what each rank got (``meshplan run``, ``generate``, ``doctor``)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from meshplan.runtime.threads import ThreadChoice, choose_threads
+from meshplan.runtime import threads
+from meshplan.runtime.threads import ThreadChoice, choose_threads, physical_cores, plan_threads
 from tests.conftest import run_cli, run_mpi
 
 
@@ -40,6 +45,58 @@ def test_own_cores_from_the_launcher_keep_spinning():
 def test_a_row_reads_back():
     choice = choose_threads(2, cores={0, 1, 2, 3}, machine_cores=4, others=[{0, 1, 2, 3}])
     assert ThreadChoice.from_row(choice.row()) == choice
+    bound, _ = plan_threads([set(range(8))] * 2, 1, 8, groups=[[c] for c in range(8)])
+    assert ThreadChoice.from_row(bound.row()) == bound and bound.self_bound
+
+
+def test_unbound_ranks_bind_themselves_to_shares_of_physical_cores():
+    machine = set(range(16))
+    one_each = [[c] for c in range(16)]
+    shares = [plan_threads([machine] * 2, i, 16, groups=one_each) for i in range(2)]
+    assert [share for _, share in shares] == [set(range(8)), set(range(8, 16))]
+    choice = shares[0][0]
+    assert (choice.threads, choice.spinning, choice.bound, choice.self_bound) == (8, True, True, True)
+    assert "bound by meshplan to 8 core(s) of its own" in choice.describe()
+    # hyperthreads: siblings stay together, one thread per physical core
+    siblings = [[c, c + 8] for c in range(8)]
+    choice, share = plan_threads([machine] * 2, 1, 16, groups=siblings)
+    assert share == {4, 5, 6, 7, 12, 13, 14, 15} and choice.threads == 4 and choice.cores == 8
+    # three ranks: equal shares, the cores left over stay free
+    assert [plan_threads([machine] * 3, i, 16, groups=one_each)[1] for i in range(3)] == \
+        [set(range(0, 5)), set(range(5, 10)), set(range(10, 15))]
+
+
+def test_binding_only_where_it_pays_and_is_wanted(monkeypatch):
+    # one physical core per rank: nothing to spin, the old rule (shared, no spinning)
+    choice, share = plan_threads([{0, 1}] * 2, 0, 2, groups=[[0], [1]])
+    assert share is None and (choice.threads, choice.spinning, choice.self_bound) == (1, False, False)
+    # the launcher bound them: its binding stands
+    choice, share = plan_threads([{0, 1, 2, 3}, {4, 5, 6, 7}], 0, 8, groups=[[c] for c in range(8)])
+    assert share is None and choice.bound and not choice.self_bound and choice.threads == 4
+    # alone: all its cores
+    choice, share = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
+    assert share is None and choice.threads == 8
+    # --no-bind-cores
+    monkeypatch.setattr(threads, "_binding", [False])
+    choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)])
+    assert share is None and (choice.threads, choice.spinning) == (8, False)
+
+
+def test_physical_cores_of_this_machine_cover_its_cpus():
+    cpus = os.sched_getaffinity(0)
+    groups = physical_cores(cpus)
+    assert sorted(c for g in groups for c in g) == sorted(cpus)
+    assert all(len(g) >= 1 for g in groups)
+
+
+def test_binding_holds_for_threads_made_afterwards():
+    """A rank binds itself before onnxruntime makes its pool threads: they inherit it."""
+    one = min(os.sched_getaffinity(0))
+    code = ("import os, threading; from meshplan.runtime.threads import bind_to; "
+            f"bind_to({{{one}}}); seen = []; t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0))); "
+            "t.start(); t.join(); print(sorted(os.sched_getaffinity(0)), sorted(seen[0]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [f"[{one}]", f"[{one}]"]
 
 
 def test_doctor_reports_threads():
@@ -61,8 +118,14 @@ def test_run_says_what_each_rank_got(tmp_path):
     dims = {"batch": 8}
     make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(all_devices=True))
     inputs = save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
-    done = run_mpi(2, "run", tmp_path / "plan", "--inputs", inputs)
+    done = run_mpi(2, "run", tmp_path / "plan", "--inputs", inputs, "--no-bind-cores")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and all("spinning off (" in line and "shared by 2 working ranks" in line for line in lines), \
         done.stdout
+    # by default the ranks (unbound by mpiexec) bind themselves where each gets two physical cores
+    done = run_mpi(2, "run", tmp_path / "plan", "--inputs", inputs)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    expected = "bound by meshplan to" if len(physical_cores(os.sched_getaffinity(0))) >= 4 else "shared by 2 working ranks"
+    assert len(lines) == 2 and all(expected in line for line in lines), done.stdout

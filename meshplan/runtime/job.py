@@ -60,7 +60,7 @@ from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
-from meshplan.runtime.threads import ThreadChoice, choose_threads
+from meshplan.runtime.threads import ThreadChoice, bind_to, plan_threads
 from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffers, world
 from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
@@ -143,8 +143,9 @@ class Job:
                 # the cores of a machine go to the ranks that work there (idle ranks only wait)
                 here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]
                         and not plan.is_idle(r)]
-                self.threads = choose_threads(len(here), affinities[self.rank], os.cpu_count(),
-                                              [affinities[r] for r in here if r != self.rank])
+                self.threads, share = plan_threads([affinities[r] for r in here], here.index(self.rank), os.cpu_count())
+                if share is not None:   # before onnxruntime makes its threads: they inherit it
+                    bind_to(share)
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
                 session = ProgramRunner(path, providers, threads=self.threads.threads,

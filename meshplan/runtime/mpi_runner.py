@@ -127,11 +127,10 @@ def _batch_of(plan: Plan, inputs: dict) -> int:
 
 def _gather_memory(plan: Plan, plan_dir: Path, comm, threads=None) -> np.ndarray | None:
     """[peak RSS, program bytes, *its ThreadChoice.row() (zeros on an idle rank)] of every
-    rank, on rank 0 (a [ranks, 7] array; None elsewhere). Collective."""
+    rank, on rank 0 (a [ranks, 2 + ThreadChoice.ROW] array; None elsewhere). Collective."""
     program = plan.program_of_rank(comm.rank)   # None on an idle rank
-    held = 0 if program is None else sum((plan_dir / f).stat().st_size
-                                         for f in [program.file] + [d["file"] for d in program.data_files])
-    return gather_rows(comm, np.array([peak_rss_bytes(), held, *(threads.row() if threads is not None else [0] * 5)]))
+    held = 0 if program is None else sum((plan_dir / f).stat().st_size for f, _ in program.files)
+    return gather_rows(comm, np.array([peak_rss_bytes(), held, *(threads.row() if threads is not None else [0] * ThreadChoice.ROW)]))
 
 
 def write_trace(path: str | Path, events: list[dict], ranks: int, memory: list[dict] | None = None) -> None:

@@ -7,7 +7,16 @@ that work there (idle ranks only wait). onnxruntime's pool threads spin between 
 default: a rank waiting in MPI while its own and its neighbours' threads spin on the same
 cores slows every rank of the machine (a 117 MB decode step on 16 cores took 33–84 ms on
 1x2 with spinning, 1.26 ms without). So spinning stays on only where a rank has its cores to
-itself: alone on the machine, or bound by the launcher to cores no other rank was given.
+itself: alone on the machine, or bound to cores no other rank was given.
+
+Where the launcher bound none (every working rank of a machine sees the same cores: MPICH's
+mpiexec by default), the ranks bind themselves (``plan_threads``): the machine's physical
+cores (hyperthread siblings kept together, ``physical_cores``) are cut into one contiguous
+share per working rank, each rank sets its affinity to its share before onnxruntime makes
+its threads, and runs one thread per physical core of it, spinning. Only where every rank
+gets two physical cores or more (with one, a rank's onnxruntime has no pool threads to
+spin, and ranks on shared cores keep the old rule); ``--no-bind-cores`` (``set_binding``)
+keeps the launcher's affinity as it is.
 """
 
 from __future__ import annotations
@@ -18,18 +27,31 @@ from dataclasses import dataclass
 from meshplan.rank_layout import own_cores
 
 
+_binding = [True]
+
+
+def set_binding(enabled: bool) -> None:
+    """Whether ranks the launcher left unbound bind themselves to a share of their machine's
+    cores (``plan_threads``). Set once per process, before the job starts (every rank parses
+    the same command line)."""
+    _binding[0] = bool(enabled)
+
+
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
     spinning: bool
     cores: int          # the cores the rank may run on
     working: int        # ranks that work on its machine, itself included
-    bound: bool         # the launcher bound it to cores no other working rank has
+    bound: bool         # bound to cores no other working rank has
+    self_bound: bool = False   # ... by meshplan (the launcher bound none)
 
     @property
     def why(self) -> str:
         if self.working == 1:
             return f"alone on its {self.cores} core(s)"
+        if self.self_bound:
+            return f"bound by meshplan to {self.cores} core(s) of its own: the launcher bound none"
         if self.bound:
             return f"bound by the launcher to {self.cores} core(s) of its own"
         return f"{self.cores} core(s) shared by {self.working} working ranks"
@@ -42,14 +64,16 @@ class ThreadChoice:
     def describe(self) -> str:
         return f"{self.threads} onnxruntime thread(s), spinning {'on' if self.spinning else 'off'} ({self.why})"
 
+    ROW = 6   # integers in ``row``
+
     def row(self) -> list[int]:
         """As integers, for a buffer-based gather (``from_row`` reads it back)."""
-        return [self.threads, int(self.spinning), self.cores, self.working, int(self.bound)]
+        return [self.threads, int(self.spinning), self.cores, self.working, int(self.bound), int(self.self_bound)]
 
     @classmethod
     def from_row(cls, row) -> "ThreadChoice":
-        threads, spinning, cores, working, bound = (int(v) for v in row)
-        return cls(threads, bool(spinning), cores, working, bool(bound))
+        threads, spinning, cores, working, bound, self_bound = (int(v) for v in row)
+        return cls(threads, bool(spinning), cores, working, bool(bound), bool(self_bound))
 
 
 def choose_threads(working_here: int, cores: set[int] | None = None, machine_cores: int | None = None,
@@ -67,3 +91,41 @@ def choose_threads(working_here: int, cores: set[int] | None = None, machine_cor
     if others is not None and count < machine_cores and all(not (cores & o) for o in others):
         return ThreadChoice(count, True, count, working_here, True)
     return ThreadChoice(max(1, count // working_here), False, count, working_here, False)
+
+
+def physical_cores(cpus: set[int]) -> list[list[int]]:
+    """The logical CPUs of ``cpus`` grouped by physical core (hyperthread siblings together),
+    in order of (package, core); a CPU whose topology cannot be read is a core of its own."""
+    groups: dict[tuple, list[int]] = {}
+    for cpu in sorted(cpus):
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id") as package, open(topology + "core_id") as core:
+                key = (int(package.read()), int(core.read()))
+        except (OSError, ValueError):
+            key = (1 << 30, cpu)
+        groups.setdefault(key, []).append(cpu)
+    return [groups[key] for key in sorted(groups)]
+
+
+def plan_threads(working: list[set[int]], index: int, machine_cores: int | None = None,
+                 groups: list[list[int]] | None = None) -> tuple[ThreadChoice, set[int] | None]:
+    """The choice for working rank ``index`` of a machine whose working ranks have the
+    affinities ``working``, and the cores it should bind itself to (None: keep its own).
+    ``groups``: the machine's cores grouped by physical core (default: ``physical_cores`` of
+    its affinity, read here)."""
+    cores = set(working[index])
+    count = len(working)
+    if _binding[0] and count > 1 and hasattr(os, "sched_setaffinity") and all(set(a) == cores for a in working):
+        groups = physical_cores(cores) if groups is None else [g for g in groups if set(g) <= cores]
+        per = len(groups) // count
+        if per >= 2:
+            share = {cpu for group in groups[index * per:(index + 1) * per] for cpu in group}
+            return ThreadChoice(per, True, len(share), count, True, True), share
+    others = [set(a) for i, a in enumerate(working) if i != index]
+    return choose_threads(count, cores, machine_cores, others), None
+
+
+def bind_to(cores: set[int]) -> None:
+    """This process (and the threads it makes from now on) runs on ``cores`` only."""
+    os.sched_setaffinity(0, cores)
