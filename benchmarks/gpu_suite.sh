@@ -5,7 +5,8 @@
 # Writes OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1
 # with and without CUDA graphs, 1x2 with both ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU
 # memory per rank next to the plan's estimate); `meshplan verify --generate --provider cuda`; a non-LLM plan
-# run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider).
+# run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider); the fp16 1x2
+# plan under CUDA MPS where it starts.
 set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
@@ -24,6 +25,19 @@ TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O
 TAIL=40 step generate 330 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
   --repeat 3 --solver highs --workdir "$O/work" --json "$O/generate.json"
+# 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
+# time slices), where MPS starts: generate.py's own 1x2 plan of the fp16 folder
+P12="$O/work/$(basename "$FP16")_model_1x2_512"
+if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    TAIL=8 step mps_1x2 120 $MPIRUN -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
+      --eos -1 --provider cuda --output "$O/mps_1x2.json"
+    echo quit | nvidia-cuda-mps-control
+  else echo "== mps_1x2: MPS did not start"; fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 TAIL=12 step verify_generate 150 meshplan verify "$O/fp16_1x1" --generate --prompt-ids "$O/ids.json" \
   --max-new-tokens 32 --provider cuda
 meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \
