@@ -676,7 +676,17 @@ class Job:
         reads = [(name, local_name(name, self.state_specs[name])) for name in stage.inputs if name in self.state_inputs]
         makes = [(e["input"], local_name(e["output"], self.state_specs[e["input"]]))
                  for e in self.state_entries if e["stage"] == stage.index]
-        found = self._route_cache[key] = (arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes)
+        # the stage's outputs that only go to rank 0 (not to a later stage, nor state): its
+        # programs may take the wanted part of them before their last collective
+        # (``run_lockstep``'s ``narrow``); decided alike on every rank of the stage, whichever
+        # of them sends the output, since each rank's part of the collective must match
+        to_rank0 = {t.tensor for t in plan.transfers
+                    if t.src_stage == stage.index and t.dst_stage == OUTPUT_COLLECTOR and t.tensor in wanted}
+        elsewhere = ({local for _, local, _ in leaving} | {local for _, local in makes}
+                     | {t.tensor for t in plan.transfers if t.src_stage == stage.index and t.dst_stage != OUTPUT_COLLECTOR})
+        narrowable = tuple(sorted(to_rank0 - elsewhere))
+        found = self._route_cache[key] = (arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes,
+                                          narrowable)
         return found
 
     def _microbatches(self, micro: list[dict], wanted: dict, origin: float, rows: int = -1) -> list[dict]:
@@ -686,7 +696,7 @@ class Job:
         window = slice(rows // _ROWS, rows // _ROWS + rows % _ROWS) if rows >= 0 else None
         plan, stage, rank, b, transport = self.plan, self.stage, self.rank, self.buffers, self.transport
         B = plan.microbatches
-        arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes = self._routes(wanted)
+        arriving, leaving, whole, outgoing, incoming, local_outputs, reads, makes, narrowable = self._routes(wanted)
         shape_tag = len(plan.transfers)
         results = [dict() for _ in range(B)] if rank == 0 else []
         for mb in range(B):
@@ -705,7 +715,12 @@ class Job:
                     raise RunError(f"state '{name}' is not set on rank {rank}")
                 feeds[local] = self.state[name] if window is None else self.state[name][window]
             started = time.perf_counter()
-            outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state)
+            narrow = {name: wanted[name] for name in narrowable if wanted[name]}
+            boxes = dict(narrow)    # what is left to take after the run (a narrowed output is its box already)
+            outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state,
+                                    narrow=narrow)
+            for name in set(boxes) - set(narrow):
+                boxes[name] = ()
             finished = time.perf_counter()
             self.program_seconds += finished - started
             if started - waited > 1e-5:
@@ -723,11 +738,11 @@ class Job:
             for i, t in outgoing:
                 data = np.asarray(b.to_host(outs[t.tensor]), order="C")
                 if t.dst_stage == OUTPUT_COLLECTOR:
-                    data = _take(data, wanted[t.tensor])
+                    data = _take(data, boxes.get(t.tensor, wanted[t.tensor]))
                 transport.post_with_shape(data, t.dst_rank, shape_tag + i, i)
                 self._send(t.tensor, data.nbytes)
             for t in local_outputs:   # a copy: the program's buffer is the next call's
-                results[mb][t.tensor] = np.array(_take(b.to_host(outs[t.tensor]), wanted[t.tensor]))
+                results[mb][t.tensor] = np.array(_take(b.to_host(outs[t.tensor]), boxes.get(t.tensor, wanted[t.tensor])))
         for mb in range(B):
             for i, t in incoming:
                 spec = next(o for o in plan.outputs if o.name == t.tensor)

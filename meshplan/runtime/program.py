@@ -199,23 +199,53 @@ class ProgramRunner:
             if segment.session is not None:
                 segment.session.release()
 
-    def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset()) -> dict:
+    def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset(),
+            narrow: dict | None = None) -> dict:
         """Run every segment (``run_lockstep`` with this rank alone); ``collective_fn(step,
         tensor) -> tensor`` performs collectives (``observe(name, tensor)``, when given, sees
         each collective's input first). ``writable``: the feeds the caller owns, which a
-        segment may update in place (its output is then that same buffer).
+        segment may update in place (its output is then that same buffer). ``narrow``: see
+        ``run_lockstep``.
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
         and outputs bound on that device."""
         values = [{0: dict(feeds)}]
         run_lockstep({0: self}, values, lambda step, tensors: {0: collective_fn(step, tensors[0])},
-                     buffers=buffers, writable=writable, observe=observe)
+                     buffers=buffers, writable=writable, observe=observe, narrow=narrow)
         return values[0][0]
+
+    def read_after(self, index: int) -> set[str]:
+        """What the segments after segment ``index`` and their collectives read."""
+        if not hasattr(self, "_read_after"):
+            later: set[str] = set()
+            self._read_after = [set() for _ in self.segments]
+            for i in range(len(self.segments) - 1, -1, -1):
+                self._read_after[i] = set(later)
+                later.update(self.segments[i].inputs)
+                if self.segments[i].collective is not None:
+                    later.add(self.segments[i].collective.input)
+        return self._read_after[index]
+
+
+def narrowed_box(step: Step, box: tuple, ndim: int) -> tuple | None:
+    """``box`` (slices of a collective's output) as the same slices of its inputs, where
+    taking them first gives what taking them after would: an all-reduce (element by
+    element), an all-gather that the box leaves whole along its dim; else None."""
+    box = tuple(box)[:ndim]
+    if not box or all(s == slice(None) for s in box):
+        return None
+    if step.kind.name == "all_reduce":
+        return box
+    if step.kind.name == "all_gather":
+        along = box[step.dim] if step.dim < len(box) else slice(None)
+        if along.start in (None, 0) and along.stop is None:
+            return box
+    return None
 
 
 def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]], exchange, *, buffers=HOST,
-                 writable=frozenset(), observe=None, around=None, after=None) -> None:
+                 writable=frozenset(), observe=None, around=None, after=None, narrow: dict | None = None) -> None:
     """The one executor of segments: a stage's programs (``runners``, rank → its program),
     segment by segment, every rank in lockstep, on every microbatch of ``values``
     (microbatch → rank → its named tensors, updated in place). Each segment runs on each
@@ -226,7 +256,13 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
 
     ``around(index, rank, opening)``: called before (True) and after (False) a rank runs
     segment ``index`` (the stage-by-stage check loads one segment's weights at a time);
-    ``after(index)``: called once segment ``index`` and its collective are done."""
+    ``after(index)``: called once segment ``index`` and its collective are done.
+
+    ``narrow``: {output: box} of program outputs the caller takes only ``box`` of (the last
+    position's logits of a prompt, say). Where such an output is a collective's, that no
+    later segment reads, and the box commutes with it (``narrowed_box``), the box is taken
+    of the collective's inputs, so that only it crosses the ranks (and comes off a GPU);
+    the name then leaves ``narrow``: its value is the box already."""
     ranks = list(runners)
     for index, segment in enumerate(runners[ranks[0]].segments):
         for rank in ranks:
@@ -244,8 +280,15 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
                 around(index, rank, False)
         c = segment.collective
         if c is not None:
+            box = None
+            if narrow and c.output in narrow and c.output not in runners[ranks[0]].read_after(index):
+                box = narrowed_box(c.step, narrow[c.output], len(buffers.shape(values[0][ranks[0]][c.input])))
+                if box is not None:
+                    del narrow[c.output]
             for held in values:
                 tensors = {rank: held[rank][c.input] for rank in ranks}
+                if box is not None:
+                    tensors = {rank: buffers.take(tensor, box) for rank, tensor in tensors.items()}
                 if observe is not None:
                     for tensor in tensors.values():
                         observe(c.input, tensor)
