@@ -129,3 +129,23 @@ def test_run_says_what_each_rank_got(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     expected = "bound by meshplan to" if len(physical_cores(os.sched_getaffinity(0))) >= 4 else "shared by 2 working ranks"
     assert len(lines) == 2 and all(expected in line for line in lines), done.stdout
+
+
+@pytest.mark.mpi
+def test_unbound_ranks_bind_themselves_in_a_job(tmp_path):
+    """The job's own binding, on a topology of two physical cores per CPU here."""
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.make_plan import make_plan
+    from sample_models import SAMPLE_DIR, make_inputs
+    import onnx
+    from tests.conftest import run_mpi_script, save_npz
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to give two ranks one each")
+    model = SAMPLE_DIR / "mlp.onnx"
+    dims = {"batch": 8}
+    make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(all_devices=True))
+    inputs = save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
+    lines = run_mpi_script("bind_case.py", ranks=2, args=[tmp_path / "plan", inputs])
+    assert len(lines) == 3
