@@ -149,13 +149,17 @@ class DeviceTensor:
                             self.device)
 
     def numpy(self) -> np.ndarray:
-        """A host copy (of the view's rows only)."""
+        """A host copy (of the view's rows only). onnxruntime gives a tensor in host memory
+        as a view of its buffer, which the next run may overwrite: copied; one in device
+        memory as a new array of its own: kept as it is."""
         whole = np.asarray(self.value.numpy())
+        fresh = whole.flags.owndata
         if self.whole:
-            return np.array(whole, copy=True)
+            return whole if fresh else np.array(whole, copy=True)
         row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
         start = self.offset // row if row else 0
-        return np.array(whole[start:start + self.shape[0]], copy=True)
+        rows = whole[start:start + self.shape[0]]
+        return rows if fresh else np.array(rows, copy=True)
 
 
 class DeviceBuffers:
