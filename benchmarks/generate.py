@@ -16,7 +16,9 @@ models in one process with ``--genai-threads`` threads, its key/value buffer at 
 ``--repeat`` rounds of one run each, so that a machine whose memory bandwidth drifts
 (a shared virtual machine's does, by tens of percent over hours) slows them alike; the
 table gives the best and the median of the rounds, and per model the ratio of 1x2's
-decode tokens/s to onnxruntime-genai's (the median of the rounds' ratios).
+decode tokens/s to onnxruntime-genai's (the median of the rounds' ratios) and what 1x2's
+step adds to 1x1's per collective of its step (the target with both ranks on one GPU: at
+most 60 µs).
 
     python benchmarks/generate.py --gigabytes 0.4 [--export llama_large.onnx] [--json PATH]
 
@@ -134,7 +136,8 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
             "gpu_mib_per_rank": peaks,
             "estimate_mib_per_rank": [round(s["memory_bytes"] / 2**20) for s in plan["stages"]
                                       for _ in s["devices"]] if plan.get("stages") else [],
-            "ids": body["sequences"][0]["ids"], "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks)}
+            "ids": body["sequences"][0]["ids"], "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
+            "collectives": sum(len(s.get("collectives") or []) for s in plan.get("stages", []))}
 
 
 class GpuMemory:
@@ -251,7 +254,7 @@ def main() -> None:
     setup = Setup(args)
     prompt = [(7 * i + 5) % 250 + 2 for i in range(args.prompt_length)]
     genai = f"onnxruntime-genai, {args.genai_threads} threads" if args.provider == "cpu" else "onnxruntime-genai"
-    rows, ratios, failures = [], {}, []
+    rows, ratios, failures, per_collective = [], {}, [], {}
     for label, model in models.items():
         size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
         runners = {f"meshplan generate {mesh}": (lambda mesh=mesh: meshplan_run(
@@ -273,6 +276,11 @@ def main() -> None:
         for name, found in runs.items():
             if found:
                 rows.append({"model": label, "bytes": size, "runner": name, **summary(found)})
+        one, two = runs["meshplan generate 1x1"], runs["meshplan generate 1x2"]
+        if one and two and len(one) == len(two) and two[0]["collectives"]:
+            # what 1x2 adds to the 1x1 step, per collective of its step (the rounds' median)
+            per_collective[label] = (statistics.median(b["ms_per_token"] - a["ms_per_token"] for a, b in zip(one, two))
+                                     * 1e3 / two[0]["collectives"], two[0]["collectives"])
         if runs.get(genai) and len(runs["meshplan generate 1x2"]) == len(runs[genai]):
             ratios[label] = statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
                                               for a, b in zip(runs["meshplan generate 1x2"], runs[genai]))
@@ -281,7 +289,8 @@ def main() -> None:
         row["same_ids_as_first"] = row["ids"] == same[0]["ids"]
     if args.json:
         body = {"rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows],
-                "ratio_1x2_to_genai": ratios, "max_length": args.max_length, "new_tokens": args.new_tokens}
+                "ratio_1x2_to_genai": ratios, "max_length": args.max_length, "new_tokens": args.new_tokens,
+                "us_per_collective_1x2_over_1x1": {k: v[0] for k, v in per_collective.items()}}
         args.json.write_text(json.dumps(body, indent=1) + "\n")
     print(f"key/value capacity {args.max_length}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
           f"{args.repeat} rounds")
@@ -293,6 +302,8 @@ def main() -> None:
               f"{r['same_ids_as_first']}")
     for label, ratio in ratios.items():
         print(f"{label}: decode tokens/s on 1x2 / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
+    for label, (micros, count) in per_collective.items():
+        print(f"{label}: 1x2's step over 1x1's = {micros:.0f} us per collective ({count} a step; median of the rounds)")
     print(f"\n{'model':14} {'runner':38} {'load':>7} {'first TTFT':>10} {'ms/token':>9} {'estimate':>9}  GPU MiB per rank "
           "(estimate) / CUDA graphs")
     for line in failures:
