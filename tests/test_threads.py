@@ -82,6 +82,19 @@ def test_binding_only_where_it_pays_and_is_wanted(monkeypatch):
     assert share is None and (choice.threads, choice.spinning) == (8, False)
 
 
+def test_physical_cores_keep_hyperthread_siblings_together(tmp_path):
+    # 8 logical CPUs, siblings (i, i + 4) as Linux numbers them; CPU 7's topology unreadable
+    for cpu in range(7):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(f"{cpu % 4},{cpu % 4 + 4}\n")
+    (tmp_path / "cpu0" / "topology" / "core_cpus_list").write_text("0,4\n")   # newer kernels' name first
+    assert physical_cores(set(range(8)), str(tmp_path)) == [[0, 4], [1, 5], [2, 6], [3], [7]]
+    # only some CPUs allowed: a core is what of it the rank may use
+    assert physical_cores({1, 5, 2}, str(tmp_path)) == [[1, 5], [2]]
+    assert threads._cpu_list("0-3,8-11") == {0, 1, 2, 3, 8, 9, 10, 11} and threads._cpu_list("5\n") == {5}
+
+
 def test_physical_cores_of_this_machine_cover_its_cpus():
     cpus = os.sched_getaffinity(0)
     groups = physical_cores(cpus)

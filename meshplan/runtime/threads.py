@@ -93,19 +93,32 @@ def choose_threads(working_here: int, cores: set[int] | None = None, machine_cor
     return ThreadChoice(max(1, count // working_here), False, count, working_here, False)
 
 
-def physical_cores(cpus: set[int]) -> list[list[int]]:
-    """The logical CPUs of ``cpus`` grouped by physical core (hyperthread siblings together),
-    in order of (package, core); a CPU whose topology cannot be read is a core of its own."""
+def physical_cores(cpus: set[int], root: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """The logical CPUs of ``cpus`` grouped by physical core (hyperthread siblings together,
+    as the kernel lists them under ``root``: ``cpuN/topology/core_cpus_list``,
+    ``thread_siblings_list`` on older kernels), in order of their first CPU; a CPU whose
+    topology cannot be read is a core of its own."""
     groups: dict[tuple, list[int]] = {}
     for cpu in sorted(cpus):
-        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-        try:
-            with open(topology + "physical_package_id") as package, open(topology + "core_id") as core:
-                key = (int(package.read()), int(core.read()))
-        except (OSError, ValueError):
-            key = (1 << 30, cpu)
-        groups.setdefault(key, []).append(cpu)
-    return [groups[key] for key in sorted(groups)]
+        siblings = None
+        for name in ("core_cpus_list", "thread_siblings_list"):
+            try:
+                with open(f"{root}/cpu{cpu}/topology/{name}") as listed:
+                    siblings = tuple(sorted(_cpu_list(listed.read())))
+                break
+            except (OSError, ValueError):
+                continue
+        groups.setdefault(siblings if siblings and cpu in siblings else (cpu,), []).append(cpu)
+    return sorted(groups.values())
+
+
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a kernel CPU list ("0-3,8-11")."""
+    found = set()
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
 
 
 def plan_threads(working: list[set[int]], index: int, machine_cores: int | None = None,
