@@ -261,8 +261,8 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
     ``narrow``: {output: box} of program outputs the caller takes only ``box`` of (the last
     position's logits of a prompt, say). Where such an output is a collective's, that no
     later segment reads, and the box commutes with it (``narrowed_box``), the box is taken
-    of the collective's inputs, so that only it crosses the ranks (and comes off a GPU);
-    the name then leaves ``narrow``: its value is the box already."""
+    of the collective's inputs, so that only it crosses the ranks; the name then leaves
+    ``narrow``: its value is the box already."""
     ranks = list(runners)
     for index, segment in enumerate(runners[ranks[0]].segments):
         for rank in ranks:
