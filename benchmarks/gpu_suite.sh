@@ -48,4 +48,4 @@ np.savez('$O/gpt_in.npz', input_ids=r.integers(0, 100, (8, 32)).astype(np.int64)
 TAIL=6 step run_gpt 90 $MPIRUN -n 2 meshplan run "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --provider cuda --repeat 20 \
   --output "$O/gpt_out.npz"
 TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
-TAIL=20 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --mpiexec "$MPIRUN"
+TAIL=30 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --bind both --mpiexec "$MPIRUN"

@@ -7,8 +7,12 @@ and 1x2 and 1x4 within 1.15x of onnxruntime with all threads.
 
 ``--cores`` also reports what each rank got: the cores this process may use and, per
 mesh, each rank's onnxruntime threads and whether they spin (from ``meshplan run``).
+``--bind both`` runs each mesh a second time with ``--no-bind-cores`` (ranks the launcher
+left unbound sharing the machine's cores, spinning off, as before ranks bound themselves);
+the checks are of meshplan's default.
 
-    python benchmarks/small_batch_split.py [--repeat 20] [--meshes 1x2,1x4,1x8] [--cores] [--json PATH]
+    python benchmarks/small_batch_split.py [--repeat 20] [--meshes 1x2,1x4,1x8] [--cores] [--bind on|off|both]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--mpiexec", help="the MPI launcher and its options [default: mpiexec on PATH]")
     parser.add_argument("--solver", default="cbc", choices=("cbc", "highs"), help="the ILP solver of the plans")
+    parser.add_argument("--bind", default="on", choices=("on", "off", "both"),
+                        help="meshplan run with its own core binding (on), --no-bind-cores (off), or each mesh both ways")
     args = parser.parse_args()
     meshplan = shutil.which("meshplan")
     mpiexec = shutil.which("mpiexec")
@@ -88,28 +94,32 @@ def main() -> int:
         for mesh in meshes:
             plan_dir = Path(tmp) / f"plan-{mesh[0]}x{mesh[1]}"
             plan = make_plan(path, make_cluster(mesh, "cpu"), {"batch": 1, "seq": 1}, plan_dir, PlanOptions(solver=args.solver))
-            done = subprocess.run([*launcher, "-n", str(plan.num_ranks), meshplan, "run", str(plan_dir), "--inputs",
-                                   str(inputs), "--repeat", str(args.repeat), "--provider", "cpu"],
-                                  capture_output=True, text=True)
-            found = re.search(r"measured: latency ([\d.]+) (ms|us|µs|s)", done.stdout)
-            if done.returncode or not found:
-                print(done.stdout + done.stderr)
-                return 1
-            scale = {"ms": 1.0, "us": 1e-3, "µs": 1e-3, "s": 1e3}[found.group(2)]
-            threads = re.findall(r"^rank (\d+): .*; (.*)$", done.stdout, flags=re.M)
-            row = {"mesh": f"{mesh[0]}x{mesh[1]}", "stages": [len(s.devices) for s in plan.stages],
-                   "idle": plan.idle_ranks, "estimate_ms": plan.estimate["latency_seconds"] * 1e3,
-                   "measured_ms": float(found.group(1)) * scale, "threads": {int(r): t for r, t in threads}}
-            rows.append(row)
-            print(f"{row['mesh']}: stages {row['stages']} (idle {row['idle']}), estimate {row['estimate_ms']:.3f} ms, "
-                  f"measured {row['measured_ms']:.3f} ms ({row['measured_ms'] / alone:.2f}x onnxruntime alone)")
-            if args.cores:
-                for rank, text in sorted(row["threads"].items()):
-                    print(f"    rank {rank}: {text}")
-    times = [r["measured_ms"] for r in rows]
+            for bound in {"on": [True], "off": [False], "both": [True, False]}[args.bind]:
+                done = subprocess.run([*launcher, "-n", str(plan.num_ranks), meshplan, "run", str(plan_dir), "--inputs",
+                                       str(inputs), "--repeat", str(args.repeat), "--provider", "cpu",
+                                       *([] if bound else ["--no-bind-cores"])],
+                                      capture_output=True, text=True)
+                found = re.search(r"measured: latency ([\d.]+) (ms|us|µs|s)", done.stdout)
+                if done.returncode or not found:
+                    print(done.stdout + done.stderr)
+                    return 1
+                scale = {"ms": 1.0, "us": 1e-3, "µs": 1e-3, "s": 1e3}[found.group(2)]
+                threads = re.findall(r"^rank (\d+): .*; (.*)$", done.stdout, flags=re.M)
+                row = {"mesh": f"{mesh[0]}x{mesh[1]}", "bind_cores": bound, "stages": [len(s.devices) for s in plan.stages],
+                       "idle": plan.idle_ranks, "estimate_ms": plan.estimate["latency_seconds"] * 1e3,
+                       "measured_ms": float(found.group(1)) * scale, "threads": {int(r): t for r, t in threads}}
+                rows.append(row)
+                print(f"{row['mesh']}{'' if bound else ' --no-bind-cores'}: stages {row['stages']} (idle {row['idle']}), "
+                      f"estimate {row['estimate_ms']:.3f} ms, measured {row['measured_ms']:.3f} ms "
+                      f"({row['measured_ms'] / alone:.2f}x onnxruntime alone)")
+                if args.cores:
+                    for rank, text in sorted(row["threads"].items()):
+                        print(f"    rank {rank}: {text}")
+    checked = [r for r in rows if r["bind_cores"] == (args.bind != "off")]
+    times = [r["measured_ms"] for r in checked]
     ordered = all(later <= earlier for earlier, later in zip(times, times[1:]))
     print(("yes" if ordered else "no") + f": each larger mesh at least as fast as the one before ({args.meshes})")
-    for row in rows:
+    for row in checked:
         if row["mesh"] in ("1x2", "1x4"):
             within = row["measured_ms"] <= 1.15 * alone
             print(f"{'yes' if within else 'no'}: {row['mesh']} within 1.15x of onnxruntime with {cores} threads")
