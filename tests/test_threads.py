@@ -112,6 +112,15 @@ def test_binding_holds_for_threads_made_afterwards():
     assert done.stdout.split() == [f"[{one}]", f"[{one}]"]
 
 
+def test_a_refused_binding_keeps_the_cores():
+    before = os.sched_getaffinity(0)
+    assert not threads.bind_to({100_000})          # no such CPU: the system refuses
+    assert os.sched_getaffinity(0) == before
+    # the job then takes the shared rule, as if binding were off
+    choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)], bind=False)
+    assert share is None and (choice.threads, choice.spinning, choice.self_bound) == (8, False, False)
+
+
 def test_doctor_reports_threads():
     done = run_cli("doctor", "--json")
     facts = json.loads(done.stdout)["ranks"]
@@ -146,7 +155,7 @@ def test_run_says_what_each_rank_got(tmp_path):
 
 @pytest.mark.mpi
 def test_unbound_ranks_bind_themselves_in_a_job(tmp_path):
-    """The job's own binding, on a topology of two physical cores per CPU here."""
+    """The job's own binding, on a topology of four physical cores per CPU here."""
     from meshplan.cost.cluster import make_cluster
     from meshplan.inter.pipeline import PlanOptions
     from meshplan.make_plan import make_plan
@@ -154,8 +163,6 @@ def test_unbound_ranks_bind_themselves_in_a_job(tmp_path):
     import onnx
     from tests.conftest import run_mpi_script, save_npz
 
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs two CPUs to give two ranks one each")
     model = SAMPLE_DIR / "mlp.onnx"
     dims = {"batch": 8}
     make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(all_devices=True))

@@ -143,9 +143,11 @@ class Job:
                 # the cores of a machine go to the ranks that work there (idle ranks only wait)
                 here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]
                         and not plan.is_idle(r)]
-                self.threads, share = plan_threads([affinities[r] for r in here], here.index(self.rank), os.cpu_count())
-                if share is not None:   # before onnxruntime makes its threads: they inherit it
-                    bind_to(share)
+                working = [affinities[r] for r in here]
+                self.threads, share = plan_threads(working, here.index(self.rank), os.cpu_count())
+                # before onnxruntime makes its threads: they inherit it; refused, the shared rule
+                if share is not None and not bind_to(share):
+                    self.threads, _ = plan_threads(working, here.index(self.rank), os.cpu_count(), bind=False)
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
                 session = ProgramRunner(path, providers, threads=self.threads.threads,

@@ -116,6 +116,7 @@ class ProgramRunner:
         CUDA graphs: the segments of a program cut at its collectives pass shape values that
         onnxruntime copies between the GPU and the host inside a run, which a capture refuses
         (seen on an H200: "operation not permitted when stream is capturing")."""
+        self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         header = onnx.load(str(path), load_external_data=False)
         self.graph_outputs = {o.name for o in header.graph.output}
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
@@ -217,7 +218,7 @@ class ProgramRunner:
 
     def read_after(self, index: int) -> set[str]:
         """What the segments after segment ``index`` and their collectives read."""
-        if not hasattr(self, "_read_after"):
+        if self._read_after is None:
             later: set[str] = set()
             self._read_after = [set() for _ in self.segments]
             for i in range(len(self.segments) - 1, -1, -1):

@@ -122,14 +122,14 @@ def _cpu_list(text: str) -> set[int]:
 
 
 def plan_threads(working: list[set[int]], index: int, machine_cores: int | None = None,
-                 groups: list[list[int]] | None = None) -> tuple[ThreadChoice, set[int] | None]:
+                 groups: list[list[int]] | None = None, bind: bool | None = None) -> tuple[ThreadChoice, set[int] | None]:
     """The choice for working rank ``index`` of a machine whose working ranks have the
     affinities ``working``, and the cores it should bind itself to (None: keep its own).
     ``groups``: the machine's cores grouped by physical core (default: ``physical_cores`` of
-    its affinity, read here)."""
+    its affinity, read here); ``bind``: whether it may bind itself (default: ``set_binding``'s)."""
     cores = set(working[index])
     count = len(working)
-    if _binding[0] and count > 1 and hasattr(os, "sched_setaffinity") and all(set(a) == cores for a in working):
+    if (_binding[0] if bind is None else bind) and count > 1 and hasattr(os, "sched_setaffinity") and all(set(a) == cores for a in working):
         groups = physical_cores(cores) if groups is None else [g for g in groups if set(g) <= cores]
         per = len(groups) // count
         if per >= 2:
@@ -139,6 +139,11 @@ def plan_threads(working: list[set[int]], index: int, machine_cores: int | None 
     return choose_threads(count, cores, machine_cores, others), None
 
 
-def bind_to(cores: set[int]) -> None:
-    """This process (and the threads it makes from now on) runs on ``cores`` only."""
-    os.sched_setaffinity(0, cores)
+def bind_to(cores: set[int]) -> bool:
+    """This process (and the threads it makes from now on) runs on ``cores`` only; False
+    where the system refuses (the process keeps its cores)."""
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:
+        return False
+    return True

@@ -2,8 +2,9 @@
 physical cores (``runtime.threads.plan_threads``), under mpiexec.
 
 Arguments: PLAN_DIR INPUTS.npz (a 1x2 plan). The machine's topology is replaced by one of
-two physical cores per CPU this process may run on, so that each of the two ranks gets two
-"cores" even on a 2-core machine: rank r must then run on CPU r alone, say so in its thread
+four physical cores per CPU this process may run on, so that each of the two ranks gets at
+least two "cores" even on a 1- or 2-core machine: rank r must then run on CPU r alone (CPU 0
+for both where there is one), say so in its thread
 choice, and the job must compute what onnxruntime computes on the original model. Prints
 ``ok``/``FAIL`` lines (rank 0 gathers every rank's affinity).
 """
@@ -23,7 +24,7 @@ def main() -> int:
     from meshplan.runtime.transport import world
 
     cpus = sorted(os.sched_getaffinity(0))
-    threads.physical_cores = lambda cores: [[c] for c in sorted(cores) for _ in range(2)]
+    threads.physical_cores = lambda cores: [[c] for c in sorted(cores) for _ in range(4)]
     with np.load(sys.argv[2]) as archive:
         inputs = {k: archive[k] for k in archive.files}
     _, comm = world()
