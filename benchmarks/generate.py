@@ -110,7 +110,7 @@ class Setup:
 
 
 def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int,
-                 max_length: int, graphs: bool = True) -> dict:
+                 max_length: int, graphs: bool = True, huge_pages: bool = True) -> dict:
     plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}_{max_length}"
     policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
     if not (plan_dir / "plan.json").exists():
@@ -124,7 +124,8 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
     try:
         _run([*setup.mpiexec, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir), "--prompt-ids", str(ids),
               "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out), "--provider", setup.provider,
-              *([] if graphs else ["--no-cuda-graph"])])
+              *([] if graphs else ["--no-cuda-graph"])],
+             env={**os.environ, "MESHPLAN_HUGE_PAGES": "1" if huge_pages else "0"})
     finally:
         peaks = memory.stop() if memory is not None else []
     body = json.loads(out.read_text())
@@ -239,6 +240,9 @@ def main() -> None:
                         help="builder folders to run instead of writing models (on a GPU: made for CUDA)")
     parser.add_argument("--mpiexec", help="the MPI launcher and its options [default: the environment's mpiexec]")
     parser.add_argument("--solver", default="cbc", choices=("cbc", "highs"), help="meshplan plan --solver")
+    parser.add_argument("--huge-pages", default="on", choices=("on", "off", "both"),
+                        help="meshplan's ranks with malloc's memory in transparent huge pages (the `meshplan` "
+                             "command's default), with 4 KiB pages (MESHPLAN_HUGE_PAGES=0), or both in turns")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -257,8 +261,12 @@ def main() -> None:
     rows, ratios, failures, per_collective = [], {}, [], {}
     for label, model in models.items():
         size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
-        runners = {f"meshplan generate {mesh}": (lambda mesh=mesh: meshplan_run(
-            setup, model, mesh, workdir, prompt, args.new_tokens, args.max_length)) for mesh in ("1x1", "1x2")}
+        runners = {}
+        for pages in (("on", "off") if args.huge_pages == "both" else (args.huge_pages,)):
+            for mesh in ("1x1", "1x2"):
+                name = f"meshplan generate {mesh}" + (", 4 KiB pages" if pages == "off" and args.huge_pages == "both" else "")
+                runners[name] = (lambda mesh=mesh, pages=pages: meshplan_run(
+                    setup, model, mesh, workdir, prompt, args.new_tokens, args.max_length, huge_pages=pages == "on"))
         if args.provider == "cuda":
             runners["meshplan generate 1x1, no CUDA graph"] = lambda: meshplan_run(
                 setup, model, "1x1", workdir, prompt, args.new_tokens, args.max_length, graphs=False)
@@ -281,15 +289,17 @@ def main() -> None:
             # what 1x2 adds to the 1x1 step, per collective of its step (the rounds' median)
             per_collective[label] = (statistics.median(b["ms_per_token"] - a["ms_per_token"] for a, b in zip(one, two))
                                      * 1e3 / two[0]["collectives"], two[0]["collectives"])
-        if runs.get(genai) and len(runs["meshplan generate 1x2"]) == len(runs[genai]):
-            ratios[label] = statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-                                              for a, b in zip(runs["meshplan generate 1x2"], runs[genai]))
+        for name in runs:
+            if name.startswith("meshplan") and runs.get(genai) and len(runs[name]) == len(runs[genai]):
+                ratios[(label, name)] = statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                                                          for a, b in zip(runs[name], runs[genai]))
     for row in rows:
         same = [r for r in rows if r["model"] == row["model"]]
         row["same_ids_as_first"] = row["ids"] == same[0]["ids"]
     if args.json:
         body = {"rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows],
-                "ratio_1x2_to_genai": ratios, "max_length": args.max_length, "new_tokens": args.new_tokens,
+                "ratio_1x2_to_genai": {label: r for (label, name), r in ratios.items() if name == "meshplan generate 1x2"},
+                "ratio_to_genai": {f"{label}, {name}": r for (label, name), r in ratios.items()}, "max_length": args.max_length, "new_tokens": args.new_tokens,
                 "us_per_collective_1x2_over_1x1": {k: v[0] for k, v in per_collective.items()}}
         args.json.write_text(json.dumps(body, indent=1) + "\n")
     print(f"key/value capacity {args.max_length}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
@@ -300,8 +310,8 @@ def main() -> None:
         print(f"{r['model']:14} {r['bytes'] / 1e6:7.0f}MB {r['runner']:34} {r['threads_per_rank']:>12} "
               f"{r['ttft_s'] * 1e3:7.1f}ms {r['decode_tokens_per_s']:13.1f} {r['median_decode_tokens_per_s']:7.1f}  "
               f"{r['same_ids_as_first']}")
-    for label, ratio in ratios.items():
-        print(f"{label}: decode tokens/s on 1x2 / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
+    for (label, name), ratio in ratios.items():
+        print(f"{label}: decode tokens/s of {name} / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
     for label, (micros, count) in per_collective.items():
         print(f"{label}: 1x2's step over 1x1's = {micros:.0f} us per collective ({count} a step; median of the rounds)")
     print(f"\n{'model':14} {'runner':38} {'load':>7} {'first TTFT':>10} {'ms/token':>9} {'estimate':>9}  GPU MiB per rank "

@@ -103,6 +103,7 @@ def _print(diagnosis) -> None:
             click.echo(f"  {f.rank:>4}  {f.host[:24]:<24} {f.local_rank:>5}  {gpu[:24]:<24} {f.threads}")
     else:
         click.echo(f"threads: {first.threads} (one rank; under mpiexec each rank's)")
+    click.echo(f"memory: {first.pages}")
     if diagnosis.plan is not None:
         p = diagnosis.plan
         shape = f"{p['hosts']} host(s) x {p['devices_per_host']} device(s) = {p['ranks']} rank(s)"

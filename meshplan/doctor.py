@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshplan.errors import MeshplanError
+from meshplan.process_memory import heap_huge_pages
 from meshplan.rank_layout import own_cores
 
 # Launchers set these in every rank's environment: how a rank knows it was launched.
@@ -49,6 +50,7 @@ class Facts:
     cores: list = field(default_factory=list)             # the cores it may run on (its affinity)
     cpu_count: int = 0                                    # its machine's cores
     threads: str = ""                                     # the onnxruntime threads a job would give it, and why
+    pages: str = ""                                       # how its malloc'd memory is paged (huge pages or not)
 
 
 @dataclass
@@ -174,6 +176,7 @@ def local_facts(launched: bool = False):
         gpus=gpu_names(),
         cores=sorted(own_cores()),
         cpu_count=os.cpu_count() or 0,
+        pages=heap_huge_pages(),
     )
     return facts, MPI
 

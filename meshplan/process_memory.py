@@ -32,3 +32,73 @@ def peak_rss_bytes() -> int:
 def available_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
     return _proc_field("/proc/meminfo", "MemAvailable:")
+
+
+# --- transparent huge pages for malloc's memory ----------------------------------------------------
+
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+HEAP_TUNABLE = "glibc.malloc.hugetlb=1"
+OPT_OUT = "MESHPLAN_HUGE_PAGES"
+
+
+def thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), None where
+    it has none to say."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def _glibc_at_least(major: int, minor: int) -> bool:
+    import platform
+
+    name, version = platform.libc_ver()
+    if name != "glibc":
+        return False
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return found >= (major, minor)
+
+
+def huge_page_environment(environ: dict, mode: str | None = None) -> dict | None:
+    """The environment to start this process again with so that malloc asks the kernel for
+    transparent huge pages (glibc's ``glibc.malloc.hugetlb=1``, read once when a process
+    starts): where the kernel gives them only to memory that asks (mode ``madvise``), glibc is
+    2.35 or later, ``MESHPLAN_HUGE_PAGES`` is not ``0`` and the setting is not there yet.
+    None: nothing to do.
+
+    onnxruntime's CPU provider packs each weight of a matrix product into memory it mallocs;
+    a decode step streams all of it, and with 4 KiB pages a step's address translations miss
+    the TLB every few kilobytes."""
+    if environ.get(OPT_OUT, "1") == "0" or HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":"):
+        return None
+    if (mode if mode is not None else thp_mode()) != "madvise" or not sys.platform.startswith("linux") \
+            or not _glibc_at_least(2, 35):
+        return None
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
+    return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, HEAP_TUNABLE])}
+
+
+def heap_huge_pages(environ: dict | None = None) -> str:
+    """How this process's malloc'd memory is paged, in words (``meshplan doctor``)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    mode = thp_mode()
+    if mode is None:
+        return "no transparent huge pages on this system"
+    if mode == "always":
+        return "transparent huge pages for all memory (the kernel's mode: always)"
+    if mode == "never":
+        return "no transparent huge pages (the kernel's mode: never)"
+    if HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":"):
+        return "transparent huge pages for malloc's memory (glibc.malloc.hugetlb=1)"
+    if environ.get(OPT_OUT) == "0":
+        return f"4 KiB pages for malloc's memory ({OPT_OUT}=0)"
+    return "4 KiB pages for malloc's memory (the `meshplan` command starts with huge pages; python -m does not)"

@@ -1,0 +1,24 @@
+"""The ``meshplan`` command's entry: the process starts again, once, with malloc asking for
+transparent huge pages where the kernel gives them only on request
+(``process_memory.huge_page_environment``), before anything is imported or allocated; then
+the click group runs (``cli.main``). Under mpiexec the rank keeps its process and its
+environment (``execve``). ``MESHPLAN_HUGE_PAGES=0`` keeps 4 KiB pages."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main():
+    from meshplan.process_memory import huge_page_environment
+
+    environ = huge_page_environment(dict(os.environ))
+    if environ is not None and getattr(sys, "orig_argv", None):
+        try:
+            os.execve(sys.executable, sys.orig_argv, environ)
+        except OSError:
+            pass    # this process goes on with 4 KiB pages
+    from cli.main import main as group
+
+    return group()
