@@ -211,3 +211,61 @@ def test_decode_inputs_keep_their_address():
 
 def session_value_address(bound: dict) -> int:
     return bound[("feed", "x")][1].data_ptr()
+
+
+def decode_static(runner: ProgramRunner, cache: dict, steps: int, writable: bool):
+    """As ``decode``, but each decode step feeds a mask of the capacity (as ``generate``
+    decodes a shared buffer): every decode call has the shapes of the call before."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, VOCAB, (1, 4)).astype(np.int64)
+    mask = np.zeros((1, CAPACITY), np.int64)
+    length, found = 0, []
+    for step in range(steps + 1):
+        given = np.ones((1, 4), np.int64) if step == 0 else mask
+        out = runner.run({"input_ids": ids, "attention_mask": given, **cache}, one_rank,
+                         writable=frozenset(cache) if writable else frozenset())
+        found.append(np.array(out["logits"]))
+        presents = {n.replace("past_key_values", "present"): n for n in cache}
+        cache = {presents[o]: out[o] for o in out if o in presents}
+        length += ids.shape[1]
+        mask[0, :length] = 1
+        ids = found[-1][:, -1:].argmax(-1).astype(np.int64)
+    return found, cache
+
+
+def test_a_repeated_decode_step_only_copies_its_inputs_in(tmp_path, monkeypatch):
+    """From the third decode call of one shape on the same cache buffers, a segment that
+    writes its cache in place runs again on its kept binding (``_run_again``): the logits
+    are the copying runs', the cache is written where it lies; new buffers, another shape
+    or a copying run in between take the full path and are right too."""
+    from meshplan.runtime.sessions import StageSession
+
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    repeated = []
+    original = StageSession._run_again
+
+    def spy(self, feeds, writable):
+        found = original(self, feeds, writable)
+        repeated.append(found is not None)
+        return found
+
+    monkeypatch.setattr(StageSession, "_run_again", spy)
+    expected, _ = decode_static(runner, zero_cache(model), 6, writable=False)
+    assert not any(repeated)          # copying runs are never recorded
+    caller = zero_cache(model)
+    got, cache = decode_static(runner, caller, 6, writable=True)
+    assert sum(repeated) >= 4         # decode steps 3 to 6 of each in-place segment
+    assert all(cache[n] is caller[n] for n in caller)
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b)
+    repeated.clear()
+    copied, _ = decode_static(runner, zero_cache(model), 6, writable=False)    # in between, not in place
+    second = zero_cache(model)
+    again, cache = decode_static(runner, second, 6, writable=True)              # new buffers
+    assert all(cache[n] is second[n] for n in second)
+    for a, b, c in zip(expected, copied, again):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    for name in caller:     # the first buffers were left as the first generation wrote them
+        np.testing.assert_array_equal(caller[name], second[name])

@@ -265,6 +265,9 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
     of the collective's inputs, so that only it crosses the ranks; the name then leaves
     ``narrow``: its value is the box already."""
     ranks = list(runners)
+    if len(ranks) == 1 and len(values) == 1 and around is None and after is None:
+        _run_one(runners[ranks[0]], ranks[0], values[0][ranks[0]], exchange, buffers, writable, observe, narrow)
+        return
     for index, segment in enumerate(runners[ranks[0]].segments):
         for rank in ranks:
             part = runners[rank].segments[index]
@@ -297,3 +300,26 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
                     held[rank][c.output] = result
         if after is not None:
             after(index)
+
+
+def _run_one(runner: ProgramRunner, rank: int, mine: dict, exchange, buffers, writable, observe, narrow) -> None:
+    """``run_lockstep`` for one rank and one microbatch (a job's rank, a decode step): the
+    same steps without the loops over ranks and microbatches."""
+    host = buffers is HOST
+    for index, part in enumerate(runner.segments):
+        session = part.session
+        if session is not None:
+            feeds = {n: mine[n] for n in part.inputs}
+            mine.update(session.run(feeds, writable) if host else session.run_bound(feeds, buffers, writable))
+        c = part.collective
+        if c is None:
+            continue
+        tensor = mine[c.input]
+        if narrow and c.output in narrow and c.output not in runner.read_after(index):
+            box = narrowed_box(c.step, narrow[c.output], len(buffers.shape(tensor)))
+            if box is not None:
+                del narrow[c.output]
+                tensor = buffers.take(tensor, box)
+        if observe is not None:
+            observe(c.input, tensor)
+        mine[c.output] = exchange(c.step, {rank: tensor})[rank]

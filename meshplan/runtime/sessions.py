@@ -136,6 +136,7 @@ class StageSession:
         self.in_place = dict(in_place or {})
         self._binding = None   # the in-place runs' IOBinding and what its outputs are bound to
         self._bound: dict[str, tuple] = {}
+        self._repeat = None     # what a run repeating the in-place run before does (``_run_again``)
         self._plain_run = None  # run options of a run that is not a graph's (a session with graphs)
         if self.graphs:
             self._plain_run = ort.RunOptions()
@@ -152,12 +153,16 @@ class StageSession:
         as that very array."""
         if self.device is not None:   # tensors kept where the provider computes (``keep_on``)
             return self._resident.run(feeds, self._reused(feeds, writable))
+        if self._repeat is not None:   # a decode step: the run before's shapes and buffers
+            found = self._run_again(feeds, writable)
+            if found is not None:
+                return found
         # numpy's own dtypes only: onnxruntime wraps no extension type (ml_dtypes' bfloat16)
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
         if reused:
-            return self._run_in_place(feeds, reused)
+            return self._run_in_place(feeds, reused, writable)
         try:
             values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds},
                                       self._plain_run)
@@ -165,7 +170,8 @@ class StageSession:
             raise self._failed(exc) from exc
         return dict(zip(self.output_names, values))
 
-    def _run_in_place(self, feeds: dict[str, np.ndarray], reused: dict[str, str]) -> dict[str, np.ndarray]:
+    def _run_in_place(self, feeds: dict[str, np.ndarray], reused: dict[str, str],
+                      writable=None) -> dict[str, np.ndarray]:
         """One IOBinding per session, kept between runs (``release`` drops it): a generation
         step runs the same segments on the same cache buffers every time, so an output written
         in place stays bound to its buffer's OrtValue while that same array is fed; the other
@@ -175,6 +181,7 @@ class StageSession:
         of those shapes overwrites)."""
         import onnxruntime as ort
 
+        self._repeat = None
         if self._binding is None:
             self._binding, self._bound = self.session.io_binding(), {}
         binding, bound = self._binding, self._bound
@@ -208,7 +215,7 @@ class StageSession:
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             bound.pop("outputs", None)
             if reuse:   # an output whose shape follows from values, not shapes: let onnxruntime allocate
-                return self._run_in_place(feeds, reused)
+                return self._run_in_place(feeds, reused, writable)
             raise self._failed(exc) from exc
         if reuse:
             values = kept[1]
@@ -218,7 +225,38 @@ class StageSession:
             for name, value in values.items():   # the next run of these shapes writes into them
                 binding.bind_ortvalue_output(name, value)
             bound["outputs"] = (shapes, values)
+        if reuse and writable is not None and all(("input", n) in bound or ("feed", n) in bound for n in self.input_names if n in feeds):
+            # the second run of these shapes: the next run that feeds the same in-place buffers
+            # and inputs of the same shapes only copies those inputs in and runs
+            self._repeat = (writable, len(feeds), tuple((i, feeds[i]) for i in reused.values()),
+                            tuple((n, bound[("feed", n)][1], np.shape(feeds[n]), feeds[n].dtype)
+                                  for n in self.input_names if ("feed", n) in bound and n in feeds),
+                            tuple((name, reused.get(name)) for name in self.output_names), values)
         return {name: feeds[reused[name]] if name in reused else values[name].numpy() for name in self.output_names}
+
+    def _run_again(self, feeds: dict, writable) -> dict | None:
+        """A run that repeats the in-place run recorded by ``_run_in_place``: the same
+        ``writable``, the same arrays fed for the outputs written in place, the other inputs
+        of the same shapes and dtypes (copied into the buffers bound to them). None, having
+        done nothing, where the run differs."""
+        kept_writable, count, shared, fed, outputs, values = self._repeat
+        if len(feeds) != count or (writable is not kept_writable and writable != kept_writable):
+            return None
+        for name, array in shared:
+            if feeds.get(name) is not array:
+                return None
+        for name, _, shape, dtype in fed:
+            array = feeds.get(name)
+            if not isinstance(array, np.ndarray) or array.shape != shape or array.dtype != dtype:
+                return None
+        for name, value, _, _ in fed:
+            value.update_inplace(np.ascontiguousarray(feeds[name]))
+        try:
+            self.session.run_with_iobinding(self._binding, self._plain_run)
+        except Exception:  # e.g. an output whose shape follows from values: the full path tries again
+            self._repeat = None
+            return None
+        return {name: feeds[source] if source is not None else values[name].numpy() for name, source in outputs}
 
     @staticmethod
     def _bind_feed(binding, bound: dict, name: str, array: np.ndarray) -> None:
@@ -243,7 +281,7 @@ class StageSession:
     def release(self) -> None:
         """Forget the kept binding and the buffers it holds (the job's state was dropped). A
         session that keeps its tensors on the device keeps its buffers: its graphs read them."""
-        self._binding, self._bound = None, {}
+        self._binding, self._bound, self._repeat = None, {}, None
 
     def keep_on(self, device, to_host=frozenset()) -> None:
         """From now on, run with every tensor where the provider computes (``device``, a

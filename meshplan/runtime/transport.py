@@ -35,7 +35,7 @@ from meshplan.reshard.simulator import Schedule
 from meshplan.reshard.steps import Step
 from meshplan.reshard.tasks import CrossMeshTransfer
 from meshplan.runtime.buffers import HOST, DeviceBuffers, byte_view
-from meshplan.runtime.collectives import axis_communicator, perform
+from meshplan.runtime.collectives import AxisGroup, axis_communicator
 from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
 from meshplan.runtime.waiting import wait_all
 from meshplan.sharding import LogicalMesh
@@ -135,15 +135,16 @@ class MeshCommunicators:
                 group = axis_communicator(comm, MPI, mesh, axis)
                 if group is not None:
                     self.axes[axis] = group
+        self.groups = {axis: AxisGroup(group, MPI, buffers) for axis, group in self.axes.items()}
 
     def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
-        return perform(step, array, self.axes[step.axis], self.MPI, self.buffers)
+        return step.kind.perform(step, array, self.groups[step.axis])   # (``collectives.perform``)
 
     def free(self) -> None:
         """Release the axis communicators (collective over each axis group)."""
         for group in self.axes.values():
             group.Free()
-        self.axes = {}
+        self.axes, self.groups = {}, {}
 
 
 class Transport:
