@@ -269,3 +269,26 @@ def test_a_repeated_decode_step_only_copies_its_inputs_in(tmp_path, monkeypatch)
         np.testing.assert_array_equal(a, c)
     for name in caller:     # the first buffers were left as the first generation wrote them
         np.testing.assert_array_equal(caller[name], second[name])
+
+
+def test_a_job_reads_a_reused_outputs_dict_again_when_it_changed(tmp_path):
+    """``Job.run`` reads the same ``outputs`` dict once (the generation loop passes one each
+    step), and again when its caller changed it in between."""
+    from meshplan.runtime.job import Job
+
+    model = SAMPLE_DIR / "genai" / "llama_fp32" / "model.onnx"
+    dims, _ = generation_plan_dims(model, 1, CAPACITY, 8)
+    make_plan(model, make_cluster((1, 1), "cpu"), dims, tmp_path / "plan", PlanOptions())
+    job = Job(tmp_path / "plan", "cpu", cache_in_place=True)
+    try:
+        ids = np.arange(1, 5, dtype=np.int64)[None]
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, 4), np.int64)}
+        outputs = {"logits": np.s_[:, -1:]}
+        whole = job.run(feeds, outputs={"logits": np.s_[:, :]})["logits"]
+        for last in (1, 1, 3, 2):
+            job.reset_state()
+            outputs["logits"] = np.s_[:, -last:]
+            got = job.run(feeds, outputs=outputs)["logits"]
+            np.testing.assert_array_equal(got, whole[:, -last:])
+    finally:
+        job.close()

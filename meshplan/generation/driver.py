@@ -28,6 +28,8 @@ class JobStepper:
 
     def __init__(self, job):
         self.job = job
+        self._outputs: dict[int, dict] = {}    # the outputs asked for, by last positions: the same object each
+                                               # step, so the job reads it once (``Job._wanted``)
 
     def reset(self) -> None:
         self.job.reset_state()
@@ -37,7 +39,10 @@ class JobStepper:
         return self.job.row_calls
 
     def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
-        return self.job.run(feeds, outputs={"logits": np.s_[:, -last:]}, row=row)["logits"]
+        outputs = self._outputs.get(last)
+        if outputs is None:
+            outputs = self._outputs[last] = {"logits": np.s_[:, -last:]}
+        return self.job.run(feeds, outputs=outputs, row=row)["logits"]
 
 
 class TextStream:

@@ -206,10 +206,12 @@ class Job:
         self._last_key = None                  # the last call's shapes (``_check_call``)
         self._headers: dict[tuple, np.ndarray] = {}   # RUN headers by shapes and wanted outputs
         self._parsed: dict[bytes, tuple] = {}         # ``_parse_run``: RUN headers read, by their bytes
+        self._read_wanted = (None, None, None)   # ``_wanted``: the last ``outputs`` dict, a copy, what it asked for
+        self._input_dtypes = [np.dtype(t.dtype) for t in self.inputs]
         self.calls = 0
         self.sent: dict[str, int] = {}
         self.program_seconds = 0.0
-        self.trace: list[dict] = []
+        self.trace: list[tuple] = []            # the last call's events (``_event``'s arguments)
 
     def state_entries_specs(self):
         by_name = {t.name: t for t in self.plan.inputs}
@@ -345,6 +347,17 @@ class Job:
         return count
 
     def _wanted(self, outputs) -> dict[str, tuple]:
+        """``outputs`` read (names → slices); a caller passing the same dict each step (the
+        generation loop's stepper) has it read once."""
+        last, seen, wanted = self._read_wanted
+        if outputs is last and outputs is not None and outputs == seen:   # (the same dict, unchanged)
+            return wanted
+        wanted = self._read_outputs(outputs)
+        if isinstance(outputs, dict):
+            self._read_wanted = (outputs, dict(outputs), wanted)
+        return wanted
+
+    def _read_outputs(self, outputs) -> dict[str, tuple]:
         names = [t.name for t in self.outputs]
         if outputs is None:
             return {n: () for n in names}
@@ -370,15 +383,18 @@ class Job:
         if extra:
             raise RunError(f"the model has no input {extra[0]!r} (inputs: {', '.join(sorted(names | set(self.state_inputs)))})")
         feeds = []
-        for spec in self.inputs:
+        for spec, dtype in zip(self.inputs, self._input_dtypes):
             if spec.name not in plain:
                 raise RunError(f"input '{spec.name}' is missing")
-            array = np.asarray(plain[spec.name])
-            if array.dtype.kind == "U" and np.dtype(spec.dtype) == np.dtype(object):
-                array = array.astype(object)
-            if array.dtype != np.dtype(spec.dtype):
-                raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
-            feeds.append(np.asarray(array, order="C"))
+            array = plain[spec.name]
+            if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+                array = np.asarray(array, order="C")
+            if array.dtype != dtype:
+                if array.dtype.kind == "U" and dtype == np.dtype(object):
+                    array = array.astype(object)
+                else:
+                    raise RunError(f"input '{spec.name}' has dtype {array.dtype}, the plan expects {spec.dtype}")
+            feeds.append(array)
         # a decode step has the shapes of the step before: their sizes were checked then
         key = None if given_state else (rows, tuple(f.shape for f in feeds),
                                         tuple(self.state_shapes.get(n) for n in self.state_inputs))
@@ -717,17 +733,18 @@ class Job:
                     raise RunError(f"state '{name}' is not set on rank {rank}")
                 feeds[local] = self.state[name] if window is None else self.state[name][window]
             started = time.perf_counter()
-            narrow = {name: wanted[name] for name in narrowable if wanted[name]}
-            boxes = dict(narrow)    # what is left to take after the run (a narrowed output is its box already)
+            narrow = {name: wanted[name] for name in narrowable if wanted[name]} if narrowable else None
+            boxes = dict(narrow) if narrow else {}   # left to take after the run (a narrowed output is its box already)
             outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state,
                                     narrow=narrow)
-            for name in set(boxes) - set(narrow):
-                boxes[name] = ()
+            if boxes:
+                for name in set(boxes) - set(narrow):
+                    boxes[name] = ()
             finished = time.perf_counter()
             self.program_seconds += finished - started
             if started - waited > 1e-5:
-                self.trace.append(_event("wait", rank, waited - origin, started - waited, mb))
-            self.trace.append(_event(f"stage {stage.index}", rank, started - origin, finished - started, mb))
+                self.trace.append(("wait", rank, waited - origin, started - waited, mb))
+            self.trace.append((stage.index, rank, started - origin, finished - started, mb))
             for tensor, local, index in leaving:
                 value = outs[local]
                 transport.reshard(index, value)
@@ -824,7 +841,7 @@ class Job:
         import json
 
         mine = json.dumps({"seconds": self.program_seconds, "sent": self.sent,
-                           "state_bytes": self.state_bytes(), "trace": self.trace,
+                           "state_bytes": self.state_bytes(), "trace": [_event(*t) for t in self.trace],
                            "rss": peak_rss_bytes()}).encode()
         every = self.transport.gather_bytes(mine)
         if every is None:
@@ -853,7 +870,10 @@ def _nbytes(buffers, value) -> int:
     return int(np.prod(shape)) * np.dtype(value.dtype).itemsize
 
 
-def _event(name: str, rank: int, start: float, duration: float, mb: int) -> dict:
+def _event(name, rank: int, start: float, duration: float, mb: int) -> dict:
+    """A trace event (Chrome's format) of what a call recorded: ``name`` is "wait" or the
+    stage's index."""
+    name = name if isinstance(name, str) else f"stage {name}"
     return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6,
             "args": {"microbatch": mb}}
 

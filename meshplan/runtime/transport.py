@@ -168,6 +168,7 @@ class Transport:
             readers = {r for s in plan.stages if name in s.inputs for r in s.devices} | {0}
             group = self.comm.Split(0 if self.rank in readers else MPI.UNDEFINED, self.rank)
             self.input_groups.append(group if self.rank in readers else None)
+        self.input_sizes = [g.Get_size() if g is not None else 0 for g in self.input_groups]
         self._posted: list = []    # sends in flight
         self._kept: list = []      # the arrays they read, alive until they are done
 
@@ -190,7 +191,7 @@ class Transport:
         group = self.input_groups[index]
         if array is None:
             array = np.empty(shape, dtype=dtype)
-        if group.Get_size() == 1:
+        if self.input_sizes[index] == 1:
             return array, 0
         if np.dtype(dtype) == np.dtype(object):
             array, sent = _bcast_strings(group, array if self.rank == 0 else None, shape)
