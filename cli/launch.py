@@ -1,19 +1,27 @@
-"""The ``meshplan`` command's entry: the process starts again, once, with malloc asking for
-transparent huge pages where the kernel gives them only on request
-(``process_memory.huge_page_environment``), before anything is imported or allocated; then
-the click group runs (``cli.main``). Under mpiexec the rank keeps its process and its
-environment (``execve``). ``MESHPLAN_HUGE_PAGES=0`` keeps 4 KiB pages."""
+"""The ``meshplan`` command's entry: a command that runs models (``run``, ``generate``,
+``serve``, ``verify``, ``profile``, and ``doctor``, which reports it) starts its process
+again, once, with malloc asking for transparent huge pages where the kernel gives them only
+on request (``process_memory.huge_page_environment``), before anything is imported or
+allocated; then the click group runs (``cli.main``). Under mpiexec the rank keeps its
+process and its environment (``execve``). ``MESHPLAN_HUGE_PAGES=0`` keeps 4 KiB pages."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+RUNS_MODELS = frozenset({"run", "generate", "serve", "verify", "profile", "doctor"})
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command named on a ``meshplan`` command line (after the group's options)."""
+    return next((a for a in argv[1:] if not a.startswith("-")), None)
+
 
 def main():
     from meshplan.process_memory import huge_page_environment
 
-    environ = huge_page_environment(dict(os.environ))
+    environ = huge_page_environment(dict(os.environ)) if command_of(sys.argv) in RUNS_MODELS else None
     if environ is not None and getattr(sys, "orig_argv", None):
         try:
             os.execve(sys.executable, sys.orig_argv, environ)
