@@ -1,0 +1,280 @@
+"""Decode steps of meshplan and onnxruntime-genai in interleaved blocks: a measure that a
+machine whose memory bandwidth drifts within minutes cannot tilt.
+
+``generate.py`` alternates whole runs (a load, a prompt, the tokens); on a shared machine
+the bandwidth a decode step is bound by moves by tens of percent between two runs, so a
+few percent between two runners takes many rounds to see. Here every runner is a process
+that stays up, its model loaded and warm, and the runners take turns in blocks of
+``--steps`` decode steps (``--blocks`` turns, each in a new random order): each block of a
+runner has a block of every other runner seconds away. Printed per runner: the median step,
+and against the first runner the median of the blocks' ratios (first's step / this one's,
+so above 1 is faster) with its quartiles.
+
+Runners (``--runners``, comma-separated; a ``:4k`` suffix runs one with 4 KiB pages, the
+others start as the ``meshplan`` command does, with malloc in huge pages where the kernel
+gives them on request):
+
+- ``genai``: onnxruntime-genai's generator on the builder folder, ``--threads`` threads
+  (``generate_next_token`` and ``get_next_tokens`` per step);
+- ``onnxruntime``: the 1x1 plan's program in onnxruntime alone, every buffer bound once
+  (the cache as input and output, the token and a static mask updated in place), the
+  logits read and the argmax taken in numpy;
+- ``1x1``, ``1x2``: ``meshplan generate``'s loop (greedy) through the resident job, under
+  ``mpiexec -n 1`` / ``-n 2`` (one thread a rank on 1x2 on 2 cores, as ``generate.py``).
+
+    python benchmarks/decode_blocks.py --folder DIR [--runners genai,onnxruntime,1x1,1x2] [--blocks 30] [--steps 40]
+
+``--folder`` is a builder folder (``generate.py --workdir W`` writes ``W/builder_fp32``);
+without it the 0.4 GB float32 builder Llama is written into ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO))
+PROMPT = 32
+
+
+# --- the workers: each answers "N" (run N decode steps) with the seconds a step took ----------
+
+def _serve(block) -> None:
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        print(json.dumps(block(int(line))), flush=True)
+
+
+def genai_worker(folder: str, capacity: int, threads: int) -> None:
+    import time
+
+    import onnxruntime_genai as og
+
+    work = Path(tempfile.mkdtemp(prefix="meshplan-blocks-genai-"))
+    for item in Path(folder).iterdir():
+        if item.name != "genai_config.json":
+            (work / item.name).symlink_to(item.resolve())
+    config = json.loads((Path(folder) / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    (work / "genai_config.json").write_text(json.dumps(config))
+    model = og.Model(str(work))
+
+    def block(steps: int) -> float:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=capacity, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens([list(range(1, PROMPT + 1))])
+        generator.generate_next_token()
+        started = time.perf_counter()
+        for _ in range(steps):
+            generator.generate_next_token()
+            generator.get_next_tokens()
+        return (time.perf_counter() - started) / steps
+    _serve(block)
+
+
+def onnxruntime_worker(plan_dir: str, capacity: int, threads: int) -> None:
+    import time
+
+    import numpy as np
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(REPO))
+    from meshplan.plan_format import read_plan
+
+    program = Path(plan_dir) / read_plan(plan_dir).programs[0].file
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(program), options, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    for value in session.get_inputs():
+        if value.name.startswith("past_key_values."):
+            shape = [1, value.shape[1], capacity, value.shape[3]]
+            cache = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+            binding.bind_ortvalue_input(value.name, cache)
+            binding.bind_ortvalue_output(value.name.replace("past_key_values", "present"), cache)
+
+    def block(steps: int) -> float:
+        mask = np.zeros((1, capacity), np.int64)
+        mask[0, :PROMPT] = 1
+        binding.bind_cpu_input("input_ids", np.arange(1, PROMPT + 1, dtype=np.int64)[None])
+        binding.bind_cpu_input("attention_mask", np.ones((1, PROMPT), np.int64))
+        binding.bind_output("logits")
+        session.run_with_iobinding(binding)
+        last = binding.get_outputs()[0].numpy()[0, -1]
+        token = np.zeros((1, 1), np.int64)
+        token_value, mask_value = ort.OrtValue.ortvalue_from_numpy(token), ort.OrtValue.ortvalue_from_numpy(mask)
+        binding.bind_ortvalue_input("input_ids", token_value)
+        binding.bind_ortvalue_input("attention_mask", mask_value)
+        binding.bind_output("logits")
+        length = PROMPT
+        started = time.perf_counter()
+        for _ in range(steps):
+            token[0, 0] = int(last.argmax())
+            mask[0, length] = 1
+            length += 1
+            token_value.update_inplace(token)
+            mask_value.update_inplace(mask)
+            session.run_with_iobinding(binding)
+            last = binding.get_outputs()[0].numpy()[0, -1]
+        return (time.perf_counter() - started) / steps
+    _serve(block)
+
+
+def meshplan_worker(plan_dir: str) -> None:
+    """Every rank: the resident job; rank 0 runs ``generate``'s loop a block at a time."""
+    import statistics as stats
+
+    sys.path.insert(0, str(REPO))
+    from meshplan.generation.driver import JobStepper
+    from meshplan.generation.loop import Generation, GenerationShape
+    from meshplan.generation.sampling import Sampler
+    from meshplan.runtime.job import Job
+
+    job = Job(plan_dir, "cpu", cache_in_place=True)
+    if not job.is_driver:
+        job.serve()
+        return
+    generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
+
+    def block(steps: int) -> float:
+        _, metrics = generation.run([list(range(1, PROMPT + 1))], steps + 1, Sampler())
+        return stats.mean(metrics.decode_seconds)
+    try:
+        _serve(block)
+    finally:
+        job.close()
+
+
+# --- the coordinator ---------------------------------------------------------------------------
+
+class Runner:
+    def __init__(self, name: str, command: list[str], huge_pages: bool):
+        from meshplan.process_memory import huge_page_environment
+
+        env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MESHPLAN_HUGE_PAGES")}
+        if huge_pages:
+            env = huge_page_environment(env) or env
+        else:
+            env["MESHPLAN_HUGE_PAGES"] = "0"
+        self.name = name
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                        cwd=REPO)
+        line = self.process.stdout.readline()
+        if line.strip() != "ready":
+            raise SystemExit(f"runner {name} did not start (said {line!r})")
+        self.steps: list[float] = []
+
+    def block(self, steps: int) -> float:
+        self.process.stdin.write(f"{steps}\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"runner {self.name} stopped")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.write("\n")
+            self.process.stdin.close()
+        except OSError:
+            pass
+        self.process.wait(timeout=60)
+
+
+def plan(folder: Path, mesh: str, capacity: int, workdir: Path) -> Path:
+    plan_dir = workdir / f"plan_{mesh}_{capacity}"
+    if not (plan_dir / "plan.json").exists():
+        policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
+        done = subprocess.run([sys.executable, "-m", "cli.main", "plan", str(folder / "model.onnx"), "--mesh", mesh,
+                               "--device", "cpu", "--generate", "--max-length", str(capacity), *policy,
+                               "-o", str(plan_dir)], capture_output=True, text=True, cwd=REPO)
+        if done.returncode:
+            raise SystemExit(f"meshplan plan failed: {done.stderr.strip()}")
+    return plan_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, help="a builder folder (model.onnx, genai_config.json)")
+    parser.add_argument("--workdir", type=Path, help="where plans (and a written model) go [default: a temporary folder]")
+    parser.add_argument("--gigabytes", type=float, default=0.4, help="size of the model written without --folder")
+    parser.add_argument("--runners", default="genai,onnxruntime,1x1,1x2")
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40, help="decode steps a block")
+    parser.add_argument("--capacity", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2, help="onnxruntime-genai's and onnxruntime alone's threads")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers as JSON here")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, *rest = args.worker
+        {"genai": lambda: genai_worker(rest[0], int(rest[1]), int(rest[2])),
+         "onnxruntime": lambda: onnxruntime_worker(rest[0], int(rest[1]), int(rest[2])),
+         "meshplan": lambda: meshplan_worker(rest[0])}[kind]()
+        return
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-blocks-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    folder = args.folder
+    if folder is None:
+        sys.path.insert(0, str(REPO))
+        from sample_models.genai_large import write_builder_llama
+
+        folder = workdir / "builder_fp32"
+        if not (folder / "model.onnx").exists():
+            write_builder_llama(folder, args.gigabytes, context=args.capacity)
+    folder = folder.resolve()
+    mpiexec = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else shutil.which("mpiexec") or "mpiexec"
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    runners: list[Runner] = []
+    try:
+        for spec in args.runners.split(","):
+            kind, _, pages = spec.partition(":")
+            huge = pages != "4k"
+            if kind == "genai":
+                command = [*me, "genai", str(folder), str(args.capacity), str(args.threads)]
+            elif kind == "onnxruntime":
+                command = [*me, "onnxruntime", str(plan(folder, "1x1", args.capacity, workdir)), str(args.capacity),
+                           str(args.threads)]
+            elif kind in ("1x1", "1x2", "1x4"):
+                ranks = int(kind.split("x")[1])
+                command = [mpiexec, "-n", str(ranks), *me, "meshplan", str(plan(folder, kind, args.capacity, workdir))]
+            else:
+                raise SystemExit(f"unknown runner {spec!r} (genai, onnxruntime, 1x1, 1x2, 1x4; :4k for 4 KiB pages)")
+            runners.append(Runner(spec, command, huge))
+        for runner in runners:     # a warm block each
+            runner.block(args.steps)
+        for _ in range(args.blocks):
+            for runner in random.sample(runners, len(runners)):
+                runner.steps.append(runner.block(args.steps))
+    finally:
+        for runner in runners:
+            runner.close()
+    first = runners[0]
+    print(f"{folder.name}, capacity {args.capacity}, {args.blocks} blocks of {args.steps} decode steps in turns")
+    body = {"blocks": args.blocks, "steps": args.steps, "runners": {}}
+    for runner in runners:
+        ratios = sorted(a / b for a, b in zip(first.steps, runner.steps))
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(f"{runner.name:16} median step {statistics.median(runner.steps) * 1e3:7.3f} ms   speed against "
+              f"{first.name}: {statistics.median(ratios):.3f} (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f})")
+        body["runners"][runner.name] = {"median_step_s": statistics.median(runner.steps),
+                                        "speed_against_first": statistics.median(ratios), "steps_s": runner.steps}
+    if args.json:
+        args.json.write_text(json.dumps(body, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
