@@ -12,7 +12,8 @@ so above 1 is faster) with its quartiles.
 
 Runners (``--runners``, comma-separated; a ``:4k`` suffix runs one with 4 KiB pages, the
 others start as the ``meshplan`` command does, with malloc in huge pages where the kernel
-gives them on request):
+gives them on request; ``:nobind`` runs meshplan as ``--no-bind-cores``: no rank binds
+itself, no thread is pinned):
 
 - ``genai``: onnxruntime-genai's generator on the builder folder, ``--threads`` threads
   (``generate_next_token`` and ``get_next_tokens`` per step);
@@ -133,8 +134,9 @@ def onnxruntime_worker(plan_dir: str, capacity: int, threads: int) -> None:
     _serve(block)
 
 
-def meshplan_worker(plan_dir: str) -> None:
-    """Every rank: the resident job; rank 0 runs ``generate``'s loop a block at a time."""
+def meshplan_worker(plan_dir: str, bind: str = "bind") -> None:
+    """Every rank: the resident job; rank 0 runs ``generate``'s loop a block at a time
+    (``bind``: "nobind" as ``--no-bind-cores``)."""
     import statistics as stats
 
     sys.path.insert(0, str(REPO))
@@ -142,6 +144,9 @@ def meshplan_worker(plan_dir: str) -> None:
     from meshplan.generation.loop import Generation, GenerationShape
     from meshplan.generation.sampling import Sampler
     from meshplan.runtime.job import Job
+    from meshplan.runtime.threads import set_binding
+
+    set_binding(bind != "nobind")
 
     job = Job(plan_dir, "cpu", cache_in_place=True)
     if not job.is_driver:
@@ -223,7 +228,7 @@ def main() -> None:
         kind, *rest = args.worker
         {"genai": lambda: genai_worker(rest[0], int(rest[1]), int(rest[2])),
          "onnxruntime": lambda: onnxruntime_worker(rest[0], int(rest[1]), int(rest[2])),
-         "meshplan": lambda: meshplan_worker(rest[0])}[kind]()
+         "meshplan": lambda: meshplan_worker(*rest)}[kind]()
         return
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-blocks-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -241,8 +246,8 @@ def main() -> None:
     runners: list[Runner] = []
     try:
         for spec in args.runners.split(","):
-            kind, _, pages = spec.partition(":")
-            huge = pages != "4k"
+            kind, *options = spec.split(":")
+            huge = "4k" not in options
             if kind == "genai":
                 command = [*me, "genai", str(folder), str(args.capacity), str(args.threads)]
             elif kind == "onnxruntime":
@@ -250,9 +255,11 @@ def main() -> None:
                            str(args.threads)]
             elif kind in ("1x1", "1x2", "1x4"):
                 ranks = int(kind.split("x")[1])
-                command = [mpiexec, "-n", str(ranks), *me, "meshplan", str(plan(folder, kind, args.capacity, workdir))]
+                command = [mpiexec, "-n", str(ranks), *me, "meshplan", str(plan(folder, kind, args.capacity, workdir)),
+                           "nobind" if "nobind" in options else "bind"]
             else:
-                raise SystemExit(f"unknown runner {spec!r} (genai, onnxruntime, 1x1, 1x2, 1x4; :4k for 4 KiB pages)")
+                raise SystemExit(f"unknown runner {spec!r} (genai, onnxruntime, 1x1, 1x2, 1x4; :4k for 4 KiB pages, "
+                                 ":nobind for meshplan as --no-bind-cores)")
             runners.append(Runner(spec, command, huge))
         for runner in runners:     # a warm block each
             runner.block(args.steps)

@@ -2,7 +2,8 @@
 core it may run on and spins; ranks sharing a machine's cores divide them and do not spin;
 ranks the launcher bound to cores of their own keep those cores and spin; ranks the launcher
 left unbound bind themselves to a share of the machine's physical cores where each gets two
-or more. A job says what each rank got (``meshplan run``, ``generate``, ``doctor``)."""
+or more; a rank with cores of its own pins each thread to one of them. A job says what each
+rank got (``meshplan run``, ``generate``, ``doctor``)."""
 
 from __future__ import annotations
 
@@ -67,19 +68,69 @@ def test_unbound_ranks_bind_themselves_to_shares_of_physical_cores():
 
 
 def test_binding_only_where_it_pays_and_is_wanted(monkeypatch):
-    # one physical core per rank: nothing to spin, the old rule (shared, no spinning)
+    # one physical core per rank: nothing to spin, the old rule (shared, no spinning, nothing pinned)
     choice, share = plan_threads([{0, 1}] * 2, 0, 2, groups=[[0], [1]])
-    assert share is None and (choice.threads, choice.spinning, choice.self_bound) == (1, False, False)
+    assert share is None and (choice.threads, choice.spinning, choice.self_bound, choice.pinned) == (1, False, False, False)
     # the launcher bound them: its binding stands
     choice, share = plan_threads([{0, 1, 2, 3}, {4, 5, 6, 7}], 0, 8, groups=[[c] for c in range(8)])
     assert share is None and choice.bound and not choice.self_bound and choice.threads == 4
     # alone: all its cores
     choice, share = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
     assert share is None and choice.threads == 8
-    # --no-bind-cores
+    # --no-bind-cores: nothing bound, nothing pinned
     monkeypatch.setattr(threads, "_binding", [False])
     choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)])
-    assert share is None and (choice.threads, choice.spinning) == (8, False)
+    assert share is None and (choice.threads, choice.spinning, choice.pinned) == (8, False, False)
+    choice, _ = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
+    assert not choice.pinned and choice.pool_affinities() is None
+
+
+def test_threads_pinned_one_core_each_where_the_cores_are_the_ranks():
+    # bound by meshplan, hyperthread siblings: the calling thread on the first core, the pool
+    # threads on the others, in onnxruntime's numbering (from 1)
+    siblings = [[c, c + 8] for c in range(8)]
+    choice, _ = plan_threads([set(range(16))] * 2, 1, 16, groups=siblings)
+    assert choice.pinned and choice.pins == ((4, 12), (5, 13), (6, 14), (7, 15))
+    assert choice.pool_affinities() == "6,14;7,15;8,16"
+    assert "4 onnxruntime thread(s), one core each" in choice.describe()
+    # alone on the machine: one CPU a thread
+    choice, _ = plan_threads([{2, 3, 5}], 0, 8, groups=[[c] for c in range(8)])
+    assert choice.pins == ((2,), (3,), (5,)) and choice.pool_affinities() == "4;6"
+    # the launcher's binding stands: nothing pinned
+    choice, _ = plan_threads([{0, 1, 2, 3}, {4, 5, 6, 7}], 0, 8, groups=[[c] for c in range(8)])
+    assert not choice.pinned
+    assert ThreadChoice.from_row(choice.row()).pinned is False
+
+
+def test_the_calling_thread_pinned_and_the_pool_where_onnxruntime_puts_it():
+    """In a process of its own: a session made with the pool's affinities runs its pool
+    thread on the second CPU, and the calling thread, pinned, on the first."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        cpus = cpus * 2     # one CPU: both on it
+    code = f"""
+import os, sys, numpy as np, onnx
+from onnx import helper, TensorProto
+from meshplan.runtime.threads import ThreadChoice, pin_calling_thread
+from meshplan.runtime.sessions import StageSession
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4096])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4096])
+model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+model.ir_version = 10
+choice = ThreadChoice(2, True, 2, 1, False, False, True, (({cpus[0]},), ({cpus[1]},)))
+before = {{t: os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}}
+session = StageSession(model.SerializeToString(), ["CPUExecutionProvider"], 2, affinities=choice.pool_affinities())
+assert pin_calling_thread(choice)
+session.run({{"x": np.ones(4096, np.float32)}})
+made = {{t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task") if t not in before}}
+print(sorted(os.sched_getaffinity(0)), sorted(made.values()))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(threads.__file__).rsplit("/meshplan/", 1)[0])
+    assert done.returncode == 0, done.stderr
+    main, pool = done.stdout.strip().split(" ", 1)
+    assert main == f"[{cpus[0]}]"
+    assert f"[{cpus[1]}]" in pool
 
 
 def test_physical_cores_keep_hyperthread_siblings_together(tmp_path):

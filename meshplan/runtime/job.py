@@ -60,7 +60,7 @@ from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
-from meshplan.runtime.threads import ThreadChoice, bind_to, plan_threads
+from meshplan.runtime.threads import ThreadChoice, bind_to, pin_calling_thread, plan_threads
 from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffers, world
 from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
@@ -151,7 +151,9 @@ class Job:
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
                 session = ProgramRunner(path, providers, threads=self.threads.threads,
-                                        spinning=self.threads.spinning, graphs=graphs)
+                                        spinning=self.threads.spinning, graphs=graphs,
+                                        affinities=self.threads.pool_affinities())
+                pin_calling_thread(self.threads)   # (onnxruntime pinned its pool threads)
                 buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI,
                                                     alone=self.size == 1)
                 set_sleeping(session.providers[0] != CUDA)

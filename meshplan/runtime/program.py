@@ -86,11 +86,13 @@ class Segment:
     label: str | None = None               # what errors call it
     in_place: dict[str, str] | None = None  # output → the input whose buffer it may be written into
 
-    def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False) -> None:
+    def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False,
+             affinities: str | None = None) -> None:
         """Create the session (and so load the segment's weights) if it is not open."""
         if self.session is None and self.source is not None:
             self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label,
-                                        in_place=self.in_place, spinning=spinning, graphs=graphs)
+                                        in_place=self.in_place, spinning=spinning, graphs=graphs,
+                                        affinities=affinities)
 
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
@@ -109,10 +111,10 @@ def _collective(node: onnx.NodeProto) -> Collective:
 
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
-                 spinning: bool | None = None, graphs: bool = False):
+                 spinning: bool | None = None, graphs: bool = False, affinities: str | None = None):
         """``lazy``: open no session yet; the caller opens and closes each segment
         (``Segment.open``/``close``), so that only the segments it runs hold weights.
-        ``spinning``, ``graphs``: see ``StageSession``. Only a program of one segment captures
+        ``spinning``, ``graphs``, ``affinities``: see ``StageSession``. Only a program of one segment captures
         CUDA graphs: the segments of a program cut at its collectives pass shape values that
         onnxruntime copies between the GPU and the host inside a run, which a capture refuses
         (seen on an H200: "operation not permitted when stream is capturing")."""
@@ -127,7 +129,7 @@ class ProgramRunner:
             segment = Segment(None, [v.name for v in graph.input if v.name not in weights],
                               [v.name for v in graph.output], None, path, in_place=pairs)
             if not lazy:
-                segment.open(providers, threads, spinning, graphs)
+                segment.open(providers, threads, spinning, graphs, affinities)
             self.segments = [segment]
             self.providers = segment.session.providers if segment.session else providers
             return
@@ -171,7 +173,7 @@ class ProgramRunner:
             segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
                               f"{path.name} (segment {index})", pairs)
             if not lazy:   # (no CUDA graphs: see ``__init__``)
-                segment.open(providers, threads, spinning)
+                segment.open(providers, threads, spinning, affinities=affinities)
             self.segments.append(segment)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 

@@ -82,7 +82,8 @@ class StageSession:
 
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
                  weights_dir: Path | None = None, optimization: str = "all", label: str | None = None,
-                 in_place: dict[str, str] | None = None, spinning: bool | None = None, graphs: bool = False):
+                 in_place: dict[str, str] | None = None, spinning: bool | None = None, graphs: bool = False,
+                 affinities: str | None = None):
         """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
         where the external data files of a model given as bytes lie; onnxruntime reads
         them itself, straight into the memory it runs from (the host for the CPU provider,
@@ -93,7 +94,8 @@ class StageSession:
         whether onnxruntime's pool threads may spin-wait between runs (``runtime.threads``;
         None: onnxruntime's default, off for one thread). ``graphs``: on CUDA, let the session
         capture CUDA graphs (``keep_on``; a model that cannot, e.g. one with nodes on the
-        CPU, loads without them)."""
+        CPU, loads without them). ``affinities``: the pool threads' CPUs, onnxruntime's
+        ``session.intra_op_thread_affinities`` (``ThreadChoice.pool_affinities``)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -109,6 +111,8 @@ class StageSession:
         options.add_session_config_entry("session.disable_quant_qdq", "1")
         if threads:
             options.intra_op_num_threads = threads
+            if affinities and threads > 1:
+                options.add_session_config_entry("session.intra_op_thread_affinities", affinities)
         if spinning is False or spinning is None and threads == 1:   # cores shared with other ranks or sessions
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             options.add_session_config_entry("session.inter_op.allow_spinning", "0")

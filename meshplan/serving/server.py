@@ -23,7 +23,7 @@ from meshplan.errors import JobFailure, MeshplanError, RunError
 from meshplan.generation.driver import JobStepper, Request, prepare
 from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
-from meshplan.runtime.threads import ThreadChoice
+from meshplan.runtime.threads import ThreadChoice, unpin_calling_thread
 from meshplan.serving.batching import SlotBatch, Work, batch_for
 from meshplan.serving.chat import ChatTemplate
 from meshplan.serving.protocol import Limits
@@ -151,7 +151,10 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     app = build_app(engine, limits, metrics)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+    def http() -> None:   # on every core of the rank, not the one its engine's thread is pinned to
+        unpin_calling_thread(job.threads)
+        server.run(sockets=[sock])
+    thread = threading.Thread(target=http, name="http", daemon=True)
     thread.start()
     began = time.monotonic()
     while not server.started and thread.is_alive() and time.monotonic() - began < START_SECONDS:
