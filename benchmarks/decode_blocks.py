@@ -146,7 +146,7 @@ def meshplan_worker(plan_dir: str, bind: str = "bind") -> None:
     from meshplan.runtime.job import Job
     from meshplan.runtime.threads import set_binding
 
-    set_binding(bind != "nobind")
+    set_binding(bind != "nobind", pin=True)     # (as the commands: this process is the rank's own)
 
     job = Job(plan_dir, "cpu", cache_in_place=True)
     if not job.is_driver:

@@ -76,7 +76,7 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                           sampler=Sampler(temperature, top_k, top_p, seed), eos=list(eos) if eos else None,
                           tokenizer=tokenizer)
         set_deterministic(deterministic)
-        set_binding(bind_cores)
+        set_binding(bind_cores, pin=True)
         report = generate_rank(plan_dir, request, provider, transfer, on_text=stream, output_path=output_path,
                                graphs=cuda_graph)
     out.flush()

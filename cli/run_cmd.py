@@ -35,7 +35,7 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
 
     with rank_guard(debugging(ctx)):
         set_deterministic(deterministic)
-        set_binding(bind_cores)
+        set_binding(bind_cores, pin=True)
         report = run_rank(plan_dir, inputs_path, output_path, repeat, provider, transfer)
     if report is None:
         return

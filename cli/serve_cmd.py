@@ -58,7 +58,7 @@ def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provi
 
     with rank_guard(debugging(ctx)):
         set_deterministic(deterministic)
-        set_binding(bind_cores)
+        set_binding(bind_cores, pin=True)
         status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, prefill_chunk, provider, transfer,
                                                     cuda_graph), started)
     if status is not None:

@@ -190,7 +190,7 @@ def assign_threads(facts: list[Facts], machines: list[int]) -> None:
 
     for f in facts:
         here = [g for g, m in zip(facts, machines) if m == machines[f.rank]]
-        choice, _ = plan_threads([set(g.cores) for g in here], here.index(f), f.cpu_count or None)
+        choice, _ = plan_threads([set(g.cores) for g in here], here.index(f), f.cpu_count or None, pin=True)
         f.threads = choice.describe()
 
 

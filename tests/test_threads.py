@@ -77,27 +77,42 @@ def test_binding_only_where_it_pays_and_is_wanted(monkeypatch):
     # alone: all its cores
     choice, share = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
     assert share is None and choice.threads == 8
-    # --no-bind-cores: nothing bound, nothing pinned
+    # --no-bind-cores: nothing bound, nothing pinned, whatever the commands ask
     monkeypatch.setattr(threads, "_binding", [False])
-    choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)])
+    monkeypatch.setattr(threads, "_pinning", [False])
+    choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)], pin=True)
     assert share is None and (choice.threads, choice.spinning, choice.pinned) == (8, False, False)
     choice, _ = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
     assert not choice.pinned and choice.pool_affinities() is None
+    threads.set_binding(True, pin=True)
+    assert threads._pinning == [True]
+    threads.set_binding(False, pin=True)      # --no-bind-cores on a command
+    assert threads._pinning == [False]
+
+
+def test_a_job_in_someone_elses_process_pins_nothing(monkeypatch):
+    """Only the commands pin (their process is the rank's own): by default a rank bound by
+    meshplan, or alone, keeps its thread on all its cores."""
+    monkeypatch.setattr(threads, "_pinning", [False])
+    choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)])
+    assert share == set(range(8)) and choice.self_bound and not choice.pinned and choice.pins == ()
+    choice, _ = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
+    assert not choice.pinned and not threads.pin_calling_thread(choice)
 
 
 def test_threads_pinned_one_core_each_where_the_cores_are_the_ranks():
     # bound by meshplan, hyperthread siblings: the calling thread on the first core, the pool
     # threads on the others, in onnxruntime's numbering (from 1)
     siblings = [[c, c + 8] for c in range(8)]
-    choice, _ = plan_threads([set(range(16))] * 2, 1, 16, groups=siblings)
+    choice, _ = plan_threads([set(range(16))] * 2, 1, 16, groups=siblings, pin=True)
     assert choice.pinned and choice.pins == ((4, 12), (5, 13), (6, 14), (7, 15))
     assert choice.pool_affinities() == "6,14;7,15;8,16"
     assert "4 onnxruntime thread(s), one core each" in choice.describe()
     # alone on the machine: one CPU a thread
-    choice, _ = plan_threads([{2, 3, 5}], 0, 8, groups=[[c] for c in range(8)])
+    choice, _ = plan_threads([{2, 3, 5}], 0, 8, groups=[[c] for c in range(8)], pin=True)
     assert choice.pins == ((2,), (3,), (5,)) and choice.pool_affinities() == "4;6"
     # the launcher's binding stands: nothing pinned
-    choice, _ = plan_threads([{0, 1, 2, 3}, {4, 5, 6, 7}], 0, 8, groups=[[c] for c in range(8)])
+    choice, _ = plan_threads([{0, 1, 2, 3}, {4, 5, 6, 7}], 0, 8, groups=[[c] for c in range(8)], pin=True)
     assert not choice.pinned
     assert ThreadChoice.from_row(choice.row()).pinned is False
 

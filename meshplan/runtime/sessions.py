@@ -229,7 +229,8 @@ class StageSession:
             for name, value in values.items():   # the next run of these shapes writes into them
                 binding.bind_ortvalue_output(name, value)
             bound["outputs"] = (shapes, values)
-        if reuse and writable is not None and all(("input", n) in bound or ("feed", n) in bound for n in self.input_names if n in feeds):
+        if reuse and writable is not None and all(("input", n) in bound or ("feed", n) in bound
+                                                  for n in self.input_names if n in feeds):
             # the second run of these shapes: the next run that feeds the same in-place buffers
             # and inputs of the same shapes only copies those inputs in and runs
             self._repeat = (writable, len(feeds), tuple((i, feeds[i]) for i in reused.values()),

@@ -23,6 +23,7 @@ its threads to one core: the calling thread to the first, onnxruntime's pool thr
 others (``session.intra_op_thread_affinities``), so that the scheduler does not move them
 between cores (a decode step of the 398 MB float32 Llama on 2 cores: 0.938 of
 onnxruntime-genai's speed unpinned, 0.968 pinned, in interleaved blocks).
+Only the commands pin (``set_binding(..., pin=True)``): they own their process.
 ``--no-bind-cores`` (``set_binding``) keeps the launcher's affinity as it is and pins nothing.
 """
 
@@ -35,13 +36,18 @@ from meshplan.rank_layout import own_cores
 
 
 _binding = [True]
+_pinning = [False]
 
 
-def set_binding(enabled: bool) -> None:
+def set_binding(enabled: bool, pin: bool = False) -> None:
     """Whether ranks the launcher left unbound bind themselves to a share of their machine's
-    cores (``plan_threads``). Set once per process, before the job starts (every rank parses
-    the same command line)."""
+    cores (``plan_threads``), and whether a rank with cores of its own pins each thread to
+    one (``pin``: for a process that is the rank's own, as the commands' are; a ``Job`` made
+    in someone else's process pins nothing, since the threads that process makes later would
+    inherit its thread's one core). Set once per process, before the job starts (every rank
+    parses the same command line)."""
     _binding[0] = bool(enabled)
+    _pinning[0] = bool(enabled and pin)
 
 
 @dataclass(frozen=True)
@@ -140,24 +146,28 @@ def _cpu_list(text: str) -> set[int]:
 
 
 def plan_threads(working: list[set[int]], index: int, machine_cores: int | None = None,
-                 groups: list[list[int]] | None = None, bind: bool | None = None) -> tuple[ThreadChoice, set[int] | None]:
+                 groups: list[list[int]] | None = None, bind: bool | None = None,
+                 pin: bool | None = None) -> tuple[ThreadChoice, set[int] | None]:
     """The choice for working rank ``index`` of a machine whose working ranks have the
     affinities ``working``, and the cores it should bind itself to (None: keep its own).
     ``groups``: the machine's cores grouped by physical core (default: ``physical_cores`` of
-    its affinity, read here); ``bind``: whether it may bind itself (default: ``set_binding``'s)."""
+    its affinity, read here); ``bind``, ``pin``: whether it may bind itself, and pin its
+    threads (default: ``set_binding``'s)."""
     cores = set(working[index])
     count = len(working)
     may = (_binding[0] if bind is None else bind) and hasattr(os, "sched_setaffinity")
+    pins = may and (_pinning[0] if pin is None else pin)
     if may and count > 1 and all(set(a) == cores for a in working):
         groups = physical_cores(cores) if groups is None else [g for g in groups if set(g) <= cores]
         per = len(groups) // count
         if per >= 2:
             mine = groups[index * per:(index + 1) * per]
             share = {cpu for group in mine for cpu in group}
-            return ThreadChoice(per, True, len(share), count, True, True, True, tuple(tuple(g) for g in mine)), share
+            return ThreadChoice(per, True, len(share), count, True, True, pins,
+                                tuple(tuple(g) for g in mine) if pins else ()), share
     others = [set(a) for i, a in enumerate(working) if i != index]
     choice = choose_threads(count, cores, machine_cores, others)
-    if may and count == 1:   # alone: its threads one per CPU
+    if pins and count == 1:   # alone: its threads one per CPU
         return ThreadChoice(choice.threads, choice.spinning, choice.cores, 1, False, False, True,
                             tuple((cpu,) for cpu in sorted(cores))[:choice.threads]), None
     return choice, None
