@@ -1,16 +1,14 @@
-"""The ``meshplan`` command's entry: a command that runs models (``run``, ``generate``,
-``serve``, ``verify``, ``profile``, and ``doctor``, which reports it) starts its process
-again, once, with malloc asking for transparent huge pages where the kernel gives them only
-on request (``process_memory.huge_page_environment``), before anything is imported or
-allocated; then the click group runs (``cli.main``). Under mpiexec the rank keeps its
-process and its environment (``execve``). ``MESHPLAN_HUGE_PAGES=0`` keeps 4 KiB pages."""
+"""The ``meshplan`` command's entry: ``generate`` and ``serve`` (and ``run``, ``verify``,
+``profile`` with ``MESHPLAN_HUGE_PAGES=1``) start their process again, once, with malloc
+asking for transparent huge pages where the kernel gives them only on request
+(``process_memory.huge_page_environment``), before anything is imported or allocated;
+then the click group runs (``cli.main``). Under mpiexec the rank keeps its process and its
+environment (``execve``). ``MESHPLAN_HUGE_PAGES=0`` keeps 4 KiB pages."""
 
 from __future__ import annotations
 
 import os
 import sys
-
-RUNS_MODELS = frozenset({"run", "generate", "serve", "verify", "profile", "doctor"})
 
 
 def command_of(argv: list[str]) -> str | None:
@@ -21,7 +19,7 @@ def command_of(argv: list[str]) -> str | None:
 def main():
     from meshplan.process_memory import huge_page_environment
 
-    environ = huge_page_environment(dict(os.environ)) if command_of(sys.argv) in RUNS_MODELS else None
+    environ = huge_page_environment(dict(os.environ), command=command_of(sys.argv))
     if environ is not None and getattr(sys, "orig_argv", None):
         try:
             os.execve(sys.executable, sys.orig_argv, environ)

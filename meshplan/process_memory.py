@@ -66,17 +66,31 @@ def _glibc_at_least(major: int, minor: int) -> bool:
     return found >= (major, minor)
 
 
-def huge_page_environment(environ: dict, mode: str | None = None) -> dict | None:
-    """The environment to start this process again with so that malloc asks the kernel for
-    transparent huge pages (glibc's ``glibc.malloc.hugetlb=1``, read once when a process
-    starts): where the kernel gives them only to memory that asks (mode ``madvise``), glibc is
-    2.35 or later, ``MESHPLAN_HUGE_PAGES`` is not ``0`` and the setting is not there yet.
-    None: nothing to do.
+# The commands that start with huge pages unless MESHPLAN_HUGE_PAGES=0: decode-bound, they
+# run many steps after one load. The other commands that run models (run, verify, profile:
+# often one call after a load) start with them only with MESHPLAN_HUGE_PAGES=1, since a load
+# may wait for the kernel to compact memory into free 2 MiB blocks.
+HUGE_BY_DEFAULT = frozenset({"generate", "serve"})
+HUGE_WHEN_ASKED = frozenset({"run", "verify", "profile"})
+
+
+def huge_page_environment(environ: dict, mode: str | None = None, command: str | None = "generate") -> dict | None:
+    """The environment to start ``command``'s process again with so that malloc asks the
+    kernel for transparent huge pages (glibc's ``glibc.malloc.hugetlb=1``, read once when a
+    process starts): where the kernel gives them only to memory that asks (mode
+    ``madvise``), glibc is 2.35 or later, the setting is not there yet, and the command is
+    one of ``HUGE_BY_DEFAULT`` (unless ``MESHPLAN_HUGE_PAGES=0``) or of
+    ``HUGE_WHEN_ASKED`` with ``MESHPLAN_HUGE_PAGES=1``. None: nothing to do.
 
     onnxruntime's CPU provider packs each weight of a matrix product into memory it mallocs;
     a decode step streams all of it, and with 4 KiB pages a step's address translations miss
     the TLB every few kilobytes."""
-    if environ.get(OPT_OUT, "1") == "0" or HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":"):
+    asked = environ.get(OPT_OUT)
+    if command in HUGE_BY_DEFAULT:
+        wanted = asked != "0"
+    else:
+        wanted = command in HUGE_WHEN_ASKED and asked == "1"
+    if not wanted or HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":"):
         return None
     if (mode if mode is not None else thp_mode()) != "madvise" or not sys.platform.startswith("linux") \
             or not _glibc_at_least(2, 35):
@@ -86,7 +100,7 @@ def huge_page_environment(environ: dict, mode: str | None = None) -> dict | None
 
 
 def heap_huge_pages(environ: dict | None = None) -> str:
-    """How this process's malloc'd memory is paged, in words (``meshplan doctor``)."""
+    """How ``generate`` and ``serve`` page malloc's memory here, in words (``meshplan doctor``)."""
     import os
 
     environ = os.environ if environ is None else environ
@@ -97,8 +111,10 @@ def heap_huge_pages(environ: dict | None = None) -> str:
         return "transparent huge pages for all memory (the kernel's mode: always)"
     if mode == "never":
         return "no transparent huge pages (the kernel's mode: never)"
-    if HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":"):
-        return "transparent huge pages for malloc's memory (glibc.malloc.hugetlb=1)"
     if environ.get(OPT_OUT) == "0":
         return f"4 KiB pages for malloc's memory ({OPT_OUT}=0)"
-    return "4 KiB pages for malloc's memory (the `meshplan` command starts with huge pages; python -m does not)"
+    if HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":") \
+            or huge_page_environment({k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}, mode) is not None:
+        extra = "every command that runs models" if environ.get(OPT_OUT) == "1" else "generate and serve"
+        return f"transparent huge pages for malloc's memory in {extra} (glibc.malloc.hugetlb=1)"
+    return "4 KiB pages for malloc's memory (this glibc cannot ask for huge pages)"

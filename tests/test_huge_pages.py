@@ -1,6 +1,7 @@
-"""Transparent huge pages for malloc's memory: when the ``meshplan`` command starts itself
-again with glibc's ``glibc.malloc.hugetlb=1`` (``process_memory.huge_page_environment``),
-and that the start really happens, once, in the same process (``cli.launch``)."""
+"""Transparent huge pages for malloc's memory: when a ``meshplan`` command starts itself
+again with glibc's ``glibc.malloc.hugetlb=1`` (``process_memory.huge_page_environment``:
+``generate`` and ``serve`` by default, ``run``/``verify``/``profile`` when asked), and that
+the start really happens, once, in the same process (``cli.launch``)."""
 
 from __future__ import annotations
 
@@ -76,55 +77,65 @@ if len(sys.argv) > 2 and sys.argv[2] == "touch":
     rollup = open("/proc/self/smaps_rollup").read()
     huge = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("AnonHugePages"))
     print("PROBE", json.dumps(["huge", huge]), flush=True)
-sys.argv = ["meshplan", "doctor", "--json"]
+sys.argv = ["meshplan", "generate", "--help"]
 from cli.launch import main
 main()
 """
 
 
-def _probe(env: dict, *extra: str) -> tuple[list, dict]:
-    """The probe's lines, and what ``meshplan doctor --json`` found after them."""
+def _probe(env: dict, *extra: str) -> list:
+    """The probe's lines (``meshplan generate --help`` runs after them)."""
     done = subprocess.run([sys.executable, "-c", PROBE, "x", *extra], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)
-    assert done.returncode in (0, 1), done.stderr     # (doctor exits 1 where something is missing)
-    lines = done.stdout.splitlines()
-    probes = [json.loads(line[len("PROBE "):]) for line in lines if line.startswith("PROBE ")]
-    report = json.loads("\n".join(line for line in lines if not line.startswith("PROBE ")))
-    return probes, report
+    assert done.returncode == 0, done.stderr
+    assert "Usage:" in done.stdout        # the command ran after the start
+    return [json.loads(line[len("PROBE "):]) for line in done.stdout.splitlines() if line.startswith("PROBE ")]
 
 
-def test_the_command_starts_again_once_in_the_same_process():
+def test_generate_starts_again_once_in_the_same_process():
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MESHPLAN_HUGE_PAGES")}
-    starts, report = _probe(env)
-    pages = report["ranks"][0]["pages"]
+    starts = _probe(env)
     if huge_page_environment(env) is not None:
         assert len(starts) == 2 and starts[0][0] == starts[1][0]     # execve: the same process
         assert starts[0][1] == "" and HEAP_TUNABLE in starts[1][1].split(":")
-        assert "glibc.malloc.hugetlb=1" in pages
     else:   # this machine's kernel or libc gives nothing to ask for: one start, unchanged
         assert len(starts) == 1 and starts[0][1] == ""
-        assert "glibc.malloc.hugetlb=1" not in pages
 
 
 def test_opted_out_with_meshplan_huge_pages_0():
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env["MESHPLAN_HUGE_PAGES"] = "0"
-    starts, report = _probe(env)
+    starts = _probe(env)
     assert len(starts) == 1 and starts[0][1] == ""
-    assert "glibc.malloc.hugetlb=1" not in report["ranks"][0]["pages"]
 
 
-@pytest.mark.parametrize("argv, command, starts_again", [
-    (["meshplan", "--debug", "generate", "plan/"], "generate", True),
-    (["meshplan", "run", "plan/", "--inputs", "x.npz"], "run", True),
-    (["meshplan", "plan", "model.onnx", "--mesh", "1x2"], "plan", False),
-    (["meshplan", "--version"], None, False),
+@pytest.mark.parametrize("asked, command, starts_again", [
+    (None, "generate", True), (None, "serve", True), ("0", "serve", False),
+    (None, "run", False), ("1", "run", True), ("1", "verify", True), ("1", "profile", True),
+    ("1", "plan", False), ("1", "doctor", False), (None, None, False),
 ])
-def test_only_commands_that_run_models_start_again(argv, command, starts_again):
-    from cli.launch import RUNS_MODELS, command_of
+def test_which_commands_start_again(modern_glibc, asked, command, starts_again):
+    env = {} if asked is None else {"MESHPLAN_HUGE_PAGES": asked}
+    assert (huge_page_environment(env, mode="madvise", command=command) is not None) == starts_again
 
-    assert command_of(argv) == command
-    assert (command in RUNS_MODELS) == starts_again
+
+def test_the_command_named_on_a_command_line():
+    from cli.launch import command_of
+
+    assert command_of(["meshplan", "--debug", "generate", "plan/"]) == "generate"
+    assert command_of(["meshplan", "run", "plan/", "--inputs", "x.npz"]) == "run"
+    assert command_of(["meshplan", "--version"]) is None
+
+
+def test_doctor_says_how_generate_pages_its_memory():
+    from meshplan.process_memory import heap_huge_pages
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MESHPLAN_HUGE_PAGES")}
+    said = heap_huge_pages(env)
+    if huge_page_environment(env) is not None:
+        assert "huge pages for malloc's memory in generate and serve" in said
+        assert "every command that runs models" in heap_huge_pages({**env, "MESHPLAN_HUGE_PAGES": "1"})
+    assert "4 KiB pages" in heap_huge_pages({**env, "MESHPLAN_HUGE_PAGES": "0"}) or "huge pages" not in said
 
 
 def test_malloc_memory_in_huge_pages_after_the_start():
@@ -132,9 +143,9 @@ def test_malloc_memory_in_huge_pages_after_the_start():
     mallocs and touches lies (partly) in them; with 4 KiB pages asked for, in none."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MESHPLAN_HUGE_PAGES")}
     applies = huge_page_environment(env) is not None
-    huge = [line[1] for line in _probe(env, "touch")[0] if line[0] == "huge"]
+    huge = [line[1] for line in _probe(env, "touch") if line[0] == "huge"]
     assert len(huge) == (2 if applies else 1)
     if applies:
         assert huge[-1] >= 2048      # kB: at least one 2 MiB page once glibc asks for them
-    off = [line[1] for line in _probe({**env, "MESHPLAN_HUGE_PAGES": "0"}, "touch")[0] if line[0] == "huge"]
+    off = [line[1] for line in _probe({**env, "MESHPLAN_HUGE_PAGES": "0"}, "touch") if line[0] == "huge"]
     assert off == [0] or not applies
