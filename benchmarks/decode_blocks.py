@@ -11,7 +11,7 @@ and against the first runner the median of the blocks' ratios (first's step / th
 so above 1 is faster) with its quartiles.
 
 Runners (``--runners``, comma-separated; a ``:4k`` suffix runs one with 4 KiB pages, the
-others start as the ``meshplan`` command does, with malloc in huge pages where the kernel
+others start as ``meshplan generate`` does, with malloc in huge pages where the kernel
 gives them on request; ``:nobind`` runs meshplan as ``--no-bind-cores``: no rank binds
 itself, no thread is pinned):
 
