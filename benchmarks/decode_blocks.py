@@ -59,31 +59,11 @@ def _serve(block) -> None:
 
 
 def genai_worker(folder: str, capacity: int, threads: int) -> None:
-    import time
-
-    import onnxruntime_genai as og
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_overhead import genai_runner
 
     work = Path(tempfile.mkdtemp(prefix="meshplan-blocks-genai-"))
-    for item in Path(folder).iterdir():
-        if item.name != "genai_config.json":
-            (work / item.name).symlink_to(item.resolve())
-    config = json.loads((Path(folder) / "genai_config.json").read_text())
-    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
-    (work / "genai_config.json").write_text(json.dumps(config))
-    model = og.Model(str(work))
-
-    def block(steps: int) -> float:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=capacity, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens([list(range(1, PROMPT + 1))])
-        generator.generate_next_token()
-        started = time.perf_counter()
-        for _ in range(steps):
-            generator.generate_next_token()
-            generator.get_next_tokens()
-        return (time.perf_counter() - started) / steps
-    _serve(block)
+    _serve(genai_runner(work, capacity, threads, Path(folder), PROMPT))
 
 
 def onnxruntime_worker(plan_dir: str, capacity: int, threads: int) -> None:

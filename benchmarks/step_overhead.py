@@ -142,10 +142,10 @@ def loop_steps(job, steps: int) -> float:
     return statistics.mean(metrics.decode_seconds)
 
 
-def genai_runner(workdir: Path, capacity: int, threads: int, source: Path = MODEL.parent):
-    """A function timing onnxruntime-genai's decode steps on a copy of the ``source`` folder's
-    configuration (its model files linked, not copied) (None where onnxruntime-genai is not
-    installed)."""
+def genai_runner(workdir: Path, capacity: int, threads: int, source: Path = MODEL.parent, prompt: int = PROMPT):
+    """A function timing onnxruntime-genai's decode steps (after a prompt of ``prompt``
+    tokens) on a copy of the ``source`` folder's configuration (its model files linked, not
+    copied) (None where onnxruntime-genai is not installed)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
@@ -165,7 +165,7 @@ def genai_runner(workdir: Path, capacity: int, threads: int, source: Path = MODE
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=capacity, do_sample=False)
         generator = og.Generator(model, params)
-        generator.append_tokens([list(range(1, PROMPT + 1))])
+        generator.append_tokens([list(range(1, prompt + 1))])
         generator.generate_next_token()
         started = time.perf_counter()
         for _ in range(steps):
