@@ -17,9 +17,10 @@ itself, no thread is pinned):
 
 - ``genai``: onnxruntime-genai's generator on the builder folder, ``--threads`` threads
   (``generate_next_token`` and ``get_next_tokens`` per step);
-- ``onnxruntime``: the 1x1 plan's program in onnxruntime alone, every buffer bound once
-  (the cache as input and output, the token and a static mask updated in place), the
-  logits read and the argmax taken in numpy;
+- ``onnxruntime``: the 1x1 plan's program in onnxruntime alone
+  (``step_overhead.onnxruntime_runner``: every buffer bound once, the cache as input and
+  output, the token and a static mask updated in place, the logits read and the argmax
+  taken in numpy);
 - ``1x1``, ``1x2``: ``meshplan generate``'s loop (greedy) through the resident job, under
   ``mpiexec -n 1`` / ``-n 2`` (one thread a rank on 1x2 on 2 cores, as ``generate.py``).
 
@@ -67,51 +68,13 @@ def genai_worker(folder: str, capacity: int, threads: int) -> None:
 
 
 def onnxruntime_worker(plan_dir: str, capacity: int, threads: int) -> None:
-    import time
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_overhead import onnxruntime_runner
 
-    import numpy as np
-    import onnxruntime as ort
-
-    sys.path.insert(0, str(REPO))
     from meshplan.plan_format import read_plan
 
     program = Path(plan_dir) / read_plan(plan_dir).programs[0].file
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(program), options, providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
-    for value in session.get_inputs():
-        if value.name.startswith("past_key_values."):
-            shape = [1, value.shape[1], capacity, value.shape[3]]
-            cache = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
-            binding.bind_ortvalue_input(value.name, cache)
-            binding.bind_ortvalue_output(value.name.replace("past_key_values", "present"), cache)
-
-    def block(steps: int) -> float:
-        mask = np.zeros((1, capacity), np.int64)
-        mask[0, :PROMPT] = 1
-        binding.bind_cpu_input("input_ids", np.arange(1, PROMPT + 1, dtype=np.int64)[None])
-        binding.bind_cpu_input("attention_mask", np.ones((1, PROMPT), np.int64))
-        binding.bind_output("logits")
-        session.run_with_iobinding(binding)
-        last = binding.get_outputs()[0].numpy()[0, -1]
-        token = np.zeros((1, 1), np.int64)
-        token_value, mask_value = ort.OrtValue.ortvalue_from_numpy(token), ort.OrtValue.ortvalue_from_numpy(mask)
-        binding.bind_ortvalue_input("input_ids", token_value)
-        binding.bind_ortvalue_input("attention_mask", mask_value)
-        binding.bind_output("logits")
-        length = PROMPT
-        started = time.perf_counter()
-        for _ in range(steps):
-            token[0, 0] = int(last.argmax())
-            mask[0, length] = 1
-            length += 1
-            token_value.update_inplace(token)
-            mask_value.update_inplace(mask)
-            session.run_with_iobinding(binding)
-            last = binding.get_outputs()[0].numpy()[0, -1]
-        return (time.perf_counter() - started) / steps
-    _serve(block)
+    _serve(onnxruntime_runner(program, capacity, threads, PROMPT))
 
 
 def meshplan_worker(plan_dir: str, bind: str = "bind") -> None:

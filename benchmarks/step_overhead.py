@@ -71,6 +71,14 @@ def cache_names(session) -> list[tuple[str, str]]:
 
 def onnxruntime_steps(program: Path, capacity: int, steps: int, threads: int) -> float:
     """Seconds per decode step of the program alone, bound once where onnxruntime allows."""
+    return onnxruntime_runner(program, capacity, threads)(steps)
+
+
+def onnxruntime_runner(program: Path, capacity: int, threads: int, prompt: int = PROMPT):
+    """A function timing decode steps (after a prefill of ``prompt`` tokens) of the program
+    in one onnxruntime session, made here once: the key/value buffers bound once as inputs
+    and as their outputs, the token and a static mask of the capacity each bound once and
+    updated in place, the logits read and the argmax taken in numpy."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -86,31 +94,32 @@ def onnxruntime_steps(program: Path, capacity: int, steps: int, threads: int) ->
         caches[past] = ort.OrtValue.ortvalue_from_numpy(buffer)
         binding.bind_ortvalue_input(past, caches[past])
         binding.bind_ortvalue_output(present, caches[past])
-    binding.bind_output("logits", "cpu")
-    ids = np.arange(1, PROMPT + 1, dtype=np.int64)[None]
-    binding.bind_cpu_input("input_ids", ids)
-    binding.bind_cpu_input("attention_mask", np.ones((1, PROMPT), np.int64))
-    session.run_with_iobinding(binding)
-    last = binding.get_outputs()[0].numpy()[0, -1].copy()
-    binding.bind_output("logits", "cpu")   # decode's shape from now on, allocated by the first step
-    # decode: the token and a static mask of the capacity, each bound once and updated in place
-    mask = np.zeros((1, capacity), np.int64)
-    mask[0, :PROMPT] = 1
-    token = np.zeros((1, 1), np.int64)
-    token_value, mask_value = ort.OrtValue.ortvalue_from_numpy(token), ort.OrtValue.ortvalue_from_numpy(mask)
-    binding.bind_ortvalue_input("input_ids", token_value)
-    binding.bind_ortvalue_input("attention_mask", mask_value)
-    length = PROMPT
-    started = time.perf_counter()
-    for _ in range(steps):
-        token[0, 0] = int(last.argmax())
-        mask[0, length] = 1
-        length += 1
-        token_value.update_inplace(token)
-        mask_value.update_inplace(mask)
+
+    def run(steps: int) -> float:
+        binding.bind_output("logits", "cpu")
+        binding.bind_cpu_input("input_ids", np.arange(1, prompt + 1, dtype=np.int64)[None])
+        binding.bind_cpu_input("attention_mask", np.ones((1, prompt), np.int64))
         session.run_with_iobinding(binding)
-        last = binding.get_outputs()[0].numpy()[0, -1]
-    return (time.perf_counter() - started) / steps
+        last = binding.get_outputs()[0].numpy()[0, -1].copy()
+        binding.bind_output("logits", "cpu")   # decode's shape from now on, allocated by the first step
+        mask = np.zeros((1, capacity), np.int64)
+        mask[0, :prompt] = 1
+        token = np.zeros((1, 1), np.int64)
+        token_value, mask_value = ort.OrtValue.ortvalue_from_numpy(token), ort.OrtValue.ortvalue_from_numpy(mask)
+        binding.bind_ortvalue_input("input_ids", token_value)
+        binding.bind_ortvalue_input("attention_mask", mask_value)
+        length = prompt
+        started = time.perf_counter()
+        for _ in range(steps):
+            token[0, 0] = int(last.argmax())
+            mask[0, length] = 1
+            length += 1
+            token_value.update_inplace(token)
+            mask_value.update_inplace(mask)
+            session.run_with_iobinding(binding)
+            last = binding.get_outputs()[0].numpy()[0, -1]
+        return (time.perf_counter() - started) / steps
+    return run
 
 
 def job_steps(job, capacity: int, steps: int) -> float:
