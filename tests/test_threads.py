@@ -193,8 +193,8 @@ def test_doctor_reports_threads():
     assert len(facts) == 1 and "onnxruntime thread(s)" in facts[0]["threads"] and facts[0]["cores"]
 
 
-@pytest.mark.mpi
-def test_run_says_what_each_rank_got(tmp_path):
+def mlp_on_1x2(tmp_path):
+    """The sample MLP planned on 1x2 (both devices working) and an inputs file for it."""
     from meshplan.cost.cluster import make_cluster
     from meshplan.inter.pipeline import PlanOptions
     from meshplan.make_plan import make_plan
@@ -205,14 +205,19 @@ def test_run_says_what_each_rank_got(tmp_path):
     model = SAMPLE_DIR / "mlp.onnx"
     dims = {"batch": 8}
     make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(all_devices=True))
-    inputs = save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
-    done = run_mpi(2, "run", tmp_path / "plan", "--inputs", inputs, "--no-bind-cores")
+    return tmp_path / "plan", save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
+
+
+@pytest.mark.mpi
+def test_run_says_what_each_rank_got(tmp_path):
+    plan, inputs = mlp_on_1x2(tmp_path)
+    done = run_mpi(2, "run", plan, "--inputs", inputs, "--no-bind-cores")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and all("spinning off (" in line and "shared by 2 working ranks" in line for line in lines), \
         done.stdout
     # by default the ranks (unbound by mpiexec) bind themselves where each gets two physical cores
-    done = run_mpi(2, "run", tmp_path / "plan", "--inputs", inputs)
+    done = run_mpi(2, "run", plan, "--inputs", inputs)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     expected = "bound by meshplan to" if len(physical_cores(os.sched_getaffinity(0))) >= 4 else "shared by 2 working ranks"
@@ -222,16 +227,8 @@ def test_run_says_what_each_rank_got(tmp_path):
 @pytest.mark.mpi
 def test_unbound_ranks_bind_themselves_in_a_job(tmp_path):
     """The job's own binding, on a topology of four physical cores per CPU here."""
-    from meshplan.cost.cluster import make_cluster
-    from meshplan.inter.pipeline import PlanOptions
-    from meshplan.make_plan import make_plan
-    from sample_models import SAMPLE_DIR, make_inputs
-    import onnx
-    from tests.conftest import run_mpi_script, save_npz
+    from tests.conftest import run_mpi_script
 
-    model = SAMPLE_DIR / "mlp.onnx"
-    dims = {"batch": 8}
-    make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(all_devices=True))
-    inputs = save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
-    lines = run_mpi_script("bind_case.py", ranks=2, args=[tmp_path / "plan", inputs])
+    plan, inputs = mlp_on_1x2(tmp_path)
+    lines = run_mpi_script("bind_case.py", ranks=2, args=[plan, inputs])
     assert len(lines) == 3

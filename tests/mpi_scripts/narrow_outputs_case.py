@@ -14,14 +14,14 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from generation_job import generation_job
 
 
 def main() -> int:
     from meshplan.generation.loop import GenerationShape
-    from meshplan.runtime.job import Job
 
-    on_device = sys.argv[2:] == ["on-device"]
-    with Job(sys.argv[1], provider="cpu", cache_in_place=True, on_device=on_device) as job:
+    opened, on_device = generation_job()
+    with opened as job:
         if job is None:
             return 0
         shape = GenerationShape.of_plan(job.plan)
