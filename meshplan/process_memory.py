@@ -75,9 +75,9 @@ HUGE_WHEN_ASKED = frozenset({"run", "verify", "profile"})
 
 
 def huge_page_environment(environ: dict, mode: str | None = None, command: str | None = "generate") -> dict | None:
-    """The environment to start ``command``'s process again with so that malloc asks the
-    kernel for transparent huge pages (glibc's ``glibc.malloc.hugetlb=1``, read once when a
-    process starts): where the kernel gives them only to memory that asks (mode
+    """The environment to start ``command``'s process (default: ``generate``'s) again with,
+    so that malloc asks the kernel for transparent huge pages (glibc's
+    ``glibc.malloc.hugetlb=1``, read once when a process starts): where the kernel gives them only to memory that asks (mode
     ``madvise``), glibc is 2.35 or later, the setting is not there yet, and the command is
     one of ``HUGE_BY_DEFAULT`` (unless ``MESHPLAN_HUGE_PAGES=0``) or of
     ``HUGE_WHEN_ASKED`` with ``MESHPLAN_HUGE_PAGES=1``. None: nothing to do.
