@@ -6,7 +6,12 @@ the bandwidth a decode step is bound by moves by tens of percent between two run
 few percent between two runners takes many rounds to see. Here every runner is a process
 that stays up, its model loaded and warm, and the runners take turns in blocks of
 ``--steps`` decode steps (``--blocks`` turns, each in a new random order): each block of a
-runner has a block of every other runner seconds away. Printed per runner: the median step,
+runner has a block of every other runner seconds away. Each block starts after ``--pause``
+seconds of quiet: onnxruntime's pool threads spin on for tens of milliseconds after a run
+(30-40 ms of CPU in the half second after a block, in every runner), and a block begun at
+once shares the cores with the runner before it (onnxruntime alone measured 0.80-0.85x
+onnxruntime-genai's speed on the int4 model without the pause, 1.01x with it). Printed per
+runner: the median step,
 and against the first runner the median of the blocks' ratios (first's step / this one's,
 so above 1 is faster) with its quartiles.
 
@@ -41,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,6 +168,8 @@ def main() -> None:
     parser.add_argument("--runners", default="genai,onnxruntime,1x1,1x2")
     parser.add_argument("--blocks", type=int, default=30)
     parser.add_argument("--steps", type=int, default=40, help="decode steps a block")
+    parser.add_argument("--pause", type=float, default=0.3,
+                        help="seconds of quiet before each block (0: none)")
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="onnxruntime-genai's and onnxruntime alone's threads")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers as JSON here")
@@ -208,13 +216,15 @@ def main() -> None:
             runner.block(args.steps)
         for _ in range(args.blocks):
             for runner in random.sample(runners, len(runners)):
+                time.sleep(args.pause)
                 runner.steps.append(runner.block(args.steps))
     finally:
         for runner in runners:
             runner.close()
     first = runners[0]
-    print(f"{folder.name}, capacity {args.capacity}, {args.blocks} blocks of {args.steps} decode steps in turns")
-    body = {"blocks": args.blocks, "steps": args.steps, "runners": {}}
+    print(f"{folder.name}, capacity {args.capacity}, {args.blocks} blocks of {args.steps} decode steps in turns, "
+          f"{args.pause:g} s of quiet before each")
+    body = {"blocks": args.blocks, "steps": args.steps, "pause_s": args.pause, "runners": {}}
     for runner in runners:
         ratios = sorted(a / b for a, b in zip(first.steps, runner.steps))
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3

@@ -292,3 +292,130 @@ def test_a_job_reads_a_reused_outputs_dict_again_when_it_changed(tmp_path):
             np.testing.assert_array_equal(got, whole[:, -last:])
     finally:
         job.close()
+
+
+def test_plain_segments_of_a_repeated_step_run_bound(tmp_path, monkeypatch):
+    """Asked with ``bound`` (one microbatch, its results read before the next run), the
+    segments that write no cache (a 1x2 plan's MLP halves) run on a binding kept from the
+    second run of one shape on: the logits stay the copying runs'. Without ``bound`` they
+    never do (the in-process checks run microbatches through one session)."""
+    from meshplan.runtime.sessions import StageSession
+
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    plain = [s.session for s in runner.segments if s.session is not None and not s.session.in_place]
+    assert plain, "the 1x2 plan's program has segments without a cache"
+    again = []
+    original = StageSession._run_again
+
+    def spy(self, feeds, writable):
+        found = original(self, feeds, writable)
+        if self in plain:
+            again.append(found is not None)
+        return found
+
+    monkeypatch.setattr(StageSession, "_run_again", spy)
+    expected, _ = decode_static(runner, zero_cache(model), 6, writable=True)
+    assert not any(again)
+
+    bound_run = runner.run
+    monkeypatch.setattr(runner, "run", lambda *a, **k: bound_run(*a, **{**k, "bound": True}))
+    got, _ = decode_static(runner, zero_cache(model), 6, writable=True)
+    assert sum(again) >= 3 * len(plain)      # decode steps 4 to 6 of every plain segment at least
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def _sample_job(tmp_path):
+    from meshplan.runtime.job import Job
+
+    model = SAMPLE_DIR / "genai" / "llama_fp32" / "model.onnx"
+    dims, _ = generation_plan_dims(model, 1, CAPACITY, 8)
+    make_plan(model, make_cluster((1, 1), "cpu"), dims, tmp_path / "plan", PlanOptions())
+    return Job(tmp_path / "plan", "cpu", cache_in_place=True)
+
+
+def _static_steps(job, steps: int, outputs, mask_dtype=np.int64, copy=True, strided=False):
+    """A prefill of 4 tokens, then ``steps`` decode steps with a mask of the capacity, each
+    fed the token chosen last (``strided``: the mask a view of every other element of a
+    wider array); returns each call's logits (as ``Job.run`` gave them)."""
+    mask = np.zeros((1, CAPACITY), np.int64)
+    prompt = {"input_ids": np.arange(1, 5, dtype=np.int64)[None], "attention_mask": np.ones((1, 4), np.int64)}
+    found = [job.run(prompt, outputs=outputs)["logits"]]
+    mask[0, :4] = 1
+    for step in range(steps):
+        mask[0, 4 + step] = 1
+        token = np.array([[int(np.asarray(found[-1])[0, -1].argmax())]], np.int64)
+        given = mask.astype(mask_dtype)
+        if strided:
+            wide = np.zeros((1, 2 * CAPACITY), mask_dtype)
+            wide[:, ::2] = given
+            given = wide[:, ::2]
+        found.append(job.run({"input_ids": token, "attention_mask": given}, outputs=outputs, copy=copy)["logits"])
+    return found
+
+
+def test_a_job_call_that_repeats_the_one_before_skips_its_checks(tmp_path, monkeypatch):
+    """From the third decode call of one shape on, ``Job.run`` sends the header of the call
+    before without checking the call again (``_Repeat``): the logits are those of calls
+    that are all checked; a reset state, another dtype or a view fed take the checks again
+    (a mask of int32 is still refused, in one line)."""
+    from meshplan.errors import RunError
+    from meshplan.runtime.job import Job
+
+    checked = []
+    original = Job._check_call
+
+    def spy(self, *args, **kwargs):
+        checked.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Job, "_check_call", spy)
+    job = _sample_job(tmp_path)
+    try:
+        expected = [np.array(x) for x in _static_steps(job, 6, ["logits"])]   # a list: every call checked
+        assert len(checked) == 7
+        job.reset_state()
+        checked.clear()
+        outputs = {"logits": np.s_[:, -1:]}
+        got = _static_steps(job, 6, outputs)
+        assert len(checked) <= 3     # the prefill and the first two decode steps
+        for a, b in zip(expected, got):
+            np.testing.assert_array_equal(a[:, -1:], b)
+        job.reset_state()            # the next call creates the state: checked again, and right
+        checked.clear()
+        again = _static_steps(job, 2, outputs)
+        assert len(checked) == 3
+        for a, b in zip(expected, again):
+            np.testing.assert_array_equal(a[:, -1:], b)
+        job.reset_state()
+        with pytest.raises(RunError, match="the plan expects int64"):
+            _static_steps(job, 4, outputs, mask_dtype=np.int32)
+        job.reset_state()
+        checked.clear()
+        strided = _static_steps(job, 5, outputs, strided=True)
+        assert len(checked) == 6     # a view is not a repeat: every call checked (and made contiguous)
+        for a, b in zip(expected, strided):
+            np.testing.assert_array_equal(a[:, -1:], b)
+    finally:
+        job.close()
+
+
+def test_a_jobs_results_are_its_own_unless_asked_for_views(tmp_path):
+    """``Job.run`` hands back copies: a result kept is not changed by the next call. With
+    ``copy=False`` (the generation loop's stepper) a repeated step's logits are a view of the
+    program's buffer, which the next call overwrites."""
+    job = _sample_job(tmp_path)
+    try:
+        outputs = {"logits": np.s_[:, -1:]}
+        kept = _static_steps(job, 5, outputs)
+        frozen = [np.array(x) for x in kept]
+        for a, b in zip(kept, frozen):
+            np.testing.assert_array_equal(a, b)
+        job.reset_state()
+        views = _static_steps(job, 5, outputs, copy=False)
+        assert not np.shares_memory(kept[-1], kept[-2])
+        assert np.shares_memory(views[-1], views[-2])
+        np.testing.assert_array_equal(views[-1], frozen[-1])
+    finally:
+        job.close()

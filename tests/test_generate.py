@@ -411,3 +411,40 @@ def test_devices_holding_forty_percent_generate(name, policy, tmp_path):
     prompts = PROMPTS["builder"]
     sequences, _ = Generation(shape, plan_stepper(plan, tmp_path / "plan", shape)).run(prompts, NEW_TOKENS, Sampler())
     assert [s.ids for s in sequences] == reference_ids(plan, prompts)
+
+
+class _ScriptedStepper:
+    """A stepper whose logits choose, for each row, the next id of its script; records what
+    each call was fed."""
+
+    def __init__(self, scripts, vocab=16):
+        self.scripts, self.vocab, self.fed, self.calls = scripts, vocab, [], 0
+
+    def reset(self):
+        self.fed, self.calls = [], 0
+
+    def step(self, feeds, last):
+        self.fed.append((feeds["input_ids"].copy(), feeds["attention_mask"].copy()))
+        logits = np.zeros((len(self.scripts), last, self.vocab), np.float32)
+        for row, script in enumerate(self.scripts):
+            logits[row, :, script[min(self.calls, len(script) - 1)]] = 1
+        self.calls += 1
+        return logits
+
+
+def test_a_row_that_ended_feeds_its_last_id_while_the_others_go_on():
+    """Two prompts on a static mask: the first ends (its eos) at its second id and from then
+    on feeds that id again, its mask still growing; the second goes on to the last step;
+    every step's time is kept."""
+    shape = GenerationShape("input_ids", "attention_mask", None, {"present": "past"}, True, (2, 2), 8, 12, 16,
+                            {"past": [2, 1, 12, 4]}, {"past": "float32"})
+    stepper = _ScriptedStepper([[3, 9, 4, 4, 4], [5, 6, 7, 8, 2]])
+    sequences, metrics = Generation(shape, stepper).run([[1, 1, 1], [1, 1]], 5, Sampler(), eos_ids=[9])
+    assert sequences[0].ids == [3, 9] and sequences[0].done
+    assert sequences[1].ids == [5, 6, 7, 8, 2] and not sequences[1].done
+    fed = [ids[:, 0].tolist() for ids, _ in stepper.fed[1:]]
+    assert fed == [[3, 5], [9, 6], [9, 7], [9, 8]]
+    masks = [mask.sum(axis=1).tolist() for _, mask in stepper.fed[1:]]
+    assert masks == [[4, 3], [5, 4], [6, 5], [7, 6]]
+    assert len(metrics.decode_seconds) == 4 and all(t > 0 for t in metrics.decode_seconds)
+    assert metrics.generated_tokens == 7

@@ -24,7 +24,9 @@ from meshplan.runtime.threads import ThreadChoice
 
 
 class JobStepper:
-    """The job as a stepper: the cache stays on the ranks between calls."""
+    """The job as a stepper: the cache stays on the ranks between calls. The logits a step
+    returns are valid until the next step (``Job.run(copy=False)``): the generation loop and
+    the server choose from them at once."""
 
     def __init__(self, job):
         self.job = job
@@ -42,7 +44,7 @@ class JobStepper:
         outputs = self._outputs.get(last)
         if outputs is None:
             outputs = self._outputs[last] = {"logits": np.s_[:, -last:]}
-        return self.job.run(feeds, outputs=outputs, row=row)["logits"]
+        return self.job.run(feeds, outputs=outputs, row=row, copy=False)["logits"]
 
 
 class TextStream:

@@ -126,7 +126,7 @@ class Metrics:
     generated_tokens: int = 0
     first_tokens: int = 0                 # the tokens chosen from the prefill
     prefill_seconds: float = 0.0          # time to the first token (TTFT)
-    decode_seconds: list[float] = field(default_factory=list)   # per decode step
+    decode_seconds: list[float] = field(default_factory=list)   # per decode step (all but on_tokens)
 
     def to_dict(self) -> dict:
         decode = sum(self.decode_seconds)
@@ -236,43 +236,54 @@ class Generation:
         static = shape.shared and not shape.position_ids
         if static:
             mask = (np.arange(shape.context)[None, :] < lengths[:, None]).astype(np.int64)
-        rows_ = np.arange(batch)
+        rows_ = range(batch)
+        ends = lengths.tolist()   # (a static mask's) each row's next position
+        live = sum(1 for s in sequences if not s.done)
         for step in range(1, max_new_tokens):
-            if all(s.done for s in sequences) or total + 1 > shape.context:
+            began = time.perf_counter()     # a step: its feeds, the call, the choice, the ids kept
+            if not live or total + 1 > shape.context:
                 break
-            fed = np.array([[s.ids[-1] if s.ids else self.pad_id] for s in sequences]
-                           + [[int(chosen[r])] for r in range(rows, batch)], dtype=np.int64)
+            fed = chosen.reshape(batch, 1) if chosen.dtype == np.int64 else chosen.astype(np.int64).reshape(batch, 1)
+            if live < rows:   # a row that has ended feeds its last id again
+                fed = fed.copy()
+                for row, sequence in enumerate(sequences):
+                    if sequence.done:
+                        fed[row, 0] = sequence.ids[-1]
             if shape.padding_side == "left":
                 mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-            elif static:
-                mask[rows_, lengths] = 1
-                lengths = lengths + 1
+            elif static:      # (an element at a time: numpy's fancy indexing costs more for a few rows)
+                for row in rows_:
+                    mask[row, ends[row]] = 1
+                    ends[row] += 1
             else:
                 lengths = lengths + 1
                 mask = (np.arange(int(lengths.max()))[None, :] < lengths[:, None]).astype(np.int64)
             total += 1
-            began = time.perf_counter()
             window = self.stepper.step(self._feeds(fed, mask, total - 1), 1)
             logits = window[:, -1]
             chosen = sampler(logits)
-            metrics.decode_seconds.append(time.perf_counter() - began)
             if record is not None:
                 record.append(StepRecord(fed[:rows].copy(), logits[:rows].copy(), chosen[:rows].copy(),
                                          np.zeros(rows, dtype=np.int64)))
-            self._take(sequences, chosen, eos, metrics)
+            live -= self._take(sequences, chosen, eos, metrics)
+            metrics.decode_seconds.append(time.perf_counter() - began)
             if on_tokens is not None:
                 on_tokens(step, chosen[:rows], sequences)
         return sequences, metrics
 
     @staticmethod
-    def _take(sequences: list[Sequence], chosen: np.ndarray, eos: set, metrics: Metrics) -> None:
-        for sequence, token in zip(sequences, chosen):
+    def _take(sequences: list[Sequence], chosen: np.ndarray, eos: set, metrics: Metrics) -> int:
+        """Each live sequence's chosen id appended; returns how many ended (an id of ``eos``)."""
+        ended = 0
+        for sequence, token in zip(sequences, chosen.tolist()):
             if sequence.done:
                 continue
-            sequence.ids.append(int(token))
+            sequence.ids.append(token)
             metrics.generated_tokens += 1
-            if int(token) in eos:
+            if token in eos:
                 sequence.done = True
+                ended += 1
+        return ended
 
     def _feeds(self, ids: np.ndarray, mask: np.ndarray, start: int) -> dict[str, np.ndarray]:
         return call_feeds(self.shape, ids, mask)

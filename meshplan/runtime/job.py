@@ -70,6 +70,7 @@ END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
 _SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
 _ROWS = 1 << 32     # a call of some rows: header[1] = first row * _ROWS + their count
 _SIZED_KEPT = 512   # calls' checked sizes kept (by shapes): a decode loop's few, a prompt's pieces
+_KEPT_VIEW_BYTES = 16 << 20   # the largest output whose view ``Job._take_output`` keeps for the next call
 
 
 @dataclass
@@ -94,6 +95,35 @@ class CallStats:
 
 def _base(name: str) -> str:
     return name.split("@", 1)[0]
+
+
+@dataclass(frozen=True)
+class _Repeat:
+    """A call that repeats the call before (a decode step, from its second on): the same
+    input names, shapes and dtypes, the same ``outputs`` asked for, the state of the
+    shapes it leaves (``values``: the call's sizes, ``Job._tracked`` while nothing reset
+    or set the state). Such a call has the header of the one before and needs none of its
+    checks: ``Job.run`` sends the header and runs."""
+
+    header: np.ndarray
+    values: dict                  # the call's sizes (``Job._check_call``), whose state shapes it leaves
+    inputs: tuple                 # (name, shape, dtype) in plan order
+    outputs: object               # the ``outputs`` argument (the same object each step)
+    seen: object                  # a copy of it as it was (a caller may change its dict)
+
+    def feeds(self, inputs: dict, outputs) -> list | None:
+        """The call's feeds in plan order, or None where this call is not a repeat."""
+        if outputs is not self.outputs or (outputs is not None and outputs != self.seen) \
+                or len(inputs) != len(self.inputs):
+            return None
+        feeds = []
+        for name, shape, dtype in self.inputs:
+            array = inputs.get(name)
+            if array.__class__ is not np.ndarray or array.shape != shape or array.dtype != dtype \
+                    or not array.flags.c_contiguous:
+                return None
+            feeds.append(array)
+        return feeds
 
 
 class Job:
@@ -209,6 +239,8 @@ class Job:
         self._headers: dict[tuple, np.ndarray] = {}   # RUN headers by shapes and wanted outputs
         self._parsed: dict[bytes, tuple] = {}         # ``_parse_run``: RUN headers read, by their bytes
         self._read_wanted = (None, None, None)   # ``_wanted``: the last ``outputs`` dict, a copy, what it asked for
+        self._repeat: _Repeat | None = None      # a call repeating the call before needs only its header
+        self._taken: dict[str, tuple] = {}       # ``_take_output``: output → (its array, the box, the view)
         self._input_dtypes = [np.dtype(t.dtype) for t in self.inputs]
         self.calls = 0
         self.sent: dict[str, int] = {}
@@ -287,7 +319,8 @@ class Job:
         if getattr(self, "closed", False):
             raise RunError(f"Job.{what}: the job is closed")
 
-    def run(self, inputs: dict[str, np.ndarray], outputs=None, row: int | None = None) -> dict[str, np.ndarray]:
+    def run(self, inputs: dict[str, np.ndarray], outputs=None, row: int | None = None,
+            copy: bool = True) -> dict[str, np.ndarray]:
         """One call (driver): ``inputs`` maps the model's inputs to arrays (state inputs may be
         left out: the held state is used; given, they replace it). ``outputs``: the names to
         bring to rank 0 (default: every output that is not state), or a dict of names to
@@ -296,8 +329,17 @@ class Job:
         ``row``: a call of the inputs' batch of sequences on the rows of the held state from
         ``row`` on, which it reads and updates where they lie (``row_calls`` says whether the
         plan allows it): a server prefills one request so while the others' rows stay as they
-        are."""
+        are.
+
+        ``copy=False``: the outputs rank 0 computes itself may be views of the job's buffers,
+        valid until its next call (a decode loop that reads the logits before the next step
+        is spared their copy)."""
         self._require_driver("run")
+        repeat = self._repeat
+        if repeat is not None and row is None and self._tracked is repeat.values:
+            feeds = repeat.feeds(inputs, outputs)
+            if feeds is not None:
+                return self._call(repeat.header, feeds, copy)
         given_state = {n: v for n, v in inputs.items() if n in self.state_inputs}
         plain = {n: v for n, v in inputs.items() if n not in self.state_inputs}
         count = self._check_rows(row, plain, given_state) if row is not None else None
@@ -307,14 +349,26 @@ class Job:
             self.set_state(given_state)
         header = self._run_header(feeds, create, wanted)
         header[1] = -1 if row is None else row * _ROWS + count
+        # the state keeps its shapes through this call: the next call of these inputs repeats it
+        again = row is None and not given_state and not create and values is self._tracked \
+            and (outputs is None or isinstance(outputs, dict))
+        self._repeat = None
+        result = self._call(header, feeds, copy)
+        if row is None:
+            self._track_state(values)
+        if again:
+            self._repeat = _Repeat(header, values, tuple((spec.name, f.shape, f.dtype) for spec, f in
+                                                         zip(self.inputs, feeds)),
+                                   outputs, None if outputs is None else dict(outputs))
+        return result
+
+    def _call(self, header: np.ndarray, feeds: list[np.ndarray], copy: bool) -> dict[str, np.ndarray]:
         self._send_header(header)
         try:
-            result = self._run_call(header, feeds)
+            result = self._run_call(header, feeds, copy)
         except Exception as exc:
             raise JobFailure(f"rank 0 failed: {_line(exc)}") from exc
         self.calls += 1
-        if row is None:
-            self._track_state(values)
         return result
 
     @property
@@ -598,7 +652,7 @@ class Job:
         key = _base(tensor)
         self.sent[key] = self.sent.get(key, 0) + int(nbytes)
 
-    def _run_call(self, header: np.ndarray, feeds: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+    def _run_call(self, header: np.ndarray, feeds: list[np.ndarray] | None, copy: bool = True) -> dict[str, np.ndarray]:
         plan, stage, rank = self.plan, self.stage, self.rank
         self.sent = {}
         self.program_seconds = 0.0
@@ -622,7 +676,7 @@ class Job:
                 self.state[name] = self._empty_state(self.state_specs[name].local_shape(shape, self.mesh),
                                                      self._dtype_of(name))
         micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
-        results = self._microbatches(micro, wanted, origin, int(header[1]))
+        results = self._microbatches(micro, wanted, origin, int(header[1]), copy)
         return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
 
     def _parse_run(self, header: np.ndarray) -> tuple[list, dict, dict]:
@@ -709,10 +763,12 @@ class Job:
                                           narrowable)
         return found
 
-    def _microbatches(self, micro: list[dict], wanted: dict, origin: float, rows: int = -1) -> list[dict]:
+    def _microbatches(self, micro: list[dict], wanted: dict, origin: float, rows: int = -1,
+                      copy: bool = True) -> list[dict]:
         """The stage's programs on each microbatch; with ``rows`` >= 0 (``_ROWS``: the first
         row and the count), on those rows of the state (a view of them, updated in place, or
-        written back where the program made a copy)."""
+        written back where the program made a copy). ``copy``: rank 0's own outputs are
+        copies (else views of the programs' buffers, which the next call overwrites)."""
         window = slice(rows // _ROWS, rows // _ROWS + rows % _ROWS) if rows >= 0 else None
         plan, stage, rank, b, transport = self.plan, self.stage, self.rank, self.buffers, self.transport
         B = plan.microbatches
@@ -738,7 +794,7 @@ class Job:
             narrow = {name: wanted[name] for name in narrowable if wanted[name]} if narrowable else None
             boxes = dict(narrow) if narrow else {}   # left to take after the run (a narrowed output is its box already)
             outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state,
-                                    narrow=narrow)
+                                    narrow=narrow, bound=B == 1)   # (one microbatch: its results are read before the next run)
             if boxes:
                 for name in set(boxes) - set(narrow):
                     boxes[name] = ()
@@ -763,13 +819,27 @@ class Job:
                 transport.post_with_shape(data, t.dst_rank, shape_tag + i, i)
                 self._send(t.tensor, data.nbytes)
             for t in local_outputs:   # a copy: the program's buffer is the next call's
-                results[mb][t.tensor] = np.array(_take(b.to_host(outs[t.tensor]), boxes.get(t.tensor, wanted[t.tensor])))
+                value = self._take_output(t.tensor, outs[t.tensor], boxes.get(t.tensor, wanted[t.tensor]))
+                results[mb][t.tensor] = np.array(value) if copy or B > 1 else value
         for mb in range(B):
             for i, t in incoming:
                 spec = next(o for o in plan.outputs if o.name == t.tensor)
                 results[mb][t.tensor] = transport.recv_with_shape(len(spec.shape), t.dtype, t.src_rank, shape_tag + i, i)
         transport.finish_posted()
         return results
+
+    def _take_output(self, name: str, value, box: tuple) -> np.ndarray:
+        """``box`` of output ``name`` on the host; on the host path, the view taken of the
+        same array the call before is taken again (a repeated run's output is its buffer). Only
+        a small output's view is kept between calls (a prompt's logits are let go)."""
+        taken = self._taken.pop(name, None)
+        if taken is not None and taken[0] is value and taken[1] == box:
+            view = taken[2]
+        else:
+            view = _take(self.buffers.to_host(value), box)
+        if self.buffers is HOST and value.nbytes <= _KEPT_VIEW_BYTES:
+            self._taken[name] = (value, box, view)
+        return view
 
     def _observe(self, name: str, value) -> None:
         """A collective inside a program: count the bytes this rank puts in."""

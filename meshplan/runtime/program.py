@@ -203,19 +203,20 @@ class ProgramRunner:
                 segment.session.release()
 
     def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset(),
-            narrow: dict | None = None) -> dict:
+            narrow: dict | None = None, bound: bool = False) -> dict:
         """Run every segment (``run_lockstep`` with this rank alone); ``collective_fn(step,
         tensor) -> tensor`` performs collectives (``observe(name, tensor)``, when given, sees
         each collective's input first). ``writable``: the feeds the caller owns, which a
         segment may update in place (its output is then that same buffer). ``narrow``: see
-        ``run_lockstep``.
+        ``run_lockstep``. ``bound``: the caller is done with this run's results before it
+        runs the program again (``StageSession.run``).
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
         and outputs bound on that device."""
         values = [{0: dict(feeds)}]
         run_lockstep({0: self}, values, lambda step, tensors: {0: collective_fn(step, tensors[0])},
-                     buffers=buffers, writable=writable, observe=observe, narrow=narrow)
+                     buffers=buffers, writable=writable, observe=observe, narrow=narrow, bound=bound)
         return values[0][0]
 
     def read_after(self, index: int) -> set[str]:
@@ -248,7 +249,8 @@ def narrowed_box(step: Step, box: tuple, ndim: int) -> tuple | None:
 
 
 def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]], exchange, *, buffers=HOST,
-                 writable=frozenset(), observe=None, around=None, after=None, narrow: dict | None = None) -> None:
+                 writable=frozenset(), observe=None, around=None, after=None, narrow: dict | None = None,
+                 bound: bool = False) -> None:
     """The one executor of segments: a stage's programs (``runners``, rank → its program),
     segment by segment, every rank in lockstep, on every microbatch of ``values``
     (microbatch → rank → its named tensors, updated in place). Each segment runs on each
@@ -261,6 +263,10 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
     segment ``index`` (the stage-by-stage check loads one segment's weights at a time);
     ``after(index)``: called once segment ``index`` and its collective are done.
 
+    ``bound``: one rank and one microbatch whose results the caller reads before the next
+    run: each session may write a repeated run's outputs where it wrote the run before's
+    (``StageSession.run``).
+
     ``narrow``: {output: box} of program outputs the caller takes only ``box`` of (the last
     position's logits of a prompt, say). Where such an output is a collective's, that no
     later segment reads, and the box commutes with it (``narrowed_box``), the box is taken
@@ -268,7 +274,8 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
     ``narrow``: its value is the box already."""
     ranks = list(runners)
     if len(ranks) == 1 and len(values) == 1 and around is None and after is None:
-        _run_one(runners[ranks[0]], ranks[0], values[0][ranks[0]], exchange, buffers, writable, observe, narrow)
+        _run_one(runners[ranks[0]], ranks[0], values[0][ranks[0]], exchange, buffers, writable, observe, narrow,
+                 bound)
         return
     for index, segment in enumerate(runners[ranks[0]].segments):
         for rank in ranks:
@@ -304,7 +311,8 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
             after(index)
 
 
-def _run_one(runner: ProgramRunner, rank: int, mine: dict, exchange, buffers, writable, observe, narrow) -> None:
+def _run_one(runner: ProgramRunner, rank: int, mine: dict, exchange, buffers, writable, observe, narrow,
+             bound: bool) -> None:
     """``run_lockstep`` for one rank and one microbatch (a job's rank, a decode step): the
     same steps without the loops over ranks and microbatches."""
     host = buffers is HOST
@@ -312,7 +320,7 @@ def _run_one(runner: ProgramRunner, rank: int, mine: dict, exchange, buffers, wr
         session = part.session
         if session is not None:
             feeds = {n: mine[n] for n in part.inputs}
-            mine.update(session.run(feeds, writable) if host else session.run_bound(feeds, buffers, writable))
+            mine.update(session.run(feeds, writable, bound) if host else session.run_bound(feeds, buffers, writable))
         c = part.collective
         if c is None:
             continue

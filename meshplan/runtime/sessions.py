@@ -24,6 +24,10 @@ def set_deterministic(enabled: bool) -> None:
     before the job loads."""
     _deterministic[0] = bool(enabled)
 
+# The largest feed a run with no output written in place copies into a buffer bound once
+# (``StageSession._bound_repeats``): a decode step's activations are kilobytes.
+BOUND_FEED_BYTES = 1 << 20
+
 # onnxruntime's run option: which CUDA graph a run captures or replays (-1: none)
 GRAPH_ID = "gpu_graph_id"
 
@@ -141,6 +145,7 @@ class StageSession:
         self._binding = None   # the in-place runs' IOBinding and what its outputs are bound to
         self._bound: dict[str, tuple] = {}
         self._repeat = None     # what a run repeating the in-place run before does (``_run_again``)
+        self._plain_shapes = None   # the input shapes of the last run without outputs written in place
         self._plain_run = None  # run options of a run that is not a graph's (a session with graphs)
         if self.graphs:
             self._plain_run = ort.RunOptions()
@@ -152,12 +157,15 @@ class StageSession:
         ``writable``."""
         return {o: i for o, i in self.in_place.items() if i in writable and i in feeds}
 
-    def run(self, feeds: dict[str, np.ndarray], writable=frozenset()) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], writable=frozenset(), bound: bool = False) -> dict[str, np.ndarray]:
         """``writable``: feeds this run may overwrite; an output written in place is returned
-        as that very array."""
+        as that very array. ``bound``: the caller reads this run's outputs before it runs the
+        session again (one microbatch at a time): a run that repeats the input shapes of the
+        run before may then bind its buffers once and write its outputs where the run before
+        wrote them (``_bound_repeats``)."""
         if self.device is not None:   # tensors kept where the provider computes (``keep_on``)
             return self._resident.run(feeds, self._reused(feeds, writable))
-        if self._repeat is not None:   # a decode step: the run before's shapes and buffers
+        if self._repeat is not None and (bound or self._repeat[2]):   # a decode step: the run before's buffers
             found = self._run_again(feeds, writable)
             if found is not None:
                 return found
@@ -165,7 +173,7 @@ class StageSession:
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
-        if reused:
+        if reused or bound and self._bound_repeats(feeds):
             return self._run_in_place(feeds, reused, writable)
         try:
             values = self.session.run(self.output_names, {n: feeds[n] for n in self.input_names if n in feeds},
@@ -173,6 +181,25 @@ class StageSession:
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             raise self._failed(exc) from exc
         return dict(zip(self.output_names, values))
+
+    def _bound_repeats(self, feeds: dict) -> bool:
+        """Whether a run with no output written in place runs bound (``_run_in_place``): it has
+        the input shapes of the run before (a decode step has, a growing cache has not) and
+        small feeds (copied into the bound buffers; a large one, a cache not written in
+        place, is read where it lies)."""
+        shapes = []
+        for name in self.input_names:
+            array = feeds.get(name)
+            if array is not None:
+                if not isinstance(array, np.ndarray) or array.nbytes > BOUND_FEED_BYTES:
+                    self._plain_shapes = None
+                    return False
+                shapes.append(array.shape)
+        shapes = tuple(shapes)
+        if shapes == self._plain_shapes:
+            return True
+        self._plain_shapes = shapes
+        return False
 
     def _run_in_place(self, feeds: dict[str, np.ndarray], reused: dict[str, str],
                       writable=None) -> dict[str, np.ndarray]:
@@ -229,22 +256,24 @@ class StageSession:
             for name, value in values.items():   # the next run of these shapes writes into them
                 binding.bind_ortvalue_output(name, value)
             bound["outputs"] = (shapes, values)
+        result = {name: feeds[reused[name]] if name in reused else values[name].numpy() for name in self.output_names}
         if reuse and writable is not None and all(("input", n) in bound or ("feed", n) in bound
                                                   for n in self.input_names if n in feeds):
             # the second run of these shapes: the next run that feeds the same in-place buffers
-            # and inputs of the same shapes only copies those inputs in and runs
+            # and inputs of the same shapes only copies those inputs in and runs, and its
+            # results are these arrays again (the same buffers)
             self._repeat = (writable, len(feeds), tuple((i, feeds[i]) for i in reused.values()),
                             tuple((n, bound[("feed", n)][1], np.shape(feeds[n]), feeds[n].dtype)
                                   for n in self.input_names if ("feed", n) in bound and n in feeds),
-                            tuple((name, reused.get(name)) for name in self.output_names), values)
-        return {name: feeds[reused[name]] if name in reused else values[name].numpy() for name in self.output_names}
+                            result)
+        return result
 
     def _run_again(self, feeds: dict, writable) -> dict | None:
         """A run that repeats the in-place run recorded by ``_run_in_place``: the same
         ``writable``, the same arrays fed for the outputs written in place, the other inputs
         of the same shapes and dtypes (copied into the buffers bound to them). None, having
         done nothing, where the run differs."""
-        kept_writable, count, shared, fed, outputs, values = self._repeat
+        kept_writable, count, shared, fed, result = self._repeat
         if len(feeds) != count or (writable is not kept_writable and writable != kept_writable):
             return None
         for name, array in shared:
@@ -261,7 +290,7 @@ class StageSession:
         except Exception:  # e.g. an output whose shape follows from values: the full path tries again
             self._repeat = None
             return None
-        return {name: feeds[source] if source is not None else values[name].numpy() for name, source in outputs}
+        return dict(result)
 
     @staticmethod
     def _bind_feed(binding, bound: dict, name: str, array: np.ndarray) -> None:
@@ -286,7 +315,7 @@ class StageSession:
     def release(self) -> None:
         """Forget the kept binding and the buffers it holds (the job's state was dropped). A
         session that keeps its tensors on the device keeps its buffers: its graphs read them."""
-        self._binding, self._bound, self._repeat = None, {}, None
+        self._binding, self._bound, self._repeat, self._plain_shapes = None, {}, None, None
 
     def keep_on(self, device, to_host=frozenset()) -> None:
         """From now on, run with every tensor where the provider computes (``device``, a
