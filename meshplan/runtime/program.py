@@ -214,10 +214,9 @@ class ProgramRunner:
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
         and outputs bound on that device."""
-        values = [{0: dict(feeds)}]
-        run_lockstep({0: self}, values, lambda step, tensors: {0: collective_fn(step, tensors[0])},
-                     buffers=buffers, writable=writable, observe=observe, narrow=narrow, bound=bound)
-        return values[0][0]
+        mine = dict(feeds)
+        _run_one(self, mine, collective_fn, buffers, writable, observe, narrow, bound)   # (``run_lockstep``'s)
+        return mine
 
     def read_after(self, index: int) -> set[str]:
         """What the segments after segment ``index`` and their collectives read."""
@@ -274,8 +273,9 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
     ``narrow``: its value is the box already."""
     ranks = list(runners)
     if len(ranks) == 1 and len(values) == 1 and around is None and after is None:
-        _run_one(runners[ranks[0]], ranks[0], values[0][ranks[0]], exchange, buffers, writable, observe, narrow,
-                 bound)
+        rank = ranks[0]
+        _run_one(runners[rank], values[0][rank], lambda step, tensor: exchange(step, {rank: tensor})[rank], buffers,
+                 writable, observe, narrow, bound)
         return
     for index, segment in enumerate(runners[ranks[0]].segments):
         for rank in ranks:
@@ -311,10 +311,11 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
             after(index)
 
 
-def _run_one(runner: ProgramRunner, rank: int, mine: dict, exchange, buffers, writable, observe, narrow,
+def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, observe, narrow,
              bound: bool) -> None:
     """``run_lockstep`` for one rank and one microbatch (a job's rank, a decode step): the
-    same steps without the loops over ranks and microbatches."""
+    same steps without the loops over ranks and microbatches; ``collective(step, tensor) ->
+    tensor`` is this rank's part of each collective."""
     host = buffers is HOST
     for index, part in enumerate(runner.segments):
         session = part.session
@@ -332,4 +333,4 @@ def _run_one(runner: ProgramRunner, rank: int, mine: dict, exchange, buffers, wr
                 tensor = buffers.take(tensor, box)
         if observe is not None:
             observe(c.input, tensor)
-        mine[c.output] = exchange(c.step, {rank: tensor})[rank]
+        mine[c.output] = collective(c.step, tensor)
