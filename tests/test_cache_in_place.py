@@ -358,8 +358,8 @@ def _static_steps(job, steps: int, outputs, mask_dtype=np.int64, copy=True, stri
 def test_a_job_call_that_repeats_the_one_before_skips_its_checks(tmp_path, monkeypatch):
     """From the third decode call of one shape on, ``Job.run`` sends the header of the call
     before without checking the call again (``_Repeat``): the logits are those of calls
-    that are all checked; a reset state, another dtype or a view fed take the checks again
-    (a mask of int32 is still refused, in one line)."""
+    that are all checked; a reset state, another dtype, an outputs dict changed in between or
+    a view fed take the checks again (a mask of int32 is still refused, in one line)."""
     from meshplan.errors import RunError
     from meshplan.runtime.job import Job
 
@@ -391,6 +391,15 @@ def test_a_job_call_that_repeats_the_one_before_skips_its_checks(tmp_path, monke
         job.reset_state()
         with pytest.raises(RunError, match="the plan expects int64"):
             _static_steps(job, 4, outputs, mask_dtype=np.int32)
+        job.reset_state()            # the outputs dict changed between repeated calls: read again
+        narrow = {"logits": np.s_[:, -1:, :10]}
+        first = _static_steps(job, 4, narrow)
+        narrow["logits"] = np.s_[:, -1:, :20]
+        token = np.array([[int(np.asarray(first[-1])[0, -1].argmax())]], np.int64)
+        mask = np.zeros((1, CAPACITY), np.int64)
+        mask[0, :9] = 1
+        wider = job.run({"input_ids": token, "attention_mask": mask}, outputs=narrow)["logits"]
+        assert [x.shape[-1] for x in first] == [10] * 5 and wider.shape[-1] == 20
         job.reset_state()
         checked.clear()
         strided = _static_steps(job, 5, outputs, strided=True)
