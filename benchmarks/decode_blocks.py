@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers as JSON here")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pause < 0:
+        parser.error(f"--pause must be 0 or more seconds, got {args.pause}")
     if args.worker:
         kind, *rest = args.worker
         {"genai": lambda: genai_worker(rest[0], int(rest[1]), int(rest[2])),

@@ -77,10 +77,11 @@ HUGE_WHEN_ASKED = frozenset({"run", "verify", "profile"})
 def huge_page_environment(environ: dict, mode: str | None = None, command: str | None = "generate") -> dict | None:
     """The environment to start ``command``'s process (default: ``generate``'s) again with,
     so that malloc asks the kernel for transparent huge pages (glibc's
-    ``glibc.malloc.hugetlb=1``, read once when a process starts): where the kernel gives them only to memory that asks (mode
-    ``madvise``), glibc is 2.35 or later, the setting is not there yet, and the command is
-    one of ``HUGE_BY_DEFAULT`` (unless ``MESHPLAN_HUGE_PAGES=0``) or of
-    ``HUGE_WHEN_ASKED`` with ``MESHPLAN_HUGE_PAGES=1``. None: nothing to do.
+    ``glibc.malloc.hugetlb=1``, read once when a process starts): where the kernel gives
+    them only to memory that asks (mode ``madvise``), glibc is 2.35 or later, the setting is
+    not there yet, and the command is one of ``HUGE_BY_DEFAULT`` (unless
+    ``MESHPLAN_HUGE_PAGES=0``) or of ``HUGE_WHEN_ASKED`` with ``MESHPLAN_HUGE_PAGES=1``.
+    None: nothing to do.
 
     onnxruntime's CPU provider packs each weight of a matrix product into memory it mallocs;
     a decode step streams all of it, and with 4 KiB pages a step's address translations miss
@@ -95,7 +96,8 @@ def huge_page_environment(environ: dict, mode: str | None = None, command: str |
     if (mode if mode is not None else thp_mode()) != "madvise" or not sys.platform.startswith("linux") \
             or not _glibc_at_least(2, 35):
         return None
-    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":")
+                if t and not t.startswith("glibc.malloc.hugetlb=")]
     return {**environ, "GLIBC_TUNABLES": ":".join([*tunables, HEAP_TUNABLE])}
 
 

@@ -428,3 +428,29 @@ def test_a_jobs_results_are_its_own_unless_asked_for_views(tmp_path):
         np.testing.assert_array_equal(views[-1], frozen[-1])
     finally:
         job.close()
+
+
+def test_a_box_that_is_a_copy_is_taken_again_on_every_repeated_run(tmp_path):
+    """Prompt pieces of two tokens on a mask of the capacity repeat their shapes and so reuse
+    the logits' buffer; a box of the last two positions' first ten logits is not contiguous
+    there (a copy), and each call's must be its own run's, not the call before's."""
+    job = _sample_job(tmp_path)
+    try:
+        def pieces(outputs):
+            job.reset_state()
+            mask = np.zeros((1, CAPACITY), np.int64)
+            found = []
+            for piece in range(5):
+                mask[0, :2 * piece + 2] = 1
+                ids = np.array([[3 + piece, 11 + piece]], np.int64)
+                found.append(np.array(job.run({"input_ids": ids, "attention_mask": mask}, outputs=outputs)["logits"]))
+            return found
+
+        whole = pieces(None)
+        boxed = pieces({"logits": np.s_[:, -2:, :10]})
+        assert not whole[3][:, -2:, :10].flags.c_contiguous
+        for a, b in zip(whole, boxed):
+            np.testing.assert_array_equal(a[:, -2:, :10], b)
+        assert not np.array_equal(boxed[3], boxed[4])
+    finally:
+        job.close()

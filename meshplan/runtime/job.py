@@ -794,7 +794,7 @@ class Job:
             narrow = {name: wanted[name] for name in narrowable if wanted[name]} if narrowable else None
             boxes = dict(narrow) if narrow else {}   # left to take after the run (a narrowed output is its box already)
             outs = self.session.run(feeds, transport.collective, b, observe=self._observe, writable=self.own_state,
-                                    narrow=narrow, bound=B == 1)   # (one microbatch: its results are read before the next run)
+                                    narrow=narrow, bound=B == 1)   # (one microbatch: read before the next run)
             if boxes:
                 for name in set(boxes) - set(narrow):
                     boxes[name] = ()
@@ -831,13 +831,14 @@ class Job:
     def _take_output(self, name: str, value, box: tuple) -> np.ndarray:
         """``box`` of output ``name`` on the host; on the host path, the view taken of the
         same array the call before is taken again (a repeated run's output is its buffer). Only
-        a small output's view is kept between calls (a prompt's logits are let go)."""
+        a view of a small output is kept between calls: a box that is not contiguous is a copy,
+        which the next run would leave behind, and a prompt's logits are let go."""
         taken = self._taken.pop(name, None)
         if taken is not None and taken[0] is value and taken[1] == box:
             view = taken[2]
         else:
             view = _take(self.buffers.to_host(value), box)
-        if self.buffers is HOST and value.nbytes <= _KEPT_VIEW_BYTES:
+        if self.buffers is HOST and value.nbytes <= _KEPT_VIEW_BYTES and np.may_share_memory(view, value):
             self._taken[name] = (value, box, view)
         return view
 
