@@ -30,7 +30,8 @@ with the machine's own MPI launcher:
 
 adds a run of meshplan 1x1 without CUDA graphs (``--no-cuda-graph``), and reports each
 meshplan run's load, warm TTFT, ms per token, CUDA graphs and each rank's peak GPU memory
-(``nvidia-smi``) next to the plan's estimate; onnxruntime-genai's load, first and warm TTFT
+(``nvidia-smi``, read in one more run of each after the timed rounds: polling it stalls the
+GPU's driver calls) next to the plan's estimate; onnxruntime-genai's load, first and warm TTFT
 (two generations in one process) and ms per token.
 """
 
@@ -110,7 +111,9 @@ class Setup:
 
 
 def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int,
-                 max_length: int, graphs: bool = True, huge_pages: bool = True) -> dict:
+                 max_length: int, graphs: bool = True, huge_pages: bool = True, memory: bool = False) -> dict:
+    """One ``meshplan generate`` under the launcher; ``memory``: poll each process's GPU memory while
+    it runs (``nvidia-smi`` every 100 ms stalls the GPU's driver calls, so timed runs go without)."""
     plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}_{max_length}"
     policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
     if not (plan_dir / "plan.json").exists():
@@ -120,7 +123,7 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
     ids = plans / "prompt.json"
     ids.write_text(json.dumps([prompt]))
     out = plans / f"out_{mesh}.json"
-    memory = GpuMemory() if setup.provider == "cuda" else None
+    memory = GpuMemory() if memory and setup.provider == "cuda" else None
     try:
         _run([*setup.mpiexec, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir), "--prompt-ids", str(ids),
               "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out), "--provider", setup.provider,
@@ -265,11 +268,12 @@ def main() -> None:
         for pages in (("on", "off") if args.huge_pages == "both" else (args.huge_pages,)):
             for mesh in ("1x1", "1x2"):
                 name = f"meshplan generate {mesh}" + (", 4 KiB pages" if pages == "off" and args.huge_pages == "both" else "")
-                runners[name] = (lambda mesh=mesh, pages=pages: meshplan_run(
-                    setup, model, mesh, workdir, prompt, args.new_tokens, args.max_length, huge_pages=pages == "on"))
+                runners[name] = (lambda mesh=mesh, pages=pages, memory=False: meshplan_run(
+                    setup, model, mesh, workdir, prompt, args.new_tokens, args.max_length, huge_pages=pages == "on",
+                    memory=memory))
         if args.provider == "cuda":
-            runners["meshplan generate 1x1, no CUDA graph"] = lambda: meshplan_run(
-                setup, model, "1x1", workdir, prompt, args.new_tokens, args.max_length, graphs=False)
+            runners["meshplan generate 1x1, no CUDA graph"] = lambda memory=False: meshplan_run(
+                setup, model, "1x1", workdir, prompt, args.new_tokens, args.max_length, graphs=False, memory=memory)
         if label != "export" and importlib.util.find_spec("onnxruntime_genai") is not None:
             threads = args.genai_threads if args.provider == "cpu" else 0
             runners[genai] = lambda: genai_run(model, prompt, args.new_tokens, threads, args.max_length)
@@ -281,9 +285,18 @@ def main() -> None:
                     runs[name].append(runners[name]())
                 except SystemExit as exc:   # one runner's failure is a result too: the others go on
                     failures.append(f"{label}, {name}: {str(exc)[-1500:]}")
+        peaks = {}
+        if args.provider == "cuda":   # each process's GPU memory, read in one more run, untimed
+            for name in runs:
+                if name.startswith("meshplan") and runs[name]:
+                    try:
+                        peaks[name] = runners[name](memory=True)["gpu_mib_per_rank"]
+                    except SystemExit as exc:
+                        failures.append(f"{label}, {name} (GPU memory): {str(exc)[-1500:]}")
         for name, found in runs.items():
             if found:
-                rows.append({"model": label, "bytes": size, "runner": name, **summary(found)})
+                rows.append({"model": label, "bytes": size, "runner": name, **summary(found),
+                             **({"gpu_mib_per_rank": peaks[name]} if name in peaks else {})})
         one, two = runs["meshplan generate 1x1"], runs["meshplan generate 1x2"]
         if one and two and len(one) == len(two) and two[0]["collectives"]:
             # what 1x2 adds to the 1x1 step, per collective of its step (the rounds' median)

@@ -448,3 +448,16 @@ def test_a_row_that_ended_feeds_its_last_id_while_the_others_go_on():
     assert masks == [[4, 3], [5, 4], [6, 5], [7, 6]]
     assert len(metrics.decode_seconds) == 4 and all(t > 0 for t in metrics.decode_seconds)
     assert metrics.generated_tokens == 7
+
+
+def test_the_warm_up_decodes_until_a_cuda_graph_is_captured():
+    from types import SimpleNamespace
+
+    from meshplan.generation.driver import GRAPH_WARM_UP_STEPS, warm_up_steps
+    from meshplan.providers import CPU, CUDA
+
+    # a decode step gets its graph id at its 2nd run, onnxruntime captures an id at its 3rd run
+    assert GRAPH_WARM_UP_STEPS >= 1 + 3
+    assert warm_up_steps(SimpleNamespace(provider=CUDA), graphs=True) == GRAPH_WARM_UP_STEPS
+    assert warm_up_steps(SimpleNamespace(provider=CUDA), graphs=False) == 1
+    assert warm_up_steps(SimpleNamespace(provider=CPU), graphs=True) == 1

@@ -232,3 +232,17 @@ def test_unbound_ranks_bind_themselves_in_a_job(tmp_path):
     plan, inputs = mlp_on_1x2(tmp_path)
     lines = run_mpi_script("bind_case.py", ranks=2, args=[plan, inputs])
     assert len(lines) == 3
+
+
+def test_spinning_can_be_set_from_the_environment(monkeypatch):
+    own = [{0, 1, 2, 3}, {4, 5, 6, 7}]          # bound by the launcher: spinning on by the rule
+    shared = [{0, 1}, {0, 1}]                   # shared cores: spinning off by the rule
+    assert plan_threads(own, 0, 8, bind=False, pin=False)[0].spinning
+    monkeypatch.setenv(threads.SPINNING, "0")
+    choice = plan_threads(own, 0, 8, bind=False, pin=False)[0]
+    assert not choice.spinning and choice.threads == 4 and choice.bound
+    monkeypatch.setenv(threads.SPINNING, "1")
+    assert plan_threads(shared, 0, 2, bind=False, pin=False)[0].spinning
+    monkeypatch.setenv(threads.SPINNING, "maybe")   # anything else leaves the rule's choice
+    assert not plan_threads(shared, 0, 2, bind=False, pin=False)[0].spinning
+    assert plan_threads(own, 1, 8, bind=False, pin=False)[0].spinning

@@ -22,6 +22,20 @@ from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
 from meshplan.runtime.threads import ThreadChoice
 
+# Decode steps of the warm-up where decode steps become CUDA graphs: a step's shapes get a graph
+# id at their second run and onnxruntime's CUDA provider captures an id at its third run, so the
+# fourth step captures and the fifth replays: the capture (milliseconds) is then the load's, not
+# the first request's.
+GRAPH_WARM_UP_STEPS = 5
+
+
+def warm_up_steps(job, graphs: bool) -> int:
+    """Decode steps a warm-up runs: enough to capture the decode step's graph where the job
+    replays graphs (CUDA), else one."""
+    from meshplan.providers import CUDA
+
+    return GRAPH_WARM_UP_STEPS if graphs and job.provider == CUDA else 1
+
 
 class JobStepper:
     """The job as a stepper: the cache stays on the ranks between calls. The logits a step
@@ -237,12 +251,15 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
 
     try:
         generation = Generation(prepared.shape, JobStepper(job), prepared.pad_id)
-        # a warm-up of the prompts' prefill and one decode step, so that the first token's time
-        # is not the process's start-up (kernels loaded at their first use, the allocator's first
-        # blocks, a prefill shape's first run: 55 ms of a 0.4 B model's on an H200 where a
-        # one-token warm-up was used), at most one prefill call of each (a long prompt's first
-        # piece has the longest call's shape); the load is reported apart
-        generation.run([prompt[:prepared.shape.chunk] for prompt in prepared.prompts], 2, Sampler(), ())
+        # a warm-up of the prompts' prefill and a decode step (on CUDA with graphs, until the
+        # step's graph is captured: ``warm_up_steps``), so that the first token's time is not the
+        # process's start-up (kernels loaded at their first use, the allocator's first blocks, a
+        # prefill shape's first run: 55 ms of a 0.4 B model's on an H200 where a one-token
+        # warm-up was used), at most one prefill call of each (a long prompt's first piece has
+        # the longest call's shape); the load is reported apart
+        pieces = [prompt[:prepared.shape.chunk] for prompt in prepared.prompts]
+        room = prepared.shape.context - max(len(piece) for piece in pieces)
+        generation.run(pieces, max(1, min(1 + warm_up_steps(job, graphs), room)), Sampler(), ())
         load_seconds = time.perf_counter() - loading
         sequences, metrics = generation.run(prepared.prompts, request.max_new_tokens, request.sampler,
                                             prepared.eos, on_tokens)

@@ -25,12 +25,14 @@ between cores (a decode step of the 398 MB float32 Llama on 2 cores: 0.938 of
 onnxruntime-genai's speed unpinned, 0.968 pinned, in interleaved blocks).
 Only the commands pin (``set_binding(..., pin=True)``): they own their process.
 ``--no-bind-cores`` (``set_binding``) keeps the launcher's affinity as it is and pins nothing.
+``MESHPLAN_SPINNING=0`` (or ``1``) in a rank's environment turns its pool threads' spinning off
+(or on) whatever the rule says: to measure what spinning does on a machine.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.rank_layout import own_cores
 
@@ -145,6 +147,9 @@ def _cpu_list(text: str) -> set[int]:
     return found
 
 
+SPINNING = "MESHPLAN_SPINNING"
+
+
 def plan_threads(working: list[set[int]], index: int, machine_cores: int | None = None,
                  groups: list[list[int]] | None = None, bind: bool | None = None,
                  pin: bool | None = None) -> tuple[ThreadChoice, set[int] | None]:
@@ -152,7 +157,16 @@ def plan_threads(working: list[set[int]], index: int, machine_cores: int | None 
     affinities ``working``, and the cores it should bind itself to (None: keep its own).
     ``groups``: the machine's cores grouped by physical core (default: ``physical_cores`` of
     its affinity, read here); ``bind``, ``pin``: whether it may bind itself, and pin its
-    threads (default: ``set_binding``'s)."""
+    threads (default: ``set_binding``'s). ``MESHPLAN_SPINNING`` (0 or 1) sets the spinning."""
+    choice, share = _plan_threads(working, index, machine_cores, groups, bind, pin)
+    forced = os.environ.get(SPINNING, "").strip()
+    if forced in ("0", "1") and choice.spinning != (forced == "1"):
+        choice = replace(choice, spinning=forced == "1")
+    return choice, share
+
+
+def _plan_threads(working: list[set[int]], index: int, machine_cores: int | None, groups: list[list[int]] | None,
+                  bind: bool | None, pin: bool | None) -> tuple[ThreadChoice, set[int] | None]:
     cores = set(working[index])
     count = len(working)
     may = (_binding[0] if bind is None else bind) and hasattr(os, "sched_setaffinity")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshplan.errors import JobFailure, MeshplanError, RunError
-from meshplan.generation.driver import JobStepper, Request, prepare
+from meshplan.generation.driver import JobStepper, Request, prepare, warm_up_steps
 from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
 from meshplan.runtime.threads import ThreadChoice, unpin_calling_thread
@@ -134,7 +134,7 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     stepper = JobStepper(job)
     try:
         batch = batch_for(shape, stepper, prepared.pad_id, options.prefill_chunk)
-        _warm_up(batch, prepared.pad_id)
+        _warm_up(batch, prepared.pad_id, warm_up_steps(job, options.cuda_graph))
         cache = [int(b) for b in job.stats().state_bytes]
     except MeshplanError:
         job.close()
@@ -200,15 +200,17 @@ def _stop_http(server, thread) -> None:
     thread.join(10)
 
 
-def _warm_up(batch, pad_id: int) -> None:
-    """A prefill and a decode step in every slot, so that a request's first token is not
-    the process's start-up (kernels, the allocator's first blocks)."""
+def _warm_up(batch, pad_id: int, steps: int = 1) -> None:
+    """A prefill and ``steps`` decode steps in every slot, so that a request's first token is
+    not the process's start-up (kernels, the allocator's first blocks, a decode step's CUDA
+    graph)."""
     works = []
+    tokens = 1 + steps
     while batch.accepts():
-        work = Work([pad_id, pad_id], 2, Sampler())
+        work = Work([pad_id, pad_id], tokens, Sampler())
         batch.admit(work)
         works.append(work)
-    while any(len(w.ids) < 2 for w in works):
+    while any(len(w.ids) < tokens for w in works):
         for work, token in batch.step():
             work.ids.append(token)
     for work in works:

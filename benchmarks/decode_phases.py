@@ -1,0 +1,306 @@
+"""Where a decode step's time goes: onnxruntime's run, the copies, the waits, the loop.
+
+For a one-device generation plan (``meshplan plan MODEL --mesh 1x1 --generate``), in one
+process, on CUDA or the CPU:
+
+- **meshplan**: ``meshplan generate``'s loop over a ``Job`` (the warm-up ``generate`` runs
+  first, then generations of ``--new-tokens`` and of twice as many, in turns: their
+  difference over ``--new-tokens`` is one decode step, free of the prefill and of what a
+  request pays once). onnxruntime's entry points are timed as they are called:
+  ``run_with_iobinding``/``run`` (on CUDA with a graph: the replay and its wait for the
+  GPU), ``OrtValue.update_inplace`` (a numpy feed copied into its buffer), the wait for those
+  copies before a graph's replay, ``OrtValue.numpy`` (what returns to the host) and the
+  token's choice (``Sampler``); the step less all of them is meshplan's Python;
+- **replay alone**: the last decode run again, back to back, nothing else: what onnxruntime
+  and the GPU take for the step by themselves;
+- **onnxruntime alone** (``--floor``): the plan's program in one session, every buffer bound
+  once where the provider computes (the cache as its own output, the token and a static mask
+  of the capacity updated in place, the logits' last row read back and its argmax taken in
+  numpy); with CUDA graphs on CUDA unless ``--no-cuda-graph``: the least a Python loop over
+  onnxruntime pays for a step that chooses its token on the host.
+
+Prints µs per decode step for each part; ``--json PATH`` writes them.
+
+    python benchmarks/decode_phases.py PLAN [--provider cuda] [--no-cuda-graph] [--floor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PARTS = ("run", "update_inplace", "wait_for_copies", "numpy", "sampler")
+
+
+class Timers:
+    """Nanoseconds and calls per part, from wrappers put around onnxruntime's and meshplan's
+    entry points (taken off again by ``remove``)."""
+
+    def __init__(self):
+        import onnxruntime as ort
+
+        from meshplan.generation import sampling
+        from meshplan.runtime import resident
+
+        self.ns: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.last_run = None
+        self._undo = []
+        session_class = ort.InferenceSession
+        self._wrap(session_class, "run_with_iobinding", "run", keep=True)
+        self._wrap(session_class, "run", "run")
+        self._wrap(ort.OrtValue, "update_inplace", "update_inplace")
+        self._wrap(ort.OrtValue, "numpy", "numpy")
+        self._wrap(resident, "_wait_for_copies", "wait_for_copies")
+        self._wrap(sampling.Sampler, "__call__", "sampler")
+
+    def _wrap(self, owner, attribute: str, part: str, keep: bool = False) -> None:
+        original = getattr(owner, attribute)
+        ns, calls, clock = self.ns, self.calls, time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            began = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ns[part] += clock() - began
+                calls[part] += 1
+                if keep:
+                    self.last_run = (original, args)
+
+        setattr(owner, attribute, timed)
+        self._undo.append((owner, attribute, original))
+
+    def snapshot(self) -> tuple[dict, dict]:
+        return dict(self.ns), dict(self.calls)
+
+    def remove(self) -> None:
+        for owner, attribute, original in reversed(self._undo):
+            setattr(owner, attribute, original)
+        self._undo.clear()
+
+
+def prompt_ids(length: int, vocab: int) -> list[int]:
+    return [(7 * i + 5) % min(vocab - 4, 390) + 4 for i in range(length)]
+
+
+def meshplan_phases(plan_dir: Path, provider: str, graphs: bool, prompt: list[int], new_tokens: int,
+                    rounds: int, replays: int) -> dict:
+    """µs per decode step of each part (the medians of the rounds), and the replay alone's."""
+    from meshplan.generation.driver import JobStepper
+    from meshplan.generation.loop import Generation, GenerationShape
+    from meshplan.generation.sampling import Sampler
+    from meshplan.runtime.job import Job
+
+    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs)
+    try:
+        generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
+        generation.run([prompt], 2, Sampler(), ())            # the warm-up `meshplan generate` runs
+        timers = Timers()
+        per_step: dict[str, list[float]] = defaultdict(list)
+        per_first: dict[str, list[float]] = defaultdict(list)
+        steps_wall = []
+        try:
+            for round_ in range(rounds):
+                seen = {}
+                for tokens in ((new_tokens, 2 * new_tokens) if round_ % 2 == 0 else (2 * new_tokens, new_tokens)):
+                    before = timers.snapshot()
+                    began = time.perf_counter_ns()
+                    _, metrics = generation.run([prompt], tokens, Sampler(), ())
+                    wall = time.perf_counter_ns() - began
+                    after = timers.snapshot()
+                    seen[tokens] = (wall, {p: after[0].get(p, 0) - before[0].get(p, 0) for p in PARTS},
+                                    {p: after[1].get(p, 0) - before[1].get(p, 0) for p in PARTS},
+                                    sum(metrics.decode_seconds))
+                (w1, ns1, c1, d1), (w2, ns2, c2, d2) = seen[new_tokens], seen[2 * new_tokens]
+                step = (w2 - w1) / new_tokens
+                steps_wall.append(step / 1e3)
+                per_step["step"].append(step / 1e3)
+                per_step["loop's own decode timing"].append((d2 - d1) * 1e6 / new_tokens)
+                for part in PARTS:
+                    per_step[part].append((ns2[part] - ns1[part]) / new_tokens / 1e3)
+                    per_step[part + " calls"].append((c2[part] - c1[part]) / new_tokens)
+                per_step["python (the rest)"].append(per_step["step"][-1] - sum(per_step[p][-1] for p in PARTS))
+                decode_run = timers.last_run
+                # the first token alone: a generation of one token is the prefill and its choice
+                before = timers.snapshot()
+                began = time.perf_counter_ns()
+                _, metrics = generation.run([prompt], 1, Sampler(), ())
+                wall = time.perf_counter_ns() - began
+                after = timers.snapshot()
+                per_first["first token (whole call)"].append(wall / 1e3)
+                per_first["ttft"].append(metrics.prefill_seconds * 1e6)
+                for part in PARTS:
+                    per_first[part].append((after[0].get(part, 0) - before[0].get(part, 0)) / 1e3)
+                    per_first[part + " calls"].append(after[1].get(part, 0) - before[1].get(part, 0))
+            original, args = decode_run
+        finally:
+            timers.remove()
+        replay = replay_alone(original, args, replays)
+        result = {name: statistics.median(values) for name, values in per_step.items()}
+        result["replay alone"] = replay
+        result["first token"] = {name: statistics.median(values) for name, values in per_first.items()}
+        result["graphs"] = job.session.graphs if job.session is not None else None
+        return result
+    finally:
+        job.close()
+
+
+def replay_alone(run, args, replays: int) -> float:
+    """µs per call of the last decode run, back to back."""
+    for _ in range(5):
+        run(*args)
+    began = time.perf_counter_ns()
+    for _ in range(replays):
+        run(*args)
+    return (time.perf_counter_ns() - began) / replays / 1e3
+
+
+def floor_phases(program: Path, provider: str, graphs: bool, capacity: int, prompt: list[int], steps: int,
+                 rounds: int) -> dict:
+    """onnxruntime alone: µs per decode step of the loop, and of its run by itself."""
+    import onnxruntime as ort
+
+    from meshplan.generation.sampling import Sampler
+    from meshplan.providers import cuda_synchronize
+
+    on_cuda = provider == "cuda"
+    options = ort.SessionOptions()
+    if on_cuda:
+        providers = [("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "0",
+                                                "enable_cuda_graph": "1" if graphs else "0"})]
+        where = ("cuda", 0)
+    else:
+        providers, where = ["CPUExecutionProvider"], ("cpu", 0)
+    session = ort.InferenceSession(str(program), options, providers=providers)
+    plain = ort.RunOptions()
+    graph = ort.RunOptions()
+    if on_cuda and graphs:
+        plain.add_run_config_entry("gpu_graph_id", "-1")
+        graph.add_run_config_entry("gpu_graph_id", "1")
+    inputs = {i.name: i for i in session.get_inputs()}
+    kinds = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+    binding = session.io_binding()
+    for past in (n for n in inputs if n.startswith("past_key_values.")):
+        shape = inputs[past].shape
+        cache = ort.OrtValue.ortvalue_from_shape_and_type([1, shape[1], capacity, shape[3]],
+                                                          kinds[inputs[past].type], *where)
+        binding.bind_ortvalue_input(past, cache)
+        binding.bind_ortvalue_output(past.replace("past_key_values", "present"), cache)
+    logits_type = kinds[next(o.type for o in session.get_outputs() if o.name == "logits")]
+    vocab = next(o.shape for o in session.get_outputs() if o.name == "logits")[-1]
+    choose = Sampler()
+
+    def feed(name: str, array: np.ndarray):
+        value = ort.OrtValue.ortvalue_from_numpy(array, *where)
+        binding.bind_ortvalue_input(name, value)
+        return value
+
+    def one_round() -> tuple[float, float]:
+        held = [feed("input_ids", np.array([prompt], np.int64)),
+                feed("attention_mask", np.ones((1, len(prompt)), np.int64))]
+        first = ort.OrtValue.ortvalue_from_shape_and_type([1, len(prompt), vocab], logits_type, *where)
+        binding.bind_ortvalue_output("logits", first)
+        session.run_with_iobinding(binding, plain)
+        last = first.numpy()[:, -1]
+        token, mask = np.zeros((1, 1), np.int64), np.zeros((1, capacity), np.int64)
+        mask[0, :len(prompt)] = 1
+        token_value, mask_value = feed("input_ids", token), feed("attention_mask", mask)
+        logits = ort.OrtValue.ortvalue_from_shape_and_type([1, 1, vocab], logits_type, *where)
+        binding.bind_ortvalue_output("logits", logits)
+        length = len(prompt)
+        began = None
+        for step in range(steps + 5):   # five steps first: a graph is captured at its third run
+            if step == 5:
+                began = time.perf_counter_ns()
+            token[0, 0] = int(choose(last)[0])
+            mask[0, length] = 1
+            length += 1
+            token_value.update_inplace(token)
+            mask_value.update_inplace(mask)
+            if on_cuda:
+                cuda_synchronize()
+            session.run_with_iobinding(binding, graph)
+            last = logits.numpy()[:, -1]
+        loop = (time.perf_counter_ns() - began) / steps / 1e3
+        del held
+        return loop, replay_alone(session.run_with_iobinding, (binding, graph), steps)
+
+    found = [one_round() for _ in range(rounds)]
+    return {"step": statistics.median(f[0] for f in found), "replay alone": statistics.median(f[1] for f in found)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("plan", type=Path, help="a one-device generation plan folder")
+    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--no-cuda-graph", dest="graphs", action="store_false")
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--floor", action="store_true", help="also onnxruntime alone on the plan's program")
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    args = parser.parse_args()
+    from meshplan.errors import MeshplanError
+    from meshplan.plan_format import read_plan
+
+    try:
+        plan = read_plan(args.plan)
+    except MeshplanError as exc:
+        raise SystemExit(f"error: {exc}")
+    from meshplan.generation.loop import GenerationShape
+
+    try:
+        shape = GenerationShape.of_plan(plan)
+    except MeshplanError as exc:
+        raise SystemExit(f"error: {exc}")
+    if plan.num_ranks != 1 or not shape.shared:
+        raise SystemExit(f"error: {args.plan} is not a one-device generation plan (meshplan plan --mesh 1x1 --generate)")
+    if args.new_tokens < 1 or args.rounds < 1 or args.prompt_length < 1:
+        raise SystemExit("error: --new-tokens, --rounds and --prompt-length must be at least 1")
+    capacity = shape.context
+    if args.prompt_length + 2 * args.new_tokens + 1 > capacity:
+        raise SystemExit(f"error: a prompt of {args.prompt_length} and {2 * args.new_tokens} new tokens exceed the "
+                         f"plan's capacity of {capacity}")
+    vocab = shape.vocab or 32000
+    prompt = prompt_ids(args.prompt_length, vocab)
+    result = {"plan": str(args.plan), "provider": args.provider, "graphs": args.graphs,
+              "meshplan": meshplan_phases(args.plan, args.provider, args.graphs, prompt, args.new_tokens,
+                                          args.rounds, args.replays)}
+    if args.floor:
+        result["onnxruntime alone"] = floor_phases(args.plan / plan.programs[0].file, args.provider, args.graphs,
+                                                   capacity, prompt, 2 * args.new_tokens, args.rounds)
+    m = result["meshplan"]
+    print(f"{args.plan} on {args.provider}, CUDA graphs {'on' if args.graphs else 'off'}: µs per decode step "
+          f"(median of {args.rounds} rounds)")
+    for name in ("step", "loop's own decode timing", *PARTS, "python (the rest)", "replay alone"):
+        calls = m.get(name + " calls")
+        print(f"  meshplan {name:28} {m[name]:9.1f}" + (f"   ({calls:.1f} calls)" if calls is not None else ""))
+    first = m["first token"]
+    print(f"  first token (a generation of one token): whole call {first['first token (whole call)']:.1f}, "
+          f"TTFT {first['ttft']:.1f}; " + ", ".join(
+              f"{part} {first[part]:.1f} ({first[part + ' calls']:.0f})" for part in PARTS))
+    if args.provider == "cuda" and m.get("graphs"):
+        print(f"  CUDA graphs: {m['graphs']}")
+    if "onnxruntime alone" in result:
+        f = result["onnxruntime alone"]
+        print(f"  onnxruntime alone step            {f['step']:9.1f}")
+        print(f"  onnxruntime alone replay alone    {f['replay alone']:9.1f}")
+        print(f"  meshplan over onnxruntime alone   {m['step'] - f['step']:9.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
