@@ -35,9 +35,9 @@ def test_shared_cores_are_divided_without_spinning():
     assert not choose_threads(2, cores={0, 1}, machine_cores=2).oversubscribed
 
 
-def test_own_cores_from_the_launcher_keep_spinning():
+def test_own_cores_from_the_launcher_take_every_core_without_spinning():
     choice = choose_threads(2, cores={0, 1, 2, 3}, machine_cores=8, others=[{4, 5, 6, 7}])
-    assert (choice.threads, choice.spinning, choice.bound) == (4, True, True)
+    assert (choice.threads, choice.spinning, choice.bound) == (4, False, True)
     # overlapping bindings are shared cores
     overlap = choose_threads(2, cores={0, 1, 2, 3}, machine_cores=8, others=[{3, 4, 5, 6}])
     assert (overlap.threads, overlap.spinning) == (2, False)
@@ -56,7 +56,7 @@ def test_unbound_ranks_bind_themselves_to_shares_of_physical_cores():
     shares = [plan_threads([machine] * 2, i, 16, groups=one_each) for i in range(2)]
     assert [share for _, share in shares] == [set(range(8)), set(range(8, 16))]
     choice = shares[0][0]
-    assert (choice.threads, choice.spinning, choice.bound, choice.self_bound) == (8, True, True, True)
+    assert (choice.threads, choice.spinning, choice.bound, choice.self_bound) == (8, False, True, True)
     assert "bound by meshplan to 8 core(s) of its own" in choice.describe()
     # hyperthreads: siblings stay together, one thread per physical core
     siblings = [[c, c + 8] for c in range(8)]
@@ -235,14 +235,16 @@ def test_unbound_ranks_bind_themselves_in_a_job(tmp_path):
 
 
 def test_spinning_can_be_set_from_the_environment(monkeypatch):
-    own = [{0, 1, 2, 3}, {4, 5, 6, 7}]          # bound by the launcher: spinning on by the rule
-    shared = [{0, 1}, {0, 1}]                   # shared cores: spinning off by the rule
-    assert plan_threads(own, 0, 8, bind=False, pin=False)[0].spinning
+    alone = [{0, 1, 2, 3}]                      # alone on its machine: spinning on by the rule
+    own = [{0, 1, 2, 3}, {4, 5, 6, 7}]          # bound by the launcher, beside another rank: off
+    assert plan_threads(alone, 0, 4, bind=False, pin=False)[0].spinning
+    assert not plan_threads(own, 0, 8, bind=False, pin=False)[0].spinning
     monkeypatch.setenv(threads.SPINNING, "0")
-    choice = plan_threads(own, 0, 8, bind=False, pin=False)[0]
-    assert not choice.spinning and choice.threads == 4 and choice.bound
+    choice = plan_threads(alone, 0, 4, bind=False, pin=False)[0]
+    assert not choice.spinning and choice.threads == 4
     monkeypatch.setenv(threads.SPINNING, "1")
-    assert plan_threads(shared, 0, 2, bind=False, pin=False)[0].spinning
+    choice = plan_threads(own, 1, 8, bind=False, pin=False)[0]
+    assert choice.spinning and choice.threads == 4 and choice.bound
     monkeypatch.setenv(threads.SPINNING, "maybe")   # anything else leaves the rule's choice
-    assert not plan_threads(shared, 0, 2, bind=False, pin=False)[0].spinning
-    assert plan_threads(own, 1, 8, bind=False, pin=False)[0].spinning
+    assert not plan_threads(own, 0, 8, bind=False, pin=False)[0].spinning
+    assert plan_threads(alone, 0, 4, bind=False, pin=False)[0].spinning

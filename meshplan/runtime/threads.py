@@ -6,14 +6,17 @@ it bound none, every rank sees the whole machine and the cores are divided among
 that work there (idle ranks only wait). onnxruntime's pool threads spin between runs by
 default: a rank waiting in MPI while its own and its neighbours' threads spin on the same
 cores slows every rank of the machine (a 117 MB decode step on 16 cores took 33–84 ms on
-1x2 with spinning, 1.26 ms without). So spinning stays on only where a rank has its cores to
-itself: alone on the machine, or bound to cores no other rank was given.
+1x2 with spinning, 1.26 ms without). Cores of its own are not enough either: on a 16-core
+machine whose ranks were each bound to cores of their own, the same step took 5.0–5.4 ms on
+1x2 and 2.6–3.2 ms on 1x4 with spinning, 1.70–1.72 and 1.61–1.66 ms without (a rank's
+spinning pool threads and the other rank's working ones share more than cores: the memory
+bus, the hypervisor's time). So spinning stays on only where a rank is alone on its machine.
 
 Where the launcher bound none (every working rank of a machine sees the same cores: MPICH's
 mpiexec by default), the ranks bind themselves (``plan_threads``): the machine's physical
 cores (hyperthread siblings kept together, ``physical_cores``) are cut into one contiguous
 share per working rank, each rank sets its affinity to its share before onnxruntime makes
-its threads, and runs one thread per physical core of it, spinning. Only where every rank
+its threads, and runs one thread per physical core of it, without spinning. Only where every rank
 gets two physical cores or more (with one, a rank's onnxruntime has no pool threads to spin,
 and a 1x2 decode step on 2 cores was no faster bound, 0.872 of onnxruntime-genai's speed
 against 0.887 unbound; ranks on shared cores keep the old rule).
@@ -115,7 +118,7 @@ def choose_threads(working_here: int, cores: set[int] | None = None, machine_cor
     if working_here == 1:
         return ThreadChoice(count, True, count, 1, False)
     if others is not None and count < machine_cores and all(not (cores & o) for o in others):
-        return ThreadChoice(count, True, count, working_here, True)
+        return ThreadChoice(count, False, count, working_here, True)
     return ThreadChoice(max(1, count // working_here), False, count, working_here, False)
 
 
@@ -177,7 +180,7 @@ def _plan_threads(working: list[set[int]], index: int, machine_cores: int | None
         if per >= 2:
             mine = groups[index * per:(index + 1) * per]
             share = {cpu for group in mine for cpu in group}
-            return ThreadChoice(per, True, len(share), count, True, True, pins,
+            return ThreadChoice(per, False, len(share), count, True, True, pins,
                                 tuple(tuple(g) for g in mine) if pins else ()), share
     others = [set(a) for i, a in enumerate(working) if i != index]
     choice = choose_threads(count, cores, machine_cores, others)
