@@ -93,6 +93,20 @@ def _cuda_runtime():
     return None
 
 
+def cuda_copy_to_host(target_address: int, source_address: int, width: int, pitch: int, rows: int) -> bool:
+    """Copy ``rows`` runs of ``width`` bytes, ``pitch`` bytes apart, from GPU memory at
+    ``source_address`` to host memory at ``target_address`` (one after another):
+    ``cudaMemcpy2D``, which waits for the copy; False where there is no CUDA runtime or it
+    refused."""
+    runtime = _cuda_runtime()
+    if runtime is None:
+        return False
+    device_to_host = 2
+    return runtime.cudaMemcpy2D(ctypes.c_void_p(target_address), ctypes.c_size_t(width),
+                                ctypes.c_void_p(source_address), ctypes.c_size_t(pitch), ctypes.c_size_t(width),
+                                ctypes.c_size_t(rows), ctypes.c_int(device_to_host)) == 0
+
+
 def cuda_synchronize() -> None:
     """Wait until this process's work on the current GPU is done (copies into buffers
     included); nothing without a CUDA runtime."""

@@ -45,3 +45,70 @@ def llama_1x2(tmp_path_factory):
 def test_a_box_of_the_logits_crosses_alone(llama_1x2, where):
     lines = run_mpi_script("narrow_outputs_case.py", ranks=2, args=[llama_1x2] + ([where] if where != "host" else []))
     assert len(lines) == 6
+
+
+def test_box_runs_find_the_runs_a_box_lies_in():
+    from meshplan.runtime.buffers import box_runs
+
+    # (first byte, bytes per run, bytes between runs, runs, shape); float32, shape [2, 6, 10]
+    assert box_runs((2, 6, 10), np.s_[:, -1:], 4) == (5 * 40, 40, 240, 2, (2, 1, 10))
+    assert box_runs((2, 6, 10), np.s_[1:2], 4) == (240, 240, 480, 1, (1, 6, 10))
+    assert box_runs((2, 6, 10), np.s_[:, :, 3:5], 4) == (12, 8, 40, 12, (2, 6, 2))
+    assert box_runs((2, 6, 10), (), 4) == (0, 480, 480, 1, (2, 6, 10))
+    assert box_runs((2, 6, 10), np.s_[:, 1:3, 2:4], 4) is None          # two dims cut
+    assert box_runs((2, 6, 10), np.s_[:, ::2], 4) is None                # a step
+    assert box_runs((2, 6, 10), np.s_[:, 1], 4) is None                  # an index, not a slice
+
+
+@pytest.fixture(scope="module")
+def llama_1x1(tmp_path_factory):
+    out = tmp_path_factory.mktemp("narrow1")
+    done = run_cli("plan", SAMPLE_DIR / "genai" / "llama_fp32" / "model.onnx", "--mesh", "1x1", "--generate",
+                   "--max-length", "64", "-o", out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def test_a_box_of_an_output_kept_on_the_device_is_copied_alone(llama_1x1, monkeypatch):
+    """On the path a GPU runs (``Job(on_device=True)``, OrtValues in host memory here) a
+    prompt's last logits are copied to the host alone, not the whole prompt's logits."""
+    from meshplan.generation.loop import GenerationShape
+    from meshplan.runtime.buffers import DeviceTensor
+    from meshplan.runtime.job import Job
+
+    copies = []   # (whole or box, the shape that reached the host)
+    numpy, box_numpy = DeviceTensor.numpy, DeviceTensor.box_numpy
+
+    def whole(self):
+        copies.append(("whole", self.shape))
+        return numpy(self)
+
+    def boxed(self, box):
+        found = box_numpy(self, box)
+        if found is not None:
+            copies.append(("box", found.shape))
+        return found
+
+    monkeypatch.setattr(DeviceTensor, "numpy", whole)
+    monkeypatch.setattr(DeviceTensor, "box_numpy", boxed)
+    job = Job(llama_1x1, provider="cpu", cache_in_place=True, on_device=True)
+    try:
+        shape = GenerationShape.of_plan(job.plan)
+        prompt = np.array([[295, 277, 75, 312, 17, 42]], dtype=np.int64)
+        feeds = {shape.input_ids: prompt, shape.attention_mask: np.ones(prompt.shape, np.int64)}
+
+        def call(box):
+            job.reset_state()
+            copies.clear()
+            logits = job.run(feeds, outputs={"logits": box} if box is not None else None)["logits"]
+            return logits, list(copies)
+
+        full, _ = call(None)
+        for box in (np.s_[:, -1:], np.s_[:, 2:4], np.s_[:, :, :10], np.s_[-1:]):
+            got, copied = call(box)
+            assert got.shape == full[box].shape and np.array_equal(got, full[box]), box
+            assert copied == [("box", full[box].shape)], (box, copied)   # the box alone reached the host
+        got, copied = call(np.s_[:, 1:3, :10])         # two dims cut: the whole is copied, then cut
+        assert np.array_equal(got, full[:, 1:3, :10]) and copied == [("whole", full.shape)], copied
+    finally:
+        job.close()

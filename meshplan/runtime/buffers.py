@@ -21,6 +21,8 @@ bits (only data movement, no arithmetic, happens here).
 
 from __future__ import annotations
 
+import ctypes
+
 from typing import Sequence
 
 import numpy as np
@@ -148,6 +150,26 @@ class DeviceTensor:
         return DeviceTensor(self.value, (stop - start, *self.shape[1:]), self.dtype, self.offset + start * row,
                             self.device)
 
+    def box_numpy(self, box: tuple) -> np.ndarray | None:
+        """``box`` of this tensor alone copied to the host (a prompt's last logits, not the
+        whole prompt's), where its memory is equally spaced runs (``box_runs``); else None."""
+        runs = box_runs(self.shape, box, self.dtype.itemsize)
+        if runs is None:
+            return None
+        first, width, pitch, count, shape = runs
+        found = np.empty(shape, self.dtype)
+        if found.nbytes == 0:
+            return found
+        source = self.address + first
+        if self.value.device_name().lower() == "cuda":
+            from meshplan.providers import cuda_copy_to_host
+
+            return found if cuda_copy_to_host(found.ctypes.data, source, width, pitch, count) else None
+        memory = (ctypes.c_char * (pitch * (count - 1) + width)).from_address(source)
+        runs_view = np.lib.stride_tricks.as_strided(np.frombuffer(memory, np.uint8), (count, width), (pitch, 1))
+        found.reshape(-1).view(np.uint8).reshape(count, width)[...] = runs_view
+        return found
+
     def numpy(self) -> np.ndarray:
         """A host copy (of the view's rows only). onnxruntime gives a tensor in host memory
         as a view of its buffer, which the next run may overwrite: copied; one in device
@@ -160,6 +182,32 @@ class DeviceTensor:
         start = self.offset // row if row else 0
         rows = whole[start:start + self.shape[0]]
         return rows if fresh else np.array(rows, copy=True)
+
+
+def box_runs(shape: tuple[int, ...], box: tuple, itemsize: int) -> tuple | None:
+    """Where ``box`` (slices, one per leading dim) of a C-ordered tensor of ``shape`` lies in
+    its memory, if it cuts one dim into a run (step 1) and leaves the others whole: (first
+    byte, bytes per run, bytes from one run to the next, runs, the box's shape); else None."""
+    box = (box if isinstance(box, tuple) else (box,))[:len(shape)]
+    if not all(isinstance(s, slice) for s in box):
+        return None
+    cut, start, stop = None, 0, 0
+    for axis, (dim, s) in enumerate(zip(shape, box)):
+        first, last, step = s.indices(dim)
+        if step != 1:
+            return None
+        last = max(first, last)
+        if (first, last) == (0, dim):
+            continue
+        if cut is not None:
+            return None
+        cut, start, stop = axis, first, last
+    if cut is None:
+        size = int(np.prod(shape)) * itemsize
+        return 0, size, size, 1, tuple(shape)
+    inner = int(np.prod(shape[cut + 1:])) * itemsize
+    return (start * inner, (stop - start) * inner, shape[cut] * inner, int(np.prod(shape[:cut])),
+            (*shape[:cut], stop - start, *shape[cut + 1:]))
 
 
 class DeviceBuffers:

@@ -269,8 +269,10 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
     ``narrow``: {output: box} of program outputs the caller takes only ``box`` of (the last
     position's logits of a prompt, say). Where such an output is a collective's, that no
     later segment reads, and the box commutes with it (``narrowed_box``), the box is taken
-    of the collective's inputs, so that only it crosses the ranks; the name then leaves
-    ``narrow``: its value is the box already."""
+    of the collective's inputs, so that only it crosses the ranks; a session that keeps its
+    tensors on a device copies only the box of such an output to the host
+    (``StageSession.run``'s ``boxes``). The name then leaves ``narrow``: its value is the box
+    already."""
     ranks = list(runners)
     if len(ranks) == 1 and len(values) == 1 and around is None and after is None:
         rank = ranks[0]
@@ -319,10 +321,19 @@ def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, o
     host = buffers is HOST
     for index, part in enumerate(runner.segments):
         session = part.session
+        c = part.collective
         if session is not None:
             feeds = {n: mine[n] for n in part.inputs}
-            mine.update(session.run(feeds, writable, bound) if host else session.run_bound(feeds, buffers, writable))
-        c = part.collective
+            if not host:
+                mine.update(session.run_bound(feeds, buffers, writable))
+            elif narrow and session.device is not None:   # outputs to the host: only their boxes
+                later = runner.read_after(index) | ({c.input} if c is not None else set())
+                boxes = {name: box for name, box in narrow.items() if name in part.outputs and name not in later}
+                mine.update(session.run(feeds, writable, bound, boxes))
+                for name in boxes:   # its value is the box already
+                    del narrow[name]
+            else:
+                mine.update(session.run(feeds, writable, bound))
         if c is None:
             continue
         tensor = mine[c.input]

@@ -55,8 +55,11 @@ class ResidentRuns:
         """Graphs in use (a dropped one no longer counts)."""
         return len(self.graphs)
 
-    def run(self, feeds: dict, reused: dict[str, str]) -> dict:
-        """``reused``: output → the feed it is written into (a device tensor the caller owns)."""
+    def run(self, feeds: dict, reused: dict[str, str], boxes: dict | None = None) -> dict:
+        """``reused``: output → the feed it is written into (a device tensor the caller owns).
+        ``boxes``: {output: box} of outputs returned to the host whose box alone the caller
+        takes: only the box is copied (``DeviceTensor.box_numpy``) where its memory allows;
+        ``boxes`` keeps the names so copied and loses the others."""
         session = self.session
         reused = {o: i for o, i in reused.items() if isinstance(feeds[i], DeviceTensor)}
         shapes, addresses = [], []
@@ -117,9 +120,22 @@ class ResidentRuns:
                 self.outputs.pop(self.last_shapes, None)
             self.outputs[shapes] = outputs
         self.last_shapes = shapes
-        return {name: feeds[reused[name]] if name in reused
-                else outputs[name].numpy() if name in self.to_host else outputs[name]
-                for name in session.output_names}
+        found = {}
+        for name in session.output_names:
+            if name in reused:
+                found[name] = feeds[reused[name]]
+            elif name not in self.to_host:
+                found[name] = outputs[name]
+            else:
+                box = boxes.get(name) if boxes else None
+                host = outputs[name].box_numpy(box) if box is not None else None
+                found[name] = host if host is not None else outputs[name].numpy()
+                if host is None and boxes:
+                    boxes.pop(name, None)
+        if boxes:
+            for name in [n for n in boxes if n in reused or n not in self.to_host or n not in found]:
+                del boxes[name]
+        return found
 
     def _bind(self, slot: tuple, tensor: DeviceTensor) -> None:
         """Bind ``tensor`` to an input or output unless it is bound there already: a whole

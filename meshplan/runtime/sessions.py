@@ -157,14 +157,20 @@ class StageSession:
         ``writable``."""
         return {o: i for o, i in self.in_place.items() if i in writable and i in feeds}
 
-    def run(self, feeds: dict[str, np.ndarray], writable=frozenset(), bound: bool = False) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], writable=frozenset(), bound: bool = False,
+            boxes: dict | None = None) -> dict[str, np.ndarray]:
         """``writable``: feeds this run may overwrite; an output written in place is returned
         as that very array. ``bound``: the caller reads this run's outputs before it runs the
         session again (one microbatch at a time): a run that repeats the input shapes of the
         run before may then bind its buffers once and write its outputs where the run before
-        wrote them (``_bound_repeats``)."""
+        wrote them (``_bound_repeats``). ``boxes``: {output: box} the caller takes only the box
+        of; a session that keeps its tensors on a device copies only the box of such an output
+        to the host, and ``boxes`` keeps the names it did so for (an output in host memory is
+        whole: ``boxes`` is emptied)."""
         if self.device is not None:   # tensors kept where the provider computes (``keep_on``)
-            return self._resident.run(feeds, self._reused(feeds, writable))
+            return self._resident.run(feeds, self._reused(feeds, writable), boxes)
+        if boxes:
+            boxes.clear()
         if self._repeat is not None and (bound or self._repeat[2]):   # a decode step: the run before's buffers
             found = self._run_again(feeds, writable)
             if found is not None:
