@@ -8,8 +8,8 @@ default: a rank waiting in MPI while its own and its neighbours' threads spin on
 cores slows every rank of the machine (a 117 MB decode step on 16 cores took 33–84 ms on
 1x2 with spinning, 1.26 ms without). Cores of its own are not enough either: on a 16-core
 machine whose ranks were each bound to cores of their own, the same step took 5.0–5.4 ms on
-1x2 and 2.6–3.2 ms on 1x4 with spinning, 1.70–1.72 and 1.61–1.66 ms without (a rank's
-spinning pool threads and the other rank's working ones share more than cores: the memory
+1x2 and 2.6–3.2 ms on 1x4 with spinning, 1.70–1.72 and 1.61–1.66 ms without (presumably
+one rank's spinning threads and the other's working ones share more than cores: the memory
 bus, the hypervisor's time). So spinning stays on only where a rank is alone on its machine.
 
 Where the launcher bound none (every working rank of a machine sees the same cores: MPICH's
