@@ -1,7 +1,9 @@
 """Part of an output asked for (``Job.run(outputs={name: box})``): where the output comes
 out of a collective the box commutes with (an all-gather the box leaves whole along its dim,
 an all-reduce), the box is taken before the collective, so only it crosses the ranks (a
-prompt's last logits, not all of them); the values are the box of the whole either way."""
+prompt's last logits, not all of them); the values are the box of the whole either way. On the
+path a GPU runs, an output kept on the device is copied to the host as its box alone, and the
+state's device buffers stay where they were from one request to the next."""
 
 from __future__ import annotations
 
@@ -110,5 +112,28 @@ def test_a_box_of_an_output_kept_on_the_device_is_copied_alone(llama_1x1, monkey
             assert copied == [("box", full[box].shape)], (box, copied)   # the box alone reached the host
         got, copied = call(np.s_[:, 1:3, :10])         # two dims cut: the whole is copied, then cut
         assert np.array_equal(got, full[:, 1:3, :10]) and copied == [("whole", full.shape)], copied
+    finally:
+        job.close()
+
+
+def test_each_state_takes_its_own_device_buffer_again_after_a_reset(llama_1x1):
+    """A new request's cache on the device is the buffers the request before left, each state
+    its own: a CUDA graph of the decode step reads their addresses (two layers' buffers
+    swapped at every reset once, and every other request captured its graph again)."""
+    from meshplan.generation.loop import GenerationShape
+    from meshplan.runtime.job import Job
+
+    job = Job(llama_1x1, provider="cpu", cache_in_place=True, on_device=True)
+    try:
+        shape = GenerationShape.of_plan(job.plan)
+        prompt = np.array([[295, 277, 75, 312]], dtype=np.int64)
+        feeds = {shape.input_ids: prompt, shape.attention_mask: np.ones(prompt.shape, np.int64)}
+        addresses = []
+        for _ in range(3):
+            job.reset_state()
+            job.run(feeds, outputs={"logits": np.s_[:, -1:]})
+            addresses.append({name: tensor.address for name, tensor in job.state.items()})
+        assert len(addresses[0]) >= 2 and len(set(addresses[0].values())) == len(addresses[0])
+        assert addresses[1] == addresses[0] and addresses[2] == addresses[0]
     finally:
         job.close()

@@ -230,7 +230,7 @@ class Job:
         self.header_size = 2 + sum(len(t.shape) for t in self.inputs) + sum(1 + len(t.shape) for t in self.state_entries_specs()) \
             + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
-        self._spare: dict[tuple, list] = {}     # device state buffers let go, by shape, to take again
+        self._spare: dict[tuple, dict] = {}     # device state buffers let go, by shape, then name: to take again
         self.state_shapes: dict[str, tuple | None] = {}   # on rank 0: each state's whole shape, where known
         self._route_cache: dict[frozenset, tuple] = {}     # ``_routes`` by the set of wanted outputs
         self._sized: dict[tuple, tuple] = {}    # ``_check_call``'s sizes by the call's shapes (and the state's)
@@ -585,9 +585,9 @@ class Job:
             self._tracked = None
 
     def _drop_state(self) -> None:
-        for tensor in self.state.values():
+        for name, tensor in self.state.items():
             if isinstance(tensor, DeviceTensor) and tensor.whole:
-                self._spare.setdefault((tensor.shape, tensor.dtype.str), []).append(tensor)
+                self._spare.setdefault((tensor.shape, tensor.dtype.str), {})[name] = tensor
         self.state.clear()
         if self.session is not None:
             self.session.release()   # the sessions' kept bindings hold the cache buffers too
@@ -674,7 +674,7 @@ class Job:
         for name, shape in create.items():
             if name in stage.inputs:
                 self.state[name] = self._empty_state(self.state_specs[name].local_shape(shape, self.mesh),
-                                                     self._dtype_of(name))
+                                                     self._dtype_of(name), name)
         micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
         results = self._microbatches(micro, wanted, origin, int(header[1]), copy)
         return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
@@ -708,16 +708,19 @@ class Job:
         found = self._parsed[key] = (shapes, create, wanted)
         return found
 
-    def _empty_state(self, shape, dtype):
+    def _empty_state(self, shape, dtype, name: str):
         """A state of zeros; on the device, a buffer of this shape that an earlier state left
-        (``_drop_state``) is taken again, so that its address, which a CUDA graph reads, stays.
+        (``_drop_state``) is taken again, so that its address, which a CUDA graph reads, stays:
+        state ``name``'s own where it left one (any other would change the addresses a graph
+        of the decode step was captured with: the buffers of two layers swapped at each new
+        request, and every other request captured its graph again).
         A cache updated in place keeps what the buffer held (as its positions past a
         sequence's length do: attention never reads them), so a new request copies nothing
         to the device: zeroing a cache of 6 MB from the host took part of an H200's TTFT,
         one of gigabytes would take most of it."""
         spare = self._spare.get((tuple(shape), np.dtype(dtype).str)) if self.state_buffers is not HOST else None
         if spare:
-            tensor = spare.pop()
+            tensor = spare.pop(name) if name in spare else spare.pop(next(iter(spare)))
             if not self.cache_in_place:
                 tensor.value.update_inplace(np.zeros(tuple(shape), dtype=dtype))
             return tensor
