@@ -95,14 +95,14 @@ def prompt_ids(length: int, vocab: int) -> list[int]:
 
 
 def meshplan_phases(plan_dir: Path, provider: str, graphs: bool, prompt: list[int], new_tokens: int,
-                    rounds: int, replays: int) -> dict:
+                    rounds: int, replays: int, on_device: bool | None = None) -> dict:
     """µs per decode step of each part (the medians of the rounds), and the replay alone's."""
     from meshplan.generation.driver import JobStepper
     from meshplan.generation.loop import Generation, GenerationShape
     from meshplan.generation.sampling import Sampler
     from meshplan.runtime.job import Job
 
-    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs)
+    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device)
     try:
         generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
         generation.run([prompt], 2, Sampler(), ())            # the warm-up `meshplan generate` runs
@@ -250,6 +250,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--floor", action="store_true", help="also onnxruntime alone on the plan's program")
+    parser.add_argument("--on-device", action="store_true",
+                        help="with the CPU provider: the path a GPU runs (tensors kept in onnxruntime's buffers)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
     from meshplan.errors import MeshplanError
@@ -277,7 +279,7 @@ def main() -> None:
     prompt = prompt_ids(args.prompt_length, vocab)
     result = {"plan": str(args.plan), "provider": args.provider, "graphs": args.graphs,
               "meshplan": meshplan_phases(args.plan, args.provider, args.graphs, prompt, args.new_tokens,
-                                          args.rounds, args.replays)}
+                                          args.rounds, args.replays, True if args.on_device else None)}
     if args.floor:
         result["onnxruntime alone"] = floor_phases(args.plan / plan.programs[0].file, args.provider, args.graphs,
                                                    capacity, prompt, 2 * args.new_tokens, args.rounds)

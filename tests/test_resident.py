@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from meshplan.errors import RunError
 from meshplan.runtime.buffers import DeviceBuffers, DeviceTensor
 from meshplan.runtime.resident import MAX_GRAPHS
 from meshplan.runtime.sessions import GRAPH_ID, StageSession
@@ -115,3 +116,49 @@ def test_an_output_whose_shape_follows_from_values_drops_its_graph():
     for _ in range(3):   # these shapes are given no graph again
         assert session.run({"x": two})["y"].tolist() == [[0, 2]]
     assert session.graph_count == 0
+
+
+def test_a_run_that_repeats_the_run_before_binds_nothing_again(session, monkeypatch):
+    """A decode step: the same device tensors, numpy feeds of the same shapes: the numpy feeds
+    are copied into their buffers and the session runs, nothing bound or looked up again; any
+    change (another cache, another shape, another dtype) takes the checked path."""
+    resident = session._resident
+    checked = []
+    graph_options = resident._graph_options
+    monkeypatch.setattr(resident, "_graph_options", lambda *a: checked.append(1) or graph_options(*a))
+    cache = session.device.from_host(np.zeros((2, 1), np.float32))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    total = np.zeros((2, 1), np.float32)
+    for step in range(4):
+        out = session.run({"x": x + step, "c": cache}, writable={"c"})
+        total += (x + step)[:, :1]
+        assert np.array_equal(out["z"], (x + step + 1) * 2) and out["c2"] is cache
+        assert np.array_equal(out["y"].numpy(), x + step + 1) and np.array_equal(cache.numpy(), total)
+    assert len(checked) == 1   # the first run alone was checked
+    other = session.device.from_host(np.ones((2, 1), np.float32))
+    out = session.run({"x": x, "c": other}, writable={"c"})          # another cache: checked
+    assert len(checked) == 2 and np.array_equal(other.numpy(), 1 + x[:, :1]) and np.array_equal(cache.numpy(), total)
+    out = session.run({"x": x[:1], "c": other[:1]}, writable={"c"})   # other shapes: checked
+    assert len(checked) == 3 and np.array_equal(out["z"], (x[:1] + 1) * 2)
+    with pytest.raises(RunError, match="data type"):   # another dtype: checked, and refused
+        session.run({"x": x[:1].astype(np.float64), "c": other[:1]}, writable={"c"})
+    assert len(checked) == 5   # (tried once more on new output buffers, as a value-shaped output is)
+    session.run({"x": x[:1], "c": other[:1]}, writable={"c"})
+    out = session.run({"x": x[:1] + 1, "c": other[:1]}, writable={"c"})   # repeats: not checked
+    assert len(checked) == 6 and np.array_equal(out["z"], (x[:1] + 2) * 2)
+
+
+def test_a_repeated_run_with_graphs_is_checked_until_its_graph_is_settled(session, monkeypatch):
+    session.graphs = True
+    session._plain_run = ort.RunOptions()
+    session._plain_run.add_run_config_entry(GRAPH_ID, "-1")
+    resident = session._resident
+    checked = []
+    graph_options = resident._graph_options
+    monkeypatch.setattr(resident, "_graph_options", lambda *a: checked.append(1) or graph_options(*a))
+    cache = session.device.from_host(np.zeros((1, 1), np.float32))
+    for step in range(5):
+        out = session.run({"x": np.full((1, 1), step, np.float32), "c": cache}, writable={"c"})
+        assert np.array_equal(out["z"], [[(step + 1) * 2]])
+    assert len(checked) == 2 and session.graph_count == 1   # a plain run, then the graph's: replayed after
+    assert np.array_equal(cache.numpy(), [[0 + 1 + 2 + 3 + 4]])
