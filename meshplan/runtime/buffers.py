@@ -22,6 +22,7 @@ bits (only data movement, no arithmetic, happens here).
 from __future__ import annotations
 
 import ctypes
+import math
 
 from typing import Sequence
 
@@ -128,7 +129,7 @@ class DeviceTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def whole(self) -> bool:
@@ -146,7 +147,7 @@ class DeviceTensor:
         start, stop, step = rows.indices(self.shape[0])
         if step != 1 or not self.shape:
             raise ValueError("a device tensor's view is a run of rows")
-        row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
         return DeviceTensor(self.value, (stop - start, *self.shape[1:]), self.dtype, self.offset + start * row,
                             self.device)
 
@@ -165,9 +166,12 @@ class DeviceTensor:
             from meshplan.providers import cuda_copy_to_host
 
             return found if cuda_copy_to_host(found.ctypes.data, source, width, pitch, count) else None
-        memory = (ctypes.c_char * (pitch * (count - 1) + width)).from_address(source)
-        runs_view = np.lib.stride_tricks.as_strided(np.frombuffer(memory, np.uint8), (count, width), (pitch, 1))
-        found.reshape(-1).view(np.uint8).reshape(count, width)[...] = runs_view
+        memory = np.frombuffer((ctypes.c_char * (pitch * (count - 1) + width)).from_address(source), np.uint8)
+        target = found.reshape(-1).view(np.uint8)
+        if count == 1:
+            target[...] = memory
+        else:
+            target.reshape(count, width)[...] = np.lib.stride_tricks.as_strided(memory, (count, width), (pitch, 1))
         return found
 
     def numpy(self) -> np.ndarray:
@@ -178,7 +182,7 @@ class DeviceTensor:
         fresh = whole.flags.owndata
         if self.whole:
             return whole if fresh else np.array(whole, copy=True)
-        row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
         start = self.offset // row if row else 0
         rows = whole[start:start + self.shape[0]]
         return rows if fresh else np.array(rows, copy=True)
@@ -203,10 +207,10 @@ def box_runs(shape: tuple[int, ...], box: tuple, itemsize: int) -> tuple | None:
             return None
         cut, start, stop = axis, first, last
     if cut is None:
-        size = int(np.prod(shape)) * itemsize
+        size = math.prod(shape) * itemsize
         return 0, size, size, 1, tuple(shape)
-    inner = int(np.prod(shape[cut + 1:])) * itemsize
-    return (start * inner, (stop - start) * inner, shape[cut] * inner, int(np.prod(shape[:cut])),
+    inner = math.prod(shape[cut + 1:]) * itemsize
+    return (start * inner, (stop - start) * inner, shape[cut] * inner, math.prod(shape[:cut]),
             (*shape[:cut], stop - start, *shape[cut + 1:]))
 
 

@@ -43,6 +43,7 @@ Every rank counts the bytes it sends per tensor during each call (``moved_bytes`
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -943,7 +944,7 @@ def _nbytes(buffers, value) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
     shape = buffers.shape(value)
-    return int(np.prod(shape)) * np.dtype(value.dtype).itemsize
+    return math.prod(shape) * np.dtype(value.dtype).itemsize
 
 
 def _event(name, rank: int, start: float, duration: float, mb: int) -> dict:
