@@ -156,6 +156,34 @@ def meshplan_phases(plan_dir: Path, provider: str, graphs: bool, prompt: list[in
         job.close()
 
 
+def profile_calls(plan_dir: Path, provider: str, graphs: bool, prompt: list[int], new_tokens: int, top: int,
+                  on_device: bool | None) -> None:
+    """cProfile's functions of most time of their own in ``--rounds``-independent runs: decode
+    steps (generations of ``new_tokens``), then first tokens (generations of one token)."""
+    import cProfile
+    import pstats
+
+    from meshplan.generation.driver import JobStepper
+    from meshplan.generation.loop import Generation, GenerationShape
+    from meshplan.generation.sampling import Sampler
+    from meshplan.runtime.job import Job
+
+    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device)
+    try:
+        generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
+        generation.run([prompt], 6, Sampler(), ())
+        for what, tokens, times in (("decode steps", new_tokens, 5), ("first tokens", 1, 50)):
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(times):
+                generation.run([prompt], tokens, Sampler(), ())
+            profile.disable()
+            print(f"-- cProfile, {what}: {times} generations of {tokens} token(s)")
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+    finally:
+        job.close()
+
+
 def replay_alone(run, args, replays: int) -> float:
     """µs per call of the last decode run, back to back."""
     for _ in range(5):
@@ -253,6 +281,9 @@ def main() -> None:
     parser.add_argument("--on-device", action="store_true",
                         help="with the CPU provider: the path a GPU runs (tensors kept in onnxruntime's buffers)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N functions of most time of their own (cProfile) in decode steps and "
+                             "in first tokens, measured apart after the rest")
     args = parser.parse_args()
     from meshplan.errors import MeshplanError
     from meshplan.plan_format import read_plan
@@ -300,6 +331,9 @@ def main() -> None:
         print(f"  onnxruntime alone step            {f['step']:9.1f}")
         print(f"  onnxruntime alone replay alone    {f['replay alone']:9.1f}")
         print(f"  meshplan over onnxruntime alone   {m['step'] - f['step']:9.1f}")
+    if args.profile:
+        profile_calls(args.plan, args.provider, args.graphs, prompt, args.new_tokens, args.profile,
+                      True if args.on_device else None)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
