@@ -239,6 +239,7 @@ class Job:
         self._last_key = None                  # the last call's shapes (``_check_call``)
         self._headers: dict[tuple, np.ndarray] = {}   # RUN headers by shapes and wanted outputs
         self._parsed: dict[bytes, tuple] = {}         # ``_parse_run``: RUN headers read, by their bytes
+        self._new_states: dict[tuple, tuple] = {}     # (state, its shape) → (this rank's piece's shape, dtype)
         self._read_wanted = (None, None, None)   # ``_wanted``: the last ``outputs`` dict, a copy, what it asked for
         self._repeat: _Repeat | None = None      # a call repeating the call before needs only its header
         self._taken: dict[str, tuple] = {}       # ``_take_output``: output → (its array, the box, the view)
@@ -674,8 +675,13 @@ class Job:
             received[spec.name] = array
         for name, shape in create.items():
             if name in stage.inputs:
-                self.state[name] = self._empty_state(self.state_specs[name].local_shape(shape, self.mesh),
-                                                     self._dtype_of(name), name)
+                made = self._new_states.get((name, shape))
+                if made is None:
+                    if len(self._new_states) >= _SIZED_KEPT:
+                        self._new_states.clear()
+                    made = self._new_states[(name, shape)] = (self.state_specs[name].local_shape(shape, self.mesh),
+                                                             self._dtype_of(name))
+                self.state[name] = self._empty_state(*made, name)
         micro = split_microbatches(received, plan) if received else [dict() for _ in range(plan.microbatches)]
         results = self._microbatches(micro, wanted, origin, int(header[1]), copy)
         return join_microbatches(results, plan) if rank == 0 and results and results[0] else {}
