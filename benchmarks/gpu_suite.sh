@@ -33,8 +33,10 @@ P12="$O/work/$(basename "$FP16")_model_1x2_512"
 if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ]; then
   export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  forward=""   # Open MPI passes a rank only the variables -x names; MPICH's hydra passes all
+  ${MPIRUN%% *} --version 2>&1 | grep -q "Open MPI\|OpenRTE" && forward="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
-    TAIL=8 step mps_1x2 120 $MPIRUN -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
+    TAIL=8 step mps_1x2 120 $MPIRUN $forward -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
       --eos -1 --provider cuda --output "$O/mps_1x2.json"
     echo quit | nvidia-cuda-mps-control
   else echo "== mps_1x2: MPS did not start"; fi
