@@ -454,3 +454,34 @@ def test_a_box_that_is_a_copy_is_taken_again_on_every_repeated_run(tmp_path):
         assert not np.array_equal(boxed[3], boxed[4])
     finally:
         job.close()
+
+
+def test_no_integer_crosses_a_cut_of_a_builder_program(tmp_path, monkeypatch):
+    """The attention mask's reformat (``seqlens_k``, ``total_sequence_length``) is made in the
+    first segment and read after each collective: every segment that reads it makes it again
+    from ``attention_mask`` (a CUDA graph's capture refuses the copy to the host that crossing
+    on the GPU costs), with the logits of the segments that let it cross."""
+    from meshplan.plan_format import COLLECTIVE_DOMAIN
+    from meshplan.runtime import program
+
+    plan = builder_plan(tmp_path)
+    runner, model = rank0_runner(plan, tmp_path)
+    typed = {v.name: v for v in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info)}
+    integers = {name for name, v in typed.items()
+                if v.type.tensor_type.elem_type in (onnx.TensorProto.INT32, onnx.TensorProto.INT64)}
+    graph_inputs = {v.name for v in model.graph.input}
+    assert len(runner.segments) > 2
+    assert [(i, n) for i, s in enumerate(runner.segments) for n in s.inputs
+            if n in integers and n not in graph_inputs] == []
+    assert any("attention_mask" in s.inputs for s in runner.segments[1:])
+
+    monkeypatch.setattr(program, "integers_made_where_read", lambda runs, *rest: runs)   # as before
+    crossing, _ = rank0_runner(plan, tmp_path)
+    assert [n for s in crossing.segments[1:] for n in s.inputs if n in integers and n not in graph_inputs]
+    assert sum(1 for n in model.graph.node if n.domain == COLLECTIVE_DOMAIN) == len(runner.segments) - 1
+
+    feeds = {"input_ids": np.array([[5, 9, 13]], np.int64), "attention_mask": np.ones((1, 3), np.int64)}
+    feeds.update(zero_cache(model))
+    got = runner.run(dict(feeds), one_rank)["logits"]
+    want = crossing.run(dict(feeds), one_rank)["logits"]
+    np.testing.assert_array_equal(got, want)

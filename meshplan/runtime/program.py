@@ -109,6 +109,76 @@ def _collective(node: onnx.NodeProto) -> Collective:
     return Collective(step, node.input[0], node.output[0])
 
 
+_INTEGERS = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
+             onnx.TensorProto.UINT64, onnx.TensorProto.UINT32, onnx.TensorProto.UINT16, onnx.TensorProto.UINT8,
+             onnx.TensorProto.BOOL}
+_COPIED_NODES = 16          # at most this many nodes copied to make one tensor again
+_SMALL_WEIGHT = 1024        # bytes: the largest constant such a copy may read
+
+
+def integers_made_where_read(runs: list[list[onnx.NodeProto]], inputs: set[str], typed: dict,
+                             weights: dict) -> list[list[onnx.NodeProto]]:
+    """The segments' nodes, each segment after the first also given copies of the nodes that
+    make an integer tensor it reads from an earlier segment, where those nodes make only
+    integer tensors from the program's inputs and small constants (a few at most): then that
+    tensor is made where it is read and crosses no cut. A builder Llama's attention mask
+    reformat (``seqlens_k``, ``total_sequence_length``) is such a tensor, made before the first
+    collective and read by every attention after one; kept on a GPU between segments,
+    GroupQueryAttention copies ``total_sequence_length`` back to the host inside the run, which
+    a CUDA graph's capture refuses."""
+    made_in: dict[str, tuple[int, onnx.NodeProto]] = {}
+    for index, nodes in enumerate(runs):
+        for node in nodes:
+            for name in node.output:
+                if name:
+                    made_in[name] = (index, node)
+
+    def integer(name: str) -> bool:
+        if name in weights:
+            tensor = weights[name]
+            size = 1
+            for d in tensor.dims:
+                size *= d
+            return tensor.data_type in _INTEGERS and size * 8 <= _SMALL_WEIGHT
+        value = typed.get(name)
+        return value is not None and value.type.tensor_type.elem_type in _INTEGERS
+
+    def recipe(name: str, index: int, order: list, seen: set) -> bool:
+        """Append to ``order`` the nodes that make ``name`` from inputs and small integer
+        constants, producers first; False if it is not made so (or by too many)."""
+        if name in inputs or name in weights:
+            return integer(name)
+        found = made_in.get(name)
+        if found is None or found[0] >= index or not integer(name):
+            return False
+        node = found[1]
+        if id(node) in seen:
+            return True
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return False
+        if not all(integer(o) for o in node.output if o):
+            return False
+        for i in node.input:
+            if i and not recipe(i, index, order, seen):
+                return False
+        seen.add(id(node))
+        order.append(node)
+        return len(order) <= _COPIED_NODES
+
+    copied = [list(nodes) for nodes in runs]
+    for index in range(1, len(runs)):
+        here = {o for node in runs[index] for o in node.output if o}
+        added: list[onnx.NodeProto] = []
+        for name in dict.fromkeys(i for node in runs[index] for i in node.input if i):
+            if name in here or name not in made_in or made_in[name][0] >= index:
+                continue
+            order: list[onnx.NodeProto] = []
+            if recipe(name, index, order, {id(n) for n in added}):
+                added.extend(order)
+        copied[index] = added + copied[index]
+    return copied
+
+
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
                  spinning: bool | None = None, graphs: bool = False, affinities: str | None = None):
@@ -145,6 +215,7 @@ class ProgramRunner:
                 runs.append([])
             else:
                 runs[-1].append(node)
+        runs = integers_made_where_read(runs, {v.name for v in graph.input}, typed, weights)
         needed_later = [set() for _ in runs]
         later = {o.name for o in graph.output}
         for index in range(len(runs) - 1, -1, -1):
