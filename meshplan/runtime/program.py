@@ -181,13 +181,18 @@ def integers_made_where_read(runs: list[list[onnx.NodeProto]], inputs: set[str],
 
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
-                 spinning: bool | None = None, graphs: bool = False, affinities: str | None = None):
+                 spinning: bool | None = None, graphs: bool = False, affinities: str | None = None,
+                 remake_integers: bool = False):
         """``lazy``: open no session yet; the caller opens and closes each segment
         (``Segment.open``/``close``), so that only the segments it runs hold weights.
         ``spinning``, ``graphs``, ``affinities``: see ``StageSession``. Only a program of one segment captures
         CUDA graphs: the segments of a program cut at its collectives pass shape values that
         onnxruntime copies between the GPU and the host inside a run, which a capture refuses
-        (seen on an H200: "operation not permitted when stream is capturing")."""
+        (seen on an H200: "operation not permitted when stream is capturing").
+        ``remake_integers``: each segment makes again the integer tensors it reads from an
+        earlier one (``integers_made_where_read``), so that none crosses a cut: the step
+        before graphs in programs of several segments, off until a GPU run shows it (on the
+        CPU the copied nodes cost 1-5% of the int4 Llama's 1x2 decode step)."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         header = onnx.load(str(path), load_external_data=False)
         self.graph_outputs = {o.name for o in header.graph.output}
@@ -215,7 +220,8 @@ class ProgramRunner:
                 runs.append([])
             else:
                 runs[-1].append(node)
-        runs = integers_made_where_read(runs, {v.name for v in graph.input}, typed, weights)
+        if remake_integers:
+            runs = integers_made_where_read(runs, {v.name for v in graph.input}, typed, weights)
         needed_later = [set() for _ in runs]
         later = {o.name for o in graph.output}
         for index in range(len(runs) - 1, -1, -1):
