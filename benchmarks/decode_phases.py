@@ -264,6 +264,7 @@ def floor_phases(program: Path, provider: str, graphs: bool, capacity: int, prom
         del held
         return loop, replay_alone(session.run_with_iobinding, (binding, graph), steps)
 
+    one_round()   # onnxruntime's first runs of each shape: not the step's
     found = [one_round() for _ in range(rounds)]
     return {"step": statistics.median(f[0] for f in found), "replay alone": statistics.median(f[1] for f in found)}
 
@@ -308,9 +309,12 @@ def main() -> None:
                          f"plan's capacity of {capacity}")
     vocab = shape.vocab or 32000
     prompt = prompt_ids(args.prompt_length, vocab)
-    result = {"plan": str(args.plan), "provider": args.provider, "graphs": args.graphs,
-              "meshplan": meshplan_phases(args.plan, args.provider, args.graphs, prompt, args.new_tokens,
-                                          args.rounds, args.replays, True if args.on_device else None)}
+    try:
+        measured = meshplan_phases(args.plan, args.provider, args.graphs, prompt, args.new_tokens, args.rounds,
+                                   args.replays, True if args.on_device else None)
+    except MeshplanError as exc:
+        raise SystemExit(f"error: {exc}")
+    result = {"plan": str(args.plan), "provider": args.provider, "graphs": args.graphs, "meshplan": measured}
     if args.floor:
         result["onnxruntime alone"] = floor_phases(args.plan / plan.programs[0].file, args.provider, args.graphs,
                                                    capacity, prompt, 2 * args.new_tokens, args.rounds)
