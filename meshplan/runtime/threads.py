@@ -17,9 +17,9 @@ mpiexec by default), the ranks bind themselves (``plan_threads``): the machine's
 cores (hyperthread siblings kept together, ``physical_cores``) are cut into one contiguous
 share per working rank, each rank sets its affinity to its share before onnxruntime makes
 its threads, and runs one thread per physical core of it, without spinning. Only where every rank
-gets two physical cores or more (with one, a rank's onnxruntime has no pool threads to spin,
-and a 1x2 decode step on 2 cores was no faster bound, 0.872 of onnxruntime-genai's speed
-against 0.887 unbound; ranks on shared cores keep the old rule).
+gets two physical cores or more (with one, a rank's onnxruntime has no pool threads, and a
+1x2 decode step on 2 cores was no faster bound, 0.872 of onnxruntime-genai's speed against
+0.887 unbound; ranks on shared cores keep the old rule).
 
 A rank with cores of its own (alone on its machine, or bound by meshplan) also pins each of
 its threads to one core: the calling thread to the first, onnxruntime's pool threads to the

@@ -134,7 +134,8 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     stepper = JobStepper(job)
     try:
         batch = batch_for(shape, stepper, prepared.pad_id, options.prefill_chunk)
-        _warm_up(batch, prepared.pad_id, warm_up_steps(job, options.cuda_graph))
+        # (a two-token prompt and its steps must fit the cache, as a request's must)
+        _warm_up(batch, prepared.pad_id, max(1, min(warm_up_steps(job, options.cuda_graph), shape.context - 3)))
         cache = [int(b) for b in job.stats().state_bytes]
     except MeshplanError:
         job.close()
