@@ -92,13 +92,6 @@ def _quantize(source: Path, target: Path) -> None:
                     location=target.name + ".data", size_threshold=1024)
 
 
-def set_genai_threads(folder: Path, threads: int) -> None:
-    path = folder / "genai_config.json"
-    config = json.loads(path.read_text())
-    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
-    path.write_text(json.dumps(config, indent=4) + "\n")
-
-
 class Setup:
     """How meshplan runs here: its command, the MPI launcher, the provider and the device the
     plans are costed for."""
@@ -177,8 +170,12 @@ GENAI = textwrap.dedent("""
     import json, sys, time
     import onnxruntime_genai as og
     folder, prompt, new, capacity = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    threads = int(sys.argv[5])
     loading = time.perf_counter()
-    model = og.Model(folder)
+    config = og.Config(folder)
+    if threads:   # over the folder's settings, leaving its file as it is
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
     load = time.perf_counter() - loading
     found = []
     for _ in range(2):   # the first generation in the process, then a warm one (the one reported)
@@ -206,9 +203,9 @@ def genai_run(model: Path, prompt: list[int], new_tokens: int, threads: int, max
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
-    if threads:   # (a CUDA folder keeps its own settings)
-        set_genai_threads(model.parent, threads)
-    done = _run([sys.executable, "-c", GENAI, str(model.parent), json.dumps(prompt), str(new_tokens), str(max_length)])
+    # threads 0: a CUDA folder keeps its own settings
+    done = _run([sys.executable, "-c", GENAI, str(model.parent), json.dumps(prompt), str(new_tokens), str(max_length),
+                 str(threads)])
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["threads_per_rank"] = threads
     return result

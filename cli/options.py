@@ -68,7 +68,7 @@ cluster_option = click.option(
 bind_cores_option = click.option(
     "--bind-cores/--no-bind-cores", "bind_cores", default=True, show_default=True,
     help="Where the launcher bound no rank to cores, each rank binds itself to a share of its machine's physical "
-         "cores (two or more each) and runs one spinning onnxruntime thread per core.",
+         "cores (two or more each) and runs one onnxruntime thread per core, on one spinning pool.",
 )
 
 

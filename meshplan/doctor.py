@@ -108,6 +108,7 @@ def _cpu_problem() -> str | None:
     from onnx import TensorProto, helper
 
     from meshplan.model.opsets import DEFAULT_OPSET
+    from meshplan.providers import session_options
 
     probe = helper.make_model(
         helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
@@ -116,7 +117,7 @@ def _cpu_problem() -> str | None:
         opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], ir_version=8,
     )
     try:
-        ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+        ort.InferenceSession(probe.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises several unrelated exception types
         return f"no session starts on the CPU provider: {' '.join(str(exc).split())[:200]}"
     return None
@@ -184,14 +185,14 @@ def local_facts(launched: bool = False):
 def assign_threads(facts: list[Facts], machines: list[int]) -> None:
     """The onnxruntime threads each rank would get in a job where every rank works
     (``runtime.threads``: its own cores, a share of its machine's physical cores it binds
-    itself to where the launcher bound none, or a share of its machine's with spinning off;
-    physical cores as on this machine)."""
-    from meshplan.runtime.threads import plan_threads
+    itself to where the launcher bound none, spinning on one pool; or a share of its machine's
+    with spinning off; physical cores as on this machine)."""
+    from meshplan.runtime.threads import one_pool, plan_threads
 
     for f in facts:
         here = [g for g, m in zip(facts, machines) if m == machines[f.rank]]
         choice, _ = plan_threads([set(g.cores) for g in here], here.index(f), f.cpu_count or None, pin=True)
-        f.threads = choice.describe()
+        f.threads = one_pool(choice, 1).describe()
 
 
 def assign_gpus(facts: list[Facts], local_ranks: list[int]) -> None:

@@ -1,4 +1,6 @@
-"""onnxruntime execution providers: which ones are really usable here."""
+"""onnxruntime execution providers: which ones are really usable here; and the options every
+session of meshplan's starts from (``session_options``: one thread pool for the process's
+sessions, where a rank's process asked for it)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,52 @@ def cuda_provider(device_id: int = 0) -> tuple[str, dict]:
     computes in float32 as on the CPU (onnxruntime's CUDA provider otherwise rounds the
     operands of matrix products and convolutions to TF32's 10-bit mantissa)."""
     return CUDA, {"device_id": str(device_id), "use_tf32": "0"}
+
+
+_shared_pool: list[int] = [0]   # threads of the process's one onnxruntime pool (0: none)
+
+
+def share_one_pool(threads: int) -> bool:
+    """From now on every session this process opens runs its operators on one thread pool of
+    ``threads`` threads (the calling thread included), onnxruntime's global pool, instead of a
+    pool of its own: for a rank whose program is cut at its collectives into several sessions
+    that run one after another, each with a pool of its own whose spinning threads would
+    compete for the rank's cores with the pool of the session that runs. onnxruntime makes the
+    pool's threads at this call (they inherit the calling thread's affinity) and lets a
+    process size it once; its threads spin. Only a process that is the rank's own may ask
+    (onnxruntime then refuses sessions with pools of their own): False where it asked before
+    with another size or onnxruntime refuses."""
+    if _shared_pool[0]:
+        return _shared_pool[0] == threads
+    import onnxruntime as ort
+
+    try:
+        ort.set_global_thread_pool_sizes(int(threads), 1)
+    except Exception:  # an onnxruntime without it, or one that refuses: pools of their own
+        return False
+    _shared_pool[0] = int(threads)
+    return True
+
+
+def shared_pool_threads() -> int:
+    """The threads of this process's one pool (``share_one_pool``), 0 where sessions have their own."""
+    return _shared_pool[0]
+
+
+def session_options(threads: int = 0):
+    """A new ``onnxruntime.SessionOptions`` for a session meshplan opens: on the process's
+    one pool where there is one (``share_one_pool``; spinning set on it is then ignored), else
+    with a pool of its own of ``threads`` threads (0: onnxruntime's choice) and one thread
+    between operators."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if _shared_pool[0]:
+        options.use_per_session_threads = False
+    elif threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    return options
 
 
 @lru_cache(maxsize=None)
@@ -73,7 +121,8 @@ def _probe(ort) -> str | None:
     )
     ort.set_default_logger_severity(4)  # a failed load of the CUDA library logs loudly
     try:
-        session = ort.InferenceSession(probe.SerializeToString(), providers=[cuda_provider()], enable_fallback=0)
+        session = ort.InferenceSession(probe.SerializeToString(), session_options(), providers=[cuda_provider()],
+                                       enable_fallback=0)
         return None if CUDA in session.get_providers() else "onnxruntime fell back to another provider"
     except Exception as exc:  # any failure to start the provider means: no CUDA here
         return (" ".join(str(exc).split()) or type(exc).__name__)[:200]

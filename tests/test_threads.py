@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -80,14 +81,15 @@ def test_binding_only_where_it_pays_and_is_wanted(monkeypatch):
     # --no-bind-cores: nothing bound, nothing pinned, whatever the commands ask
     monkeypatch.setattr(threads, "_binding", [False])
     monkeypatch.setattr(threads, "_pinning", [False])
+    monkeypatch.setattr(threads, "_own_process", [False])
     choice, share = plan_threads([set(range(16))] * 2, 0, 16, groups=[[c] for c in range(16)], pin=True)
     assert share is None and (choice.threads, choice.spinning, choice.pinned) == (8, False, False)
     choice, _ = plan_threads([set(range(8))], 0, 8, groups=[[c] for c in range(8)])
     assert not choice.pinned and choice.pool_affinities() is None
     threads.set_binding(True, pin=True)
     assert threads._pinning == [True]
-    threads.set_binding(False, pin=True)      # --no-bind-cores on a command
-    assert threads._pinning == [False]
+    threads.set_binding(False, pin=True)      # --no-bind-cores on a command: its process is still its own
+    assert threads._pinning == [False] and threads._own_process == [True]
 
 
 def test_a_job_in_someone_elses_process_pins_nothing(monkeypatch):
@@ -248,3 +250,51 @@ def test_spinning_can_be_set_from_the_environment(monkeypatch):
     monkeypatch.setenv(threads.SPINNING, "maybe")   # anything else leaves the rule's choice
     assert not plan_threads(own, 0, 8, bind=False, pin=False)[0].spinning
     assert plan_threads(alone, 0, 4, bind=False, pin=False)[0].spinning
+
+
+def test_a_rank_with_cores_of_its_own_spins_on_one_pool(monkeypatch):
+    monkeypatch.delenv(threads.SPINNING, raising=False)
+    monkeypatch.setattr(threads, "_own_process", [False])
+    own = [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    bound, _ = plan_threads(own, 0, 8, bind=False, pin=False)
+    assert bound.bound and not bound.spinning
+    # one session: its own pool spins
+    one = threads.one_pool(bound, 1)
+    assert one.spinning and not one.shared_pool and one.threads == 4
+    # several sessions in a process that is not the rank's: pools of their own, not spinning
+    assert threads.one_pool(bound, 6) == bound
+    # ... in the rank's own process (the commands'): the process's one pool, its threads unpinned
+    monkeypatch.setattr(threads, "_own_process", [True])
+    pinned = replace(bound, pinned=True, pins=tuple((c,) for c in range(4)))
+    shared = threads.one_pool(pinned, 6)
+    assert (shared.spinning, shared.shared_pool, shared.pinned, shared.pins) == (True, True, False, ())
+    assert "one pool for all its sessions, spinning on" in shared.describe()
+    assert ThreadChoice.from_row(shared.row()) == shared
+    # alone on its machine: the same
+    alone, _ = plan_threads([{0, 1, 2, 3}], 0, 4, bind=False, pin=False)
+    assert threads.one_pool(alone, 3).shared_pool
+    # shared cores, a single thread, or spinning set from the environment: as chosen
+    crowded = choose_threads(2, cores={0, 1, 2, 3}, machine_cores=4, others=[{0, 1, 2, 3}])
+    assert threads.one_pool(crowded, 6) == crowded and not crowded.spinning
+    single = replace(bound, threads=1)
+    assert threads.one_pool(single, 6) == single
+    monkeypatch.setenv(threads.SPINNING, "0")
+    assert threads.one_pool(bound, 6) == bound
+
+
+@pytest.mark.mpi
+def test_a_job_shares_one_pool_between_its_segments(tmp_path):
+    """A 1x2 tensor-parallel plan (its programs cut at their collectives into several
+    sessions), in processes that are the ranks' own, on a topology of four cores per CPU."""
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.make_plan import make_plan
+    from sample_models import SAMPLE_DIR, make_inputs
+    import onnx
+    from tests.conftest import run_mpi_script, save_npz
+
+    model, dims = SAMPLE_DIR / "mlp.onnx", {"batch": 8}
+    make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(policy="megatron", max_stages=1))
+    inputs = save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
+    lines = run_mpi_script("pool_case.py", ranks=2, args=[tmp_path / "plan", inputs])
+    assert len(lines) == 4

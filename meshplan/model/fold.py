@@ -235,10 +235,11 @@ def _run(nodes, values, types, opsets, reference: bool = False) -> dict[str, np.
     else:
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
+        from meshplan.providers import session_options
+
+        options = session_options(threads=1)
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 4   # a failure falls back: no log of it
-        options.intra_op_num_threads = 1
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         found = session.run(names, {})
     return {name: np.asarray(value) for name, value in zip(names, found)}

@@ -143,6 +143,8 @@ def check_loads_in_onnxruntime(model: onnx.ModelProto) -> None:
     so that a model onnxruntime rejects fails here with one line."""
     import onnxruntime as ort
 
+    from meshplan.providers import session_options
+
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     unread = [t for t in probe.graph.initializer if not is_loaded(t)]
@@ -152,7 +154,7 @@ def check_loads_in_onnxruntime(model: onnx.ModelProto) -> None:
     kept = [t for t in probe.graph.initializer if is_loaded(t)]
     del probe.graph.initializer[:]
     probe.graph.initializer.extend(kept)
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 4   # its errors become ModelError lines
     try:
@@ -338,6 +340,7 @@ def _sample_shapes(model: onnx.ModelProto, workdir: Path) -> dict[str, tuple[int
     import onnxruntime as ort
 
     from meshplan.model.inputs import random_inputs
+    from meshplan.providers import session_options
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
@@ -352,7 +355,7 @@ def _sample_shapes(model: onnx.ModelProto, workdir: Path) -> dict[str, tuple[int
     path = workdir / "sample-run.onnx"
     try:
         onnx.save_model(probe, str(path))
-        options = ort.SessionOptions()
+        options = session_options()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 4   # a failing run is an answer here, not something to print
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.providers import cuda_provider, cuda_usable
+from meshplan.providers import cuda_provider, cuda_usable, session_options
 from meshplan.profile.errors import ProfileError
 from meshplan.profile.signatures import ACT, CONST, WEIGHT, TimingSpec, build_timing_model
 
@@ -170,10 +170,8 @@ class OpTimer:
 
     def _session(self, spec: TimingSpec, copies: int, weights: dict):
         ort = self.ort
-        options = ort.SessionOptions()
+        options = session_options(self.threads)
         options.log_severity_level = 4   # a signature that fails to run is reported as analytic, not logged
-        options.intra_op_num_threads = self.threads
-        options.inter_op_num_threads = 1
         providers = [cuda_provider(self.device_id), CPU] if self.provider == CUDA else [CPU]
         model = build_timing_model(spec, copies, weights=weights)
         # Identical copies must stay separate nodes: turn off common-subexpression elimination.

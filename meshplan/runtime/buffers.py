@@ -367,9 +367,10 @@ class _Kernel:
     def __init__(self, model, providers: list):
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
+        from meshplan.providers import session_options
+
+        options = session_options(threads=1)
         options.log_severity_level = 3
-        options.intra_op_num_threads = 1
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.inputs = [i.name for i in self.session.get_inputs() if not i.name.startswith("shape_")]
         self.output = self.session.get_outputs()[0].name

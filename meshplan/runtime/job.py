@@ -61,7 +61,7 @@ from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
-from meshplan.runtime.threads import ThreadChoice, bind_to, pin_calling_thread, plan_threads
+from meshplan.runtime.threads import ThreadChoice, bind_to, one_pool, pin_calling_thread, plan_threads
 from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffers, world
 from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
@@ -169,7 +169,7 @@ class Job:
                 path = check_program_files(plan, plan_dir, program)
                 import os
 
-                from meshplan.providers import CUDA, cuda_device_count, cuda_usable
+                from meshplan.providers import CUDA, cuda_device_count, cuda_usable, share_one_pool
 
                 # the cores of a machine go to the ranks that work there (idle ranks only wait)
                 here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]
@@ -181,9 +181,14 @@ class Job:
                     self.threads, _ = plan_threads(working, here.index(self.rank), os.cpu_count(), bind=False)
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
-                session = ProgramRunner(path, providers, threads=self.threads.threads,
-                                        spinning=self.threads.spinning, graphs=graphs,
-                                        affinities=self.threads.pool_affinities())
+                session = ProgramRunner(path, providers, lazy=True)
+                # one spinning pool for a rank with cores of its own: its one session's, or the
+                # process's shared by its segments (made now, on the cores it is bound to)
+                pooled = one_pool(self.threads, session.sessions)
+                if not pooled.shared_pool or share_one_pool(pooled.threads):
+                    self.threads = pooled
+                session.open(providers, self.threads.threads, self.threads.spinning, graphs,
+                             self.threads.pool_affinities())
                 pin_calling_thread(self.threads)   # (onnxruntime pinned its pool threads)
                 buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI,
                                                     alone=self.size == 1)

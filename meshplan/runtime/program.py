@@ -183,8 +183,8 @@ class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
                  spinning: bool | None = None, graphs: bool = False, affinities: str | None = None,
                  remake_integers: bool = False):
-        """``lazy``: open no session yet; the caller opens and closes each segment
-        (``Segment.open``/``close``), so that only the segments it runs hold weights.
+        """``lazy``: open no session yet; the caller opens them (``open``), or opens and closes
+        each segment (``Segment.open``/``close``), so that only the segments it runs hold weights.
         ``spinning``, ``graphs``, ``affinities``: see ``StageSession``. Only a program of one segment captures
         CUDA graphs: the segments of a program cut at its collectives pass shape values that
         onnxruntime copies between the GPU and the host inside a run, which a capture refuses
@@ -201,12 +201,11 @@ class ProgramRunner:
             graph = header.graph
             pairs = in_place_pairs(list(graph.node), {v.name: v for v in graph.input if v.name not in weights},
                                    {v.name: v for v in graph.output})
-            segment = Segment(None, [v.name for v in graph.input if v.name not in weights],
-                              [v.name for v in graph.output], None, path, in_place=pairs)
+            self.segments = [Segment(None, [v.name for v in graph.input if v.name not in weights],
+                                     [v.name for v in graph.output], None, path, in_place=pairs)]
+            self.providers = providers
             if not lazy:
-                segment.open(providers, threads, spinning, graphs, affinities)
-            self.segments = [segment]
-            self.providers = segment.session.providers if segment.session else providers
+                self.open(providers, threads, spinning, graphs, affinities)
             return
         model = header   # weights stay in their files; onnxruntime reads each segment's own
         graph = model.graph
@@ -247,11 +246,23 @@ class ProgramRunner:
                 sub_model.ir_version = model.ir_version
                 source = sub_model.SerializeToString()
             pairs = in_place_pairs(nodes, {i: typed[i] for i in inputs}, {o: typed[o] for o in outputs})
-            segment = Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
-                              f"{path.name} (segment {index})", pairs)
-            if not lazy:   # (no CUDA graphs: see ``__init__``)
-                segment.open(providers, threads, spinning, affinities=affinities)
-            self.segments.append(segment)
+            self.segments.append(Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
+                                         f"{path.name} (segment {index})", pairs))
+        self.providers = providers
+        if not lazy:
+            self.open(providers, threads, spinning, graphs, affinities)
+
+    @property
+    def sessions(self) -> int:
+        """How many onnxruntime sessions the program runs as (its segments with nodes)."""
+        return sum(1 for s in self.segments if s.source is not None)
+
+    def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False,
+             affinities: str | None = None) -> None:
+        """Open every segment's session (``Segment.open``); CUDA graphs only in a program of one
+        segment (see ``__init__``)."""
+        for segment in self.segments:
+            segment.open(providers, threads, spinning, graphs and len(self.segments) == 1, affinities)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
     def keep_on(self, device) -> None:

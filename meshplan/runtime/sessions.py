@@ -8,7 +8,7 @@ import numpy as np
 
 from meshplan.files import HashRecord
 from meshplan.errors import PlanError, RunError
-from meshplan.providers import CPU, CUDA, cuda_provider, cuda_usable
+from meshplan.providers import CPU, CUDA, cuda_provider, cuda_usable, session_options, shared_pool_threads
 from meshplan.plan_format import Plan, Program
 
 PROVIDERS = ("auto", "cuda", "cpu")
@@ -99,10 +99,12 @@ class StageSession:
         None: onnxruntime's default, off for one thread). ``graphs``: on CUDA, let the session
         capture CUDA graphs (``keep_on``; a model that cannot, e.g. one with nodes on the
         CPU, loads without them). ``affinities``: the pool threads' CPUs, onnxruntime's
-        ``session.intra_op_thread_affinities`` (``ThreadChoice.pool_affinities``)."""
+        ``session.intra_op_thread_affinities`` (``ThreadChoice.pool_affinities``). ``threads``,
+        ``spinning`` and ``affinities`` are the process's where its sessions share one pool
+        (``providers.share_one_pool``)."""
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
+        options = session_options(threads)
         if weights_dir is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
         options.log_severity_level = 4   # errors reach the user as RunError lines, not onnxruntime's log
@@ -113,11 +115,10 @@ class StageSession:
         # Dequantize-then-compute stays that: onnxruntime's QDQ fusions would quantize
         # activations too, which is another computation than the model's.
         options.add_session_config_entry("session.disable_quant_qdq", "1")
-        if threads:
-            options.intra_op_num_threads = threads
-            if affinities and threads > 1:
-                options.add_session_config_entry("session.intra_op_thread_affinities", affinities)
-        if spinning is False or spinning is None and threads == 1:   # cores shared with other ranks or sessions
+        shared = shared_pool_threads() > 0   # the process's one pool: its own threads and spinning
+        if affinities and threads > 1 and not shared:
+            options.add_session_config_entry("session.intra_op_thread_affinities", affinities)
+        if not shared and (spinning is False or spinning is None and threads == 1):   # cores shared with others
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         label = label or ("a program segment" if isinstance(source, bytes) else Path(source).name)

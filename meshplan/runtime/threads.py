@@ -6,30 +6,40 @@ it bound none, every rank sees the whole machine and the cores are divided among
 that work there (idle ranks only wait). onnxruntime's pool threads spin between runs by
 default: a rank waiting in MPI while its own and its neighbours' threads spin on the same
 cores slows every rank of the machine (a 117 MB decode step on 16 cores took 33–84 ms on
-1x2 with spinning, 1.26 ms without). Cores of its own are not enough either: on a 16-core
+1x2 with spinning, 1.26 ms without). Cores of its own were not enough either: on a 16-core
 machine whose ranks were each bound to cores of their own, the same step took 5.0–5.4 ms on
-1x2 and 2.6–3.2 ms on 1x4 with spinning, 1.70–1.72 and 1.61–1.66 ms without (presumably
-one rank's spinning threads and the other's working ones share more than cores: the memory
-bus, the hypervisor's time). So spinning stays on only where a rank is alone on its machine.
+1x2 and 2.6–3.2 ms on 1x4 with spinning, 1.70–1.72 and 1.61–1.66 ms without. What 2 cores
+show puts the cause within each rank: its program is cut at its collectives into segments,
+each an onnxruntime session with a pool of its own, and the pools of the segments that do
+not run spin beside the one that does (one process running the six segments of that 1x2
+rank with 2 threads each: 20 ms a step with every pool spinning, 1.7 ms with none). So a
+rank with cores of its own spins on one pool (``one_pool``): its one session's, or, in a
+process that is the rank's own, onnxruntime's process-wide pool shared by all its segments
+(``providers.share_one_pool``: on those 2 cores it ran the six segments in 0.91–1.10 ms a
+step against 1.18–1.35 ms for pools that do not spin; not yet measured on 16 cores). Where
+neither can be (several segments in a process that is not the rank's), its pools do not
+spin.
 
 Where the launcher bound none (every working rank of a machine sees the same cores: MPICH's
 mpiexec by default), the ranks bind themselves (``plan_threads``): the machine's physical
 cores (hyperthread siblings kept together, ``physical_cores``) are cut into one contiguous
 share per working rank, each rank sets its affinity to its share before onnxruntime makes
-its threads, and runs one thread per physical core of it, without spinning. Only where every rank
-gets two physical cores or more (with one, a rank's onnxruntime has no pool threads, and a
-1x2 decode step on 2 cores was no faster bound, 0.872 of onnxruntime-genai's speed against
-0.887 unbound; ranks on shared cores keep the old rule).
+its threads, and runs one thread per physical core of it (spinning on one pool, as above).
+Only where every rank gets two physical cores or more (with one, a rank's onnxruntime has
+no pool threads, and a 1x2 decode step on 2 cores was no faster bound, 0.872 of
+onnxruntime-genai's speed against 0.887 unbound; ranks on shared cores keep the old rule).
 
 A rank with cores of its own (alone on its machine, or bound by meshplan) also pins each of
 its threads to one core: the calling thread to the first, onnxruntime's pool threads to the
 others (``session.intra_op_thread_affinities``), so that the scheduler does not move them
 between cores (a decode step of the 398 MB float32 Llama on 2 cores: 0.938 of
-onnxruntime-genai's speed unpinned, 0.968 pinned, in interleaved blocks).
-Only the commands pin (``set_binding(..., pin=True)``): they own their process.
+onnxruntime-genai's speed unpinned, 0.968 pinned, in interleaved blocks); the process-wide
+pool's threads cannot be pinned from Python: they run on the rank's cores, unpinned.
+Only the commands pin and share one pool (``set_binding(..., pin=True)``): they own their process.
 ``--no-bind-cores`` (``set_binding``) keeps the launcher's affinity as it is and pins nothing.
 ``MESHPLAN_SPINNING=0`` (or ``1``) in a rank's environment turns its pool threads' spinning off
-(or on) whatever the rule says: to measure what spinning does on a machine.
+(or on) whatever the rule says, with a pool per session: to measure what spinning does on a
+machine.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from meshplan.rank_layout import own_cores
 
 _binding = [True]
 _pinning = [False]
+_own_process = [False]
 
 
 def set_binding(enabled: bool, pin: bool = False) -> None:
@@ -49,10 +60,11 @@ def set_binding(enabled: bool, pin: bool = False) -> None:
     cores (``plan_threads``), and whether a rank with cores of its own pins each thread to
     one (``pin``: for a process that is the rank's own, as the commands' are; a ``Job`` made
     in someone else's process pins nothing, since the threads that process makes later would
-    inherit its thread's one core). Set once per process, before the job starts (every rank
-    parses the same command line)."""
+    inherit its thread's one core; nor does it share one pool between its sessions: ``one_pool``).
+    Set once per process, before the job starts (every rank parses the same command line)."""
     _binding[0] = bool(enabled)
     _pinning[0] = bool(enabled and pin)
+    _own_process[0] = bool(pin)
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class ThreadChoice:
     self_bound: bool = False   # ... by meshplan (the launcher bound none)
     pinned: bool = False       # each thread pinned to a core of its own (``pins``)
     pins: tuple = field(default=(), compare=False)   # each thread's CPUs, the calling thread's first
+    shared_pool: bool = False  # its sessions share the process's one pool (``one_pool``)
 
     @property
     def why(self) -> str:
@@ -83,19 +96,22 @@ class ThreadChoice:
 
     def describe(self) -> str:
         pinned = ", one core each" if self.pinned and self.threads > 1 else ""
-        return f"{self.threads} onnxruntime thread(s){pinned}, spinning {'on' if self.spinning else 'off'} ({self.why})"
+        pool = ", one pool for all its sessions" if self.shared_pool else ""
+        return (f"{self.threads} onnxruntime thread(s){pinned}{pool}, spinning {'on' if self.spinning else 'off'} "
+                f"({self.why})")
 
-    ROW = 7   # integers in ``row``
+    ROW = 8   # integers in ``row``
 
     def row(self) -> list[int]:
         """As integers, for a buffer-based gather (``from_row`` reads it back, ``pins`` aside)."""
         return [self.threads, int(self.spinning), self.cores, self.working, int(self.bound), int(self.self_bound),
-                int(self.pinned)]
+                int(self.pinned), int(self.shared_pool)]
 
     @classmethod
     def from_row(cls, row) -> "ThreadChoice":
-        threads, spinning, cores, working, bound, self_bound, pinned = (int(v) for v in row)
-        return cls(threads, bool(spinning), cores, working, bool(bound), bool(self_bound), bool(pinned))
+        threads, spinning, cores, working, bound, self_bound, pinned, shared_pool = (int(v) for v in row)
+        return cls(threads, bool(spinning), cores, working, bool(bound), bool(self_bound), bool(pinned),
+                   shared_pool=bool(shared_pool))
 
     def pool_affinities(self) -> str | None:
         """onnxruntime's ``session.intra_op_thread_affinities`` for the pool threads (its
@@ -188,6 +204,25 @@ def _plan_threads(working: list[set[int]], index: int, machine_cores: int | None
         return ThreadChoice(choice.threads, choice.spinning, choice.cores, 1, False, False, True,
                             tuple((cpu,) for cpu in sorted(cores))[:choice.threads]), None
     return choice, None
+
+
+def one_pool(choice: ThreadChoice, sessions: int) -> ThreadChoice:
+    """The choice for a rank whose program runs as ``sessions`` onnxruntime sessions one after
+    another (its segments): a rank with cores of its own (alone on its machine, or bound) and
+    threads to spin spins on one pool: its one session's, or, with several and a process that
+    is its own (``set_binding(..., pin=True)``), the process's pool shared by them
+    (``shared_pool``, its threads unpinned: the caller makes it with
+    ``providers.share_one_pool`` before it opens a session, and keeps ``choice`` where that is
+    refused). Otherwise, or where ``MESHPLAN_SPINNING`` says, ``choice`` as it is."""
+    if choice.threads < 2 or not (choice.bound or choice.working == 1):
+        return choice
+    if os.environ.get(SPINNING, "").strip() in ("0", "1"):
+        return choice
+    if sessions <= 1:
+        return replace(choice, spinning=True)
+    if not _own_process[0]:
+        return choice
+    return replace(choice, spinning=True, shared_pool=True, pinned=False, pins=())
 
 
 def pin_calling_thread(choice: ThreadChoice) -> bool:
