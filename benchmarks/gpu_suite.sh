@@ -6,8 +6,8 @@
 # with and without CUDA graphs, 1x2 with both ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU
 # memory per rank next to the plan's estimate); benchmarks/decode_phases.py (where the fp16 1x1 decode step's
 # time goes); `meshplan verify --generate --provider cuda`; a non-LLM plan
-# run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider); the fp16 1x2
-# plan under CUDA MPS where it starts.
+# run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider) and
+# benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the fp16 1x2 plan under CUDA MPS where it starts.
 set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
@@ -53,3 +53,4 @@ TAIL=6 step run_gpt 90 $MPIRUN -n 2 meshplan run "$O/gpt_1x2" --inputs "$O/gpt_i
   --output "$O/gpt_out.npz"
 TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
 TAIL=30 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --bind both --mpiexec "$MPIRUN"
+TAIL=6 step segment_pools 120 python3 benchmarks/segment_pools.py --threads 8 --blocks 10

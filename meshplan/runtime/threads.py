@@ -10,15 +10,14 @@ cores slows every rank of the machine (a 117 MB decode step on 16 cores took 33�
 machine whose ranks were each bound to cores of their own, the same step took 5.0–5.4 ms on
 1x2 and 2.6–3.2 ms on 1x4 with spinning, 1.70–1.72 and 1.61–1.66 ms without. What 2 cores
 show puts the cause within each rank: its program is cut at its collectives into segments,
-each an onnxruntime session with a pool of its own, and the pools of the segments that do
-not run spin beside the one that does (one process running the six segments of that 1x2
-rank with 2 threads each: 20 ms a step with every pool spinning, 1.7 ms with none). So a
-rank with cores of its own spins on one pool (``one_pool``): its one session's, or, in a
-process that is the rank's own, onnxruntime's process-wide pool shared by all its segments
-(``providers.share_one_pool``: on those 2 cores it ran the six segments in 0.91–1.10 ms a
-step against 1.18–1.35 ms for pools that do not spin; not yet measured on 16 cores). Where
-neither can be (several segments in a process that is not the rank's), its pools do not
-spin.
+each an onnxruntime session with a pool of its own, and the pools of the sessions that do
+not run spin beside the one that does (``benchmarks/segment_pools.py``: one process running
+the five sessions of that 1x2 rank with 2 threads, 21 ms a step with a spinning pool each,
+1.53 ms with pools that do not spin, 1.00 ms on one spinning pool shared by them). So a rank
+with cores of its own spins on one pool (``one_pool``): its one session's, or, in a process
+that is the rank's own, onnxruntime's process-wide pool shared by all its sessions
+(``providers.share_one_pool``; not yet measured on 16 cores). Where neither can be (several
+sessions in a process that is not the rank's), its pools do not spin.
 
 Where the launcher bound none (every working rank of a machine sees the same cores: MPICH's
 mpiexec by default), the ranks bind themselves (``plan_threads``): the machine's physical
