@@ -7,7 +7,8 @@
 # memory per rank next to the plan's estimate); benchmarks/decode_phases.py (where the fp16 1x1 decode step's
 # time goes); `meshplan verify --generate --provider cuda`; a non-LLM plan
 # run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider) and
-# benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the fp16 1x2 plan under CUDA MPS where it starts.
+# benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the fp16 1x2 plan with CUDA graphs in every segment
+# (MESHPLAN_SEGMENT_GRAPHS=1), and both 1x2 runs under CUDA MPS where it starts.
 set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
@@ -30,14 +31,21 @@ TAIL=40 step generate 330 python3 benchmarks/generate.py --provider cuda --devic
 # 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
 # time slices), where MPS starts: generate.py's own 1x2 plan of the fp16 folder
 P12="$O/work/$(basename "$FP16")_model_1x2_512"
+openmpi=""; ${MPIRUN%% *} --version 2>&1 | grep -q "Open MPI\|OpenRTE" && openmpi=1
+# graphs in every segment of the 1x2 programs, the integers they read made in each (MESHPLAN_SEGMENT_GRAPHS)
+SEGMENT_GRAPHS="env MESHPLAN_SEGMENT_GRAPHS=1 $MPIRUN ${openmpi:+-x MESHPLAN_SEGMENT_GRAPHS}"
+GENERATE_1X2="-n 2 meshplan generate $P12 --prompt-ids $O/ids.json --max-new-tokens 128 --eos -1 --provider cuda"
+[ -f "$P12/plan.json" ] && TAIL=8 step segment_graphs_1x2 120 $SEGMENT_GRAPHS $GENERATE_1X2 \
+  --output "$O/segment_graphs_1x2.json"
 if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ]; then
   export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   forward=""   # Open MPI passes a rank only the variables -x names; MPICH's hydra passes all
-  ${MPIRUN%% *} --version 2>&1 | grep -q "Open MPI\|OpenRTE" && forward="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY"
+  [ -n "$openmpi" ] && forward="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
     TAIL=8 step mps_1x2 120 $MPIRUN $forward -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
       --eos -1 --provider cuda --output "$O/mps_1x2.json"
+    TAIL=8 step mps_segment_graphs_1x2 120 $SEGMENT_GRAPHS $forward $GENERATE_1X2 --output "$O/mps_segment_graphs_1x2.json"
     echo quit | nvidia-cuda-mps-control
   else echo "== mps_1x2: MPS did not start"; fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

@@ -485,3 +485,13 @@ def test_no_integer_crosses_a_cut_of_a_builder_program_where_asked(tmp_path):
     got = runner.run(dict(feeds), one_rank)["logits"]
     want = crossing.run(dict(feeds), one_rank)["logits"]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.mpi
+def test_segment_graphs_make_the_integers_in_each_segment_under_mpiexec(tmp_path):
+    """``MESHPLAN_SEGMENT_GRAPHS=1`` turns ``remake_integers`` on in a job with graphs (the
+    experiment for CUDA graphs of several segments), and the job still generates the same ids."""
+    from tests.conftest import run_mpi_script
+
+    builder_plan(tmp_path)
+    assert len(run_mpi_script("segment_graphs_case.py", ranks=2, args=[tmp_path / "plan"])) == 3

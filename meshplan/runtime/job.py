@@ -57,7 +57,7 @@ from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
 from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor
-from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.program import SEGMENT_GRAPHS, ProgramRunner
 from meshplan.runtime.sessions import check_program_files, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
@@ -181,14 +181,15 @@ class Job:
                     self.threads, _ = plan_threads(working, here.index(self.rank), os.cpu_count(), bind=False)
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
-                session = ProgramRunner(path, providers, lazy=True)
+                segment_graphs = graphs and os.environ.get(SEGMENT_GRAPHS, "").strip() == "1"
+                session = ProgramRunner(path, providers, lazy=True, remake_integers=segment_graphs)
                 # one spinning pool for a rank with cores of its own: its one session's, or the
                 # process's shared by its segments (made now, on the cores it is bound to)
                 pooled = one_pool(self.threads, session.sessions)
                 if not pooled.shared_pool or share_one_pool(pooled.threads):
                     self.threads = pooled
                 session.open(providers, self.threads.threads, self.threads.spinning, graphs,
-                             self.threads.pool_affinities())
+                             self.threads.pool_affinities(), graphs_in_segments=segment_graphs)
                 pin_calling_thread(self.threads)   # (onnxruntime pinned its pool threads)
                 buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI,
                                                     alone=self.size == 1)

@@ -33,6 +33,13 @@ from meshplan.runtime.buffers import HOST
 from meshplan.runtime.sessions import StageSession
 
 
+# ``MESHPLAN_SEGMENT_GRAPHS=1`` in a rank's environment: a job with CUDA graphs on makes the
+# integers its segments read in each of them (``remake_integers``) and lets every segment of
+# a program cut at its collectives capture graphs: the experiment a GPU run measures before
+# it becomes the rule (see ``ProgramRunner``).
+SEGMENT_GRAPHS = "MESHPLAN_SEGMENT_GRAPHS"
+
+
 # Ops whose output may be written into one of their inputs' buffer: (input, output) index
 # pairs. GroupQueryAttention's present key/value are its past key/value when both are one
 # buffer at a fixed capacity (a static cache: present then has past's shape).
@@ -258,11 +265,13 @@ class ProgramRunner:
         return sum(1 for s in self.segments if s.source is not None)
 
     def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False,
-             affinities: str | None = None) -> None:
+             affinities: str | None = None, graphs_in_segments: bool = False) -> None:
         """Open every segment's session (``Segment.open``); CUDA graphs only in a program of one
-        segment (see ``__init__``)."""
+        segment (see ``__init__``), or, with ``graphs_in_segments``, in every segment (to
+        measure whether they capture once no integer crosses a cut: ``remake_integers``)."""
         for segment in self.segments:
-            segment.open(providers, threads, spinning, graphs and len(self.segments) == 1, affinities)
+            segment.open(providers, threads, spinning, graphs and (len(self.segments) == 1 or graphs_in_segments),
+                         affinities)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
     def keep_on(self, device) -> None:
