@@ -12,8 +12,8 @@ machine whose ranks were each bound to cores of their own, the same step took 5.
 show puts the cause within each rank: its program is cut at its collectives into segments,
 each an onnxruntime session with a pool of its own, and the pools of the sessions that do
 not run spin beside the one that does (``benchmarks/segment_pools.py``: one process running
-the five sessions of that 1x2 rank with 2 threads, 21 ms a step with a spinning pool each,
-1.53 ms with pools that do not spin, 1.00 ms on one spinning pool shared by them). So a rank
+the five sessions of that 1x2 rank with 2 threads, 20.0 ms a step with a spinning pool
+each, 1.48 ms with pools that do not spin, 1.04 ms on one spinning pool shared by them). So a rank
 with cores of its own spins on one pool (``one_pool``): its one session's, or, in a process
 that is the rank's own, onnxruntime's process-wide pool shared by all its sessions
 (``providers.share_one_pool``; not yet measured on 16 cores). Where neither can be (several
