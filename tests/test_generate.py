@@ -230,7 +230,7 @@ def test_generate_command(planned, tmp_path):
     assert all(r["weight_bytes"] > 0 and r["kv_cache_bytes"] > 0 for r in metrics["ranks"])
     # the load (programs and a warm-up call) apart from the first token; the plan's estimate
     assert metrics["load_seconds"] > metrics["ttft_seconds"] > 0 and metrics["estimate_step_seconds"] > 0
-    assert all(r["threads"] >= 1 and r["threads_why"] for r in metrics["ranks"])
+    assert all(r["threads"] >= 1 and r["threads_why"] and isinstance(r["one_pool"], bool) for r in metrics["ranks"])
     assert "cuda_graphs" not in metrics and "CUDA graphs" not in done.stdout   # the CPU provider: none
     for word in ("TTFT", "per output token", "rank 0: weights", "rank 1: weights", "key/value cache",
                  "ms per step (the plan's", "load ", "onnxruntime thread(s)"):

@@ -127,7 +127,8 @@ class GenerateReport:
         if self.graphs is not None:
             metrics["cuda_graphs"] = self.graphs
         metrics["ranks"] = [{"rank": r, "weight_bytes": w, "kv_cache_bytes": c,
-                             **({"threads": t.threads, "spinning": t.spinning, "threads_why": t.why} if t else {})}
+                             **({"threads": t.threads, "spinning": t.spinning, "one_pool": t.shared_pool,
+                                 "threads_why": t.why} if t else {})}
                             for r, (w, c, t) in enumerate(zip(self.weight_bytes, self.cache_bytes,
                                                               self.threads or [None] * len(self.weight_bytes)))]
         return {"sequences": [{"prompt_ids": s.prompt_ids, "ids": s.ids, "text": s.text} for s in self.sequences],
