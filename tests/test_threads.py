@@ -297,4 +297,4 @@ def test_a_job_shares_one_pool_between_its_segments(tmp_path):
     make_plan(model, make_cluster((1, 2), "cpu"), dims, tmp_path / "plan", PlanOptions(policy="megatron", max_stages=1))
     inputs = save_npz(tmp_path / "in.npz", make_inputs(onnx.load(str(model)), dims, seed=0))
     lines = run_mpi_script("pool_case.py", ranks=2, args=[tmp_path / "plan", inputs])
-    assert len(lines) == 4
+    assert len(lines) == 5

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +169,7 @@ class Job:
                 path = check_program_files(plan, plan_dir, program)
                 import os
 
-                from meshplan.providers import CUDA, cuda_device_count, cuda_usable, share_one_pool
+                from meshplan.providers import CUDA, cuda_device_count, cuda_usable, share_one_pool, shared_pool_threads
 
                 # the cores of a machine go to the ranks that work there (idle ranks only wait)
                 here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]
@@ -186,8 +186,12 @@ class Job:
                 # one spinning pool for a rank with cores of its own: its one session's, or the
                 # process's shared by its segments (made now, on the cores it is bound to)
                 pooled = one_pool(self.threads, session.sessions)
-                if not pooled.shared_pool or share_one_pool(pooled.threads):
-                    self.threads = pooled
+                if pooled.shared_pool and not share_one_pool(pooled.threads):
+                    pooled = self.threads
+                if shared_pool_threads():   # the process has one (whoever made it): every session runs on it
+                    pooled = replace(pooled, threads=shared_pool_threads(), spinning=True, shared_pool=True,
+                                     pinned=False, pins=())
+                self.threads = pooled
                 session.open(providers, self.threads.threads, self.threads.spinning, graphs,
                              self.threads.pool_affinities(), graphs_in_segments=segment_graphs)
                 pin_calling_thread(self.threads)   # (onnxruntime pinned its pool threads)

@@ -9,8 +9,9 @@ two ranks gets four threads even on a 1- or 2-core machine. Each rank counts its
 threads before and after the job starts: one pool adds its threads less the calling one,
 where a pool per session would add that many per session (the libraries may make one
 thread of their own at the job's start). Then the job must compute what
-onnxruntime computes on the original model, and say what each rank got. Prints ``ok``/``FAIL``
-lines (rank 0 gathers every rank's facts).
+onnxruntime computes on the original model, and say what each rank got; a second job in the
+same process runs on the same pool. Prints ``ok``/``FAIL`` lines (rank 0 gathers every rank's
+facts).
 """
 
 from __future__ import annotations
@@ -43,9 +44,19 @@ def main() -> int:
                          added, job.threads.describe()), root=0)
     if not job.is_driver:
         job.serve()
+    else:
+        got = job.run(inputs)
+        job.close()
+    # a second job in the same process whose ranks would take 2 threads: the process's pool
+    # (onnxruntime sizes it once) is what its sessions run on, and what it says
+    threads.physical_cores = lambda cores: [[c] for c in sorted(cores) for _ in range(2)]
+    again = Job(sys.argv[1], provider="cpu")
+    second = (again.threads.shared_pool, again.threads.spinning, again.threads.threads)
+    if not again.is_driver:
+        again.serve()
         return 0
-    got = job.run(inputs)
-    job.close()
+    again.run(inputs)
+    again.close()
     shared = all(pool and spinning and sessions >= 2 for pool, spinning, _, sessions, _, _ in facts)
     print(f"{'ok' if shared else 'FAIL'} every rank shares one spinning pool between its sessions: "
           f"{[(pool, spinning, sessions) for pool, spinning, _, sessions, _, _ in facts]}")
@@ -60,6 +71,8 @@ def main() -> int:
     reference = reference_outputs(job.plan, inputs)   # (a session on the same pool)
     close = all(np.allclose(got[k], reference[k], rtol=1e-4, atol=1e-5) for k in reference)
     print(f"{'ok' if close else 'FAIL'} outputs equal onnxruntime's on the original model")
+    print(f"{'ok' if second == (True, True, facts[0][2]) else 'FAIL'} a second job that would take 2 threads "
+          f"says it runs on the process's pool of {facts[0][2]}: {second}")
     return 0
 
 
