@@ -30,7 +30,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 RUNNERS = {"one pool": "shared", "not spinning": "off", "spinning": "on"}
 
@@ -76,32 +76,6 @@ def worker(program: str, kind: str, threads: int, wait_us: float) -> None:
         print(json.dumps((time.perf_counter() - started) / steps), flush=True)
 
 
-class Runner:
-    def __init__(self, name: str, command: list[str]):
-        self.name = name
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-        line = self.process.stdout.readline()
-        if line.strip() != "ready":
-            raise SystemExit(f"runner {name} did not start (said {line!r})")
-        self.blocks: list[float] = []
-
-    def block(self, steps: int) -> float:
-        self.process.stdin.write(f"{steps}\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"runner {self.name} stopped")
-        return json.loads(line)
-
-    def close(self) -> None:
-        try:
-            self.process.stdin.write("\n")
-            self.process.stdin.close()
-        except OSError:
-            pass
-        self.process.wait(timeout=60)
-
-
 def rank_program(workdir: Path) -> tuple[Path, int]:
     """Rank 0's program of the 1x2 plan of the 117 MB step, and how many sessions it runs as."""
     import onnx
@@ -131,6 +105,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", nargs=4, metavar=("PROGRAM", "KIND", "THREADS", "WAIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from decode_blocks import Runner   # (a process that stays up and runs blocks of steps)
+
     if args.worker:
         program, kind, threads, wait = args.worker
         worker(program, kind, int(threads), float(wait))
@@ -143,23 +119,23 @@ def main() -> int:
         print(f"rank 0 of the 1x2 plan of the 117 MB decode step: {sessions} sessions, {args.threads} threads, "
               f"collectives waiting {args.wait:g} us; blocks of {args.steps} steps, {args.blocks} turns")
         runners = [Runner(name, [sys.executable, __file__, "--worker", str(program), kind, str(args.threads),
-                                 str(args.wait)]) for name, kind in RUNNERS.items()]
+                                 str(args.wait)], huge_pages=False) for name, kind in RUNNERS.items()]
         try:
             for runner in runners:
                 runner.block(args.steps)
             for _ in range(args.blocks):
                 for runner in random.sample(runners, len(runners)):
                     time.sleep(args.pause)
-                    runner.blocks.append(runner.block(args.steps))
+                    runner.steps.append(runner.block(args.steps))
         finally:
             for runner in runners:
                 runner.close()
     base = runners[0]
     rows = []
     for runner in runners:
-        ratios = [mine / theirs for mine, theirs in zip(runner.blocks, base.blocks)]
-        rows.append({"runner": runner.name, "median_ms": statistics.median(runner.blocks) * 1e3,
-                     "vs_one_pool": statistics.median(ratios), "blocks_ms": [b * 1e3 for b in runner.blocks]})
+        ratios = [mine / theirs for mine, theirs in zip(runner.steps, base.steps)]
+        rows.append({"runner": runner.name, "median_ms": statistics.median(runner.steps) * 1e3,
+                     "vs_one_pool": statistics.median(ratios), "blocks_ms": [b * 1e3 for b in runner.steps]})
         print(f"{runner.name:13} {rows[-1]['median_ms']:8.3f} ms a step   x{rows[-1]['vs_one_pool']:.2f} one pool's "
               "(median of the blocks' ratios)")
     if args.json:

@@ -25,7 +25,11 @@ from sample_models import SAMPLES
 from sample_models.structures import make_encoder, make_encoder_decoder, make_unet_like
 
 MESHES = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)]
-FEWER = [((1, 2), (1, 1)), ((1, 4), (1, 2)), ((2, 2), (1, 2)), ((2, 4), (1, 4)), ((2, 4), (2, 2))]
+# (2x4 against 2x2 is not among them: 2 hosts' first 2 devices are not one of the parts of a
+# 2x4 mesh the planner solves (``pipeline.regions``), and with the made-up timings below the
+# MLP's 2x4 plan is estimated 0.4% above its 2x2 plan, since an all-reduce of two devices costs
+# one exchange)
+FEWER = [((1, 2), (1, 1)), ((1, 4), (1, 2)), ((2, 2), (1, 2)), ((2, 4), (1, 4))]
 STRUCTURES = {"unet_like": make_unet_like, "encoder": make_encoder, "encoder_decoder": make_encoder_decoder}
 
 
