@@ -148,6 +148,17 @@ class Runner:
         self.process.wait(timeout=60)
 
 
+def take_turns(runners: list[Runner], blocks: int, steps: int, pause: float) -> None:
+    """A warm block of ``steps`` each, then ``blocks`` turns, each in a new random order and
+    each block after ``pause`` seconds of quiet; a runner's blocks land in its ``steps``."""
+    for runner in runners:
+        runner.block(steps)
+    for _ in range(blocks):
+        for runner in random.sample(runners, len(runners)):
+            time.sleep(pause)
+            runner.steps.append(runner.block(steps))
+
+
 def plan(folder: Path, mesh: str, capacity: int, workdir: Path) -> Path:
     plan_dir = workdir / f"plan_{mesh}_{capacity}"
     if not (plan_dir / "plan.json").exists():
@@ -214,12 +225,7 @@ def main() -> None:
                 raise SystemExit(f"unknown runner {spec!r} (genai, onnxruntime, 1x1, 1x2, 1x4; :4k for 4 KiB pages, "
                                  ":nobind for meshplan as --no-bind-cores)")
             runners.append(Runner(spec, command, huge))
-        for runner in runners:     # a warm block each
-            runner.block(args.steps)
-        for _ in range(args.blocks):
-            for runner in random.sample(runners, len(runners)):
-                time.sleep(args.pause)
-                runner.steps.append(runner.block(args.steps))
+        take_turns(runners, args.blocks, args.steps, args.pause)
     finally:
         for runner in runners:
             runner.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -105,7 +104,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", nargs=4, metavar=("PROGRAM", "KIND", "THREADS", "WAIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from decode_blocks import Runner   # (a process that stays up and runs blocks of steps)
+    from decode_blocks import Runner, take_turns   # (processes that stay up and run blocks of steps)
 
     if args.worker:
         program, kind, threads, wait = args.worker
@@ -121,12 +120,7 @@ def main() -> int:
         runners = [Runner(name, [sys.executable, __file__, "--worker", str(program), kind, str(args.threads),
                                  str(args.wait)], huge_pages=False) for name, kind in RUNNERS.items()]
         try:
-            for runner in runners:
-                runner.block(args.steps)
-            for _ in range(args.blocks):
-                for runner in random.sample(runners, len(runners)):
-                    time.sleep(args.pause)
-                    runner.steps.append(runner.block(args.steps))
+            take_turns(runners, args.blocks, args.steps, args.pause)
         finally:
             for runner in runners:
                 runner.close()
