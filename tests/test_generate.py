@@ -12,7 +12,6 @@ never moves between ranks, and on 1x4 each rank holds its heads' share of it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from dataclasses import replace
 from pathlib import Path
