@@ -280,6 +280,9 @@ def test_a_rank_with_cores_of_its_own_spins_on_one_pool(monkeypatch):
     assert threads.one_pool(single, 6) == single
     monkeypatch.setenv(threads.SPINNING, "0")
     assert threads.one_pool(bound, 6) == bound
+    # a process that has a pool already (onnxruntime sizes it once): its sessions run on it
+    held = threads.one_pool(crowded, 1, existing=8)
+    assert (held.threads, held.spinning, held.shared_pool) == (8, True, True)
 
 
 @pytest.mark.mpi

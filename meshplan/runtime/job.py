@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -185,13 +185,9 @@ class Job:
                 session = ProgramRunner(path, providers, lazy=True, remake_integers=segment_graphs)
                 # one spinning pool for a rank with cores of its own: its one session's, or the
                 # process's shared by its segments (made now, on the cores it is bound to)
-                pooled = one_pool(self.threads, session.sessions)
-                if pooled.shared_pool and not share_one_pool(pooled.threads):
-                    pooled = self.threads
-                if shared_pool_threads():   # the process has one (whoever made it): every session runs on it
-                    pooled = replace(pooled, threads=shared_pool_threads(), spinning=True, shared_pool=True,
-                                     pinned=False, pins=())
-                self.threads = pooled
+                pooled = one_pool(self.threads, session.sessions, shared_pool_threads())
+                if not pooled.shared_pool or share_one_pool(pooled.threads):
+                    self.threads = pooled
                 session.open(providers, self.threads.threads, self.threads.spinning, graphs,
                              self.threads.pool_affinities(), graphs_in_segments=segment_graphs)
                 pin_calling_thread(self.threads)   # (onnxruntime pinned its pool threads)

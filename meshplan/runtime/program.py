@@ -199,7 +199,8 @@ class ProgramRunner:
         ``remake_integers``: each segment makes again the integer tensors it reads from an
         earlier one (``integers_made_where_read``), so that none crosses a cut: the step
         before graphs in programs of several segments, off until a GPU run shows it (on the
-        CPU the copied nodes cost 1-5% of the int4 Llama's 1x2 decode step)."""
+        CPU the copied nodes cost 1-5% of the int4 Llama's 1x2 decode step); a job turns both
+        on with ``SEGMENT_GRAPHS`` (``open(..., graphs_in_segments=True)``)."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         header = onnx.load(str(path), load_external_data=False)
         self.graph_outputs = {o.name for o in header.graph.output}

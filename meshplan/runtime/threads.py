@@ -205,14 +205,18 @@ def _plan_threads(working: list[set[int]], index: int, machine_cores: int | None
     return choice, None
 
 
-def one_pool(choice: ThreadChoice, sessions: int) -> ThreadChoice:
+def one_pool(choice: ThreadChoice, sessions: int, existing: int = 0) -> ThreadChoice:
     """The choice for a rank whose program runs as ``sessions`` onnxruntime sessions one after
     another (its segments): a rank with cores of its own (alone on its machine, or bound) and
     threads to spin spins on one pool: its one session's, or, with several and a process that
     is its own (``set_binding(..., pin=True)``), the process's pool shared by them
     (``shared_pool``, its threads unpinned: the caller makes it with
     ``providers.share_one_pool`` before it opens a session, and keeps ``choice`` where that is
-    refused). Otherwise, or where ``MESHPLAN_SPINNING`` says, ``choice`` as it is."""
+    refused). Otherwise, or where ``MESHPLAN_SPINNING`` says, ``choice`` as it is. Where the
+    process has a pool already (``existing`` threads: onnxruntime sizes it once), every
+    session runs on that one, whatever the rule."""
+    if existing:
+        return replace(choice, threads=existing, spinning=True, shared_pool=True, pinned=False, pins=())
     if choice.threads < 2 or not (choice.bound or choice.working == 1):
         return choice
     if os.environ.get(SPINNING, "").strip() in ("0", "1"):
