@@ -12,11 +12,13 @@ generate`` runs one prompt for ``--new-tokens`` tokens (each rank gets cores / r
 threads: one per rank on 1x2 on a 2-core machine). onnxruntime-genai runs the builder's
 models in one process with ``--genai-threads`` threads, its key/value buffer at the same
 ``--max-length`` as the plans'. The numbers are each run's own report (meshplan's
-``--output`` metrics; genai timed around ``generate_next_token``). The runners take turns,
+``--output`` metrics; genai timed around ``append_tokens`` and ``generate_next_token``,
+its TTFT the second generation's of its process). The runners take turns,
 ``--repeat`` rounds of one run each, so that a machine whose memory bandwidth drifts
 (a shared virtual machine's does, by tens of percent over hours) slows them alike; the
-table gives the best and the median of the rounds, and per model the ratio of 1x2's
-decode tokens/s to onnxruntime-genai's (the median of the rounds' ratios) and what 1x2's
+table gives the best and the median of the rounds, and per model each meshplan run's
+decode tokens/s and warm TTFT over onnxruntime-genai's (the medians of the rounds'
+ratios) and what 1x2's
 step adds to 1x1's per collective of its step (the target with both ranks on one GPU: at
 most 60 µs).
 
@@ -258,7 +260,7 @@ def main() -> None:
     setup = Setup(args)
     prompt = [(7 * i + 5) % 250 + 2 for i in range(args.prompt_length)]
     genai = f"onnxruntime-genai, {args.genai_threads} threads" if args.provider == "cpu" else "onnxruntime-genai"
-    rows, ratios, failures, per_collective = [], {}, [], {}
+    rows, ratios, ttft_ratios, failures, per_collective = [], {}, {}, [], {}
     for label, model in models.items():
         size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
         runners = {}
@@ -303,13 +305,17 @@ def main() -> None:
             if name.startswith("meshplan") and runs.get(genai) and len(runs[name]) == len(runs[genai]):
                 ratios[(label, name)] = statistics.median(a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
                                                           for a, b in zip(runs[name], runs[genai]))
+                ttft_ratios[(label, name)] = statistics.median(a["ttft_s"] / b["ttft_s"]
+                                                               for a, b in zip(runs[name], runs[genai]))
     for row in rows:
         same = [r for r in rows if r["model"] == row["model"]]
         row["same_ids_as_first"] = row["ids"] == same[0]["ids"]
     if args.json:
         body = {"rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows],
                 "ratio_1x2_to_genai": {label: r for (label, name), r in ratios.items() if name == "meshplan generate 1x2"},
-                "ratio_to_genai": {f"{label}, {name}": r for (label, name), r in ratios.items()}, "max_length": args.max_length, "new_tokens": args.new_tokens,
+                "ratio_to_genai": {f"{label}, {name}": r for (label, name), r in ratios.items()},
+                "warm_ttft_ratio_to_genai": {f"{label}, {name}": r for (label, name), r in ttft_ratios.items()},
+                "max_length": args.max_length, "new_tokens": args.new_tokens,
                 "us_per_collective_1x2_over_1x1": {k: v[0] for k, v in per_collective.items()}}
         args.json.write_text(json.dumps(body, indent=1) + "\n")
     print(f"key/value capacity {args.max_length}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
@@ -318,10 +324,12 @@ def main() -> None:
           f"{'median':>7}  same ids")
     for r in rows:
         print(f"{r['model']:14} {r['bytes'] / 1e6:7.0f}MB {r['runner']:34} {r['threads_per_rank']:>12} "
-              f"{r['ttft_s'] * 1e3:7.1f}ms {r['decode_tokens_per_s']:13.1f} {r['median_decode_tokens_per_s']:7.1f}  "
+              f"{r['ttft_s'] * 1e3:7.3f}ms {r['decode_tokens_per_s']:13.1f} {r['median_decode_tokens_per_s']:7.1f}  "
               f"{r['same_ids_as_first']}")
     for (label, name), ratio in ratios.items():
         print(f"{label}: decode tokens/s of {name} / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
+    for (label, name), ratio in ttft_ratios.items():
+        print(f"{label}: warm TTFT of {name} / onnxruntime-genai's = {ratio:.2f} (median of the rounds)")
     for label, (micros, count) in per_collective.items():
         print(f"{label}: 1x2's step over 1x1's = {micros:.0f} us per collective ({count} a step; median of the rounds)")
     print(f"\n{'model':14} {'runner':38} {'load':>7} {'first TTFT':>10} {'ms/token':>9} {'estimate':>9}  GPU MiB per rank "

@@ -456,6 +456,59 @@ def test_a_box_that_is_a_copy_is_taken_again_on_every_repeated_run(tmp_path):
         job.close()
 
 
+def test_a_new_request_takes_the_host_cache_back_where_it_is_bound(tmp_path, monkeypatch):
+    """On the host path, a reset keeps the cache the job made (``Job._drop_state``): the next
+    request's cache is the same arrays, not zeroed, and the sessions keep their bindings. A
+    request after a longer one (stale positions past its length in the buffer) gets the
+    logits a fresh job gives it; a state set by the caller is not taken again."""
+    from meshplan.runtime.job import Job
+    from meshplan.runtime.program import ProgramRunner
+
+    released = []
+    original = ProgramRunner.release
+    monkeypatch.setattr(ProgramRunner, "release", lambda self: (released.append(1), original(self))[1])
+
+    def request(job, prompt, steps):
+        mask = np.zeros((1, CAPACITY), np.int64)
+        mask[0, :len(prompt)] = 1
+        found = [np.array(job.run({"input_ids": np.array([prompt], np.int64), "attention_mask": mask[:, :len(prompt)]},
+                                  outputs={"logits": np.s_[:, -1:]})["logits"])]
+        for step in range(steps):
+            mask[0, len(prompt) + step] = 1
+            token = np.array([[int(found[-1][0, -1].argmax())]], np.int64)
+            found.append(np.array(job.run({"input_ids": token, "attention_mask": mask},
+                                          outputs={"logits": np.s_[:, -1:]})["logits"]))
+        return found
+
+    long_prompt, short_prompt = [5, 9, 2, 7, 3, 8, 1, 6], [13, 2, 17]
+    fresh = _sample_job(tmp_path)
+    try:
+        expected = request(fresh, short_prompt, 4)
+    finally:
+        fresh.close()
+    job = Job(tmp_path / "plan", "cpu", cache_in_place=True)
+    try:
+        request(job, long_prompt, 6)
+        first = dict(job.state)
+        job.reset_state()
+        got = request(job, short_prompt, 4)
+        assert all(job.state[name] is array for name, array in first.items())
+        # the longer request's positions past the shorter one's, still in the buffer (7 to 13)
+        assert all(np.any(array[..., len(short_prompt) + 4:len(long_prompt) + 6, :]) for array in first.values())
+        assert released == []
+        for a, b in zip(expected, got):
+            np.testing.assert_array_equal(a, b)
+        job.set_state({name: np.zeros_like(array) for name, array in first.items()})
+        job.reset_state()
+        assert released == [1]     # a state the caller set: let go, the bindings with it
+        again = request(job, short_prompt, 4)
+        assert not any(job.state[name] is array for name, array in first.items())
+        for a, b in zip(expected, again):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        job.close()
+
+
 def test_no_integer_crosses_a_cut_of_a_builder_program_where_asked(tmp_path):
     """The attention mask's reformat (``seqlens_k``, ``total_sequence_length``) is made in the
     first segment and read after each collective: every segment that reads it makes it again

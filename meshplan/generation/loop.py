@@ -177,10 +177,11 @@ class Generation:
                 raise RunError(f"prompt {index} has {len(prompt)} tokens: the context holds {shape.context} "
                                "(the prompt and at least one new token)", hint="plan with a larger --max-length")
             if shape.vocab is not None:
-                bad = [t for t in prompt if not 0 <= t < shape.vocab]
-                if bad:
-                    raise RunError(f"prompt {index} has token id {bad[0]}, outside the vocabulary (0 to "
-                                   f"{shape.vocab - 1})")
+                ids = np.asarray(prompt)
+                outside = np.flatnonzero((ids < 0) | (ids >= shape.vocab))
+                if outside.size:
+                    raise RunError(f"prompt {index} has token id {int(ids[outside[0]])}, outside the vocabulary "
+                                   f"(0 to {shape.vocab - 1})")
         lengths = {len(p) for p in prompts}
         if shape.shared and len(lengths) > 1 and max(lengths) > shape.chunk:
             raise RunError(f"prompts of different lengths up to {max(lengths)} tokens need one prefill call of that "

@@ -29,7 +29,7 @@ class Sampler:
             raise RunError(f"--top-k must be 0 (all) or more, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise RunError(f"--top-p must be in (0, 1], got {self.top_p}")
-        self._rng = np.random.default_rng(self.seed)
+        self._rng = None     # made at the first draw: a greedy request never needs one (10 µs)
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +45,8 @@ class Sampler:
                 return _float16_argmax(logits)
             wide = np.float32 if logits.dtype.name == "bfloat16" else np.float64
             return logits.astype(wide).argmax(axis=-1).astype(np.int64)
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.seed)
         logits = logits.astype(np.float64)
         scaled = logits / self.temperature
         chosen = np.empty(len(scaled), dtype=np.int64)
