@@ -5,7 +5,7 @@
 # Writes OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1
 # with and without CUDA graphs, 1x2 with both ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU
 # memory per rank next to the plan's estimate); benchmarks/decode_phases.py (where the fp16 1x1 decode step's
-# time goes); `meshplan verify --generate --provider cuda`; a non-LLM plan
+# time goes, and the first request's TTFT after the warm-up with and without one more prefill in it); `meshplan verify --generate --provider cuda`; a non-LLM plan
 # run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider) and
 # benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the fp16 1x2 plan with CUDA graphs in every segment
 # (MESHPLAN_SEGMENT_GRAPHS=1), and both 1x2 runs under CUDA MPS where it starts.
@@ -22,7 +22,8 @@ meshplan plan "$FP16/model.onnx" --mesh 1x1 --device "$DEVICE" --generate --max-
   > "$O/plan_fp16_1x1.log" 2>&1 || tail -n 3 "$O/plan_fp16_1x1.log"
 TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --output "$O/first_generate.json"
-TAIL=16 step decode_phases 90 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor
+TAIL=17 step decode_phases 120 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor \
+  --first-requests 3
 TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
 TAIL=40 step generate 330 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
