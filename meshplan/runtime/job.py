@@ -239,8 +239,9 @@ class Job:
         self.header_size = 2 + sum(len(t.shape) for t in self.inputs) + sum(1 + len(t.shape) for t in self.state_entries_specs()) \
             + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)
-        self._spare: dict[tuple, dict] = {}     # state buffers let go, by shape, then name: to take again
+        self._spare: dict[tuple, dict] = {}     # device state buffers let go, by shape, then name: to take again
         self._made: dict[str, np.ndarray] = {}  # host state buffers this job made (``_empty_state``)
+        self._kept: dict[str, np.ndarray] = {}  # … let go by a reset, to take again
         self.state_shapes: dict[str, tuple | None] = {}   # on rank 0: each state's whole shape, where known
         self._route_cache: dict[frozenset, tuple] = {}     # ``_routes`` by the set of wanted outputs
         self._sized: dict[tuple, tuple] = {}    # ``_check_call``'s sizes by the call's shapes (and the state's)
@@ -596,19 +597,22 @@ class Job:
 
     def _drop_state(self) -> None:
         """Let the state go. Buffers to take again (``_empty_state``): the device's, and on the
-        host a cache updated in place that is still the array the job made. Where every host
-        state is so kept, the sessions keep their bindings too: the next request's cache is
-        the same arrays, bound where they were (rebinding them cost 55 µs of a 0.1 ms first
-        token on the CPU)."""
+        host a cache updated in place that is still the array the job made (one per state, a
+        state the caller sets lets it go). Where every host state is so kept, the sessions keep
+        their bindings too: the next request's cache is the same arrays, bound where they were
+        (rebinding them cost 55 µs of a 0.1 ms first token on the CPU)."""
         kept = 0
         for name, tensor in self.state.items():
-            if (isinstance(tensor, DeviceTensor) and tensor.whole) or tensor is self._made.get(name):
-                self._spare.setdefault((tuple(tensor.shape), tensor.dtype.str), {})[name] = tensor
+            if isinstance(tensor, DeviceTensor) and tensor.whole:
+                self._spare.setdefault((tensor.shape, tensor.dtype.str), {})[name] = tensor
                 kept += 1
-        every = kept == len(self.state)
+            elif tensor is self._made.get(name):
+                self._kept[name] = tensor
+                kept += 1
+        holds = self.state_buffers is HOST and kept == len(self.state) and bool(self._kept)
         self.state.clear()
         self._made.clear()
-        if self.session is not None and not (every and self.state_buffers is HOST):
+        if self.session is not None and not holds:
             self.session.release()   # the sessions' kept bindings hold the cache buffers too
 
     def _check_divides(self, name: str, shape) -> None:
@@ -743,16 +747,21 @@ class Job:
         sequence's length do: attention never reads them), so a new request copies nothing
         to the device: zeroing a cache of 6 MB from the host took part of an H200's TTFT,
         one of gigabytes would take most of it."""
-        spare = self._spare.get((tuple(shape), np.dtype(dtype).str))
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        if self.state_buffers is HOST:   # one buffer kept per state: another shape lets it go
+            tensor = self._kept.pop(name, None)
+            if tensor is None or tensor.shape != shape or tensor.dtype != dtype:
+                tensor = np.zeros(shape, dtype=dtype)
+            if self.cache_in_place:
+                self._made[name] = tensor
+            return tensor
+        spare = self._spare.get((shape, dtype.str))
         if spare:
             tensor = spare.pop(name) if name in spare else spare.pop(next(iter(spare)))
-            if not self.cache_in_place:   # (a device buffer: the host keeps only caches updated in place)
-                tensor.value.update_inplace(np.zeros(tuple(shape), dtype=dtype))
-        else:
-            tensor = self.state_buffers.from_host(np.zeros(tuple(shape), dtype=dtype))
-        if self.state_buffers is HOST and self.cache_in_place:
-            self._made[name] = tensor
-        return tensor
+            if not self.cache_in_place:
+                tensor.value.update_inplace(np.zeros(shape, dtype=dtype))
+            return tensor
+        return self.state_buffers.from_host(np.zeros(shape, dtype=dtype))
 
     def _dtype_of(self, name: str) -> str:
         return next(t.dtype for t in self.plan.inputs if t.name == name)
@@ -930,6 +939,7 @@ class Job:
                         own = np.array(piece, copy=True) if self.cache_in_place else piece
                         self.state[name] = self.state_buffers.from_host(own)
                         self._made.pop(name, None)
+                        self._kept.pop(name, None)
                     else:
                         self.transport.send(piece, r, _STATE_TAG + 2 * index)
                         self._send(name, piece.nbytes)
@@ -938,6 +948,7 @@ class Job:
                                             _STATE_TAG + 2 * index)
                 self.state[name] = self.state_buffers.from_host(local)
                 self._made.pop(name, None)
+                self._kept.pop(name, None)
 
     def state_bytes(self) -> int:
         """Bytes of the state this rank holds."""
