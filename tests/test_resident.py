@@ -60,6 +60,33 @@ def test_outputs_stay_or_come_back_and_buffers_are_kept(session):
     assert np.array_equal(other["y"].numpy(), np.full((2, 5), 2.0))
 
 
+def test_two_shapes_taking_turns_keep_their_outputs_while_small(session, monkeypatch):
+    """A prompt and a decode step take turns (two shapes, no graph): each finds the outputs
+    its shape had the time before and onnxruntime allocates nothing again; the values are
+    each run's own. Outputs of more than ``_OUTPUTS_KEPT`` bytes are let go, as is a third
+    shape's older one."""
+    from meshplan.runtime import resident
+
+    cache = session.device.from_host(np.zeros((2, 1), np.float32))
+    prompt, step = np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((2, 1), np.float32)
+    first = {shape: session.run({"x": x, "c": cache}, writable={"c"})["y"].address
+             for shape, x in (("prompt", prompt), ("step", step))}
+    allocated = []
+    original = session._resident.binding.bind_output
+    monkeypatch.setattr(session._resident.binding, "bind_output", lambda *a: (allocated.append(a), original(*a))[1])
+    for turn in range(3):
+        out = session.run({"x": prompt + turn, "c": cache}, writable={"c"})
+        assert out["y"].address == first["prompt"] and np.array_equal(out["y"].numpy(), prompt + turn + 1)
+        out = session.run({"x": step * turn, "c": cache}, writable={"c"})
+        assert out["y"].address == first["step"] and np.array_equal(out["y"].numpy(), step * turn + 1)
+    assert allocated == []
+    session.run({"x": np.ones((2, 3), np.float32), "c": cache}, writable={"c"})   # a third shape
+    assert set(session._resident.outputs) == {((2, 1), (2, 1)), ((2, 3), (2, 1))}
+    monkeypatch.setattr(resident, "_OUTPUTS_KEPT", 8)   # now every output set is too large to keep
+    session.run({"x": prompt, "c": cache}, writable={"c"})
+    assert set(session._resident.outputs) == {((2, 4), (2, 1))}
+
+
 def test_rows_of_a_device_tensor_are_bound_by_address(session):
     cache = session.device.from_host(np.array([[1.0], [2.0], [3.0]], np.float32))
     rows = cache[1:3]

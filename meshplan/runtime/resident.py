@@ -9,7 +9,9 @@ or returns to the caller is copied to the host (``to_host``). Each run:
   and shape (``OrtValue.update_inplace``), so a decode step finds every input at the
   address it had the step before;
 * binds the outputs to buffers kept per set of input shapes (onnxruntime allocates them on
-  the first run of those shapes), or to the feed they are written into in place;
+  the first run of those shapes; kept while a graph reads them, or, up to 16 MiB, for the
+  shapes of the run before: a prompt and a decode step taking turns), or to the feed they
+  are written into in place;
 * binds again only what changed since the run before.
 
 A session loaded with CUDA graphs (``StageSession(graphs=True)``) captures a run the second
@@ -31,6 +33,7 @@ from meshplan.runtime.buffers import DeviceTensor
 
 MAX_GRAPHS = 8      # graphs per session: a decode shape per batch a server runs, say
 _FEEDS_KEPT = 64    # numpy feeds' buffers kept (prompt pieces of many lengths come and go)
+_OUTPUTS_KEPT = 16 << 20   # bytes: the run before's outputs kept for its shapes' next run, at most
 
 
 class ResidentRuns:
@@ -138,8 +141,11 @@ class ResidentRuns:
             for name, tensor in outputs.items():
                 self.bound[("out", name)] = (tensor.address, tensor.shape)   # bound by onnxruntime to it
                 self.binding.bind_ortvalue_output(name, tensor.value)
-            if self.last_shapes is not None and self.last_shapes not in self.pinned:
-                self.outputs.pop(self.last_shapes, None)
+            # besides the graphs' buffers, the outputs of the run before of other shapes stay
+            # where they are small (a prompt's and a decode step's, taking turns), else go
+            for kept in [k for k in self.outputs if k not in self.pinned]:
+                if kept != self.last_shapes or sum(t.nbytes for t in self.outputs[kept].values()) > _OUTPUTS_KEPT:
+                    self.outputs.pop(kept)
             self.outputs[shapes] = outputs
         self.last_shapes = shapes
         settled = self.graphs.get(key) if session.graphs else None
