@@ -120,6 +120,24 @@ def test_a_call_that_repeats_its_shapes_and_addresses_gets_a_graph(session):
     assert resident.pinned == {((1, 1), (1, 1))}
 
 
+def test_a_prompt_taking_turns_with_decode_steps_gets_no_graph(session):
+    """With graphs, a decode step's shapes repeated get one; a prompt that comes back after
+    decode steps finds its outputs kept (the run before's of another shape) but is not
+    captured: the prompt runs without a graph, however often its shape comes back."""
+    session.graphs = True
+    session._plain_run = ort.RunOptions()
+    session._plain_run.add_run_config_entry(GRAPH_ID, "-1")
+    cache = session.device.from_host(np.zeros((1, 1), np.float32))
+    prompt, step = np.ones((1, 4), np.float32), np.ones((1, 1), np.float32)
+    for turn in range(4):
+        session.run({"x": prompt * turn, "c": cache}, writable={"c"})
+        for _ in range(3):
+            out = session.run({"x": step * turn, "c": cache}, writable={"c"})
+            assert np.array_equal(out["z"], (step * turn + 1) * 2)
+    assert session.graph_count == 1 and session._resident.pinned == {((1, 1), (1, 1))}
+    assert ((1, 4), (1, 1)) in session._resident.outputs     # kept, and still no graph
+
+
 def test_an_output_whose_shape_follows_from_values_drops_its_graph():
     """NonZero's output has as many columns as the input has non-zeros: the buffer kept for the
     input's shape stops fitting, the run is made again on a new buffer, and the graph those

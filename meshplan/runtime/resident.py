@@ -118,7 +118,10 @@ class ResidentRuns:
                 self.binding.bind_output(name, self.device.device_type, self.device.device_id)
                 self.bound.pop(("out", name), None)
         key = (shapes, tuple(addresses), tuple(feeds[reused[o]].address for o in sorted(reused)))
-        options = self._graph_options(key, outputs is not None)
+        # a graph only for shapes that repeat the run before's (a decode step's), not for the
+        # outputs a prompt finds again after a decode step: the prompt runs without
+        repeated = outputs is not None and (shapes == self.last_shapes or shapes in self.pinned)
+        options = self._graph_options(key, repeated)
         try:
             session.session.run_with_iobinding(self.binding, options)
         except Exception as exc:  # onnxruntime raises several unrelated exception types
@@ -200,10 +203,11 @@ class ResidentRuns:
         buffer.value.update_inplace(np.ascontiguousarray(array))
         return buffer
 
-    def _graph_options(self, key: tuple, outputs_kept: bool):
+    def _graph_options(self, key: tuple, repeated: bool):
         """The run options of this run: its graph's where it has one or is captured now
-        (the second run of these shapes and addresses), else none (onnxruntime's default on
-        a session without graphs; "no graph" on one with them)."""
+        (the second run of these shapes and addresses, ``repeated``: on the outputs of the
+        run before, of the same shapes), else none (onnxruntime's default on a session without
+        graphs; "no graph" on one with them)."""
         session = self.session
         if not session.graphs:
             return None
@@ -213,7 +217,7 @@ class ResidentRuns:
             return options
         count = self.seen.get(key, 0) + 1
         shapes = key[0]
-        if (count < 2 or not outputs_kept or shapes in self.no_graph or self.captured >= MAX_GRAPHS
+        if (count < 2 or not repeated or shapes in self.no_graph or self.captured >= MAX_GRAPHS
                 or None in key[1]):
             if len(self.seen) < 4096:
                 self.seen[key] = count
