@@ -368,8 +368,11 @@ def main() -> None:
           f"TTFT {first['ttft']:.1f}; " + ", ".join(
               f"{part} {first[part]:.1f} ({first[part + ' calls']:.0f})" for part in PARTS))
     if args.first_requests:
-        result["first request"] = first_requests(args.plan, args.provider, args.graphs, prompt, args.new_tokens,
-                                                  args.first_requests, True if args.on_device else None)
+        try:
+            result["first request"] = first_requests(args.plan, args.provider, args.graphs, prompt, args.new_tokens,
+                                                      args.first_requests, True if args.on_device else None)
+        except MeshplanError as exc:   # a later job's start, say, that finds the device full
+            raise SystemExit(f"error: {exc}")
         print(f"  first request's TTFT after the warm-up (median of {args.first_requests} jobs each): " + ", ".join(
             f"{name} {value:.1f}" for name, value in result["first request"].items()))
     if args.provider == "cuda" and m.get("graphs"):
