@@ -98,14 +98,15 @@ def prompt_ids(length: int, vocab: int) -> list[int]:
 
 
 def meshplan_phases(plan_dir: Path, provider: str, graphs: bool, prompt: list[int], new_tokens: int,
-                    rounds: int, replays: int, on_device: bool | None = None) -> dict:
-    """µs per decode step of each part (the medians of the rounds), and the replay alone's."""
+                    rounds: int, replays: int, on_device: bool | None = None, choose: bool | None = None) -> dict:
+    """µs per decode step of each part (the medians of the rounds), and the replay alone's.
+    ``choose``: the job's token choice next to the logits (``Job(choose=...)``; None: its default)."""
     from meshplan.generation.driver import JobStepper
     from meshplan.generation.loop import Generation, GenerationShape
     from meshplan.generation.sampling import Sampler
     from meshplan.runtime.job import Job
 
-    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device)
+    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device, choose=choose)
     try:
         generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
         generation.run([prompt], 2, Sampler(), ())            # the warm-up `meshplan generate` runs
@@ -154,6 +155,7 @@ def meshplan_phases(plan_dir: Path, provider: str, graphs: bool, prompt: list[in
         result["replay alone"] = replay
         result["first token"] = {name: statistics.median(values) for name, values in per_first.items()}
         result["graphs"] = job.session.graphs if job.session is not None else None
+        result["token choice"] = "device" if job.chosen is not None else "host"
         return result
     finally:
         job.close()
@@ -318,6 +320,9 @@ def main() -> None:
     parser.add_argument("--first-requests", type=int, default=0, metavar="N",
                         help="also the first request's TTFT after the warm-up, in N fresh jobs with it and N with "
                              "one more prefill in it")
+    parser.add_argument("--choice", choices=("auto", "device", "host", "both"), default="auto",
+                        help="where the token is chosen: next to the logits (device), from logits copied to the host, "
+                             "both in turn, or the job's default (auto: the device on CUDA)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N functions of most time of their own (cProfile) in decode steps and "
@@ -348,25 +353,35 @@ def main() -> None:
                          f"plan's capacity of {capacity}")
     vocab = shape.vocab or 32000
     prompt = prompt_ids(args.prompt_length, vocab)
-    try:
-        measured = meshplan_phases(args.plan, args.provider, args.graphs, prompt, args.new_tokens, args.rounds,
-                                   args.replays, True if args.on_device else None)
-    except MeshplanError as exc:
-        raise SystemExit(f"error: {exc}")
-    result = {"plan": str(args.plan), "provider": args.provider, "graphs": args.graphs, "meshplan": measured}
+    result = {"plan": str(args.plan), "provider": args.provider, "graphs": args.graphs}
+    choices = {"auto": (None,), "device": (True,), "host": (False,), "both": (False, True)}[args.choice]
+    for choose in choices:
+        try:
+            measured = meshplan_phases(args.plan, args.provider, args.graphs, prompt, args.new_tokens, args.rounds,
+                                       args.replays, True if args.on_device else None, choose)
+        except MeshplanError as exc:
+            raise SystemExit(f"error: {exc}")
+        result.setdefault("meshplan", measured)
+        result[f"meshplan, token chosen on the {measured['token choice']}"] = measured
     if args.floor:
         result["onnxruntime alone"] = floor_phases(args.plan / plan.programs[0].file, args.provider, args.graphs,
                                                    capacity, prompt, 2 * args.new_tokens, args.rounds)
-    m = result["meshplan"]
-    print(f"{args.plan} on {args.provider}, CUDA graphs {'on' if args.graphs else 'off'}: µs per decode step "
-          f"(median of {args.rounds} rounds)")
-    for name in ("step", "loop's own decode timing", *PARTS, "python (the rest)", "replay alone"):
-        calls = m.get(name + " calls")
-        print(f"  meshplan {name:28} {m[name]:9.1f}" + (f"   ({calls:.1f} calls)" if calls is not None else ""))
-    first = m["first token"]
-    print(f"  first token (a generation of one token): whole call {first['first token (whole call)']:.1f}, "
-          f"TTFT {first['ttft']:.1f}; " + ", ".join(
-              f"{part} {first[part]:.1f} ({first[part + ' calls']:.0f})" for part in PARTS))
+    for choose in choices:
+        m = result["meshplan"] if len(choices) == 1 else \
+            result[f"meshplan, token chosen on the {'device' if choose else 'host'}"]
+        print(f"{args.plan} on {args.provider}, CUDA graphs {'on' if args.graphs else 'off'}, token chosen on the "
+              f"{m['token choice']}: µs per decode step (median of {args.rounds} rounds)")
+        for name in ("step", "loop's own decode timing", *PARTS, "python (the rest)", "replay alone"):
+            calls = m.get(name + " calls")
+            print(f"  meshplan {name:28} {m[name]:9.1f}" + (f"   ({calls:.1f} calls)" if calls is not None else ""))
+        first = m["first token"]
+        print(f"  first token (a generation of one token): whole call {first['first token (whole call)']:.1f}, "
+              f"TTFT {first['ttft']:.1f}; " + ", ".join(
+                  f"{part} {first[part]:.1f} ({first[part + ' calls']:.0f})" for part in PARTS))
+        if args.provider == "cuda" and m.get("graphs"):
+            print(f"  CUDA graphs: {m['graphs']}")
+        if "onnxruntime alone" in result:
+            print(f"  meshplan over onnxruntime alone   {m['step'] - result['onnxruntime alone']['step']:9.1f}")
     if args.first_requests:
         try:
             result["first request"] = first_requests(args.plan, args.provider, args.graphs, prompt, args.new_tokens,
@@ -375,13 +390,10 @@ def main() -> None:
             raise SystemExit(f"error: {exc}")
         print(f"  first request's TTFT after the warm-up (median of {args.first_requests} jobs each): " + ", ".join(
             f"{name} {value:.1f}" for name, value in result["first request"].items()))
-    if args.provider == "cuda" and m.get("graphs"):
-        print(f"  CUDA graphs: {m['graphs']}")
     if "onnxruntime alone" in result:
         f = result["onnxruntime alone"]
         print(f"  onnxruntime alone step            {f['step']:9.1f}")
         print(f"  onnxruntime alone replay alone    {f['replay alone']:9.1f}")
-        print(f"  meshplan over onnxruntime alone   {m['step'] - f['step']:9.1f}")
     if args.profile:
         profile_calls(args.plan, args.provider, args.graphs, prompt, args.new_tokens, args.profile,
                       True if args.on_device else None)

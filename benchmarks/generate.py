@@ -30,7 +30,9 @@ with the machine's own MPI launcher:
     python benchmarks/generate.py --provider cuda --device h200 --folders fp16=/m/fp16 int4=/m/int4 \
         --mpiexec "mpiexec --oversubscribe" --max-length 512 --new-tokens 128 --repeat 2
 
-adds a run of meshplan 1x1 without CUDA graphs (``--no-cuda-graph``), and reports each
+adds runs of meshplan 1x1 without CUDA graphs (``--no-cuda-graph``) and with the token chosen
+from logits copied to the host (``MESHPLAN_DEVICE_CHOICE=0``; by default a job of one rank on
+CUDA chooses it next to the logits), and reports each
 meshplan run's load, warm TTFT, ms per token, CUDA graphs and each rank's peak GPU memory
 (``nvidia-smi``, read in one more run of each after the timed rounds: polling it stalls the
 GPU's driver calls) next to the plan's estimate; onnxruntime-genai's load, first and warm TTFT
@@ -103,12 +105,23 @@ class Setup:
         self.meshplan = [str(found)] if found.exists() else [shutil.which("meshplan") or "meshplan"]
         self.mpiexec = shlex.split(args.mpiexec) if args.mpiexec else [str(BIN / "mpiexec")]
         self.provider, self.device, self.solver = args.provider, args.device, args.solver
+        # Open MPI hands a rank only the variables ``-x`` names; MPICH's hydra hands it all
+        try:
+            version = subprocess.run([self.mpiexec[0], "--version"], capture_output=True, text=True, check=False)
+            said = version.stdout + version.stderr
+        except OSError:
+            said = ""
+        openmpi = "Open MPI" in said or "OpenRTE" in said
+        self.forward = [f for name in ("MESHPLAN_HUGE_PAGES", "MESHPLAN_DEVICE_CHOICE") for f in ("-x", name)] \
+            if openmpi else []
 
 
 def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list[int], new_tokens: int,
-                 max_length: int, graphs: bool = True, huge_pages: bool = True, memory: bool = False) -> dict:
+                 max_length: int, graphs: bool = True, huge_pages: bool = True, memory: bool = False,
+                 device_choice: bool = True) -> dict:
     """One ``meshplan generate`` under the launcher; ``memory``: poll each process's GPU memory while
-    it runs (``nvidia-smi`` every 100 ms stalls the GPU's driver calls, so timed runs go without)."""
+    it runs (``nvidia-smi`` every 100 ms stalls the GPU's driver calls, so timed runs go without).
+    ``device_choice``: False chooses the token from logits copied to the host (``MESHPLAN_DEVICE_CHOICE=0``)."""
     plan_dir = plans / f"{model.parent.name}_{model.stem}_{mesh}_{max_length}"
     policy = ["--policy", "megatron", "--max-stages", "1"] if mesh != "1x1" else []
     if not (plan_dir / "plan.json").exists():
@@ -120,10 +133,11 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
     out = plans / f"out_{mesh}.json"
     memory = GpuMemory() if memory and setup.provider == "cuda" else None
     try:
-        _run([*setup.mpiexec, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir), "--prompt-ids", str(ids),
+        _run([*setup.mpiexec, *setup.forward, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir), "--prompt-ids", str(ids),
               "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out), "--provider", setup.provider,
               *([] if graphs else ["--no-cuda-graph"])],
-             env={**os.environ, "MESHPLAN_HUGE_PAGES": "1" if huge_pages else "0"})
+             env={**os.environ, "MESHPLAN_HUGE_PAGES": "1" if huge_pages else "0",
+                  "MESHPLAN_DEVICE_CHOICE": "1" if device_choice else "0"})
     finally:
         peaks = memory.stop() if memory is not None else []
     body = json.loads(out.read_text())
@@ -135,7 +149,7 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
             "gpu_mib_per_rank": peaks,
             "estimate_mib_per_rank": [round(s["memory_bytes"] / 2**20) for s in plan["stages"]
                                       for _ in s["devices"]] if plan.get("stages") else [],
-            "ids": body["sequences"][0]["ids"], "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
+            "ids": body["sequences"][0]["ids"], "token_choice": metrics.get("token_choice"), "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
             "collectives": sum(len(s.get("collectives") or []) for s in plan.get("stages", []))}
 
 
@@ -273,6 +287,9 @@ def main() -> None:
         if args.provider == "cuda":
             runners["meshplan generate 1x1, no CUDA graph"] = lambda memory=False: meshplan_run(
                 setup, model, "1x1", workdir, prompt, args.new_tokens, args.max_length, graphs=False, memory=memory)
+            runners["meshplan generate 1x1, token chosen on the host"] = lambda memory=False: meshplan_run(
+                setup, model, "1x1", workdir, prompt, args.new_tokens, args.max_length, memory=memory,
+                device_choice=False)
         if label != "export" and importlib.util.find_spec("onnxruntime_genai") is not None:
             threads = args.genai_threads if args.provider == "cpu" else 0
             runners[genai] = lambda: genai_run(model, prompt, args.new_tokens, threads, args.max_length)

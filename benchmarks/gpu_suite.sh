@@ -22,11 +22,11 @@ meshplan plan "$FP16/model.onnx" --mesh 1x1 --device "$DEVICE" --generate --max-
   > "$O/plan_fp16_1x1.log" 2>&1 || tail -n 3 "$O/plan_fp16_1x1.log"
 TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --output "$O/first_generate.json"
-TAIL=17 step decode_phases 120 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor \
+TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor --choice both \
   --first-requests 3
 TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
-TAIL=40 step generate 330 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
+TAIL=48 step generate 360 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
   --repeat 3 --solver highs --workdir "$O/work" --json "$O/generate.json"
 # 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in

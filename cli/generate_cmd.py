@@ -100,6 +100,8 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
                + ("; deterministic kernels (use_deterministic_compute)" if deterministic else ""))
     if report.graphs is not None:
         click.echo(_graphs_line(report.graphs))
+    if report.token_choice == "device":
+        click.echo("greedy tokens chosen next to the logits on rank 0's device (only the ids reach the host)")
     for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
         threads = report.threads[rank] if rank < len(report.threads) else None
         click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}"

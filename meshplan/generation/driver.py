@@ -46,6 +46,12 @@ class JobStepper:
         self.job = job
         self._outputs: dict[int, dict] = {}    # the outputs asked for, by last positions: the same object each
                                                # step, so the job reads it once (``Job._wanted``)
+        self._chosen: dict[int, dict] = {}     # … of the greedy ids (``choose``)
+
+    @property
+    def chooses(self) -> bool:
+        """Whether the job chooses greedy ids next to its logits (``Job.chosen``: on a GPU)."""
+        return self.job.chosen is not None
 
     def reset(self) -> None:
         self.job.reset_state()
@@ -59,6 +65,15 @@ class JobStepper:
         if outputs is None:
             outputs = self._outputs[last] = {"logits": np.s_[:, -last:]}
         return self.job.run(feeds, outputs=outputs, row=row, copy=False)["logits"]
+
+    def choose(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
+        """The greedy ids of the call's ``last`` positions ([batch, last]), chosen where the
+        logits are: only the ids reach the host."""
+        name = self.job.chosen
+        outputs = self._chosen.get(last)
+        if outputs is None:
+            outputs = self._chosen[last] = {name: np.s_[:, -last:]}
+        return self.job.run(feeds, outputs=outputs, row=row, copy=False)[name]
 
 
 class TextStream:
@@ -119,9 +134,11 @@ class GenerateReport:
     load_seconds: float = 0.0          # from the start to a warm job (loading, a warm-up call)
     estimate_seconds: float = 0.0      # the plan's estimate of a decode step (at a full cache)
     graphs: dict | None = None         # on CUDA: rank 0's CUDA graphs (``ProgramRunner.graphs``)
+    token_choice: str = "host"         # where a greedy token is chosen: "device" (next to the logits) or "host"
 
     def to_dict(self) -> dict:
         metrics = self.metrics.to_dict()
+        metrics["token_choice"] = self.token_choice
         metrics["load_seconds"] = self.load_seconds
         metrics["estimate_step_seconds"] = self.estimate_seconds
         if self.graphs is not None:
@@ -280,7 +297,8 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
                             [int(b) for b in stats.state_bytes], prepared.eos,
                             [ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory],
                             load_seconds, float(job.plan.estimate["latency_seconds"]),
-                            job.session.graphs if job.session is not None and job.provider == CUDA else None)
+                            job.session.graphs if job.session is not None and job.provider == CUDA else None,
+                            "device" if job.chosen is not None and request.sampler.greedy else "host")
     if output_path is not None:
         from meshplan.files import atomic_write_bytes
 

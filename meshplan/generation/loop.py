@@ -37,6 +37,9 @@ class Stepper(Protocol):
     def step(self, feeds: dict[str, np.ndarray], last: int) -> np.ndarray:
         """Run one call; return the logits of its ``last`` positions ([batch, last, vocab])."""
 
+    # A stepper that can choose greedily where it computes the logits also has ``chooses``
+    # (True) and ``choose(feeds, last)``: the greedy ids of its ``last`` positions ([batch, last]).
+
 
 @dataclass
 class GenerationShape:
@@ -209,6 +212,11 @@ class Generation:
         sequences = [Sequence(p) for p in prompts]
         metrics = Metrics(prompt_tokens=int(sum(len(p) for p in prompts)))
         eos = set(int(e) for e in eos_ids)
+        # the greedy ids from the stepper where it chooses next to the logits (a GPU's job): the
+        # host reads ids, not logits
+        choose = self.stepper.choose if sampler.greedy and record is None and getattr(self.stepper, "chooses", False) \
+            else None
+        call = choose or self.stepper.step
         self.stepper.reset()
         started = time.perf_counter()
         # prefill, in pieces of at most the plan's longest call
@@ -219,11 +227,11 @@ class Generation:
             if shape.padding_side == "right" and stop == longest:
                 last = longest - int(lengths.min()) + 1     # every sequence's last prompt position is in there
             piece = ids[:, start:stop]
-            window = self.stepper.step(self._feeds(piece, mask[:, :stop], start), last)
+            window = call(self._feeds(piece, mask[:, :stop], start), last)
             if stop == longest:
                 offsets = (lengths - 1 - (longest - last)) if shape.padding_side == "right" else np.full(batch, last - 1)
-                logits = window[np.arange(batch), offsets]
-        chosen = sampler(logits)
+                logits = window[np.arange(batch), offsets]   # (the ids, where the stepper chooses)
+        chosen = logits if choose else sampler(logits)
         metrics.prefill_seconds = time.perf_counter() - started
         if record is not None:
             record.append(StepRecord(ids.copy(), logits[:rows].copy(), chosen[:rows].copy(), offsets[:rows].copy()))
@@ -260,9 +268,9 @@ class Generation:
                 lengths = lengths + 1
                 mask = (np.arange(int(lengths.max()))[None, :] < lengths[:, None]).astype(np.int64)
             total += 1
-            window = self.stepper.step(self._feeds(fed, mask, total - 1), 1)
+            window = call(self._feeds(fed, mask, total - 1), 1)
             logits = window[:, -1]
-            chosen = sampler(logits)
+            chosen = logits if choose else sampler(logits)
             if record is not None:
                 record.append(StepRecord(fed[:rows].copy(), logits[:rows].copy(), chosen[:rows].copy(),
                                          np.zeros(rows, dtype=np.int64)))

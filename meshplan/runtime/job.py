@@ -55,10 +55,10 @@ from meshplan.errors import JobFailure, MeshplanError, ReportedElsewhere, RunErr
 from meshplan.model.sizes import Sizes
 from meshplan.runtime.call_sizes import CallSizes, shape_at
 from meshplan.process_memory import peak_rss_bytes
-from meshplan.plan_format import OUTPUT_COLLECTOR, local_name, read_plan, require_programs
+from meshplan.plan_format import OUTPUT_COLLECTOR, TensorSpec, local_name, read_plan, require_programs
 from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor
 from meshplan.runtime.program import SEGMENT_GRAPHS, ProgramRunner
-from meshplan.runtime.sessions import check_program_files, providers_for
+from meshplan.runtime.sessions import check_program_files, provider_name, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 from meshplan.runtime.threads import ThreadChoice, bind_to, one_pool, pin_calling_thread, plan_threads
@@ -72,6 +72,10 @@ _SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
 _ROWS = 1 << 32     # a call of some rows: header[1] = first row * _ROWS + their count
 _SIZED_KEPT = 512   # calls' checked sizes kept (by shapes): a decode loop's few, a prompt's pieces
 _KEPT_VIEW_BYTES = 16 << 20   # the largest output whose view ``Job._take_output`` keeps for the next call
+_LOGITS = "logits"            # the output a greedy choice is made from (``Job(choose=...)``)
+# ``MESHPLAN_DEVICE_CHOICE=0`` in the environment: a job on CUDA returns logits and the token is
+# chosen on the host (the way to measure what the choice next to the logits saves)
+DEVICE_CHOICE = "MESHPLAN_DEVICE_CHOICE"
 
 
 @dataclass
@@ -131,14 +135,19 @@ class Job:
     """See the module's description. Construct on every rank (collective)."""
 
     def __init__(self, plan_dir: str | Path, provider: str = "auto", transfer: str = "auto", comm=None, check=None,
-                 cache_in_place: bool = False, on_device: bool | None = None, graphs: bool = False):
+                 cache_in_place: bool = False, on_device: bool | None = None, graphs: bool = False,
+                 choose: bool | None = None):
         """``check(plan)``, when given, runs on rank 0 with the start-up checks: its error
         stops every rank as theirs do. ``cache_in_place``: update a fixed-capacity key/value
         cache in place (see the module). ``on_device``: keep the state, the calls' inputs and
         outputs and what passes between a rank's segments where its provider computes
         (``StageSession.keep_on``), whatever the MPI; None: so on CUDA (with the CPU provider
         they are in host memory anyway; True there runs the same path on host OrtValues).
-        ``graphs``: on CUDA, replay a call that repeats its shapes as a CUDA graph."""
+        ``graphs``: on CUDA, replay a call that repeats its shapes as a CUDA graph.
+        ``choose``: let the program of a job of one rank choose the next token greedily next to
+        its logits (``ProgramRunner(choose=...)``): ``chosen`` names the output of those ids
+        (``outputs={job.chosen: ...}`` brings them instead of the logits); None: so on CUDA
+        unless ``MESHPLAN_DEVICE_CHOICE=0`` (``DEVICE_CHOICE``)."""
         from meshplan.rank_layout import gather_affinities, gather_layout, launch_advice, layout_mismatch
 
         MPI, everyone = world()
@@ -182,7 +191,13 @@ class Job:
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
                 segment_graphs = graphs and os.environ.get(SEGMENT_GRAPHS, "").strip() == "1"
-                session = ProgramRunner(path, providers, lazy=True, remake_integers=segment_graphs)
+                if choose is None:
+                    choose = on_device is not False and provider_name(providers[0]) == CUDA \
+                        and os.environ.get(DEVICE_CHOICE, "").strip() != "0"
+                choose = choose and self.size == 1 and plan.microbatches == 1 \
+                    and any(t.name == _LOGITS for t in plan.outputs)
+                session = ProgramRunner(path, providers, lazy=True, remake_integers=segment_graphs,
+                                        choose=_LOGITS if choose else None)
                 # one spinning pool for a rank with cores of its own: its one session's, or the
                 # process's shared by its segments (made now, on the cores it is bound to)
                 pooled = one_pool(self.threads, session.sessions, shared_pool_threads())
@@ -209,6 +224,7 @@ class Job:
         agree(everyone, MPI, error)
         try:
             self.plan, self.plan_dir, self.session, self.buffers = plan, plan_dir, session, buffers
+            self.chosen = session.chosen if session is not None else None   # the greedy ids' output
             self.state_buffers = resident or buffers    # where the state lies (``on_device``)
             self.transfer_path = path_text
             self.provider = session.providers[0] if session is not None else "none"
@@ -230,6 +246,9 @@ class Job:
         self.state_outputs = {s["output"]: s for s in plan.state}
         self.inputs = [t for t in plan.inputs if t.name not in self.state_inputs]
         self.outputs = [t for t in plan.outputs if t.name not in self.state_outputs]
+        if self.chosen is not None:   # the token ids chosen next to the logits (a job of one rank)
+            logits = next(t for t in plan.outputs if t.name == _LOGITS)
+            self.outputs.append(TensorSpec(self.chosen, list(logits.shape[:-1]), "int64"))
         self.state_specs = {s["input"]: state_spec(s) for s in plan.state}
         outputs = {t.name: t for t in plan.outputs}
         self._state_output_shapes = [(s["input"], outputs[s["output"]].shape) for s in plan.state]
@@ -784,8 +803,10 @@ class Job:
                     and (t.dst_stage != OUTPUT_COLLECTOR or t.tensor in wanted)]
         incoming = [(i, t) for i, t in enumerate(plan.transfers)
                     if rank == 0 and t.dst_stage == OUTPUT_COLLECTOR and t.src_rank != 0 and t.tensor in wanted]
-        local_outputs = [t for t in plan.transfers
+        local_outputs = [t.tensor for t in plan.transfers
                          if t.dst_stage == OUTPUT_COLLECTOR and t.src_rank == rank == t.dst_rank and t.tensor in wanted]
+        if self.chosen in wanted and rank == 0:
+            local_outputs.append(self.chosen)
         # state this stage reads (input, its local name) and makes (input, output's local name)
         reads = [(name, local_name(name, self.state_specs[name])) for name in stage.inputs if name in self.state_inputs]
         makes = [(e["input"], local_name(e["output"], self.state_specs[e["input"]]))
@@ -796,6 +817,8 @@ class Job:
         # of them sends the output, since each rank's part of the collective must match
         to_rank0 = {t.tensor for t in plan.transfers
                     if t.src_stage == stage.index and t.dst_stage == OUTPUT_COLLECTOR and t.tensor in wanted}
+        if self.chosen in wanted and rank == 0:
+            to_rank0.add(self.chosen)
         elsewhere = ({local for _, local, _ in leaving} | {local for _, local in makes}
                      | {t.tensor for t in plan.transfers if t.src_stage == stage.index and t.dst_stage != OUTPUT_COLLECTOR})
         narrowable = tuple(sorted(to_rank0 - elsewhere))
@@ -858,9 +881,9 @@ class Job:
                     data = _take(data, boxes.get(t.tensor, wanted[t.tensor]))
                 transport.post_with_shape(data, t.dst_rank, shape_tag + i, i)
                 self._send(t.tensor, data.nbytes)
-            for t in local_outputs:   # a copy: the program's buffer is the next call's
-                value = self._take_output(t.tensor, outs[t.tensor], boxes.get(t.tensor, wanted[t.tensor]))
-                results[mb][t.tensor] = np.array(value) if copy or B > 1 else value
+            for name in local_outputs:   # a copy: the program's buffer is the next call's
+                value = self._take_output(name, outs[name], boxes.get(name, wanted[name]))
+                results[mb][name] = np.array(value) if copy or B > 1 else value
         for mb in range(B):
             for i, t in incoming:
                 spec = next(o for o in plan.outputs if o.name == t.tensor)
@@ -872,7 +895,11 @@ class Job:
         """``box`` of output ``name`` on the host; on the host path, the view taken of the
         same array the call before is taken again (a repeated run's output is its buffer). Only
         a view of a small output is kept between calls: a box that is not contiguous is a copy,
-        which the next run would leave behind, and a prompt's logits are let go."""
+        which the next run would leave behind, and a prompt's logits are let go. An output kept
+        on the device (logits a choice is made from) gives its box alone, copied."""
+        if isinstance(value, DeviceTensor):
+            found = value.box_numpy(box) if box else None
+            return found if found is not None else _take(value.numpy(), box)
         taken = self._taken.pop(name, None)
         if taken is not None and taken[0] is value and taken[1] == box:
             view = taken[2]

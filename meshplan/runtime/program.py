@@ -39,6 +39,38 @@ from meshplan.runtime.sessions import StageSession
 # it becomes the rule (see ``ProgramRunner``).
 SEGMENT_GRAPHS = "MESHPLAN_SEGMENT_GRAPHS"
 
+# The greedy choice made where the logits are: ``ProgramRunner(choose="logits")`` appends an
+# ``ArgMax`` over the vocabulary to the program, whose output is this name after the logits'
+# (``greedy_output``), so a decode step on a GPU returns token ids instead of logits.
+GREEDY_SUFFIX = ".greedy"
+
+
+def greedy_output(logits: str) -> str:
+    """The name of the token ids chosen greedily from output ``logits``."""
+    return logits + GREEDY_SUFFIX
+
+
+def with_greedy_choice(model: onnx.ModelProto, logits: str) -> onnx.ModelProto | None:
+    """``model`` (its weights left where they are) with one more output: the index of the
+    highest of ``logits`` along its last axis, the first on a tie, as numpy's ``argmax``
+    and the greedy ``Sampler`` choose (int64, the logits' shape less the vocabulary). None
+    where ``logits`` is not an output of known rank."""
+    graph = model.graph
+    found = next((o for o in graph.output if o.name == logits), None)
+    if found is None or not found.type.tensor_type.HasField("shape"):
+        return None
+    dims = list(found.type.tensor_type.shape.dim)[:-1]
+    if not dims:
+        return None
+    chosen = onnx.ModelProto()
+    chosen.CopyFrom(model)
+    name = greedy_output(logits)
+    chosen.graph.node.append(helper.make_node("ArgMax", [logits], [name], name=f"{name}/ArgMax", axis=-1,
+                                              keepdims=0))
+    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
+    chosen.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.INT64, shape))
+    return chosen
+
 
 # Ops whose output may be written into one of their inputs' buffer: (input, output) index
 # pairs. GroupQueryAttention's present key/value are its past key/value when both are one
@@ -189,7 +221,7 @@ def integers_made_where_read(runs: list[list[onnx.NodeProto]], inputs: set[str],
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
                  spinning: bool | None = None, graphs: bool = False, affinities: str | None = None,
-                 remake_integers: bool = False):
+                 remake_integers: bool = False, choose: str | None = None):
         """``lazy``: open no session yet; the caller opens them (``open``), or opens and closes
         each segment (``Segment.open``/``close``), so that only the segments it runs hold weights.
         ``spinning``, ``graphs``, ``affinities``: see ``StageSession``. Only a program of one segment captures
@@ -200,17 +232,30 @@ class ProgramRunner:
         earlier one (``integers_made_where_read``), so that none crosses a cut: the step
         before graphs in programs of several segments, off until a GPU run shows it (on the
         CPU the copied nodes cost 1-5% of the int4 Llama's 1x2 decode step); a job turns both
-        on with ``SEGMENT_GRAPHS`` (``open(..., graphs_in_segments=True)``)."""
+        on with ``SEGMENT_GRAPHS`` (``open(..., graphs_in_segments=True)``).
+        ``choose``: an output of logits to choose the next token from where they are computed
+        (``with_greedy_choice``), in a program of one segment: ``chosen`` is then the name of
+        the token ids it also returns (else None), and the logits themselves stay where they
+        are computed (``keep_on``) until a caller takes them."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         header = onnx.load(str(path), load_external_data=False)
         self.graph_outputs = {o.name for o in header.graph.output}
+        self.chosen: str | None = None
+        self._choose_from: str | None = None
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
             weights = {t.name for t in header.graph.initializer}
+            source, weights_dir = path, None
+            chosen = with_greedy_choice(header, choose) if choose is not None else None
+            if chosen is not None:   # the same program in memory, its weights read from its folder
+                header, weights_dir = chosen, path.parent.resolve()
+                source = header.SerializeToString()
+                self.chosen, self._choose_from = greedy_output(choose), choose
+                self.graph_outputs.add(self.chosen)
             graph = header.graph
             pairs = in_place_pairs(list(graph.node), {v.name: v for v in graph.input if v.name not in weights},
                                    {v.name: v for v in graph.output})
             self.segments = [Segment(None, [v.name for v in graph.input if v.name not in weights],
-                                     [v.name for v in graph.output], None, path, in_place=pairs)]
+                                     [v.name for v in graph.output], None, source, weights_dir, path.name, pairs)]
             self.providers = providers
             if not lazy:
                 self.open(providers, threads, spinning, graphs, affinities)
@@ -278,11 +323,13 @@ class ProgramRunner:
     def keep_on(self, device) -> None:
         """Keep this rank's tensors on ``device`` between segments and calls
         (``StageSession.keep_on``): what a segment hands to its collective and the program's
-        outputs come back to the host; what only a later segment reads stays on the device."""
+        outputs come back to the host; what only a later segment reads stays on the device, and so do
+        the logits a choice is made from (``choose``: the caller copies out what it takes of them)."""
         for segment in self.segments:
             if segment.session is not None:
                 crossing = {segment.collective.input} if segment.collective is not None else set()
-                segment.session.keep_on(device, crossing | (set(segment.outputs) & self.graph_outputs))
+                segment.session.keep_on(device, crossing | (set(segment.outputs) & self.graph_outputs
+                                                            - {self._choose_from}))
 
     @property
     def graphs(self) -> dict:

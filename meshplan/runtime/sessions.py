@@ -32,7 +32,7 @@ BOUND_FEED_BYTES = 1 << 20
 GRAPH_ID = "gpu_graph_id"
 
 
-def _provider_name(provider) -> str:
+def provider_name(provider) -> str:
     return provider[0] if isinstance(provider, tuple) else provider
 
 
@@ -126,7 +126,7 @@ class StageSession:
         model = source if isinstance(source, bytes) else str(source)
         self.graphs = False
         self.graphs_refused = None     # onnxruntime's reason, where it would not capture this model
-        if graphs and providers and _provider_name(providers[0]) == CUDA:
+        if graphs and providers and provider_name(providers[0]) == CUDA:
             try:
                 self.session = ort.InferenceSession(model, options, providers=[_with_graphs(providers[0]),
                                                                                *providers[1:]])

@@ -1,0 +1,130 @@
+"""The next token chosen next to the logits: a job of one rank whose program also returns
+``ArgMax`` of its logits (``Job(choose=True)``, on by default on CUDA) brings rank 0 token ids
+instead of logits, and generation feeds them back. Here on the CPU, on the path a GPU runs
+(``on_device=True``: OrtValues in host memory) and on the host path: the ids are the host's
+greedy choice, and only the ids reach the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from meshplan.generation.driver import JobStepper
+from meshplan.generation.loop import Generation, GenerationShape
+from meshplan.generation.sampling import Sampler
+from meshplan.runtime.program import greedy_output, with_greedy_choice
+from sample_models import SAMPLE_DIR
+from tests.conftest import run_cli
+
+PROMPTS = [[295, 277, 75, 312, 223], [17, 42, 7]]   # two lengths: right-padded in one prefill
+
+
+def test_the_appended_choice_is_numpys_argmax_first_on_a_tie():
+    import onnxruntime as ort
+
+    node = helper.make_node("Identity", ["x"], ["logits"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["b", "s", 7])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["b", "s", 7])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    chosen = with_greedy_choice(model, "logits")
+    onnx.checker.check_model(chosen)
+    assert [o.name for o in chosen.graph.output] == ["logits", greedy_output("logits")]
+    assert len(model.graph.output) == 1                      # the model given is left as it was
+    assert with_greedy_choice(model, "nothing") is None
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, (2, 5, 7)).astype(np.float16)    # small integers: many ties
+    x[0, 0] = -np.inf
+    x[1, 2, 4] = np.inf
+    session = ort.InferenceSession(chosen.SerializeToString(), providers=["CPUExecutionProvider"])
+    logits, ids = session.run(None, {"x": x})
+    assert ids.dtype == np.int64 and ids.shape == (2, 5)
+    assert np.array_equal(ids, x.argmax(axis=-1)) and np.array_equal(ids, Sampler()(x.reshape(10, 7)).reshape(2, 5))
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    root = tmp_path_factory.mktemp("choice")
+    found = {}
+    for name, batch in (("llama_fp32", "2"), ("llama_int4", "1")):
+        out = root / name
+        done = run_cli("plan", SAMPLE_DIR / "genai" / name / "model.onnx", "--mesh", "1x1", "--generate",
+                       "--max-length", "64", "--batch", batch, "-o", out)
+        assert done.returncode == 0, done.stdout + done.stderr
+        found[name] = out
+    return found
+
+
+def _generate(plan_dir, prompts, sampler, **job_options):
+    from meshplan.runtime.job import Job
+
+    job = Job(plan_dir, "cpu", cache_in_place=True, **job_options)
+    try:
+        shape = GenerationShape.of_plan(job.plan)
+        sequences, _ = Generation(shape, JobStepper(job)).run(prompts, 12, sampler)
+        return [s.ids for s in sequences], job.chosen
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("name", ["llama_fp32", "llama_int4"])
+def test_ids_chosen_next_to_the_logits_are_the_hosts_greedy_ids(plans, name, on_device):
+    prompts = PROMPTS if name == "llama_fp32" else PROMPTS[:1]
+    expected, none = _generate(plans[name], prompts, Sampler(), on_device=on_device, choose=False)
+    got, chosen = _generate(plans[name], prompts, Sampler(), on_device=on_device, choose=True)
+    assert none is None and chosen == greedy_output("logits")
+    assert got == expected
+    assert len({i for ids in got for i in ids}) > 3          # ids that change: a check that can fail
+    # a sampled request on a job that chooses still gets logits and draws from them
+    sampled, _ = _generate(plans[name], prompts, Sampler(temperature=0.8, seed=3), on_device=on_device, choose=True)
+    again, _ = _generate(plans[name], prompts, Sampler(temperature=0.8, seed=3), on_device=on_device, choose=False)
+    assert sampled == again
+
+
+def test_only_the_ids_reach_the_host_and_the_logits_when_asked(plans, monkeypatch):
+    from meshplan.runtime.buffers import DeviceTensor
+    from meshplan.runtime.job import Job
+
+    copies = []
+    numpy, box_numpy = DeviceTensor.numpy, DeviceTensor.box_numpy
+
+    def whole(self):
+        copies.append(("whole", self.dtype, self.shape))
+        return numpy(self)
+
+    def boxed(self, box):
+        found = box_numpy(self, box)
+        copies.append(("box", self.dtype, None if found is None else found.shape))
+        return found
+
+    monkeypatch.setattr(DeviceTensor, "numpy", whole)
+    monkeypatch.setattr(DeviceTensor, "box_numpy", boxed)
+    job = Job(plans["llama_fp32"], "cpu", cache_in_place=True, on_device=True, choose=True)
+    try:
+        shape = GenerationShape.of_plan(job.plan)
+        prompt = np.array([PROMPTS[0], PROMPTS[0][::-1]], dtype=np.int64)
+        feeds = {shape.input_ids: prompt, shape.attention_mask: np.ones(prompt.shape, np.int64)}
+        last = np.s_[:, -2:]
+        copies.clear()
+        ids = job.run(feeds, outputs={job.chosen: last})[job.chosen]
+        assert copies == [("box", np.dtype(np.int64), (2, 2))]   # the ids' box alone: no logits
+        job.reset_state()
+        copies.clear()
+        both = job.run(feeds, outputs={"logits": last, job.chosen: last})
+        assert sorted(c[1].name for c in copies) == ["float32", "int64"]
+        assert both["logits"].shape == (2, 2, shape.vocab or both["logits"].shape[-1])
+        assert np.array_equal(both[job.chosen], ids) and np.array_equal(ids, both["logits"].argmax(axis=-1))
+    finally:
+        job.close()
+
+
+def test_a_job_chooses_on_the_host_unless_asked_or_on_cuda(plans):
+    from meshplan.runtime.job import Job
+
+    job = Job(plans["llama_int4"], "cpu", cache_in_place=True, on_device=True)
+    try:
+        assert job.chosen is None and all(t.name != greedy_output("logits") for t in job.outputs)
+    finally:
+        job.close()
