@@ -323,11 +323,17 @@ def main() -> None:
     parser.add_argument("--choice", choices=("auto", "device", "host", "both"), default="auto",
                         help="where the token is chosen: next to the logits (device), from logits copied to the host, "
                              "both in turn, or the job's default (auto: the device on CUDA)")
+    parser.add_argument("--choice-op", choices=("argmax", "topk", "chunked"), default=None,
+                        help="how a choice next to the logits finds the index (meshplan.runtime.greedy_choice)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N functions of most time of their own (cProfile) in decode steps and "
                              "in first tokens, measured apart after the rest")
     args = parser.parse_args()
+    if args.choice_op:
+        from meshplan.runtime import greedy_choice
+
+        greedy_choice.METHOD = args.choice_op
     from meshplan.errors import MeshplanError
     from meshplan.plan_format import read_plan
 
@@ -369,8 +375,9 @@ def main() -> None:
     for choose in choices:
         m = result["meshplan"] if len(choices) == 1 else \
             result[f"meshplan, token chosen on the {'device' if choose else 'host'}"]
+        how = f" ({args.choice_op or 'argmax'})" if m["token choice"] == "device" else ""
         print(f"{args.plan} on {args.provider}, CUDA graphs {'on' if args.graphs else 'off'}, token chosen on the "
-              f"{m['token choice']}: µs per decode step (median of {args.rounds} rounds)")
+              f"{m['token choice']}{how}: µs per decode step (median of {args.rounds} rounds)")
         for name in ("step", "loop's own decode timing", *PARTS, "python (the rest)", "replay alone"):
             calls = m.get(name + " calls")
             print(f"  meshplan {name:28} {m[name]:9.1f}" + (f"   ({calls:.1f} calls)" if calls is not None else ""))

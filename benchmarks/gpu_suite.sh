@@ -24,11 +24,11 @@ TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/
   --eos -1 --provider cuda --output "$O/first_generate.json"
 TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor --choice both \
   --first-requests 3
-TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
-  --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
 TAIL=48 step generate 360 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
-  --repeat 3 --solver highs --workdir "$O/work" --json "$O/generate.json"
+  --repeat "${REPEAT:-3}" --solver highs --workdir "$O/work" --json "$O/generate.json"
+# the machine's cores (CPU provider), while nothing else runs
+TAIL=30 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --bind both --mpiexec "$MPIRUN"
 # 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
 # time slices), where MPS starts: generate.py's own 1x2 plan of the fp16 folder
 P12="$O/work/$(basename "$FP16")_model_1x2_512"
@@ -53,6 +53,8 @@ if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ]; th
 fi
 TAIL=12 step verify_generate 150 meshplan verify "$O/fp16_1x1" --generate --prompt-ids "$O/ids.json" \
   --max-new-tokens 32 --provider cuda
+TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
+  --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
 meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \
   --solver highs -o "$O/gpt_1x2" > "$O/plan_gpt.log" 2>&1 || tail -n 3 "$O/plan_gpt.log"
 python3 -c "
@@ -61,5 +63,4 @@ np.savez('$O/gpt_in.npz', input_ids=r.integers(0, 100, (8, 32)).astype(np.int64)
 TAIL=6 step run_gpt 90 $MPIRUN -n 2 meshplan run "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --provider cuda --repeat 20 \
   --output "$O/gpt_out.npz"
 TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
-TAIL=30 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --bind both --mpiexec "$MPIRUN"
 TAIL=6 step segment_pools 120 python3 benchmarks/segment_pools.py --threads 8 --blocks 10

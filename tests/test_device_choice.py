@@ -14,33 +14,41 @@ from onnx import TensorProto, helper
 from meshplan.generation.driver import JobStepper
 from meshplan.generation.loop import Generation, GenerationShape
 from meshplan.generation.sampling import Sampler
-from meshplan.runtime.program import greedy_output, with_greedy_choice
+from meshplan.runtime import greedy_choice
+from meshplan.runtime.greedy_choice import METHODS, greedy_output, with_greedy_choice
 from sample_models import SAMPLE_DIR
 from tests.conftest import run_cli
 
 PROMPTS = [[295, 277, 75, 312, 223], [17, 42, 7]]   # two lengths: right-padded in one prefill
 
 
-def test_the_appended_choice_is_numpys_argmax_first_on_a_tie():
+@pytest.mark.parametrize("opset", [17, 21])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("vocab", [7, 96])     # 96: rows of 8 or 12 for the chunked choice; 7: none
+def test_the_appended_choice_is_numpys_argmax_first_on_a_tie(method, vocab, opset):
     import onnxruntime as ort
 
     node = helper.make_node("Identity", ["x"], ["logits"])
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["b", "s", 7])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["b", "s", 7])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    chosen = with_greedy_choice(model, "logits")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["b", "s", vocab])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["b", "s", vocab])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    chosen = with_greedy_choice(model, "logits", method)
     onnx.checker.check_model(chosen)
     assert [o.name for o in chosen.graph.output] == ["logits", greedy_output("logits")]
     assert len(model.graph.output) == 1                      # the model given is left as it was
     assert with_greedy_choice(model, "nothing") is None
     rng = np.random.default_rng(0)
-    x = rng.integers(-3, 3, (2, 5, 7)).astype(np.float16)    # small integers: many ties
+    x = rng.integers(-3, 3, (2, 5, vocab)).astype(np.float16)    # small integers: many ties
     x[0, 0] = -np.inf
     x[1, 2, 4] = np.inf
+    x[1, 3, vocab - 1] = 9           # the last index, in the last row of a chunked choice
     session = ort.InferenceSession(chosen.SerializeToString(), providers=["CPUExecutionProvider"])
     logits, ids = session.run(None, {"x": x})
     assert ids.dtype == np.int64 and ids.shape == (2, 5)
-    assert np.array_equal(ids, x.argmax(axis=-1)) and np.array_equal(ids, Sampler()(x.reshape(10, 7)).reshape(2, 5))
+    assert np.array_equal(ids, x.argmax(axis=-1))
+    assert np.array_equal(ids, Sampler()(x.reshape(10, vocab)).reshape(2, 5))
+    if method == "chunked" and vocab == 96:
+        assert any(n.op_type == "ReduceMax" for n in chosen.graph.node)   # rows, not one ArgMax
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +76,10 @@ def _generate(plan_dir, prompts, sampler, **job_options):
         job.close()
 
 
-@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("on_device, method", [(True, "argmax"), (False, "argmax"), (True, "topk"), (True, "chunked")])
 @pytest.mark.parametrize("name", ["llama_fp32", "llama_int4"])
-def test_ids_chosen_next_to_the_logits_are_the_hosts_greedy_ids(plans, name, on_device):
+def test_ids_chosen_next_to_the_logits_are_the_hosts_greedy_ids(plans, name, on_device, method, monkeypatch):
+    monkeypatch.setattr(greedy_choice, "METHOD", method)
     prompts = PROMPTS if name == "llama_fp32" else PROMPTS[:1]
     expected, none = _generate(plans[name], prompts, Sampler(), on_device=on_device, choose=False)
     got, chosen = _generate(plans[name], prompts, Sampler(), on_device=on_device, choose=True)

@@ -30,6 +30,7 @@ from meshplan.reshard.kinds import kind_of_op
 from meshplan.reshard.steps import Step
 from meshplan.plan_format import COLLECTIVE_DOMAIN
 from meshplan.runtime.buffers import HOST
+from meshplan.runtime.greedy_choice import greedy_output, with_greedy_choice
 from meshplan.runtime.sessions import StageSession
 
 
@@ -38,39 +39,6 @@ from meshplan.runtime.sessions import StageSession
 # a program cut at its collectives capture graphs: the experiment a GPU run measures before
 # it becomes the rule (see ``ProgramRunner``).
 SEGMENT_GRAPHS = "MESHPLAN_SEGMENT_GRAPHS"
-
-# The greedy choice made where the logits are: ``ProgramRunner(choose="logits")`` appends an
-# ``ArgMax`` over the vocabulary to the program, whose output is this name after the logits'
-# (``greedy_output``), so a decode step on a GPU returns token ids instead of logits.
-GREEDY_SUFFIX = ".greedy"
-
-
-def greedy_output(logits: str) -> str:
-    """The name of the token ids chosen greedily from output ``logits``."""
-    return logits + GREEDY_SUFFIX
-
-
-def with_greedy_choice(model: onnx.ModelProto, logits: str) -> onnx.ModelProto | None:
-    """``model`` (its weights left where they are) with one more output: the index of the
-    highest of ``logits`` along its last axis, the first on a tie, as numpy's ``argmax``
-    and the greedy ``Sampler`` choose (int64, the logits' shape less the vocabulary). None
-    where ``logits`` is not an output of known rank."""
-    graph = model.graph
-    found = next((o for o in graph.output if o.name == logits), None)
-    if found is None or not found.type.tensor_type.HasField("shape"):
-        return None
-    dims = list(found.type.tensor_type.shape.dim)[:-1]
-    if not dims:
-        return None
-    chosen = onnx.ModelProto()
-    chosen.CopyFrom(model)
-    name = greedy_output(logits)
-    chosen.graph.node.append(helper.make_node("ArgMax", [logits], [name], name=f"{name}/ArgMax", axis=-1,
-                                              keepdims=0))
-    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
-    chosen.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.INT64, shape))
-    return chosen
-
 
 # Ops whose output may be written into one of their inputs' buffer: (input, output) index
 # pairs. GroupQueryAttention's present key/value are its past key/value when both are one
