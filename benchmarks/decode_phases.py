@@ -190,14 +190,14 @@ def profile_calls(plan_dir: Path, provider: str, graphs: bool, prompt: list[int]
 
 
 def first_requests(plan_dir: Path, provider: str, graphs: bool, prompt: list[int], new_tokens: int, jobs: int,
-                   on_device: bool | None) -> dict:
-    """TTFT (µs) of the first request of a job after ``meshplan generate``'s warm-up (a prefill
-    and ``warm_up_steps`` decode steps), as `generate` reports it, in ``jobs`` fresh jobs (the
-    median), with that warm-up alone and with one more prefill (and a decode step) after it:
-    the request's prefill is then the process's third, not its second. On a GPU the two differ if capturing the
-    decode step's graph took the memory the first prefill used, so that the second prefill
-    waits for the allocator; in one process a steady request's TTFT was 0.97 ms where
-    `generate`'s was 1.6 ms (H100, 0.4 B fp16 Llama)."""
+                   on_device: bool | None, requests: int = 4) -> dict:
+    """TTFT (µs) of the first ``requests`` requests of a job after ``meshplan generate``'s
+    warm-up (a prefill and ``warm_up_steps`` decode steps; the first is what `generate`
+    reports), in ``jobs`` fresh jobs (the medians), with that warm-up alone and with one more
+    prefill (and a decode step) after it, and onnxruntime's run of each request's prefill
+    alone: whether a job's first requests pay what later ones do not, and whether it is
+    onnxruntime's run or the host's work around it (on an H100 a steady request's TTFT was
+    0.97 ms where `generate`'s was 1.6 ms, 0.4 B fp16 Llama)."""
     from meshplan.generation.driver import JobStepper, warm_up_steps
     from meshplan.generation.loop import Generation, GenerationShape
     from meshplan.generation.sampling import Sampler
@@ -212,9 +212,36 @@ def first_requests(plan_dir: Path, provider: str, graphs: bool, prompt: list[int
             generation.run([prompt], 1 + warm_up_steps(job, graphs), Sampler(), ())
             if extra:   # a decode step after it too: the request's prefill follows a decode step either way
                 generation.run([prompt], 2, Sampler(), ())
-            _, metrics = generation.run([prompt], new_tokens, Sampler(), ())
-            found["one more prefill in the warm-up" if extra else "generate's warm-up"].append(
-                metrics.prefill_seconds * 1e6)
+            warm_up = "one more prefill in the warm-up" if extra else "generate's warm-up"
+            timers = Timers()
+            try:
+                for request in range(1, requests + 1):
+                    ran: list[float] = []
+                    stepper_step = generation.stepper.step, getattr(generation.stepper, "choose", None)
+
+                    def timed(call):
+                        def run(*args, **kwargs):
+                            before = timers.ns.get("run", 0)
+                            try:
+                                return call(*args, **kwargs)
+                            finally:
+                                if not ran:   # the prefill's call: onnxruntime's part of it
+                                    ran.append((timers.ns.get("run", 0) - before) / 1e3)
+                        return run
+
+                    generation.stepper.step = timed(stepper_step[0])
+                    if stepper_step[1] is not None:
+                        generation.stepper.choose = timed(stepper_step[1])
+                    try:
+                        _, metrics = generation.run([prompt], new_tokens, Sampler(), ())
+                    finally:
+                        generation.stepper.step = stepper_step[0]
+                        if stepper_step[1] is not None:
+                            generation.stepper.choose = stepper_step[1]
+                    found[f"{warm_up}: request {request} TTFT"].append(metrics.prefill_seconds * 1e6)
+                    found[f"{warm_up}: request {request} onnxruntime's prefill run"].append(ran[0] if ran else 0.0)
+            finally:
+                timers.remove()
         finally:
             job.close()
     return {name: statistics.median(values) for name, values in found.items()}
@@ -395,8 +422,9 @@ def main() -> None:
                                                       args.first_requests, True if args.on_device else None)
         except MeshplanError as exc:   # a later job's start, say, that finds the device full
             raise SystemExit(f"error: {exc}")
-        print(f"  first request's TTFT after the warm-up (median of {args.first_requests} jobs each): " + ", ".join(
-            f"{name} {value:.1f}" for name, value in result["first request"].items()))
+        print(f"  a job's first requests after the warm-up, µs (median of {args.first_requests} jobs each):")
+        for name, value in result["first request"].items():
+            print(f"    {name:66} {value:9.1f}")
     if "onnxruntime alone" in result:
         f = result["onnxruntime alone"]
         print(f"  onnxruntime alone step            {f['step']:9.1f}")
