@@ -252,3 +252,45 @@ def test_a_smaller_prefill_chunk_cuts_prompts_finer(setups):
     assert got == [alone(*reference, PROMPTS[0], 6), alone(*reference, long, 3)]
     assert max(width for _, width in widths) == 3
     assert [w for row, w in widths if row == 1] == [3] * (len(long) // 3) + ([len(long) % 3] if len(long) % 3 else [])
+
+
+def test_a_job_that_chooses_next_to_the_logits_serves_each_request_its_own_ids(setups, tmp_path):
+    """A job that chooses greedy ids next to its logits (a GPU's job of one rank; here the
+    path a GPU runs, on the CPU): calls whose requests are all greedy bring ids, a call with
+    a sampled request among them brings logits, and every greedy request gets its ids alone."""
+    from meshplan.generation.driver import JobStepper
+    from meshplan.runtime.job import Job
+
+    dims, _ = generation_plan_dims(model_path("llama_fp32"), 4, CONTEXT, CHUNK)
+    make_plan(model_path("llama_fp32"), make_cluster((1, 1), "cpu"), dims, tmp_path, PlanOptions())
+    job = Job(tmp_path, "cpu", cache_in_place=True, on_device=True, choose=True)
+    try:
+        stepper = JobStepper(job)
+        calls = {"choose": 0, "step": 0}
+        for name in calls:
+            method = getattr(stepper, name)
+
+            def counted(*args, _method=method, _name=name, **kwargs):
+                calls[_name] += 1
+                return _method(*args, **kwargs)
+            setattr(stepper, name, counted)
+        shape = GenerationShape.of_plan(job.plan)
+        arrivals = {0: [(PROMPTS[0], 8), (PROMPTS[1], 5)], 2: [(PROMPTS[2], 6)], 6: [(PROMPTS[4], 4)]}
+        got, _ = drive(batch_for(shape, stepper, 0), arrivals)
+        expected = [alone(*setups("llama_fp32", 1), p, n) for step in sorted(arrivals) for p, n in arrivals[step]]
+        assert got == expected
+        assert calls["choose"] > 0 and calls["step"] == 0
+        # a sampled request in the batch: the calls it shares bring logits
+        batch = batch_for(shape, stepper, 0)
+        greedy, sampled = Work(PROMPTS[0], 6, Sampler()), Work(PROMPTS[3], 3, Sampler(temperature=0.7, seed=1))
+        batch.admit(greedy)
+        batch.admit(sampled)
+        while batch.busy:
+            for work, token in batch.step():
+                work.ids.append(token)
+                if len(work.ids) >= work.max_tokens:
+                    batch.release(work)
+        assert calls["step"] > 0 and greedy.ids == alone(*setups("llama_fp32", 1), PROMPTS[0], 6)
+        assert len(sampled.ids) == 3
+    finally:
+        job.close()

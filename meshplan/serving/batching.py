@@ -133,8 +133,8 @@ class SlotBatch:
             return self.rows
         return max(r for r, _ in busy) + 1
 
-    def _call(self, feeds: dict, last: int, span: int) -> np.ndarray:
-        window = self.stepper.step(feeds, last, row=0) if span < self.rows else self.stepper.step(feeds, last)
+    def _call(self, feeds: dict, last: int, span: int, works) -> np.ndarray:
+        window = _window(self.stepper, works, feeds, last, 0 if span < self.rows else None)
         self.state_made = True
         return window
 
@@ -152,7 +152,7 @@ class SlotBatch:
             counts[row] = len(part)
         last = width - int(counts.min()) + 1
         self.made.append("prompts")
-        window = self._call(self._feeds(ids, mask, np.zeros(span, dtype=np.int64)), last, span)
+        window = self._call(self._feeds(ids, mask, np.zeros(span, dtype=np.int64)), last, span, [w for _, w in busy])
         chosen = []
         for row, work in busy:
             n = int(counts[row])
@@ -172,7 +172,8 @@ class SlotBatch:
         ids = np.array([work.prompt[work.fed:work.fed + width]], dtype=np.int64)
         self.made.append("row")
         feeds = self._feeds(ids, np.ones((1, start + width), dtype=np.int64), np.array([start], dtype=np.int64))
-        window = self.stepper.step(feeds, 1, row=row) if self.rows > 1 else self._call(feeds, 1, self.rows)
+        window = _window(self.stepper, [work], feeds, 1, row) if self.rows > 1 \
+            else self._call(feeds, 1, self.rows, [work])
         work.fed += width
         self.lengths[row] += width
         self.mask[row, :min(int(self.lengths[row]) + 1, self.shape.context)] = 1
@@ -186,7 +187,8 @@ class SlotBatch:
         for row, work in busy:
             ids[row, 0] = work.prompt[work.fed] if work.prefilling else work.ids[-1]
         self.made.append("decode")
-        window = self._call(self._feeds(ids, self.mask[:span], self.lengths[:span].copy()), 1, span)
+        window = self._call(self._feeds(ids, self.mask[:span], self.lengths[:span].copy()), 1, span,
+                            [w for _, w in busy])
         chosen = []
         for row, work in busy:
             if work.prefilling:
@@ -209,7 +211,19 @@ class SlotBatch:
 
     @staticmethod
     def _choose(work: Work, logits: np.ndarray) -> int:
+        """The next id from a position's logits, or the id itself where the stepper chose it."""
+        if np.ndim(logits) == 0:
+            return int(logits)
         return int(work.sampler(logits[None, :])[0])
+
+
+def _window(stepper, works, feeds: dict, last: int, row: int | None):
+    """A call's window of its last positions: the greedy ids where the stepper chooses next
+    to the logits (``JobStepper.choose``: a GPU's job of one rank) and every request whose
+    token the call gives is greedy, else the logits."""
+    greedy = getattr(stepper, "chooses", False) and all(w.sampler.greedy for w in works)
+    call = stepper.choose if greedy else stepper.step
+    return call(feeds, last) if row is None else call(feeds, last, row=row)
 
 
 class GrowingBatch:
@@ -293,7 +307,7 @@ class GrowingBatch:
         if self.shape.position_ids:
             positions = np.maximum(np.cumsum(self.mask, axis=1) - 1, 0)[:, -width:]
             feeds[self.shape.position_ids] = np.ascontiguousarray(positions)
-        window = self.stepper.step(feeds, 1)
+        window = _window(self.stepper, [w for _, w in busy], feeds, 1, None)
         chosen = []
         for row, work in busy:
             if work.prefilling:
