@@ -173,7 +173,7 @@ def profile_calls(plan_dir: Path, provider: str, graphs: bool, prompt: list[int]
     from meshplan.generation.sampling import Sampler
     from meshplan.runtime.job import Job
 
-    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device)
+    job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device, choose=None)
     try:
         generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
         generation.run([prompt], 6, Sampler(), ())
@@ -206,7 +206,7 @@ def first_requests(plan_dir: Path, provider: str, graphs: bool, prompt: list[int
     found: dict[str, list[float]] = defaultdict(list)
     for index in range(2 * jobs):
         extra = index % 2 == 1
-        job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device)
+        job = Job(plan_dir, provider, cache_in_place=True, graphs=graphs, on_device=on_device, choose=None)
         try:
             generation = Generation(GenerationShape.of_plan(job.plan), JobStepper(job))
             generation.run([prompt], 1 + warm_up_steps(job, graphs), Sampler(), ())

@@ -125,14 +125,18 @@ def test_only_the_ids_reach_the_host_and_the_logits_when_asked(plans, monkeypatc
         assert sorted(c[1].name for c in copies) == ["float32", "int64"]
         assert both["logits"].shape == (2, 2, shape.vocab or both["logits"].shape[-1])
         assert np.array_equal(both[job.chosen], ids) and np.array_equal(ids, both["logits"].argmax(axis=-1))
+        job.reset_state()
+        assert set(job.run(feeds)) == {"logits"}     # every output of the plan: the ids are asked for by name
     finally:
         job.close()
 
 
-def test_a_job_chooses_on_the_host_unless_asked_or_on_cuda(plans):
+@pytest.mark.parametrize("choose", [False, None])
+def test_a_job_chooses_on_the_host_unless_asked_or_on_cuda(plans, choose):
+    """``choose=None`` (what ``generate`` and ``serve`` ask): on CUDA only; the default: never."""
     from meshplan.runtime.job import Job
 
-    job = Job(plans["llama_int4"], "cpu", cache_in_place=True, on_device=True)
+    job = Job(plans["llama_int4"], "cpu", cache_in_place=True, on_device=True, choose=choose)
     try:
         assert job.chosen is None and all(t.name != greedy_output("logits") for t in job.outputs)
     finally:

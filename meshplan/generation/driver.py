@@ -248,7 +248,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
                 raise RunError(f"output directory does not exist: {out.parent}")
         held["prepared"] = prepare(plan, request)
 
-    job = Job(plan_dir, provider, transfer, check=check, cache_in_place=True, graphs=graphs)
+    job = Job(plan_dir, provider, transfer, check=check, cache_in_place=True, graphs=graphs, choose=None)
     if not job.is_driver:
         job.serve()
         _gather_memory(job.plan, plan_dir, world()[1], job.threads)

@@ -136,7 +136,7 @@ class Job:
 
     def __init__(self, plan_dir: str | Path, provider: str = "auto", transfer: str = "auto", comm=None, check=None,
                  cache_in_place: bool = False, on_device: bool | None = None, graphs: bool = False,
-                 choose: bool | None = None):
+                 choose: bool | None = False):
         """``check(plan)``, when given, runs on rank 0 with the start-up checks: its error
         stops every rank as theirs do. ``cache_in_place``: update a fixed-capacity key/value
         cache in place (see the module). ``on_device``: keep the state, the calls' inputs and
@@ -146,8 +146,9 @@ class Job:
         ``graphs``: on CUDA, replay a call that repeats its shapes as a CUDA graph.
         ``choose``: let the program of a job of one rank choose the next token greedily next to
         its logits (``ProgramRunner(choose=...)``): ``chosen`` names the output of those ids
-        (``outputs={job.chosen: ...}`` brings them instead of the logits); None: so on CUDA
-        unless ``MESHPLAN_DEVICE_CHOICE=0`` (``DEVICE_CHOICE``)."""
+        (``outputs={job.chosen: ...}`` brings them instead of the logits; ``outputs=None``
+        still brings the plan's outputs alone); None: so on CUDA unless
+        ``MESHPLAN_DEVICE_CHOICE=0`` (``DEVICE_CHOICE``), as ``generate`` and ``serve`` ask."""
         from meshplan.rank_layout import gather_affinities, gather_layout, launch_advice, layout_mismatch
 
         MPI, everyone = world()
@@ -446,8 +447,8 @@ class Job:
 
     def _read_outputs(self, outputs) -> dict[str, tuple]:
         names = [t.name for t in self.outputs]
-        if outputs is None:
-            return {n: () for n in names}
+        if outputs is None:   # the plan's outputs (not the ids a job of one rank may choose)
+            return {n: () for n in names if n != self.chosen}
         chosen = outputs if isinstance(outputs, dict) else {n: () for n in outputs}
         wanted = {}
         for name, index in chosen.items():

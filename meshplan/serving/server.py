@@ -103,7 +103,7 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
         held["socket"] = _listen(options.host, options.port)
 
     job = Job(plan_dir, options.provider, options.transfer, check=check, cache_in_place=True,
-              graphs=options.cuda_graph)
+              graphs=options.cuda_graph, choose=None)
     comm = world()[1]
     memory = _gather_memory(job.plan, plan_dir, comm, job.threads)
     pids = comm.gather(os.getpid(), root=0)
