@@ -214,8 +214,8 @@ class Generation:
         eos = set(int(e) for e in eos_ids)
         # the greedy ids from the stepper where it chooses next to the logits (a GPU's job): the
         # host reads ids, not logits
-        choose = self.stepper.choose if sampler.greedy and record is None and getattr(self.stepper, "chooses", False) \
-            else None
+        chooses = sampler.greedy and record is None and getattr(self.stepper, "chooses", False)
+        choose = self.stepper.choose if chooses else None
         call = choose or self.stepper.step
         self.stepper.reset()
         started = time.perf_counter()

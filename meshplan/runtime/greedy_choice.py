@@ -15,6 +15,9 @@ How the index is found (``METHOD``, or the ``method`` argument):
   maximum and the index in it, the first row holding the highest maximum, and its index
   there: reductions over many short rows instead of one long one (a GPU's reduction
   kernels use many blocks then). A vocabulary without such a divisor takes ``"argmax"``.
+
+Logits holding a NaN may give another id than numpy's (which answers the first NaN): the
+operators' handling of NaN is the provider's.
 """
 
 from __future__ import annotations
