@@ -5,7 +5,7 @@
 # Writes OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1
 # with and without CUDA graphs, 1x2 with both ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU
 # memory per rank next to the plan's estimate); benchmarks/decode_phases.py (where the fp16 1x1 decode step's
-# time goes, and the first request's TTFT after the warm-up with and without one more prefill in it); `meshplan verify --generate --provider cuda`; a non-LLM plan
+# time goes, the token chosen on the host and next to the logits; a job's first requests with the GPU's clocks); `meshplan verify --generate --provider cuda`; a non-LLM plan
 # run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider) and
 # benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the fp16 1x2 plan with CUDA graphs in every segment
 # (MESHPLAN_SEGMENT_GRAPHS=1), and both 1x2 runs under CUDA MPS where it starts.
@@ -22,8 +22,16 @@ meshplan plan "$FP16/model.onnx" --mesh 1x1 --device "$DEVICE" --generate --max-
   > "$O/plan_fp16_1x1.log" 2>&1 || tail -n 3 "$O/plan_fp16_1x1.log"
 TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --output "$O/first_generate.json"
-TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor --choice both \
-  --first-requests 3
+TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor --choice both
+# a job's first requests with the GPU's clocks read beside them (every 200 ms: a read stalls the
+# driver's calls for a moment): whether the prefill's slow first seconds are the clocks rising
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 \
+  > "$O/first_requests_clocks.csv" 2>&1 & CLOCKS=$!
+TAIL=20 step first_requests 90 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --rounds 1 \
+  --first-requests 5
+kill $CLOCKS 2> /dev/null; wait $CLOCKS 2> /dev/null
+awk -F', ' '{gsub(/ MHz/, "", $2); print $2}' "$O/first_requests_clocks.csv" | sort -n | awk \
+  '{v[NR] = $1} END {if (NR) print "== SM clock during first_requests (MHz): min " v[1] ", median " v[int((NR + 1) / 2)] ", max " v[NR] " (" NR " reads)"}'
 TAIL=48 step generate 360 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
   --repeat "${REPEAT:-3}" --solver highs --workdir "$O/work" --json "$O/generate.json"
