@@ -164,3 +164,21 @@ def test_diagnose_sees_an_mpiexec_of_another_mpi(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "4")
     diagnosis = diagnose([_facts(0, mpi={"library": "MPICH 5", "size": 1})], launched=True)
     assert len(diagnosis.problems) == 1 and "mpiexec and mpi4py belong to different MPI libraries" in diagnosis.problems[0]
+
+
+@pytest.mark.parametrize("mps", [False, True])
+def test_ranks_sharing_a_gpu_are_told_of_cuda_mps_where_it_does_not_run(mps):
+    needs = {"ranks": 2, "hosts": 1, "devices_per_host": 2, "directory": "plan"}
+    facts = [_facts(rank, gpus=["NVIDIA H200"], providers={"CPU": None, "CUDA": None}, mps=mps) for rank in (0, 1)]
+    diagnosis = diagnose(facts, launched=True, plan_needs=needs)
+    shared = [w for w in diagnosis.warnings if w.startswith("2 ranks share 1 GPU(s) on node0")]
+    assert len(shared) == 1 and ("nvidia-cuda-mps-control -d" in shared[0]) == (not mps)
+
+
+def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
+    from meshplan.doctor import mps_running
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not mps_running()
+    (tmp_path / "control").touch()
+    assert mps_running()
