@@ -39,6 +39,10 @@ last busy one.
 Only what rank 0 asks for reaches it: ``run(..., outputs=[names])`` or a dict of names to
 slices (``{"logits": np.s_[:, -1:]}``: the source rank cuts the slice before sending).
 Every rank counts the bytes it sends per tensor during each call (``moved_bytes``).
+A job of one rank made with ``choose`` (on CUDA, ``generate`` and ``serve``) also computes
+the greedy token ids next to the logits, an output named ``job.chosen``
+(``runtime.greedy_choice``): ``outputs={job.chosen: np.s_[:, -1:]}`` brings the ids, not the
+logits.
 """
 
 from __future__ import annotations
