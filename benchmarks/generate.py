@@ -133,8 +133,8 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
     out = plans / f"out_{mesh}.json"
     memory = GpuMemory() if memory and setup.provider == "cuda" else None
     try:
-        _run([*setup.mpiexec, *setup.forward, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir), "--prompt-ids", str(ids),
-              "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out), "--provider", setup.provider,
+        _run([*setup.mpiexec, *setup.forward, "-n", str(ranks), *setup.meshplan, "generate", str(plan_dir),
+              "--prompt-ids", str(ids), "--max-new-tokens", str(new_tokens), "--eos", "-1", "--output", str(out), "--provider", setup.provider,
               *([] if graphs else ["--no-cuda-graph"])],
              env={**os.environ, "MESHPLAN_HUGE_PAGES": "1" if huge_pages else "0",
                   "MESHPLAN_DEVICE_CHOICE": "1" if device_choice else "0"})
@@ -149,7 +149,8 @@ def meshplan_run(setup: Setup, model: Path, mesh: str, plans: Path, prompt: list
             "gpu_mib_per_rank": peaks,
             "estimate_mib_per_rank": [round(s["memory_bytes"] / 2**20) for s in plan["stages"]
                                       for _ in s["devices"]] if plan.get("stages") else [],
-            "ids": body["sequences"][0]["ids"], "token_choice": metrics.get("token_choice"), "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
+            "ids": body["sequences"][0]["ids"], "token_choice": metrics.get("token_choice"),
+            "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
             "collectives": sum(len(s.get("collectives") or []) for s in plan.get("stages", []))}
 
 
