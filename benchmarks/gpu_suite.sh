@@ -42,10 +42,12 @@ TAIL=30 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cor
 P12="$O/work/$(basename "$FP16")_model_1x2_512"
 openmpi=""; ${MPIRUN%% *} --version 2>&1 | grep -q "Open MPI\|OpenRTE" && openmpi=1
 # graphs in every segment of the 1x2 programs, the integers they read made in each (MESHPLAN_SEGMENT_GRAPHS)
-SEGMENT_GRAPHS="env MESHPLAN_SEGMENT_GRAPHS=1 $MPIRUN ${openmpi:+-x MESHPLAN_SEGMENT_GRAPHS}"
+# (with onnxruntime's info log: the copies between the host and the GPU it adds to a segment, and where)
+SEGMENT_GRAPHS="env MESHPLAN_SEGMENT_GRAPHS=1 MESHPLAN_ORT_LOG_LEVEL=1 $MPIRUN ${openmpi:+-x MESHPLAN_SEGMENT_GRAPHS -x MESHPLAN_ORT_LOG_LEVEL}"
 GENERATE_1X2="-n 2 meshplan generate $P12 --prompt-ids $O/ids.json --max-new-tokens 128 --eos -1 --provider cuda"
 [ -f "$P12/plan.json" ] && TAIL=8 step segment_graphs_1x2 120 $SEGMENT_GRAPHS $GENERATE_1X2 \
-  --output "$O/segment_graphs_1x2.json"
+  --output "$O/segment_graphs_1x2.json" \
+  && grep -i "memcpy" "$O/segment_graphs_1x2.log" | sed "s/^[^]]*\] //" | sort | uniq -c | sort -rn | head -n 30
 if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ]; then
   export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

@@ -141,3 +141,14 @@ def test_a_job_chooses_on_the_host_unless_asked_or_on_cuda(plans, choose):
         assert job.chosen is None and all(t.name != greedy_output("logits") for t in job.outputs)
     finally:
         job.close()
+
+
+def test_onnxruntimes_log_level_comes_from_the_environment(monkeypatch):
+    from meshplan.runtime.sessions import ORT_LOG_LEVEL, ort_log_level
+
+    monkeypatch.delenv(ORT_LOG_LEVEL, raising=False)
+    assert ort_log_level() == 4
+    monkeypatch.setenv(ORT_LOG_LEVEL, "2")
+    assert ort_log_level() == 2
+    monkeypatch.setenv(ORT_LOG_LEVEL, "loud")
+    assert ort_log_level() == 4

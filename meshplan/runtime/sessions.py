@@ -17,6 +17,20 @@ PROVIDERS = ("auto", "cuda", "cpu")
 # CUDA reductions), for every session of this process once set: ``--deterministic``.
 _deterministic = [False]
 
+# ``MESHPLAN_ORT_LOG_LEVEL=N`` in a rank's environment: its sessions log at onnxruntime's
+# severity N (0 verbose, 1 info, 2 warning, 3 error; 4, the default, fatal only, since errors
+# reach the user as one line): onnxruntime's own account of a program, such as the copies
+# between the host and the GPU it adds to a segment (which keep a CUDA graph from capturing).
+ORT_LOG_LEVEL = "MESHPLAN_ORT_LOG_LEVEL"
+
+
+def ort_log_level() -> int:
+    """The severity ``ORT_LOG_LEVEL`` asks for (0 to 4), else 4."""
+    import os
+
+    text = os.environ.get(ORT_LOG_LEVEL, "").strip()
+    return int(text) if text in ("0", "1", "2", "3", "4") else 4
+
 
 def set_deterministic(enabled: bool) -> None:
     """Whether every session made from now on in this process asks onnxruntime for
@@ -107,7 +121,7 @@ class StageSession:
         options = session_options(threads)
         if weights_dir is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
-        options.log_severity_level = 4   # errors reach the user as RunError lines, not onnxruntime's log
+        options.log_severity_level = ort_log_level()   # errors reach the user as RunError lines
         if _deterministic[0]:
             options.use_deterministic_compute = True
         if optimization == "basic":
