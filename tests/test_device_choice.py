@@ -37,6 +37,10 @@ def test_the_appended_choice_is_numpys_argmax_first_on_a_tie(method, vocab, opse
     assert [o.name for o in chosen.graph.output] == ["logits", greedy_output("logits")]
     assert len(model.graph.output) == 1                      # the model given is left as it was
     assert with_greedy_choice(model, "nothing") is None
+    bfloat16 = onnx.ModelProto()
+    bfloat16.CopyFrom(model)
+    bfloat16.graph.output[0].type.tensor_type.elem_type = TensorProto.BFLOAT16
+    assert with_greedy_choice(bfloat16, "logits") is None    # no ArgMax for it: chosen on the host
     rng = np.random.default_rng(0)
     x = rng.integers(-3, 3, (2, 5, vocab)).astype(np.float16)    # small integers: many ties
     x[0, 0] = -np.inf

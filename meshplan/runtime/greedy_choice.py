@@ -29,6 +29,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 GREEDY_SUFFIX = ".greedy"
+# logits onnxruntime's ArgMax, TopK and ReduceMax take on the CPU and CUDA alike (bfloat16:
+# no ArgMax on either, so such a model's token is chosen on the host)
+CHOOSABLE = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
 METHODS = ("argmax", "topk", "chunked")
 METHOD = "argmax"
 
@@ -41,13 +44,14 @@ def greedy_output(logits: str) -> str:
 def with_greedy_choice(model: onnx.ModelProto, logits: str, method: str | None = None) -> onnx.ModelProto | None:
     """``model`` (its weights left where they are) with one more output: the greedy ids of
     ``logits`` (int64, the logits' shape less the vocabulary). None where ``logits`` is not
-    an output of known rank."""
+    an output of known rank, or of a type the choice's operators do not take (``CHOOSABLE``)."""
     method = method or METHOD
     if method not in METHODS:
         raise ValueError(f"unknown greedy choice method {method!r} (one of {', '.join(METHODS)})")
     graph = model.graph
     found = next((o for o in graph.output if o.name == logits), None)
-    if found is None or not found.type.tensor_type.HasField("shape"):
+    if found is None or not found.type.tensor_type.HasField("shape") \
+            or found.type.tensor_type.elem_type not in CHOOSABLE:
         return None
     dims = list(found.type.tensor_type.shape.dim)
     if len(dims) < 2:
