@@ -36,7 +36,7 @@ TAIL=48 step generate 360 python3 benchmarks/generate.py --provider cuda --devic
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
   --repeat "${REPEAT:-3}" --solver highs --workdir "$O/work" --json "$O/generate.json"
 # the machine's cores (CPU provider), while nothing else runs
-TAIL=30 step small_batch_split 170 python3 benchmarks/small_batch_split.py --cores --repeat 20 --solver highs --bind both --mpiexec "$MPIRUN"
+TAIL=40 step small_batch_split 200 python3 benchmarks/small_batch_split.py --cores --repeat 20 --rounds 3 --solver highs --host both --mpiexec "$MPIRUN"
 # 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
 # time slices), where MPS starts: generate.py's own 1x2 plan of the fp16 folder
 P12="$O/work/$(basename "$FP16")_model_1x2_512"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -25,6 +26,11 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
 @click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
+@click.option("--shared-host", is_flag=True,
+              help="The devices of a host are shares of one machine's cores and memory bandwidth (CPU ranks on one "
+                   "machine): a device working while others beside it idle gets their cores, so splitting an "
+                   "operator there divides no bandwidth [default: a cluster file's shared_host, else devices of "
+                   "their own].")
 @click.option("--policy", default="auto", show_default=True, type=click.Choice(["auto", "data", "megatron"]),
               help="Sharding inside stages: automatic (ILP over every strategy), data parallel only, "
                    "or Megatron-style tensor parallel matrix products.")
@@ -62,7 +68,7 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
 @click.option("--no-hints", is_flag=True, help="Ignore the multi-device annotations MODEL carries.")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, policy,
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
          max_length, prefill_chunk, hints_path, no_hints, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
@@ -82,6 +88,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
 
     with guard(debugging(ctx)):
         cluster = cluster_from_options(mesh, cluster_file, device, default_device)
+        if shared_host:
+            cluster = replace(cluster, host_shares=cluster.devices_per_host)
         started = time.perf_counter()
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),

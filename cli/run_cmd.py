@@ -66,7 +66,8 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
     crowded = next((t for t in report.threads if t is not None and t.oversubscribed), None)
     if crowded is not None:
         click.echo(f"warning: {crowded.working} working ranks share {crowded.cores} core(s) on one machine: they take "
-                   "turns, which a plan for devices of their own does not model", err=True)
+                   "turns, which a plan for devices of their own does not model (`meshplan plan --shared-host` "
+                   "plans for ranks that share a machine)", err=True)
     if output_path:
         click.echo(f"wrote {output_path}")
     if trace_path:

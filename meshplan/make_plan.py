@@ -518,7 +518,8 @@ def make_plan(
         if programs:
             emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         constants = small_constants(canonical.model)
-        explanations = explain_plan(plan, shardings, graph, cost_model or CostModel(cluster), cluster, constants,
+        costed = cluster.costed(options.microbatches)
+        explanations = explain_plan(plan, shardings, graph, cost_model or CostModel(costed), costed, constants,
                                     options.policy)
         write_annotated(plan, shardings, graph, canonical, staging, constants, explanations)
         shutil.rmtree(workdir)

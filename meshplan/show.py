@@ -101,7 +101,8 @@ def show_plan(directory: str | Path, operators: int = OPERATORS_SHOWN, weights: 
     times = [s.seconds for s in plan.stages]
     slowest = max(times)
     lines = [
-        f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}, "
+        f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}"
+        f"{' (devices sharing each host)' if plan.cluster.get('host_shares') else ''}, "
         f"{plan.microbatches} microbatch(es) of {plan.batch['microbatch_size']}",
         f"latency {human_seconds(est['latency_seconds'])} = stages {human_seconds(sum(times))} + "
         f"({plan.microbatches} - 1) x slowest stage {human_seconds(slowest)}",

@@ -182,3 +182,26 @@ def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
     assert not mps_running()
     (tmp_path / "control").touch()
     assert mps_running()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_cpu_ranks_sharing_a_machine_are_told_of_shared_host_plans(shared):
+    needs = {"ranks": 2, "hosts": 1, "devices_per_host": 2, "directory": "plan", "shared_host": shared}
+    diagnosis = diagnose([_facts(rank) for rank in (0, 1)], launched=True, plan_needs=needs)
+    told = [w for w in diagnosis.warnings if "meshplan plan --shared-host" in w]
+    assert len(told) == (0 if shared else 1)
+    assert not told or told[0].startswith("2 ranks share the cores and memory of node0")
+
+
+def test_plan_needs_says_whether_the_plan_shares_hosts(tmp_path):
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.doctor import plan_needs
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.make_plan import make_plan
+    from sample_models import SAMPLE_DIR
+
+    model = SAMPLE_DIR / "mlp.onnx"
+    for shared in (False, True):
+        make_plan(model, make_cluster((1, 2), "cpu", shared_host=shared), {"batch": 4}, tmp_path / str(shared),
+                  PlanOptions(solver="highs"), programs=False)
+        assert plan_needs(tmp_path / str(shared))["shared_host"] is shared

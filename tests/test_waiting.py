@@ -44,3 +44,14 @@ def test_cuda_sessions_compute_float32_without_tf32():
     name, options = cuda_provider(3)
     assert name == "CUDAExecutionProvider"
     assert options == {"device_id": "3", "use_tf32": "0"}
+
+
+def test_an_idle_rank_sleeps_from_the_start_even_where_ranks_never_sleep(monkeypatch, restore_sleeping):
+    """An idle rank's wait takes no core from the ranks beside it, GPU ranks' rule or not."""
+    slept, yielded = [], []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yielded.append(1))
+    waiting.set_sleeping(False)
+    waiting.wait_all([_FakeRequest(30)], _FakeMPI, idle=True)
+    assert len(slept) == 29 and not yielded
+    assert max(slept) == waiting.IDLE_PAUSE and slept == sorted(slept)

@@ -4,6 +4,7 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
 
     hosts = 2
     devices_per_host = 8
+    # shared_host = true           # the devices of a host are shares of one machine (CPU ranks)
     # device = "h100-80g"          # a preset name; or, as here, a [device] table
 
     [device]                       # optional (default: the h100-80g preset)
@@ -29,6 +30,16 @@ A cluster is given either as ``--mesh HxD --device PRESET`` or as a TOML file::
 
 ``device`` is either a preset name or a ``[device]`` table, not both (TOML allows a key
 once).
+
+``shared_host = true`` (``meshplan plan --shared-host``; ``Cluster.host_shares``): the
+devices of a host are shares of one machine's cores and memory bandwidth, as the ranks of a
+job on one CPU machine are, not devices with their own (a GPU's memory and cores are its
+own). A device's figures are then its share when every device of its host works; one that
+works while others of its host are idle takes their cores too (a job gives an idle rank's
+cores to the ranks that work beside it: ``runtime.threads``), so its work runs
+``working / shares`` of the time (``work_scale``). Splitting an operator over ranks of one
+machine then divides no bandwidth (a batch-1 decode step reads the same bytes through the
+same memory) and adds the collectives: a plan leaves devices idle where that does not pay.
 
 Peaks are per compute dtype (``PEAK_KEYS``): an operator computing in float16 is costed at
 the ``fp16`` peak, bfloat16 at ``bf16``, 8-bit integer products at ``int8``, everything else
@@ -153,6 +164,9 @@ class Cluster:
     device: DeviceSpec
     intra_host: LinkSpec
     inter_host: LinkSpec
+    # 0: each device has its own cores and memory; N: a device is one of N equal shares of its
+    # host's (the devices per host of the cluster described; see the module)
+    host_shares: int = 0
 
     @property
     def num_devices(self) -> int:
@@ -168,18 +182,37 @@ class Cluster:
     def link(self, src: int, dst: int) -> LinkSpec:
         return self.intra_host if self.host_of(src) == self.host_of(dst) else self.inter_host
 
+    def work_scale(self, devices: int) -> float:
+        """The part of a device's compute and memory time its work takes when ``devices``
+        devices work at once, as a submesh spreads them (at most ``devices_per_host`` on a
+        host): 1 where devices are their own; ``working / host_shares`` where they share their
+        host (the idle devices' cores and bandwidth go to those that work)."""
+        if not self.host_shares:
+            return 1.0
+        return min(max(1, devices), self.devices_per_host, self.host_shares) / self.host_shares
+
+    def costed(self, microbatches: int) -> "Cluster":
+        """The cluster a plan of ``microbatches`` is costed on: with several in flight, the
+        stages on a host's devices work at once and no share is free for another
+        (``work_scale`` is then 1)."""
+        return replace(self, host_shares=0) if microbatches > 1 and self.host_shares else self
+
     def to_dict(self) -> dict:
-        return {
+        data = {
             "mesh": [self.hosts, self.devices_per_host],
             "device": self.device.to_dict(),
             "intra_host": asdict(self.intra_host),
             "inter_host": asdict(self.inter_host),
         }
+        if self.host_shares:
+            data["host_shares"] = self.host_shares
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Cluster":
         hosts, per_host = data["mesh"]
-        return cls(hosts, per_host, DeviceSpec.from_dict(data["device"]), LinkSpec(**data["intra_host"]), LinkSpec(**data["inter_host"]))
+        return cls(hosts, per_host, DeviceSpec.from_dict(data["device"]), LinkSpec(**data["intra_host"]),
+                   LinkSpec(**data["inter_host"]), int(data.get("host_shares", 0)))
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -193,7 +226,8 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return hosts, per_host
 
 
-def make_cluster(mesh: tuple[int, int], device: str = DEFAULT_DEVICE) -> Cluster:
+def make_cluster(mesh: tuple[int, int], device: str = DEFAULT_DEVICE, shared_host: bool = False) -> Cluster:
+    """``shared_host``: the devices of a host share one machine's cores and memory (see the module)."""
     if device not in DEVICE_PRESETS:
         raise ClusterError(f"unknown device preset {device!r} (known: {', '.join(DEVICE_PRESETS)})")
     spec = DEVICE_PRESETS[device]
@@ -201,6 +235,7 @@ def make_cluster(mesh: tuple[int, int], device: str = DEFAULT_DEVICE) -> Cluster
     return Cluster(
         mesh[0], mesh[1], spec,
         LinkSpec(intra_bw * GB, intra_lat * 1e-6), LinkSpec(inter_bw * GB, inter_lat * 1e-6),
+        mesh[1] if shared_host else 0,
     )
 
 
@@ -225,7 +260,7 @@ def load_cluster_file(path: str | Path) -> Cluster:
         raise ClusterError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ClusterError(f"cluster file {path} is not valid TOML: {exc}") from None
-    unknown = set(data) - {"hosts", "devices_per_host", "device", "intra_host", "inter_host"}
+    unknown = set(data) - {"hosts", "devices_per_host", "device", "intra_host", "inter_host", "shared_host"}
     if unknown:
         raise ClusterError(f"cluster file {path}: unknown key {sorted(unknown)[0]!r}")
     for key in ("hosts", "devices_per_host"):
@@ -236,6 +271,9 @@ def load_cluster_file(path: str | Path) -> Cluster:
     mesh = (data["hosts"], data["devices_per_host"])
     if min(mesh) < 1:
         raise ClusterError(f"cluster file {path}: hosts and devices_per_host must be positive")
+    shared = data.get("shared_host", False)
+    if type(shared) is not bool:
+        raise ClusterError(f"cluster file {path}: shared_host must be true or false, got {shared!r}")
     device = data.get("device", DEFAULT_DEVICE)
     if isinstance(device, str):
         cluster = make_cluster(mesh, device)
@@ -254,7 +292,7 @@ def load_cluster_file(path: str | Path) -> Cluster:
     for section in ("intra_host", "inter_host"):
         if section in data:
             cluster = replace(cluster, **{section: _override(getattr(cluster, section), data[section], _LINK_KEYS, path, section)})
-    return cluster
+    return replace(cluster, host_shares=mesh[1] if shared else 0)
 
 
 def _override(base, table: dict, keys: dict, path: Path, section: str):

@@ -72,7 +72,8 @@ def text_report(plan: Plan) -> str:
     mesh = plan.cluster["mesh"]
     est = plan.estimate
     lines = [
-        f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}, "
+        f"plan: {len(plan.stages)} stage(s) on a {mesh[0]}x{mesh[1]} mesh of {plan.cluster['device']['name']}"
+        f"{' (devices sharing each host)' if plan.cluster.get('host_shares') else ''}, "
         f"computing in {'+'.join(model_compute_dtypes(plan))}, "
         f"{plan.microbatches} microbatch(es) of {plan.batch['microbatch_size']}",
         f"{'stage':>5}  {'devices':<12} {'layers':<9} {'ops':>5}  {'mesh':>5} {'sharded':>7}  {'time/mb':>11}  "

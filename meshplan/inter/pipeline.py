@@ -176,6 +176,7 @@ def plan_pipeline(
     if options.reshard_scheduler not in ALGORITHMS:
         raise PlanError(f"unknown resharding scheduler {options.reshard_scheduler!r} "
                         f"(choose from {', '.join(ALGORITHMS)})")
+    described, cluster = cluster, cluster.costed(options.microbatches)
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
     bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts, StageWindows]] = {}
@@ -197,7 +198,7 @@ def plan_pipeline(
             cut = hints.layering(cut)
         if cut.bounds not in bundles:
             sharding = sharding_pass(cut)
-            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding),
+            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding, area),
                                    StageWindows(cut, sharding_pass))
         return bundles[cut.bounds]
 
@@ -311,7 +312,7 @@ def plan_pipeline(
         },
     }
     plan = Plan(
-        model=model_info, cluster=cluster.to_dict(), microbatches=options.microbatches, batch=batch,
+        model=model_info, cluster=described.to_dict(), microbatches=options.microbatches, batch=batch,
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=best.transfers, programs=[],
         reshardings=reshardings, estimate=estimate, solver=solver, idle=idle_info,
         timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},

@@ -53,7 +53,10 @@ class StageCosts:
     """Per-layer statistics of a layered graph, and stage costs built from them."""
 
     def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModelProtocol,
-                 intra_op: IntraOpPass | None = None):
+                 intra_op: IntraOpPass | None = None, cluster: Cluster | None = None):
+        """``cluster``: where devices share their host (``Cluster.work_scale``), a stage on one
+        device takes the cores and bandwidth of the idle ones beside it: its operators' work
+        (beyond their fixed overhead) is scaled; larger stages' scaling is the sharding pass's."""
         self.graph = graph
         self.intra_op = intra_op
         self.layering = layering
@@ -62,6 +65,10 @@ class StageCosts:
         bounds = np.asarray(layering.bounds)
         self.num_layers = layering.num_layers
         seconds = np.asarray(node_seconds, dtype=np.float64)
+        scale = cluster.work_scale(1) if cluster is not None else 1.0
+        if scale != 1.0:
+            overhead = np.minimum(seconds, cluster.device.kernel_overhead)
+            seconds = overhead + (seconds - overhead) * scale
         self._seconds_prefix = np.concatenate([[0.0], np.cumsum(seconds)])[bounds]
         self._cut_bytes = layering.cut_bytes[bounds]
         owner = layering.layer_of_node()

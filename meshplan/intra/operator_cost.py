@@ -37,7 +37,17 @@ class OperatorCosts:
     def compute_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         """Work splits over every mesh axis that some operand is split or partial along; the
         bytes a device reads and writes are its own slices of the operands (a replicated
-        weight is read whole however the batch is split)."""
+        weight is read whole however the batch is split). Where devices share their host
+        (``Cluster.work_scale``) the mesh's devices divide the host's cores and bandwidth
+        among them: the work beyond the operator's fixed overhead is scaled."""
+        seconds = self._device_seconds(node, strategy, mesh)
+        scale = self.cluster.work_scale(mesh.size)
+        if scale == 1.0:
+            return seconds
+        overhead = self.cluster.device.kernel_overhead
+        return min(seconds, overhead) + max(0.0, seconds - overhead) * scale
+
+    def _device_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         axes = set()
         for spec in list(strategy.inputs) + list(strategy.outputs):
             if spec is not None:

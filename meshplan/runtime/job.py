@@ -329,7 +329,8 @@ class Job:
         return header
 
     def _send_header(self, header: np.ndarray) -> None:
-        self._bcast_header(header)
+        # the plan's idle ranks take part in the statistics and the end alone
+        self.transport.header(header, everyone=int(header[0]) in (CLOSE, STATS))
 
     def _bcast_header(self, header: np.ndarray) -> None:
         self.transport.header(header)

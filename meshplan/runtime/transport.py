@@ -40,6 +40,7 @@ from meshplan.runtime.cross_mesh_mpi import CrossMeshResharder
 from meshplan.runtime.waiting import wait_all
 from meshplan.sharding import LogicalMesh
 
+_HEADER_TAG = 1 << 23     # a header sent to an idle rank on its own
 
 def world():
     """mpi4py's MPI module and COMM_WORLD."""
@@ -169,17 +170,38 @@ class Transport:
             group = self.comm.Split(0 if self.rank in readers else MPI.UNDEFINED, self.rank)
             self.input_groups.append(group if self.rank in readers else None)
         self.input_sizes = [g.Get_size() if g is not None else 0 for g in self.input_groups]
+        # the ranks a call's header reaches: rank 0 and the ranks of some stage; the plan's idle
+        # ranks hear only of what they take part in (``header(everyone=True)``: the statistics,
+        # the end), one message each, and sleep in between
+        working = {r for s in plan.stages for r in s.devices} | {0}
+        self.idle = [r for r in range(self.size) if r not in working]
+        self.is_idle = self.rank in self.idle
+        if self.idle:
+            group = self.comm.Split(MPI.UNDEFINED if self.is_idle else 0, self.rank)
+            self.headers = None if self.is_idle else group
+        else:
+            self.headers = self.comm
         self._posted: list = []    # sends in flight
         self._kept: list = []      # the arrays they read, alive until they are done
 
     # --- the call ------------------------------------------------------------------------------
 
-    def header(self, header: np.ndarray) -> None:
-        """The call's header from rank 0 to every rank, waited for without holding a core
-        (``waiting``): workers wait here between calls, idle ranks all the time. A job of one
-        rank has no one to tell."""
-        if self.size > 1:
-            wait_all([self.comm.Ibcast(header, root=0)], self.MPI)
+    def header(self, header: np.ndarray, everyone: bool = False) -> None:
+        """The call's header from rank 0 to the working ranks, and to the idle ones too where
+        ``everyone`` (rank 0 says so; a call they take part in), waited for without holding a
+        core (``waiting``): workers wait here between calls. An idle rank waits here all the
+        time and sleeps while it does (``idle=True``): a call it takes no part in never wakes
+        it, so it takes no core from the ranks that work beside it. A job of one rank has no
+        one to tell."""
+        if self.size == 1:
+            return
+        if self.is_idle:
+            wait_all([self.comm.Irecv(header, source=0, tag=_HEADER_TAG)], self.MPI, idle=True)
+            return
+        requests = [self.headers.Ibcast(header, root=0)] if self.headers.Get_size() > 1 else []
+        if everyone and self.rank == 0:
+            requests += [self.comm.Isend(header, dest=r, tag=_HEADER_TAG) for r in self.idle]
+        wait_all(requests, self.MPI)
 
     def reads_input(self, index: int) -> bool:
         """Whether this rank takes part in model input ``index``'s broadcast."""
@@ -259,6 +281,8 @@ class Transport:
         for group in self.input_groups:
             if group is not None:
                 group.Free()
+        if self.headers is not None and self.headers is not self.comm:
+            self.headers.Free()
         self.comm.Free()
 
 

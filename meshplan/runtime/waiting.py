@@ -22,6 +22,9 @@ import time
 # pipeline waits for its neighbours for a few milliseconds at most once it runs.
 YIELD_SECONDS = 0.05
 
+# An idle rank's longest sleep between tests: how late it may hear of the statistics or the end.
+IDLE_PAUSE = 2e-3
+
 
 _sleeping = [True]
 
@@ -32,8 +35,17 @@ def set_sleeping(enabled: bool) -> None:
     _sleeping[0] = enabled
 
 
-def wait_all(requests, MPI) -> None:
+def wait_all(requests, MPI, idle: bool = False) -> None:
+    """Wait for every request. ``idle``: a rank with no work in the plan waiting for the next
+    message meant for it (small, and rare): it sleeps from the start, since every core it
+    took by yielding would be a working rank's."""
     if not requests:
+        return
+    if idle:
+        pause = 2e-6
+        while not MPI.Request.Testall(requests):
+            time.sleep(pause)
+            pause = min(pause * 2, IDLE_PAUSE)
         return
     yield_until = time.perf_counter() + YIELD_SECONDS
     pause = 2e-6
