@@ -74,7 +74,20 @@ HUGE_BY_DEFAULT = frozenset({"generate", "serve"})
 HUGE_WHEN_ASKED = frozenset({"run", "verify", "profile"})
 
 
-def huge_page_environment(environ: dict, mode: str | None = None, command: str | None = "generate") -> dict | None:
+def gpu_visible(environ: dict) -> bool:
+    """Whether an NVIDIA GPU is there for this process (its driver, a device, not hidden by
+    ``CUDA_VISIBLE_DEVICES``): where ``--provider auto`` will be CUDA. Read from the file
+    system alone, before anything is imported."""
+    import glob
+    import os
+
+    if environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1", "none", "NoDevFiles"):
+        return False
+    return os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def huge_page_environment(environ: dict, mode: str | None = None, command: str | None = "generate",
+                          provider: str | None = None) -> dict | None:
     """The environment to start ``command``'s process (default: ``generate``'s) again with,
     so that malloc asks the kernel for transparent huge pages (glibc's
     ``glibc.malloc.hugetlb=1``, read once when a process starts): where the kernel gives
@@ -85,10 +98,15 @@ def huge_page_environment(environ: dict, mode: str | None = None, command: str |
 
     onnxruntime's CPU provider packs each weight of a matrix product into memory it mallocs;
     a decode step streams all of it, and with 4 KiB pages a step's address translations miss
-    the TLB every few kilobytes."""
+    the TLB every few kilobytes. A GPU's job (``provider``, the command's ``--provider``:
+    ``cuda``, or ``auto`` or none where a GPU is visible) keeps its weights on the GPU: it
+    starts again only with ``MESHPLAN_HUGE_PAGES=1`` (a second interpreter start, 20-30 ms,
+    and a load that may wait for the kernel to compact memory, for nothing)."""
     asked = environ.get(OPT_OUT)
+    on_gpu = provider == "cuda" or (provider in (None, "auto") and command in HUGE_BY_DEFAULT
+                                    and gpu_visible(environ))
     if command in HUGE_BY_DEFAULT:
-        wanted = asked != "0"
+        wanted = asked == "1" if on_gpu else asked != "0"
     else:
         wanted = command in HUGE_WHEN_ASKED and asked == "1"
     if not wanted or HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":"):
@@ -116,7 +134,10 @@ def heap_huge_pages(environ: dict | None = None) -> str:
     if environ.get(OPT_OUT) == "0":
         return f"4 KiB pages for malloc's memory ({OPT_OUT}=0)"
     if HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":") \
-            or huge_page_environment({k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}, mode) is not None:
-        extra = "every command that runs models" if environ.get(OPT_OUT) == "1" else "generate and serve"
-        return f"transparent huge pages for malloc's memory in {extra} (glibc.malloc.hugetlb=1)"
+            or huge_page_environment({k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}, mode,
+                                     provider="cpu") is not None:
+        if environ.get(OPT_OUT) == "1":
+            return "transparent huge pages for malloc's memory in every command that runs models (glibc.malloc.hugetlb=1)"
+        gpu = " on the CPU (a GPU's job keeps 4 KiB pages: its weights are on the GPU)" if gpu_visible(environ) else ""
+        return f"transparent huge pages for malloc's memory in generate and serve{gpu} (glibc.malloc.hugetlb=1)"
     return "4 KiB pages for malloc's memory (this glibc cannot ask for huge pages)"

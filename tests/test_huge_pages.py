@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshplan import process_memory
 from meshplan.process_memory import HEAP_TUNABLE, huge_page_environment, thp_mode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,6 +25,7 @@ def modern_glibc(monkeypatch):
 
     monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(process_memory, "gpu_visible", lambda environ: False)
 
 
 def test_mode_read_from_the_kernels_file(tmp_path):
@@ -149,3 +151,41 @@ def test_malloc_memory_in_huge_pages_after_the_start():
         assert huge[-1] >= 2048      # kB: at least one 2 MiB page once glibc asks for them
     off = [line[1] for line in _probe({**env, "MESHPLAN_HUGE_PAGES": "0"}, "touch") if line[0] == "huge"]
     assert off == [0] or not applies
+
+
+@pytest.mark.parametrize("provider, gpu, asked, starts_again", [
+    ("cuda", False, None, False), ("cuda", True, None, False), ("cuda", True, "1", True),
+    ("auto", True, None, False), (None, True, None, False), (None, True, "1", True),
+    ("cpu", True, None, True), ("auto", False, None, True), (None, False, None, True),
+])
+def test_a_gpu_job_keeps_its_pages_unless_asked(modern_glibc, monkeypatch, provider, gpu, asked, starts_again):
+    """A GPU's job keeps its weights on the GPU: generate and serve start again for it only
+    with MESHPLAN_HUGE_PAGES=1."""
+    monkeypatch.setattr(process_memory, "gpu_visible", lambda environ: gpu)
+    env = {} if asked is None else {"MESHPLAN_HUGE_PAGES": asked}
+    for command in ("generate", "serve"):
+        found = huge_page_environment(env, mode="madvise", command=command, provider=provider)
+        assert (found is not None) == starts_again
+
+
+def test_gpu_visible_reads_cuda_visible_devices(monkeypatch):
+    for hidden in ("", "-1", "NoDevFiles"):
+        assert not process_memory.gpu_visible({"CUDA_VISIBLE_DEVICES": hidden})
+    import glob
+    import os
+
+    monkeypatch.setattr(os.path, "exists", lambda path: path == "/proc/driver/nvidia/version")
+    assert process_memory.gpu_visible({}) and process_memory.gpu_visible({"CUDA_VISIBLE_DEVICES": "0"})
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    assert not process_memory.gpu_visible({})
+
+
+@pytest.mark.parametrize("argv, provider", [
+    (["meshplan", "generate", "m", "--provider", "cuda"], "cuda"), (["meshplan", "serve", "--provider=cpu", "m"], "cpu"),
+    (["meshplan", "generate", "m"], None), (["meshplan", "generate", "--provider"], None),
+])
+def test_the_launcher_reads_the_provider(argv, provider):
+    from cli.launch import provider_of
+
+    assert provider_of(argv) == provider
