@@ -197,7 +197,8 @@ class ProgramRunner:
         onnxruntime copies between the GPU and the host inside a run, which a capture refuses
         (seen on an H200: "operation not permitted when stream is capturing").
         ``remake_integers``: each segment makes again the integer tensors it reads from an
-        earlier one (``integers_made_where_read``), so that none crosses a cut: the step
+        earlier one (``integers_made_where_read``), so that none crosses a cut (and none is
+        handed on: a segment's outputs are what a later one reads and does not make): the step
         before graphs in programs of several segments, off until a GPU run shows it (on the
         CPU the copied nodes cost 1-5% of the int4 Llama's 1x2 decode step); a job turns both
         on with ``SEGMENT_GRAPHS`` (``open(..., graphs_in_segments=True)``).
@@ -242,14 +243,20 @@ class ProgramRunner:
                 runs[-1].append(node)
         if remake_integers:
             runs = integers_made_where_read(runs, {v.name for v in graph.input}, typed, weights)
+        # what each segment hands on: what a later segment or collective reads that no segment
+        # between makes (a segment that makes an integer again reads its own, not the one made
+        # before it: an output bound on the GPU that onnxruntime computes on the host, a shape,
+        # is a copy inside the run, which a CUDA graph's capture refuses)
         needed_later = [set() for _ in runs]
         later = {o.name for o in graph.output}
         for index in range(len(runs) - 1, -1, -1):
             needed_later[index] = set(later)
+            made = {o for node in runs[index] for o in node.output if o}
+            later -= made
             if index > 0:
                 later.add(collectives[index - 1].input)
             for node in runs[index]:
-                later.update(n for n in node.input if n)
+                later.update(n for n in node.input if n and n not in made)
         self.segments = []
         for index, nodes in enumerate(runs):
             produced = [o for n in nodes for o in n.output if o]
