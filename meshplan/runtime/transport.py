@@ -42,6 +42,7 @@ from meshplan.sharding import LogicalMesh
 
 _HEADER_TAG = 1 << 23     # a header sent to an idle rank on its own
 
+
 def world():
     """mpi4py's MPI module and COMM_WORLD."""
     MPI = load_mpi()

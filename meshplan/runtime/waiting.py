@@ -10,6 +10,8 @@ Sleeping has a price: MPI moves a large message in fragments, and only while one
 calls runs; a rank that sleeps between tests stalls the transfer (a 268 MB gather of
 logits took about 400 ms of a 490 ms batch on an H100 host). So ranks whose programs run on a GPU,
 which leave the host's cores idle, never sleep: ``set_sleeping(False)`` once at start-up.
+A plan's idle ranks, which wait for the few small messages meant for them (``idle=True``),
+sleep from the start whatever the rule.
 """
 
 from __future__ import annotations
