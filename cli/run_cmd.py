@@ -68,6 +68,10 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
         click.echo(f"warning: {crowded.working} working ranks share {crowded.cores} core(s) on one machine: they take "
                    "turns, which a plan for devices of their own does not model (`meshplan plan --shared-host` "
                    "plans for ranks that share a machine)", err=True)
+    elif report.split_on_shared_cores():
+        click.echo("note: working ranks share this machine's cores and memory, which the plan counts as devices of "
+                   "their own: `meshplan plan --shared-host` plans for that (it leaves devices idle where "
+                   "splitting does not pay)", err=True)
     if output_path:
         click.echo(f"wrote {output_path}")
     if trace_path:

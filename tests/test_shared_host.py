@@ -18,7 +18,7 @@ from meshplan.inter.pipeline import PlanOptions
 from meshplan.make_plan import make_plan
 from sample_models.gpt import make_gpt
 from meshplan.plan_format import read_plan
-from tests.conftest import check_against_onnxruntime, run_cli, run_mpi_script, save_npz
+from tests.conftest import check_against_onnxruntime, run_cli, run_mpi, run_mpi_script, save_npz
 
 # a batch-1 decode step bound by reading its weights (117 MB of float32): the planner splits it
 # over devices of their own, where each reads half through its own memory
@@ -141,3 +141,15 @@ def test_idle_ranks_sleep_through_the_calls_they_take_no_part_in(small_step, tmp
               PlanOptions(solver="highs"))
     lines = run_mpi_script("idle_rank_case.py", ranks=2, args=[tmp_path / "plan", save_npz(tmp_path / "in.npz", inputs)])
     assert len(lines) == 3
+
+
+def test_run_points_split_cpu_ranks_of_one_machine_to_shared_host_plans(small_step, tmp_path):
+    model, inputs = small_step
+    in_path = save_npz(tmp_path / "in.npz", inputs)
+    for shared in (False, True):
+        folder = tmp_path / ("shared" if shared else "own")
+        make_plan(model, make_cluster((1, 2), "cpu", shared_host=shared), {"batch": 2, "seq": 1}, folder,
+                  PlanOptions(solver="highs", policy="megatron", all_devices=True))
+        done = run_mpi(2, "run", folder, "--inputs", in_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert ("meshplan plan --shared-host" in done.stderr) == (not shared)

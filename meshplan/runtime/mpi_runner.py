@@ -25,6 +25,7 @@ import numpy as np
 from meshplan.errors import MeshplanError, RunError
 from meshplan.plan_format import Plan
 from meshplan.process_memory import peak_rss_bytes
+from meshplan.providers import CPU
 from meshplan.runtime.job import Job
 from meshplan.runtime.tensors import read_inputs, write_outputs
 from meshplan.runtime.threads import ThreadChoice
@@ -45,6 +46,13 @@ class RunReport:
     idle_ranks: list[int] = field(default_factory=list)       # ranks the plan leaves idle (no program)
     threads: list = field(default_factory=list)               # per rank: its ThreadChoice (None: idle)
     memory_estimates: list = field(default_factory=list)      # per rank: the plan's estimate of its memory (bytes)
+    shared_host: bool = False                                 # the plan counts a host's devices as shares of it
+
+    def split_on_shared_cores(self) -> bool:
+        """CPU ranks that work side by side on one machine under a plan that counts them as
+        devices of their own (``meshplan plan --shared-host`` is the plan for them)."""
+        return (self.provider == CPU and not self.shared_host
+                and any(t is not None and t.working > 1 for t in self.threads))
 
     def memory_rows(self) -> list[dict]:
         """Per rank: its peak resident set (host memory) next to its program's bytes."""
@@ -112,6 +120,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         threads=[ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory],
         memory_estimates=[float(plan.stage_of_rank(r).memory_bytes) if plan.stage_of_rank(r) else 0.0
                           for r in range(job.size)],
+        shared_host=bool(plan.cluster.get("host_shares")),
     )
 
 
