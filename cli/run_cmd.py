@@ -66,8 +66,9 @@ def run(ctx, plan_dir, inputs_path, output_path, repeat, trace_path, provider, t
     crowded = next((t for t in report.threads if t is not None and t.oversubscribed), None)
     if crowded is not None:
         click.echo(f"warning: {crowded.working} working ranks share {crowded.cores} core(s) on one machine: they take "
-                   "turns, which a plan for devices of their own does not model (`meshplan plan --shared-host` "
-                   "plans for ranks that share a machine)", err=True)
+                   "turns, which a plan for devices of their own does not model"
+                   + (" (`meshplan plan --shared-host` plans for ranks that share a machine)"
+                      if report.shared_host_applies else ""), err=True)
     elif report.split_on_shared_cores():
         click.echo("note: working ranks share this machine's cores and memory, which the plan counts as devices of "
                    "their own: `meshplan plan --shared-host` plans for that (it leaves devices idle where "

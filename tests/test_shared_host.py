@@ -153,3 +153,10 @@ def test_run_points_split_cpu_ranks_of_one_machine_to_shared_host_plans(small_st
         done = run_mpi(2, "run", folder, "--inputs", in_path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert ("meshplan plan --shared-host" in done.stderr) == (not shared)
+    # pipelined microbatches: the stages work at once whatever the plan says of the host
+    folder = tmp_path / "pipelined"
+    plan = make_plan(model, make_cluster((1, 2), "cpu"), {"batch": 2, "seq": 1}, folder,
+                     PlanOptions(solver="highs", microbatches=2, all_devices=True))
+    assert plan.microbatches == 2 and not plan.idle_ranks
+    done = run_mpi(2, "run", folder, "--inputs", in_path)
+    assert done.returncode == 0 and "--shared-host" not in done.stderr, done.stdout + done.stderr

@@ -46,12 +46,14 @@ class RunReport:
     idle_ranks: list[int] = field(default_factory=list)       # ranks the plan leaves idle (no program)
     threads: list = field(default_factory=list)               # per rank: its ThreadChoice (None: idle)
     memory_estimates: list = field(default_factory=list)      # per rank: the plan's estimate of its memory (bytes)
-    shared_host: bool = False                                 # the plan counts a host's devices as shares of it
+    # a plan made with ``meshplan plan --shared-host`` could differ: it counts a host's devices
+    # as devices of their own and runs one microbatch at a time (``Cluster.costed``)
+    shared_host_applies: bool = False
 
     def split_on_shared_cores(self) -> bool:
         """CPU ranks that work side by side on one machine under a plan that counts them as
-        devices of their own (``meshplan plan --shared-host`` is the plan for them)."""
-        return (self.provider == CPU and not self.shared_host
+        devices of their own, where ``meshplan plan --shared-host`` would plan for them."""
+        return (self.provider == CPU and self.shared_host_applies
                 and any(t is not None and t.working > 1 for t in self.threads))
 
     def memory_rows(self) -> list[dict]:
@@ -120,7 +122,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         threads=[ThreadChoice.from_row(row[2:]) if row[2] else None for row in memory],
         memory_estimates=[float(plan.stage_of_rank(r).memory_bytes) if plan.stage_of_rank(r) else 0.0
                           for r in range(job.size)],
-        shared_host=bool(plan.cluster.get("host_shares")),
+        shared_host_applies=not plan.cluster.get("host_shares") and plan.microbatches == 1,
     )
 
 
