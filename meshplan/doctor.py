@@ -294,7 +294,8 @@ def diagnose(facts: list[Facts], launched: bool, plan_needs: dict | None = None,
                         "" if all(f.mps for f in ranks) else
                         ": without CUDA MPS their kernels take turns on a GPU; start it (nvidia-cuda-mps-control -d) "
                         "to run them side by side (a 1x2 plan on one H200: 2.5 ms a token with it, 9.2-9.7 without)"))
-                if not gpus and len(ranks) > 1 and not plan_needs.get("shared_host"):
+                if not gpus and len(ranks) > 1 and not plan_needs.get("shared_host") \
+                        and plan_needs.get("microbatches", 1) == 1:   # (pipelined stages work at once anyway)
                     warnings.append(f"{len(ranks)} ranks share the cores and memory of {host}, which the plan "
                                     "counts as devices of their own: `meshplan plan --shared-host` plans for ranks "
                                     "that share a machine (it leaves devices idle where splitting does not pay)")
@@ -309,4 +310,4 @@ def plan_needs(plan_dir: str | os.PathLike) -> dict:
     plan = read_plan(Path(plan_dir))
     hosts, per_host = (int(n) for n in plan.cluster["mesh"])
     return {"directory": str(plan_dir), "ranks": hosts * per_host, "hosts": hosts, "devices_per_host": per_host,
-            "shared_host": bool(plan.cluster.get("host_shares"))}
+            "shared_host": bool(plan.cluster.get("host_shares")), "microbatches": plan.microbatches}

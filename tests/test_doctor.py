@@ -191,6 +191,8 @@ def test_cpu_ranks_sharing_a_machine_are_told_of_shared_host_plans(shared):
     told = [w for w in diagnosis.warnings if "meshplan plan --shared-host" in w]
     assert len(told) == (0 if shared else 1)
     assert not told or told[0].startswith("2 ranks share the cores and memory of node0")
+    pipelined = diagnose([_facts(rank) for rank in (0, 1)], launched=True, plan_needs={**needs, "microbatches": 4})
+    assert not [w for w in pipelined.warnings if "--shared-host" in w]   # the same plan either way
 
 
 def test_plan_needs_says_whether_the_plan_shares_hosts(tmp_path):
