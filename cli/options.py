@@ -68,7 +68,8 @@ cluster_option = click.option(
 bind_cores_option = click.option(
     "--bind-cores/--no-bind-cores", "bind_cores", default=True, show_default=True,
     help="Where the launcher bound no rank to cores, each rank binds itself to a share of its machine's physical "
-         "cores (two or more each) and runs one onnxruntime thread per core, on one spinning pool.",
+         "cores (two or more each) and runs one onnxruntime thread per core, on one spinning pool; where it bound "
+         "each to cores of its own, the working ranks also take the cores of the plan's idle ranks.",
 )
 
 

@@ -160,3 +160,26 @@ def test_run_points_split_cpu_ranks_of_one_machine_to_shared_host_plans(small_st
     assert plan.microbatches == 2 and not plan.idle_ranks
     done = run_mpi(2, "run", folder, "--inputs", in_path)
     assert done.returncode == 0 and "--shared-host" not in done.stderr, done.stdout + done.stderr
+
+
+def test_working_ranks_take_the_cores_a_launcher_bound_idle_ranks_to(small_step, tmp_path):
+    model, inputs = small_step
+    make_plan(model, make_cluster((1, 2), "cpu", shared_host=True), {"batch": 2, "seq": 1}, tmp_path / "plan",
+              PlanOptions(solver="highs"))
+    lines = run_mpi_script("idle_cores_case.py", ranks=2, args=[tmp_path / "plan", save_npz(tmp_path / "in.npz", inputs)])
+    assert len(lines) == 4
+
+
+def test_idle_cores_split_by_physical_core_over_the_working_ranks():
+    from meshplan.runtime.threads import with_idle_cores
+
+    # a launcher bound each of four ranks to a core (two CPUs each); ranks 1 and 3 idle
+    groups = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert with_idle_cores([{0, 4}, {2, 6}], [{1, 5}, {3, 7}], groups) == [{0, 1, 4, 5}, {2, 3, 6, 7}]
+    # three spare cores over two working ranks: the first takes one more
+    assert with_idle_cores([{0}], [{1}, {2}, {3}], [[0], [1], [2], [3]]) == [{0, 1, 2, 3}]
+    assert with_idle_cores([{0}, {1}], [{2}, {3}, {4}], [[c] for c in range(5)]) == [{0, 2, 3}, {1, 4}]
+    # no launcher binding: every rank may run everywhere, nothing is spare
+    every = set(range(4))
+    assert with_idle_cores([every, every], [every], groups) == [every, every]
+    assert with_idle_cores([{0}], [], groups) == [{0}]

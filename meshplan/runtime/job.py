@@ -65,7 +65,8 @@ from meshplan.runtime.program import SEGMENT_GRAPHS, ProgramRunner
 from meshplan.runtime.sessions import check_program_files, provider_name, providers_for
 from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
-from meshplan.runtime.threads import ThreadChoice, bind_to, one_pool, pin_calling_thread, plan_threads
+from meshplan.runtime.threads import (ThreadChoice, bind_to, may_bind, one_pool, pin_calling_thread, plan_threads,
+                                      with_idle_cores)
 from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffers, world
 from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
@@ -185,10 +186,16 @@ class Job:
 
                 from meshplan.providers import CUDA, cuda_device_count, cuda_usable, share_one_pool, shared_pool_threads
 
-                # the cores of a machine go to the ranks that work there (idle ranks only wait)
-                here = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]
-                        and not plan.is_idle(r)]
+                # the cores of a machine go to the ranks that work there (idle ranks only wait):
+                # those the launcher bound idle ranks to as well
+                machine = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]]
+                here = [r for r in machine if not plan.is_idle(r)]
                 working = [affinities[r] for r in here]
+                if may_bind():
+                    widened = with_idle_cores(working, [affinities[r] for r in machine if plan.is_idle(r)])
+                    if widened[here.index(self.rank)] != working[here.index(self.rank)] \
+                            and bind_to(widened[here.index(self.rank)]):
+                        working = widened
                 self.threads, share = plan_threads(working, here.index(self.rank), os.cpu_count())
                 # before onnxruntime makes its threads: they inherit it; refused, the shared rule
                 if share is not None and not bind_to(share):

@@ -252,6 +252,35 @@ def unpin_calling_thread(choice: ThreadChoice) -> None:
             pass
 
 
+def with_idle_cores(working: list[set[int]], idle: list[set[int]],
+                    groups: list[list[int]] | None = None) -> list[set[int]]:
+    """The affinities of a machine's working ranks, each widened by a share of the CPUs that
+    only the plan's idle ranks there may run on (a launcher that bound every rank to cores of
+    its own, as Open MPI does by default, leaves those cores unused while the idle ranks
+    sleep): split by physical core (``groups``, default ``physical_cores``), in order, the
+    first ranks taking one more where they do not divide. Unchanged where there are none, as
+    where the launcher bound no rank (every rank may run on every core). Every rank works
+    this out from the same gathered affinities, so each knows the others' widened cores."""
+    taken = set().union(*working) if working else set()
+    spare = set().union(*idle) - taken if idle else set()
+    if not spare or not working:
+        return [set(a) for a in working]
+    groups = physical_cores(spare) if groups is None else [[c for c in g if c in spare] for g in groups]
+    groups = [g for g in groups if g]
+    per, extra = divmod(len(groups), len(working))
+    widened, start = [], 0
+    for index, cores in enumerate(working):
+        count = per + (1 if index < extra else 0)
+        widened.append(set(cores) | {cpu for group in groups[start:start + count] for cpu in group})
+        start += count
+    return widened
+
+
+def may_bind() -> bool:
+    """Whether ranks may bind themselves (``set_binding``; ``--no-bind-cores`` says no)."""
+    return _binding[0] and hasattr(os, "sched_setaffinity")
+
+
 def bind_to(cores: set[int]) -> bool:
     """This process (and the threads it makes from now on) runs on ``cores`` only; False
     where the system refuses (the process keeps its cores)."""
