@@ -104,6 +104,9 @@ def generate(ctx, plan_dir, prompts, prompt_ids, max_new_tokens, temperature, to
         click.echo("greedy tokens chosen next to the logits on rank 0's device (only the ids reach the host)")
     for rank, (weights, cache) in enumerate(zip(report.weight_bytes, report.cache_bytes)):
         threads = report.threads[rank] if rank < len(report.threads) else None
+        if threads is None and not weights and not cache and report.threads:
+            click.echo(f"rank {rank}: idle (no program in the plan)")
+            continue
         click.echo(f"rank {rank}: weights {_size(weights)}, key/value cache {_size(cache)}"
                    + (f"; {threads.describe()}" if threads is not None else ""))
     if output_path:

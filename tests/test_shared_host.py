@@ -183,3 +183,14 @@ def test_idle_cores_split_by_physical_core_over_the_working_ranks():
     every = set(range(4))
     assert with_idle_cores([every, every], [every], groups) == [every, every]
     assert with_idle_cores([{0}], [], groups) == [{0}]
+
+
+def test_generate_on_a_shared_host_plan_says_which_rank_idles(tmp_path):
+    from sample_models import SAMPLE_DIR
+
+    done = run_cli("plan", SAMPLE_DIR / "genai" / "llama_fp32" / "model.onnx", "--mesh", "1x2", "--device", "cpu", "--shared-host",
+                   "--generate", "--max-length", "64", "--solver", "highs", "-o", tmp_path / "plan")
+    assert done.returncode == 0, done.stderr
+    ran = run_mpi(2, "generate", tmp_path / "plan", "--prompt", "hello there", "--max-new-tokens", "8")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "rank 1: idle (no program in the plan)" in ran.stdout and "rank 0: weights" in ran.stdout
