@@ -135,12 +135,16 @@ def test_plan_shared_host_idles_and_the_job_computes_the_model(small_step, tmp_p
     assert "rank 1: " in printed and "idle" in printed
 
 
-def test_idle_ranks_sleep_through_the_calls_they_take_no_part_in(small_step, tmp_path):
+def _idle_rank_script(script: str, small_step, tmp_path) -> list[str]:
+    """``script``'s ok lines, run on a shared-host 1x2 plan of the small step (rank 1 idle)."""
     model, inputs = small_step
     make_plan(model, make_cluster((1, 2), "cpu", shared_host=True), {"batch": 2, "seq": 1}, tmp_path / "plan",
               PlanOptions(solver="highs"))
-    lines = run_mpi_script("idle_rank_case.py", ranks=2, args=[tmp_path / "plan", save_npz(tmp_path / "in.npz", inputs)])
-    assert len(lines) == 3
+    return run_mpi_script(script, ranks=2, args=[tmp_path / "plan", save_npz(tmp_path / "in.npz", inputs)])
+
+
+def test_idle_ranks_sleep_through_the_calls_they_take_no_part_in(small_step, tmp_path):
+    assert len(_idle_rank_script("idle_rank_case.py", small_step, tmp_path)) == 3
 
 
 def test_run_points_split_cpu_ranks_of_one_machine_to_shared_host_plans(small_step, tmp_path):
@@ -163,11 +167,7 @@ def test_run_points_split_cpu_ranks_of_one_machine_to_shared_host_plans(small_st
 
 
 def test_working_ranks_take_the_cores_a_launcher_bound_idle_ranks_to(small_step, tmp_path):
-    model, inputs = small_step
-    make_plan(model, make_cluster((1, 2), "cpu", shared_host=True), {"batch": 2, "seq": 1}, tmp_path / "plan",
-              PlanOptions(solver="highs"))
-    lines = run_mpi_script("idle_cores_case.py", ranks=2, args=[tmp_path / "plan", save_npz(tmp_path / "in.npz", inputs)])
-    assert len(lines) == 4
+    assert len(_idle_rank_script("idle_cores_case.py", small_step, tmp_path)) == 4
 
 
 def test_idle_cores_split_by_physical_core_over_the_working_ranks():
