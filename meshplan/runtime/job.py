@@ -190,16 +190,15 @@ class Job:
                 # those the launcher bound idle ranks to as well
                 machine = [r for r in range(self.size) if layout.machine[r] == layout.machine[self.rank]]
                 here = [r for r in machine if not plan.is_idle(r)]
-                working = [affinities[r] for r in here]
+                working, index = [affinities[r] for r in here], here.index(self.rank)
                 if may_bind():
                     widened = with_idle_cores(working, [affinities[r] for r in machine if plan.is_idle(r)])
-                    if widened[here.index(self.rank)] != working[here.index(self.rank)] \
-                            and bind_to(widened[here.index(self.rank)]):
+                    if widened[index] != working[index] and bind_to(widened[index]):
                         working = widened
-                self.threads, share = plan_threads(working, here.index(self.rank), os.cpu_count())
+                self.threads, share = plan_threads(working, index, os.cpu_count())
                 # before onnxruntime makes its threads: they inherit it; refused, the shared rule
                 if share is not None and not bind_to(share):
-                    self.threads, _ = plan_threads(working, here.index(self.rank), os.cpu_count(), bind=False)
+                    self.threads, _ = plan_threads(working, index, os.cpu_count(), bind=False)
                 device_id = layout.local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
                 providers = providers_for(provider, device_id)
                 segment_graphs = graphs and os.environ.get(SEGMENT_GRAPHS, "").strip() == "1"
