@@ -1,76 +1,90 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/gpu.md in one command, on a machine with one NVIDIA GPU, onnxruntime-gpu and
 # onnxruntime-genai-cuda installed, `meshplan` on PATH and two builder folders made for CUDA (fp16, int4):
-#   MPIRUN="mpiexec --oversubscribe" bash benchmarks/gpu_suite.sh FP16_DIR INT4_DIR OUT_DIR [DEVICE=h200]
-# Writes OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1
-# with and without CUDA graphs, 1x2 with both ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU
-# memory per rank next to the plan's estimate); benchmarks/decode_phases.py (where the fp16 1x1 decode step's
-# time goes, the token chosen on the host and next to the logits; a job's first requests with the GPU's clocks); `meshplan verify --generate --provider cuda`; a non-LLM plan
-# run on CUDA and verified; benchmarks/small_batch_split.py on the machine's cores (CPU provider) and
-# benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the fp16 1x2 plan with CUDA graphs in every segment
-# (MESHPLAN_SEGMENT_GRAPHS=1), and both 1x2 runs under CUDA MPS where it starts.
+#   MPIRUN="mpiexec --oversubscribe" [BUDGET=seconds] [ARCHIVE=file.tgz] bash benchmarks/gpu_suite.sh FP16_DIR INT4_DIR OUT_DIR [DEVICE=h200]
+# Steps run in order of what they decide, each under its own limit cut to what is left of BUDGET (a step
+# with less than 20 s left is skipped and says so); after each step OUT_DIR, less its plans, is archived to ARCHIVE,
+# so that a lease cut short still brings back what ran. Writes OUT_DIR/*.log and prints the tables:
+# `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
+# ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU memory per rank next to the plan's estimate);
+# the fp16 1x2 plan with CUDA graphs in every segment (MESHPLAN_SEGMENT_GRAPHS=1); benchmarks/small_batch_split.py
+# on the machine's cores (CPU provider, shared-host and own-device plans); a job's first requests with the GPU's
+# clocks; benchmarks/decode_phases.py (where the fp16 1x1 decode step's time goes); both 1x2 runs under CUDA MPS
+# where it starts; `meshplan verify --generate --provider cuda`; a non-LLM plan run on CUDA and verified;
+# benchmarks/segment_pools.py with a 1x2 rank's 8 threads.
 set -u
-FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}
+FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
+left() { echo $((BUDGET - SECONDS)); }
+save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 \
+  --exclude=mps_pipe "$(basename "$O")" 2> /dev/null \
+  && mv "$ARCHIVE.part" "$ARCHIVE"; return 0; }
+step() { local name=$1 limit=$2; shift 2; local l; l=$(left)
+  [ "$l" -lt 20 ] && { echo "== $name: skipped, $l s of the budget left"; return 1; }
+  [ "$limit" -gt "$l" ] && limit=$l
+  echo "== $name"; local t=$SECONDS
   timeout "$limit" "$@" > "$O/$name.log" 2>&1; local rc=$?
-  tail -n "${TAIL:-25}" "$O/$name.log"; echo "== $name: exit $rc, $((SECONDS - t)) s"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-step doctor 60 meshplan doctor
+  tail -n "${TAIL:-25}" "$O/$name.log"; echo "== $name: exit $rc, $((SECONDS - t)) s"; save; return $rc; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+TAIL=12 step doctor 60 meshplan doctor
 python3 -c "import json; print(json.dumps([[(7 * i + 5) % 250 + 2 for i in range(32)]]))" > "$O/ids.json"
-meshplan plan "$FP16/model.onnx" --mesh 1x1 --device "$DEVICE" --generate --max-length 512 --solver highs -o "$O/fp16_1x1" \
-  > "$O/plan_fp16_1x1.log" 2>&1 || tail -n 3 "$O/plan_fp16_1x1.log"
-TAIL=8 step first_generate 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
-  --eos -1 --provider cuda --output "$O/first_generate.json"
-TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --floor --choice both
-# a job's first requests with the GPU's clocks read beside them (every 200 ms: a read stalls the
-# driver's calls for a moment): whether the prefill's slow first seconds are the clocks rising
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 \
-  > "$O/first_requests_clocks.csv" 2>&1 & CLOCKS=$!
-TAIL=20 step first_requests 90 python3 benchmarks/decode_phases.py "$O/fp16_1x1" --provider cuda --rounds 1 \
-  --first-requests 5
-kill $CLOCKS 2> /dev/null; wait $CLOCKS 2> /dev/null
-awk -F', ' '{gsub(/ MHz/, "", $2); print $2}' "$O/first_requests_clocks.csv" | sort -n | awk \
-  '{v[NR] = $1} END {if (NR) print "== SM clock during first_requests (MHz): min " v[1] ", median " v[int((NR + 1) / 2)] ", max " v[NR] " (" NR " reads)"}'
 TAIL=48 step generate 360 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
   --repeat "${REPEAT:-3}" --solver highs --workdir "$O/work" --json "$O/generate.json"
-# the machine's cores (CPU provider), while nothing else runs
-TAIL=40 step small_batch_split 200 python3 benchmarks/small_batch_split.py --cores --repeat 20 --rounds 3 --solver highs --host both --mpiexec "$MPIRUN"
-# 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
-# time slices), where MPS starts: generate.py's own 1x2 plan of the fp16 folder
-P12="$O/work/$(basename "$FP16")_model_1x2_512"
+# generate.py's plans of the fp16 folder (made here if it did not run)
+P11="$O/work/$(basename "$FP16")_model_1x1_512"; P12="$O/work/$(basename "$FP16")_model_1x2_512"
+for m in 1x1 1x2; do P="$O/work/$(basename "$FP16")_model_${m}_512"; [ -f "$P/plan.json" ] || meshplan plan \
+  "$FP16/model.onnx" --mesh $m --device "$DEVICE" --generate --max-length 512 --solver highs -o "$P" \
+  > "$O/plan_fp16_$m.log" 2>&1 || tail -n 3 "$O/plan_fp16_$m.log"; done
 openmpi=""; ${MPIRUN%% *} --version 2>&1 | grep -q "Open MPI\|OpenRTE" && openmpi=1
 # graphs in every segment of the 1x2 programs, the integers they read made in each (MESHPLAN_SEGMENT_GRAPHS)
 # (with onnxruntime's info log: the copies between the host and the GPU it adds to a segment, and where)
 SEGMENT_GRAPHS="env MESHPLAN_SEGMENT_GRAPHS=1 MESHPLAN_ORT_LOG_LEVEL=1 $MPIRUN ${openmpi:+-x MESHPLAN_SEGMENT_GRAPHS -x MESHPLAN_ORT_LOG_LEVEL}"
 GENERATE_1X2="-n 2 meshplan generate $P12 --prompt-ids $O/ids.json --max-new-tokens 128 --eos -1 --provider cuda"
-[ -f "$P12/plan.json" ] && TAIL=8 step segment_graphs_1x2 120 $SEGMENT_GRAPHS $GENERATE_1X2 \
-  --output "$O/segment_graphs_1x2.json" \
-  && grep -i "memcpy" "$O/segment_graphs_1x2.log" | sed "s/^[^]]*\] //" | sort | uniq -c | sort -rn | head -n 30
-if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ]; then
+TAIL=8 step segment_graphs_1x2 90 $SEGMENT_GRAPHS $GENERATE_1X2 --output "$O/segment_graphs_1x2.json"
+grep -i "memcpy" "$O/segment_graphs_1x2.log" 2> /dev/null | sed "s/^[^]]*\] //" | sort | uniq -c | sort -rn | head -n 20
+grep -i "graph" "$O/segment_graphs_1x2.log" 2> /dev/null | grep -iv "memcpy" | sed "s/^[^]]*\] //" | sort | uniq -c | sort -rn | head -n 12
+# the machine's cores (CPU provider), while nothing else runs
+TAIL=40 step small_batch_split 200 python3 benchmarks/small_batch_split.py --cores --repeat 20 --rounds "${ROUNDS:-3}" \
+  --solver highs --host both --mpiexec "$MPIRUN"
+# a job's first requests with the GPU's clocks read beside them (every 200 ms: a read stalls the
+# driver's calls for a moment): whether the prefill's slow first seconds are the clocks rising
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 \
+  > "$O/first_requests_clocks.csv" 2>&1 & CLOCKS=$!
+TAIL=20 step first_requests 90 python3 benchmarks/decode_phases.py "$P11" --provider cuda --rounds 1 --first-requests 5
+kill $CLOCKS 2> /dev/null; wait $CLOCKS 2> /dev/null
+awk -F', ' '{gsub(/ MHz/, "", $2); print $2}' "$O/first_requests_clocks.csv" | sort -n | awk \
+  '{v[NR] = $1} END {if (NR) print "== SM clock during first_requests (MHz): min " v[1] ", median " v[int((NR + 1) / 2)] ", max " v[NR] " (" NR " reads)"}'
+TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$P11" --provider cuda --floor --choice both
+# 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
+# time slices), where MPS starts
+if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ] && [ "$(left)" -gt 60 ]; then
   export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   forward=""   # Open MPI passes a rank only the variables -x names; MPICH's hydra passes all
   [ -n "$openmpi" ] && forward="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
-    TAIL=8 step mps_1x2 120 $MPIRUN $forward -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
+    TAIL=8 step mps_1x2 90 $MPIRUN $forward -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
       --eos -1 --provider cuda --output "$O/mps_1x2.json"
-    TAIL=8 step mps_segment_graphs_1x2 120 $SEGMENT_GRAPHS $forward $GENERATE_1X2 --output "$O/mps_segment_graphs_1x2.json"
+    TAIL=8 step mps_segment_graphs_1x2 90 $SEGMENT_GRAPHS $forward $GENERATE_1X2 --output "$O/mps_segment_graphs_1x2.json"
     echo quit | nvidia-cuda-mps-control
   else echo "== mps_1x2: MPS did not start"; fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
-TAIL=12 step verify_generate 150 meshplan verify "$O/fp16_1x1" --generate --prompt-ids "$O/ids.json" \
+TAIL=12 step verify_generate 150 meshplan verify "$P11" --generate --prompt-ids "$O/ids.json" \
   --max-new-tokens 32 --provider cuda
-TAIL=6 step transfer_device 120 meshplan generate "$O/fp16_1x1" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
+TAIL=6 step transfer_device 120 meshplan generate "$P11" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
-meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \
-  --solver highs -o "$O/gpt_1x2" > "$O/plan_gpt.log" 2>&1 || tail -n 3 "$O/plan_gpt.log"
-python3 -c "
+if [ "$(left)" -gt 60 ]; then
+  meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \
+    --solver highs -o "$O/gpt_1x2" > "$O/plan_gpt.log" 2>&1 || tail -n 3 "$O/plan_gpt.log"
+  python3 -c "
 import numpy as np; r = np.random.default_rng(0)
 np.savez('$O/gpt_in.npz', input_ids=r.integers(0, 100, (8, 32)).astype(np.int64))" 2>/dev/null
-TAIL=6 step run_gpt 90 $MPIRUN -n 2 meshplan run "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --provider cuda --repeat 20 \
-  --output "$O/gpt_out.npz"
-TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
+  TAIL=6 step run_gpt 90 $MPIRUN -n 2 meshplan run "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --provider cuda --repeat 20 \
+    --output "$O/gpt_out.npz" \
+  && TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
+fi
 TAIL=6 step segment_pools 120 python3 benchmarks/segment_pools.py --threads 8 --blocks 10
+echo "== the suite took $SECONDS s"
+save
