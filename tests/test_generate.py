@@ -103,6 +103,17 @@ def planned(tmp_path_factory):
                       "new_tokens": NEW_TOKENS, "expected": reference_ids(plan, prompts), "ranks": 2})
         # the same with the state and activations in onnxruntime's buffers (the GPU's path)
         cases.append({**cases[-1], "name": f"{name} 1x2 batch 2 on device", "on_device": True})
+        if name == "llama_fp32":   # … and crossing ranks as device buffers (a CUDA-aware MPI's path)
+            cases.append({**cases[-1], "name": f"{name} 1x2 batch 2 on device, device buffers", "transfer": "device"})
+    # one tensor-parallel stage, its collectives' tensors crossing ranks as device buffers
+    out = root / "llama_fp32_tensor_parallel"
+    dims, _ = generation_plan_dims(model_path("llama_fp32"), 1, MAX_LENGTH, CHUNK)
+    plan = make_plan(model_path("llama_fp32"), make_cluster((1, 2), "cpu"), dims, out,
+                     PlanOptions(policy="megatron", max_stages=1))
+    prompts = PROMPTS["builder"]
+    cases.append({"name": "llama_fp32 1x2 tensor parallel on device, device buffers", "plan_dir": str(out),
+                  "prompts": prompts, "new_tokens": NEW_TOKENS, "expected": reference_ids(plan, prompts), "ranks": 2,
+                  "on_device": True, "transfer": "device"})
     for name in EXPORTS:   # a longer context, one tensor-parallel stage: the growing cache split by heads
         out = root / f"{name}_long"
         dims, _ = generation_plan_dims(model_path(name), 1, LONG_CONTEXT, CHUNK)
@@ -122,7 +133,7 @@ def test_plans_for_generation_split_the_cache_by_heads(planned):
     from meshplan.emit.kv_cache import kv_cache_bytes
     from meshplan.plan_format import read_plan
 
-    assert len(planned) == len(BUILDER + EXPORTS) * len(MESHES) + 4 + len(EXPORTS)
+    assert len(planned) == len(BUILDER + EXPORTS) * len(MESHES) + 6 + len(EXPORTS)
     for case in planned:
         plan = read_plan(Path(case["plan_dir"]))
         assert plan.is_ranged and len(plan.state) == 4
@@ -143,7 +154,7 @@ def test_generate_under_mpiexec_gives_onnxruntime_ids(planned, ranks, tmp_path):
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(entries))
     lines = run_mpi_script("generate_tokens_case.py", ranks=ranks, timeout=900, args=[manifest])
-    assert len(lines) == sum(3 + (e.get("cache_bytes") is not None) for e in entries)
+    assert len(lines) == sum(3 + (e.get("cache_bytes") is not None) + (e.get("transfer") == "device") for e in entries)
     assert sum("key/value cache bytes per rank" in line for line in lines) == (6 if ranks == 4 else 0)
     builder = sum(1 for e in entries if e["name"].split()[0] in BUILDER)
     assert sum("updated in place" in line for line in lines) == builder > 0

@@ -221,10 +221,14 @@ class Job:
                                                     alone=self.size == 1)
                 set_sleeping(session.providers[0] != CUDA)
                 on_cuda = session.providers[0] == CUDA
-                if buffers is HOST and (on_device or on_device is None and on_cuda):
-                    resident = DeviceBuffers("cuda" if on_cuda else "cpu", device_id if on_cuda else 0, providers)
-                    session.keep_on(resident)
-                    path_text += "; state and activations kept on the " + ("GPU" if on_cuda else "device")
+                if on_device or on_device is None and on_cuda:
+                    if buffers is HOST:
+                        resident = DeviceBuffers("cuda" if on_cuda else "cpu", device_id if on_cuda else 0, providers)
+                        session.keep_on(resident)
+                        path_text += "; state and activations kept on the " + ("GPU" if on_cuda else "device")
+                    else:   # device buffers travel as they are: the runs keep their bindings (and graphs) too
+                        session.keep_on(buffers, staged=False)
+                        path_text += "; every segment's buffers kept bound between calls"
             if check is not None and self.rank == 0:
                 check(plan)
         except MeshplanError as exc:
@@ -855,12 +859,14 @@ class Job:
             waited = time.perf_counter()
             for local, index in arriving:
                 feeds[local] = transport.reshard(index, None)
+            # (a program that keeps its tensors on a device copies a host array into a buffer it keeps)
+            fed = b if self.session.kept_on is None else HOST
             for i, t in whole:   # from an earlier stage, whole: its shape, then it
                 value = transport.recv_with_shape(len(t.shape), t.dtype, t.src_rank, shape_tag + i, i)
-                feeds[t.tensor] = b.from_host(value)
+                feeds[t.tensor] = fed.from_host(value)
             for name, value in micro[mb].items():
                 if name in stage.inputs:
-                    feeds[name] = b.from_host(value)
+                    feeds[name] = fed.from_host(value)
             for name, local in reads:
                 if name not in self.state:
                     raise RunError(f"state '{name}' is not set on rank {rank}")

@@ -207,6 +207,7 @@ class ProgramRunner:
         the token ids it also returns (else None), and the logits themselves stay where they
         are computed (``keep_on``) until a caller takes them."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
+        self.kept_on = None      # the device this rank's tensors are kept on (``keep_on``), if any
         header = onnx.load(str(path), load_external_data=False)
         self.graph_outputs = {o.name for o in header.graph.output}
         self.chosen: str | None = None
@@ -295,16 +296,19 @@ class ProgramRunner:
                          affinities)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
-    def keep_on(self, device) -> None:
+    def keep_on(self, device, staged: bool = True) -> None:
         """Keep this rank's tensors on ``device`` between segments and calls
         (``StageSession.keep_on``): what a segment hands to its collective and the program's
-        outputs come back to the host; what only a later segment reads stays on the device, and so do
-        the logits a choice is made from (``choose``: the caller copies out what it takes of them)."""
+        outputs come back to the host (``staged``: the job's transport moves host memory); what
+        only a later segment reads stays on the device, and so do the logits a choice is made
+        from (``choose``: the caller copies out what it takes of them). Not ``staged`` (device
+        buffers: a CUDA-aware MPI, or a job of one rank), every output stays a device tensor."""
+        self.kept_on = device
         for segment in self.segments:
             if segment.session is not None:
                 crossing = {segment.collective.input} if segment.collective is not None else set()
                 segment.session.keep_on(device, crossing | (set(segment.outputs) & self.graph_outputs
-                                                            - {self._choose_from}))
+                                                            - {self._choose_from}) if staged else ())
 
     @property
     def graphs(self) -> dict:
@@ -409,7 +413,7 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
                 for held in values:
                     mine = held[rank]
                     feeds = {n: mine[n] for n in part.inputs}
-                    mine.update(session.run(feeds, writable) if buffers is HOST
+                    mine.update(session.run(feeds, writable) if buffers is HOST or session.device is not None
                                 else session.run_bound(feeds, buffers, writable))
             if around is not None:
                 around(index, rank, False)
@@ -444,7 +448,7 @@ def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, o
         c = part.collective
         if session is not None:
             feeds = {n: mine[n] for n in part.inputs}
-            if not host:
+            if not host and session.device is None:
                 mine.update(session.run_bound(feeds, buffers, writable))
             elif narrow and session.device is not None:   # outputs to the host: only their boxes
                 later = runner.read_after(index) | ({c.input} if c is not None else set())

@@ -9,7 +9,8 @@ for the bytes of the cache sent between ranks during generation (none may move).
 runs as ``meshplan generate`` runs it (``cache_in_place``): a fixed-capacity cache must
 stay in the buffers it started in (checked on rank 0), a growing one is replaced by
 each call's present outputs. An entry with ``on_device`` keeps the state and what passes
-between segments in onnxruntime's buffers (``Job(on_device=True)``), as a GPU runs it.
+between segments in onnxruntime's buffers (``Job(on_device=True)``), as a GPU runs it; one
+with ``transfer`` "device" hands MPI those buffers too (a CUDA-aware MPI's path).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def check(entry: dict) -> list[str]:
 
     lines = []
     # "on_device": the state and activations in onnxruntime's buffers (the path a GPU runs)
-    with Job(entry["plan_dir"], provider="cpu", cache_in_place=True, on_device=entry.get("on_device")) as job:
+    # "transfer": "device": tensors cross ranks as the device buffers they are (a CUDA-aware MPI's path)
+    with Job(entry["plan_dir"], provider="cpu", cache_in_place=True, on_device=entry.get("on_device"),
+             transfer=entry.get("transfer", "auto")) as job:
         if job is None:
             return lines
         label = entry["name"]
@@ -69,6 +72,12 @@ def check(entry: dict) -> list[str]:
                          f"(expected {entry['cache_bytes']})")
         lines.append(f"{'ok' if moved['bytes'] == 0 else 'FAIL'} {label}: cache bytes moved between ranks: "
                      f"{moved['bytes']}")
+        if entry.get("transfer") == "device":   # device buffers, and the runs keeping their bindings
+            runs = [s.session._resident for s in job.session.segments if s.session is not None]
+            repeated = sum(1 for r in runs if r.repeat is not None)
+            good = job.buffers.name == "device" and job.session.kept_on is job.buffers and repeated > 0
+            lines.append(f"{'ok' if good else 'FAIL'} {label}: {job.buffers.name} buffers, {repeated} of "
+                         f"{len(runs)} segment(s) repeating their bound decode run")
     return lines
 
 
