@@ -207,6 +207,7 @@ class ProgramRunner:
         the token ids it also returns (else None), and the logits themselves stay where they
         are computed (``keep_on``) until a caller takes them."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
+        self._ending: list[frozenset[str]] | None = None  # ``ending_here``, likewise
         self.kept_on = None      # the device this rank's tensors are kept on (``keep_on``), if any
         header = onnx.load(str(path), load_external_data=False)
         self.graph_outputs = {o.name for o in header.graph.output}
@@ -354,6 +355,16 @@ class ProgramRunner:
                     later.add(self.segments[i].collective.input)
         return self._read_after[index]
 
+    def ending_here(self, index: int) -> frozenset[str]:
+        """Segment ``index``'s outputs that neither a later segment nor its own collective reads
+        (the ones a session keeping its tensors on a device may copy to the host as a box)."""
+        if self._ending is None:
+            self._ending = []
+            for i, segment in enumerate(self.segments):
+                later = self.read_after(i) | ({segment.collective.input} if segment.collective is not None else set())
+                self._ending.append(frozenset(o for o in segment.outputs if o not in later))
+        return self._ending[index]
+
 
 def narrowed_box(step: Step, box: tuple, ndim: int) -> tuple | None:
     """``box`` (slices of a collective's output) as the same slices of its inputs, where
@@ -451,8 +462,8 @@ def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, o
             if not host and session.device is None:
                 mine.update(session.run_bound(feeds, buffers, writable))
             elif narrow and session.device is not None:   # outputs to the host: only their boxes
-                later = runner.read_after(index) | ({c.input} if c is not None else set())
-                boxes = {name: box for name, box in narrow.items() if name in part.outputs and name not in later}
+                ending = runner.ending_here(index)
+                boxes = {name: box for name, box in narrow.items() if name in ending}
                 mine.update(session.run(feeds, writable, bound, boxes))
                 for name in boxes:   # its value is the box already
                     del narrow[name]
