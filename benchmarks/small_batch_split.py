@@ -113,7 +113,9 @@ def main() -> int:
                 runs.append({"mesh": f"{mesh[0]}x{mesh[1]}", "shared_host": shared, "bind_cores": bound,
                              "stages": [len(s.devices) for s in plan.stages], "idle": plan.idle_ranks,
                              "estimate_ms": plan.estimate["latency_seconds"] * 1e3, "ranks": plan.num_ranks,
-                             "plan_dir": str(plan_dir), "measured": [], "alone": [], "threads": {}})
+                             "plan_dir": str(plan_dir), "measured": [], "alone": [], "threads": {},
+                             # what the working ranks run: plans of equal programs are one plan
+                             "programs": sorted(f"{p.stage}:{p.sha256}" for p in plan.programs)})
         for _ in range(args.rounds):
             for row in runs:
                 row["alone"].append(onnxruntime_alone(path, feeds, args.repeat, cores))
@@ -150,6 +152,11 @@ def main() -> int:
     if not ordered:   # plans of the same stages (one device working) differ by the machine's noise alone
         near = all(later <= 1.05 * earlier for earlier, later in zip(ratios, ratios[1:]))
         print(("yes" if near else "no") + ": each larger mesh within 5% of the one before or faster")
+    for earlier, later in zip(checked, checked[1:]):   # a larger mesh the planner gave the same programs
+        if later["programs"] == earlier["programs"]:
+            print(f"{later['mesh']} runs the plan of {earlier['mesh']} (the same programs on the working ranks, "
+                  f"the others idle): their ratios differ by the machine's noise, "
+                  f"{later['ratio']:.2f}x against {earlier['ratio']:.2f}x")
     for row in checked:
         if row["mesh"] in ("1x2", "1x4"):
             within = row["ratio"] <= 1.15
