@@ -36,6 +36,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -257,25 +258,22 @@ def replay_alone(run, args, replays: int) -> float:
     return (time.perf_counter_ns() - began) / replays / 1e3
 
 
-def floor_phases(program: Path, provider: str, graphs: bool, capacity: int, prompt: list[int], steps: int,
-                 rounds: int) -> dict:
-    """onnxruntime alone: µs per decode step of the loop, and of its run by itself."""
+def alone_session(program: Path, provider: str, graphs: bool, capacity: int) -> SimpleNamespace:
+    """onnxruntime alone on a plan's program: its session (CUDA graphs where asked), one
+    IOBinding with the key/value cache bound once at ``capacity`` as both input and output,
+    run options for a plain run and for the graph, where its OrtValues go, and the logits'
+    vocabulary and dtype."""
     import onnxruntime as ort
 
-    from meshplan.generation.sampling import Sampler
-    from meshplan.providers import cuda_synchronize
-
     on_cuda = provider == "cuda"
-    options = ort.SessionOptions()
     if on_cuda:
         providers = [("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "0",
                                                 "enable_cuda_graph": "1" if graphs else "0"})]
         where = ("cuda", 0)
     else:
         providers, where = ["CPUExecutionProvider"], ("cpu", 0)
-    session = ort.InferenceSession(str(program), options, providers=providers)
-    plain = ort.RunOptions()
-    graph = ort.RunOptions()
+    session = ort.InferenceSession(str(program), ort.SessionOptions(), providers=providers)
+    plain, graph = ort.RunOptions(), ort.RunOptions()
     if on_cuda and graphs:
         plain.add_run_config_entry("gpu_graph_id", "-1")
         graph.add_run_config_entry("gpu_graph_id", "1")
@@ -288,8 +286,22 @@ def floor_phases(program: Path, provider: str, graphs: bool, capacity: int, prom
                                                           kinds[inputs[past].type], *where)
         binding.bind_ortvalue_input(past, cache)
         binding.bind_ortvalue_output(past.replace("past_key_values", "present"), cache)
-    logits_type = kinds[next(o.type for o in session.get_outputs() if o.name == "logits")]
-    vocab = next(o.shape for o in session.get_outputs() if o.name == "logits")[-1]
+    logits = next(o for o in session.get_outputs() if o.name == "logits")
+    return SimpleNamespace(session=session, binding=binding, plain=plain, graph=graph, where=where, on_cuda=on_cuda,
+                           vocab=logits.shape[-1], logits_type=kinds[logits.type])
+
+
+def floor_phases(program: Path, provider: str, graphs: bool, capacity: int, prompt: list[int], steps: int,
+                 rounds: int) -> dict:
+    """onnxruntime alone: µs per decode step of the loop, and of its run by itself."""
+    import onnxruntime as ort
+
+    from meshplan.generation.sampling import Sampler
+    from meshplan.providers import cuda_synchronize
+
+    alone = alone_session(program, provider, graphs, capacity)
+    session, binding, plain, graph, where = alone.session, alone.binding, alone.plain, alone.graph, alone.where
+    on_cuda, vocab, logits_type = alone.on_cuda, alone.vocab, alone.logits_type
     choose = Sampler()
 
     def feed(name: str, array: np.ndarray):
@@ -332,13 +344,37 @@ def floor_phases(program: Path, provider: str, graphs: bool, capacity: int, prom
     return {"step": statistics.median(f[0] for f in found), "replay alone": statistics.median(f[1] for f in found)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def one_device_parser(description: str, new_tokens: int) -> argparse.ArgumentParser:
+    """The options of a benchmark of a one-device generation plan: the plan, the provider,
+    CUDA graphs, the prompt's length and the new tokens."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("plan", type=Path, help="a one-device generation plan folder")
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-cuda-graph", dest="graphs", action="store_false")
     parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    return parser
+
+
+def one_device_plan(plan_dir: Path):
+    """The plan and its ``GenerationShape``; one line and exit 1 unless it is a one-device
+    generation plan with a shared key/value buffer."""
+    from meshplan.errors import MeshplanError
+    from meshplan.generation.loop import GenerationShape
+    from meshplan.plan_format import read_plan
+
+    try:
+        plan = read_plan(plan_dir)
+        shape = GenerationShape.of_plan(plan)
+    except MeshplanError as exc:
+        raise SystemExit(f"error: {exc}")
+    if plan.num_ranks != 1 or not shape.shared:
+        raise SystemExit(f"error: {plan_dir} is not a one-device generation plan (meshplan plan --mesh 1x1 --generate)")
+    return plan, shape
+
+
+def main() -> None:
+    parser = one_device_parser(__doc__.splitlines()[0], 64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--floor", action="store_true", help="also onnxruntime alone on the plan's program")
@@ -362,20 +398,8 @@ def main() -> None:
 
         greedy_choice.METHOD = args.choice_op
     from meshplan.errors import MeshplanError
-    from meshplan.plan_format import read_plan
 
-    try:
-        plan = read_plan(args.plan)
-    except MeshplanError as exc:
-        raise SystemExit(f"error: {exc}")
-    from meshplan.generation.loop import GenerationShape
-
-    try:
-        shape = GenerationShape.of_plan(plan)
-    except MeshplanError as exc:
-        raise SystemExit(f"error: {exc}")
-    if plan.num_ranks != 1 or not shape.shared:
-        raise SystemExit(f"error: {args.plan} is not a one-device generation plan (meshplan plan --mesh 1x1 --generate)")
+    plan, shape = one_device_plan(args.plan)
     if args.new_tokens < 1 or args.rounds < 1 or args.prompt_length < 1:
         raise SystemExit("error: --new-tokens, --rounds and --prompt-length must be at least 1")
     if args.first_requests < 0:

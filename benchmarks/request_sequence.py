@@ -15,7 +15,6 @@ TTFT was 0.89 ms). ``--gap-ms`` waits between requests (a server's idle time).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.decode_phases import prompt_ids  # noqa: E402
+from benchmarks.decode_phases import alone_session, one_device_parser, one_device_plan, prompt_ids  # noqa: E402
 
 
 def job_sequence(plan_dir: Path, provider: str, graphs: bool, prompt: list[int], new_tokens: int, requests: int,
@@ -76,29 +75,9 @@ def alone_sequence(program: Path, provider: str, graphs: bool, capacity: int, pr
 
     from meshplan.providers import cuda_synchronize
 
-    on_cuda = provider == "cuda"
-    if on_cuda:
-        providers = [("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "0",
-                                                "enable_cuda_graph": "1" if graphs else "0"})]
-        where = ("cuda", 0)
-    else:
-        providers, where = ["CPUExecutionProvider"], ("cpu", 0)
-    session = ort.InferenceSession(str(program), ort.SessionOptions(), providers=providers)
-    plain, graph = ort.RunOptions(), ort.RunOptions()
-    if on_cuda and graphs:
-        plain.add_run_config_entry("gpu_graph_id", "-1")
-        graph.add_run_config_entry("gpu_graph_id", "1")
-    inputs = {i.name: i for i in session.get_inputs()}
-    kinds = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
-    binding = session.io_binding()
-    for past in (n for n in inputs if n.startswith("past_key_values.")):
-        shape = inputs[past].shape
-        cache = ort.OrtValue.ortvalue_from_shape_and_type([1, shape[1], capacity, shape[3]],
-                                                          kinds[inputs[past].type], *where)
-        binding.bind_ortvalue_input(past, cache)
-        binding.bind_ortvalue_output(past.replace("past_key_values", "present"), cache)
-    logits_out = next(o for o in session.get_outputs() if o.name == "logits")
-    vocab, logits_type = logits_out.shape[-1], kinds[logits_out.type]
+    alone = alone_session(program, provider, graphs, capacity)
+    session, binding, plain, graph, where = alone.session, alone.binding, alone.plain, alone.graph, alone.where
+    on_cuda, vocab, logits_type = alone.on_cuda, alone.vocab, alone.logits_type
     prefill_ids = ort.OrtValue.ortvalue_from_numpy(np.array([prompt], np.int64), *where)
     prefill_mask = ort.OrtValue.ortvalue_from_numpy(np.ones((1, len(prompt)), np.int64), *where)
     prefill_logits = ort.OrtValue.ortvalue_from_shape_and_type([1, len(prompt), vocab], logits_type, *where)
@@ -141,27 +120,14 @@ def alone_sequence(program: Path, provider: str, graphs: bool, capacity: int, pr
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("plan", type=Path, help="a one-device generation plan folder")
-    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--no-cuda-graph", dest="graphs", action="store_false")
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser = one_device_parser(__doc__.splitlines()[0], 16)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each request")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
     from meshplan.errors import MeshplanError
-    from meshplan.generation.loop import GenerationShape
-    from meshplan.plan_format import read_plan
 
-    try:
-        plan = read_plan(args.plan)
-        shape = GenerationShape.of_plan(plan)
-    except MeshplanError as exc:
-        raise SystemExit(f"error: {exc}")
-    if plan.num_ranks != 1 or not shape.shared:
-        raise SystemExit(f"error: {args.plan} is not a one-device generation plan (meshplan plan --mesh 1x1 --generate)")
+    plan, shape = one_device_plan(args.plan)
     if min(args.requests, args.new_tokens, args.prompt_length) < 1 or args.gap_ms < 0:
         raise SystemExit("error: --requests, --new-tokens and --prompt-length must be at least 1, --gap-ms at least 0")
     if args.prompt_length + args.new_tokens + 1 > shape.context:
