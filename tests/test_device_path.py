@@ -180,3 +180,29 @@ def _cluster(tmp_path):
     path = tmp_path / "cluster.toml"
     path.write_text("hosts = 2\ndevices_per_host = 2\n[device]\npreset = 'h100-80g'\n")
     return load_cluster_file(path)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_device_buffers_keep_their_runs_bound(gpt, tmp_path, microbatches):
+    """A job whose tensors travel as device buffers and stay where the provider computes
+    (``on_device``: the path of a CUDA-aware MPI, on host OrtValues here) runs its program as the
+    host-staged path does, its bindings kept between calls, with one microbatch; with several,
+    each run's outputs are new buffers (a send of the one before may still read them). Either
+    way the outputs are onnxruntime's, call after call."""
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.runtime.inprocess import reference_outputs
+    from meshplan.runtime.job import Job
+    from tests.conftest import assert_close
+
+    dims = {"batch": 4, "seq": 16}
+    plan_dir = tmp_path / "plan"
+    plan = make_plan(gpt, make_cluster((1, 1), "cpu"), dims, plan_dir, PlanOptions(microbatches=microbatches))
+    with Job(plan_dir, "cpu", transfer="device", on_device=True) as job:
+        assert job.buffers.name == "device"
+        assert (job.session.kept_on is job.buffers) == (microbatches == 1)
+        assert ("kept bound" in job.transfer_path) == (microbatches == 1)
+        for seed in (3, 4, 3):   # the same shapes again: the runs repeat what they bound
+            inputs = make_inputs(onnx.load(str(gpt)), dims, seed=seed)
+            assert_close(job.run(inputs), reference_outputs(plan, inputs))
+        if microbatches == 1:
+            assert job.session.segments[0].session._resident.repeat is not None

@@ -226,7 +226,9 @@ class Job:
                         resident = DeviceBuffers("cuda" if on_cuda else "cpu", device_id if on_cuda else 0, providers)
                         session.keep_on(resident)
                         path_text += "; state and activations kept on the " + ("GPU" if on_cuda else "device")
-                    else:   # device buffers travel as they are: the runs keep their bindings (and graphs) too
+                    elif plan.microbatches == 1:   # device buffers travel as they are: the runs keep
+                        # their bindings (and graphs) too; a run of another microbatch would write into the
+                        # buffers of the one before while a send of them may still be under way
                         session.keep_on(buffers, staged=False)
                         path_text += "; every segment's buffers kept bound between calls"
             if check is not None and self.rank == 0:
