@@ -55,6 +55,8 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser, from PyPI
@@ -190,6 +192,15 @@ class Cluster:
         if not self.host_shares:
             return 1.0
         return min(max(1, devices), self.devices_per_host, self.host_shares) / self.host_shares
+
+    def shared_seconds(self, seconds, devices: int):
+        """``seconds`` of a device's work (a number, or a numpy array of them) when ``devices``
+        work at once (``work_scale``): the part beyond a kernel's fixed overhead scaled."""
+        scale = self.work_scale(devices)
+        if scale == 1.0:
+            return seconds
+        overhead = np.minimum(seconds, self.device.kernel_overhead)
+        return overhead + (seconds - overhead) * scale
 
     def costed(self, microbatches: int) -> "Cluster":
         """The cluster a plan of ``microbatches`` is costed on: with several in flight, the

@@ -65,10 +65,8 @@ class StageCosts:
         bounds = np.asarray(layering.bounds)
         self.num_layers = layering.num_layers
         seconds = np.asarray(node_seconds, dtype=np.float64)
-        scale = cluster.work_scale(1) if cluster is not None else 1.0
-        if scale != 1.0:
-            overhead = np.minimum(seconds, cluster.device.kernel_overhead)
-            seconds = overhead + (seconds - overhead) * scale
+        if cluster is not None:
+            seconds = cluster.shared_seconds(seconds, 1)
         self._seconds_prefix = np.concatenate([[0.0], np.cumsum(seconds)])[bounds]
         self._cut_bytes = layering.cut_bytes[bounds]
         owner = layering.layer_of_node()

@@ -40,12 +40,7 @@ class OperatorCosts:
         weight is read whole however the batch is split). Where devices share their host
         (``Cluster.work_scale``) the mesh's devices divide the host's cores and bandwidth
         among them: the work beyond the operator's fixed overhead is scaled."""
-        seconds = self._device_seconds(node, strategy, mesh)
-        scale = self.cluster.work_scale(mesh.size)
-        if scale == 1.0:
-            return seconds
-        overhead = self.cluster.device.kernel_overhead
-        return min(seconds, overhead) + max(0.0, seconds - overhead) * scale
+        return float(self.cluster.shared_seconds(self._device_seconds(node, strategy, mesh), mesh.size))
 
     def _device_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         axes = set()
