@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--host", default="shared", choices=("shared", "own", "both"),
                         help="plan the ranks as shares of this machine (shared), as machines of their own (own), or both")
     args = parser.parse_args()
+    if args.rounds < 1 or args.repeat < 1:
+        print("error: --rounds and --repeat must be at least 1")
+        return 1
     meshplan = shutil.which("meshplan")
     mpiexec = shutil.which("mpiexec")
     if not meshplan or not (mpiexec or args.mpiexec):
@@ -93,7 +96,13 @@ def main() -> int:
     launcher = shlex.split(args.mpiexec) if args.mpiexec else [mpiexec]
     from meshplan.rank_layout import own_cores
 
-    meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
+    from meshplan.cost.cluster import parse_mesh
+
+    try:
+        meshes = [parse_mesh(m) for m in args.meshes.split(",")]
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 1
     cores = len(own_cores())
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "step.onnx"
