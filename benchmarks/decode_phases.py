@@ -279,14 +279,17 @@ def alone_session(program: Path, provider: str, graphs: bool, capacity: int) -> 
         graph.add_run_config_entry("gpu_graph_id", "1")
     inputs = {i.name: i for i in session.get_inputs()}
     kinds = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+    logits = next(o for o in session.get_outputs() if o.name == "logits")
+    caches = [n for n in inputs if n.startswith("past_key_values.")]
+    if any(t not in kinds for t in [logits.type] + [inputs[n].type for n in caches]):
+        raise SystemExit(f"error: onnxruntime alone here takes float16 or float32 caches and logits ({program})")
     binding = session.io_binding()
-    for past in (n for n in inputs if n.startswith("past_key_values.")):
+    for past in caches:
         shape = inputs[past].shape
         cache = ort.OrtValue.ortvalue_from_shape_and_type([1, shape[1], capacity, shape[3]],
                                                           kinds[inputs[past].type], *where)
         binding.bind_ortvalue_input(past, cache)
         binding.bind_ortvalue_output(past.replace("past_key_values", "present"), cache)
-    logits = next(o for o in session.get_outputs() if o.name == "logits")
     return SimpleNamespace(session=session, binding=binding, plain=plain, graph=graph, where=where, on_cuda=on_cuda,
                            vocab=logits.shape[-1], logits_type=kinds[logits.type])
 
