@@ -344,9 +344,6 @@ class Job:
         # the plan's idle ranks take part in the statistics and the end alone
         self.transport.header(header, everyone=int(header[0]) in (CLOSE, STATS))
 
-    def _bcast_header(self, header: np.ndarray) -> None:
-        self.transport.header(header)
-
     def close(self) -> None:
         """End the workers' loop (driver). The job's communicators are released on every rank."""
         self._require_driver("close")
@@ -688,7 +685,7 @@ class Job:
         header = np.empty(self.header_size, dtype=np.int64)
         try:
             while True:
-                self._bcast_header(header)
+                self.transport.header(header)   # (an idle rank hears only of the statistics and the end)
                 op = int(header[0])
                 if op == CLOSE:
                     break
