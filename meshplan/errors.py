@@ -42,3 +42,7 @@ class ReportedElsewhere(MeshplanError):
 
 class JobFailure(RunError):
     """A rank of a job failed after start-up: the whole job must be aborted."""
+
+
+class TrainError(MeshplanError):
+    """A model, loss, optimizer or data set that cannot be trained as asked."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 from math import prod
 from typing import Sequence
 
-from meshplan.ops.registry import MATRIX, define, rule
+from meshplan.ops.grad_words import GradNode
+from meshplan.ops.registry import gradient, MATRIX, define, rule
 from meshplan.ops.view import P, R, OpView, Rule, need
 
 
@@ -131,3 +132,62 @@ def _conv(op: OpView) -> list[Rule]:
 
 
 define("ConvTranspose", flops=lambda op: 2.0 * op.ins[0].size * op.shape(1)[1] * prod(op.shape(1)[2:]), heavy=True)
+
+
+# --- gradients -----------------------------------------------------------------------------
+
+def _swap_last(g: GradNode, name: str, rank: int) -> str:
+    return g.op("Transpose", name, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
+
+
+def _broadcast_dims(a: tuple, b: tuple) -> tuple:
+    width = max(len(a), len(b))
+    a, b = (1,) * (width - len(a)) + tuple(a), (1,) * (width - len(b)) + tuple(b)
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+@gradient("MatMul")
+def _matmul_grad(g: GradNode) -> list:
+    """dA = dY·Bᵀ, dB = Aᵀ·dY, each summed over the batch dims it was broadcast along; a
+    1-D operand is a matrix of one row (A) or one column (B) for the products."""
+    a, b, dy = g.x(0), g.x(1), g.dy(0)
+    sa, sb = g.shape(a), g.shape(b)
+    if len(sa) == 1:
+        a, sa = g.set_shape(g.op("Unsqueeze", a, g.ints([0])), (1,) + sa), (1,) + sa
+        dy = g.op("Unsqueeze", dy, g.ints([-2]))
+    if len(sb) == 1:
+        b, sb = g.set_shape(g.op("Unsqueeze", b, g.ints([1])), sb + (1,)), sb + (1,)
+        dy = g.op("Unsqueeze", dy, g.ints([-1]))
+    batch = _broadcast_dims(sa[:-2], sb[:-2])
+    da = db = None
+    if g.need(0):
+        grad = g.set_shape(g.op("MatMul", dy, _swap_last(g, b, len(sb))), batch + (sa[-2], sa[-1]))
+        da = g.unbroadcast(grad, a, like=grad)
+        if len(g.shape(g.x(0))) == 1:
+            da = g.op("Reshape", da, g.shape_tensor(g.x(0)))
+    if g.need(1):
+        grad = g.set_shape(g.op("MatMul", _swap_last(g, a, len(sa)), dy), batch + (sb[-2], sb[-1]))
+        db = g.unbroadcast(grad, b, like=grad)
+        if len(g.shape(g.x(1))) == 1:
+            db = g.op("Reshape", db, g.shape_tensor(g.x(1)))
+    return [da, db]
+
+
+@gradient("Gemm")
+def _gemm_grad(g: GradNode) -> list:
+    """Y = α·A'·B' + β·C (A' = Aᵀ where transA, B' likewise): dA' = α·dY·B'ᵀ, dB' = α·A'ᵀ·dY,
+    each written as one Gemm in its operand's stored layout; dC = β·dY summed to C's shape."""
+    a, b, dy = g.x(0), g.x(1), g.dy(0)
+    alpha, beta = float(g.attr("alpha", 1.0)), float(g.attr("beta", 1.0))
+    ta, tb = int(g.attr("transA", 0)), int(g.attr("transB", 0))
+    da = db = dc = None
+    if g.need(0):
+        da = g.op("Gemm", dy, b, alpha=alpha, transB=1 - tb) if not ta else \
+            g.op("Gemm", b, dy, alpha=alpha, transA=tb, transB=1)
+    if g.need(1):
+        db = g.op("Gemm", a, dy, alpha=alpha, transA=1 - ta) if not tb else \
+            g.op("Gemm", dy, a, alpha=alpha, transA=1, transB=ta)
+    if g.has_input(2) and g.need(2):
+        scaled = dy if beta == 1.0 else g.op("Mul", dy, g.const(beta))
+        dc = g.unbroadcast(scaled, g.x(2))
+    return [da, db, dc]

@@ -6,14 +6,25 @@ passes partial sums through (the normalisation is not linear)."""
 
 from __future__ import annotations
 
-from meshplan.ops.reductions import _layer_norm
-from meshplan.ops.registry import define, per_element
+from meshplan.ops.grad_words import GradNode
+from meshplan.ops.reductions import _layer_norm, normalization_grad
+from meshplan.ops.registry import define, gradient, per_element
 from meshplan.ops.view import R, OpView, Rule
 
 MICROSOFT = "com.microsoft"
 
 # (X, scale) -> (Y, inv_std_var): as LayerNormalization without the bias and the mean.
 define("SimplifiedLayerNormalization", rule=_layer_norm, flops=per_element(6))
+
+
+@gradient("SimplifiedLayerNormalization")
+def _rms_norm_grad(g: GradNode) -> list:
+    """y = x·rstd·scale, rstd = 1/√(mean(x²) + ε) over the axes from ``axis``."""
+    rank = g.rank(g.x(0))
+    axes = list(range(int(g.attr("axis", -1)) % rank, rank))
+    dx, xhat = normalization_grad(g, axes, False, float(g.attr("epsilon", 1e-5)), g.x(1))
+    dscale = g.unbroadcast(g.op("Mul", g.dy(0), xhat), g.x(1)) if g.need(1) else None
+    return [dx if g.need(0) else None, dscale]
 
 
 def _skip_layer_norm(op: OpView) -> list[Rule]:

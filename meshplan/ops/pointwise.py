@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.ops.registry import define, no_flops, per_element, rule
+from meshplan.ops.grad_words import GradNode
+from meshplan.ops.registry import define, gradient, no_flops, per_element, rule
 from meshplan.ops.view import P, R, OpView, Rule, need
 
 
@@ -82,3 +83,175 @@ def _dropout(op: OpView) -> list[Rule]:
     if "is_test" in op.node.attrs or (op.opset is not None and op.opset < 7):
         need(op.attr("is_test", 0))   # opset 1-6: is_test=0 means training
     return broadcast(op)
+
+
+# --- gradients: dx from dy, one formula per op (x, y the forward values) -------------------
+
+def _unary(formula):
+    """A unary op's rule from ``formula(g, x, y, dy)`` → dx."""
+    return lambda g: [formula(g, g.x(0), g.y(0), g.dy(0))]
+
+
+def _times(g: GradNode, dy: str, factor: str) -> str:
+    return g.op("Mul", dy, factor)
+
+
+gradient("Identity")(_unary(lambda g, x, y, dy: dy))
+gradient("Neg")(_unary(lambda g, x, y, dy: g.op("Neg", dy)))
+# dx = dy·[x > 0]
+gradient("Relu")(_unary(lambda g, x, y, dy: g.op("Where", g.op("Greater", x, g.const(0.0)), dy,
+                                                  g.const(0.0))))
+# dx = dy·(1 − y²)
+gradient("Tanh")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Sub", g.const(1.0), g.op("Mul", y, y)))))
+# dx = dy·y·(1 − y)
+gradient("Sigmoid")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Mul", y, g.op("Sub", g.const(1.0), y)))))
+# dx = dy·y
+gradient("Exp")(_unary(lambda g, x, y, dy: _times(g, dy, y)))
+# dx = dy / x
+gradient("Log")(_unary(lambda g, x, y, dy: g.op("Div", dy, x)))
+# dx = dy / (2·y)
+gradient("Sqrt")(_unary(lambda g, x, y, dy: g.op("Div", dy, g.op("Mul", y, g.const(2.0)))))
+# dx = −dy·y²
+gradient("Reciprocal")(_unary(lambda g, x, y, dy: g.op("Neg", _times(g, dy, g.op("Mul", y, y)))))
+# dx = dy·sign(x)
+gradient("Abs")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Sign", x))))
+# dx = dy·2/√π·exp(−x²)
+gradient("Erf")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Mul", g.const(2.0 / np.sqrt(np.pi)),
+                                                               g.op("Exp", g.op("Neg", g.op("Mul", x, x)))))))
+# dx = dy·sigmoid(x)
+gradient("Softplus")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Sigmoid", x))))
+# dx = dy·cos(x), −dy·sin(x)
+gradient("Sin")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Cos", x))))
+gradient("Cos")(_unary(lambda g, x, y, dy: g.op("Neg", _times(g, dy, g.op("Sin", x)))))
+# dx = dy·(x > 0 ? 1 : alpha)
+gradient("LeakyRelu")(_unary(lambda g, x, y, dy: g.op("Where", g.op("Greater", x, g.const(0.0)), dy,
+                                                       g.op("Mul", dy, g.const(g.attr("alpha", 0.01))))))
+# dx = dy·(x > 0 ? 1 : y + alpha)
+gradient("Elu")(_unary(lambda g, x, y, dy: g.op("Where", g.op("Greater", x, g.const(0.0)), dy,
+                                                 g.op("Mul", dy, g.op("Add", y, g.const(g.attr("alpha", 1.0)))))))
+
+
+@gradient("Gelu")
+def _gelu_grad(g: GradNode) -> list:
+    """erf form: Φ(x) + x·φ(x); tanh form: the derivative of 0.5·x·(1 + tanh(u)),
+    u = √(2/π)·(x + 0.044715·x³)."""
+    x, dy = g.x(0), g.dy(0)
+    c = lambda v: g.const(v, like=x)
+    if g.attr("approximate", "none") in ("tanh", b"tanh"):
+        k = np.sqrt(2.0 / np.pi)
+        x2 = g.op("Mul", x, x)
+        u = g.op("Mul", c(k), g.op("Add", x, g.op("Mul", c(0.044715), g.op("Mul", x2, x))))
+        t = g.op("Tanh", u)
+        du = g.op("Mul", c(k), g.op("Add", c(1.0), g.op("Mul", c(3 * 0.044715), x2)))
+        sech2 = g.op("Sub", c(1.0), g.op("Mul", t, t))
+        d = g.op("Add", g.op("Mul", c(0.5), g.op("Add", c(1.0), t)),
+                 g.op("Mul", g.op("Mul", c(0.5), x), g.op("Mul", sech2, du)))
+    else:
+        cdf = g.op("Mul", c(0.5), g.op("Add", c(1.0), g.op("Erf", g.op("Mul", x, c(1 / np.sqrt(2.0))))))
+        pdf = g.op("Mul", c(1 / np.sqrt(2 * np.pi)), g.op("Exp", g.op("Mul", c(-0.5), g.op("Mul", x, x))))
+        d = g.op("Add", cdf, g.op("Mul", x, pdf))
+    return [g.op("Mul", dy, d)]
+
+
+@gradient("Add", "Sub")
+def _add_grad(g: GradNode) -> list:
+    dy = g.dy(0)
+    da = g.unbroadcast(dy, g.x(0)) if g.need(0) else None
+    db = None
+    if g.need(1):
+        db = g.unbroadcast(dy if g.op_type == "Add" else g.op("Neg", dy), g.x(1))
+    return [da, db]
+
+
+@gradient("Sum")
+def _sum_grad(g: GradNode) -> list:
+    return [g.unbroadcast(g.dy(0), g.x(i)) if g.need(i) else None for i in range(len(g.inputs))]
+
+
+@gradient("Mean")
+def _mean_grad(g: GradNode) -> list:
+    scaled = g.op("Div", g.dy(0), g.const(float(len(g.inputs))))
+    return [g.unbroadcast(scaled, g.x(i)) if g.need(i) else None for i in range(len(g.inputs))]
+
+
+@gradient("Mul")
+def _mul_grad(g: GradNode) -> list:
+    a, b, dy = g.x(0), g.x(1), g.dy(0)
+    return [g.unbroadcast(g.op("Mul", dy, b), a) if g.need(0) else None,
+            g.unbroadcast(g.op("Mul", dy, a), b) if g.need(1) else None]
+
+
+@gradient("Div")
+def _div_grad(g: GradNode) -> list:
+    """d(a/b) = dy/b, −dy·y/b."""
+    a, b, dy = g.x(0), g.x(1), g.dy(0)
+    da = g.unbroadcast(g.op("Div", dy, b), a) if g.need(0) else None
+    db = g.unbroadcast(g.op("Neg", g.op("Div", g.op("Mul", dy, g.y(0)), b)), b) if g.need(1) else None
+    return [da, db]
+
+
+@gradient("Pow")
+def _pow_grad(g: GradNode) -> list:
+    """d(a^b) = dy·b·a^(b−1), dy·y·ln(a)."""
+    a, b, dy = g.x(0), g.x(1), g.dy(0)
+    da = db = None
+    if g.need(0):
+        bf = b if g.dtype(b) == g.dtype(a) else g.like_input(b, 0)
+        da = g.unbroadcast(g.op("Mul", dy, g.op("Mul", bf, g.op("Pow", a, g.op("Sub", bf, g.const(1.0, like=a))))),
+                           a)
+    if g.need(1):
+        db = g.unbroadcast(g.op("Mul", dy, g.op("Mul", g.y(0), g.op("Log", a))), b)
+    return [da, db]
+
+
+@gradient("Max", "Min")
+def _max_grad(g: GradNode) -> list:
+    """The gradient goes to the input that gave the result (to each where several tie)."""
+    dy, zero = g.dy(0), g.const(0.0)
+    return [g.unbroadcast(g.op("Where", g.op("Equal", g.x(i), g.y(0)), dy, zero), g.x(i)) if g.need(i) else None
+            for i in range(len(g.inputs))]
+
+
+@gradient("Where")
+def _where_grad(g: GradNode) -> list:
+    cond, dy, zero = g.x(0), g.dy(0), g.const(0.0)
+    return [None,
+            g.unbroadcast(g.op("Where", cond, dy, zero), g.x(1)) if g.need(1) else None,
+            g.unbroadcast(g.op("Where", cond, zero, dy), g.x(2)) if g.need(2) else None]
+
+
+@gradient("Clip")
+def _clip_grad(g: GradNode) -> list:
+    """dy where the input lies inside [min, max]; the bounds take none."""
+    x, dy = g.x(0), g.dy(0)
+    inside = g.op("Equal", x, g.y(0))
+    return [g.op("Where", inside, dy, g.const(0.0))] + [None] * (len(g.inputs) - 1)
+
+
+@gradient("Cast")
+def _cast_grad(g: GradNode) -> list:
+    return [g.like_input(g.dy(0), 0)]
+
+
+@gradient("Dropout")
+def _dropout_grad(g: GradNode) -> list:
+    """Inference dropout is the identity; in training mode the kept mask scales dy
+    (``training/modes.py`` makes its seeded mask a forward output)."""
+    dy = g.dy(0)
+    if len(g.outputs) > 1 and g.outputs[1] and g.has_input(1) and not _is_inference(g):
+        ratio = g.x(1)
+        scale = g.op("Div", g.const(1.0, like=g.x(0)), g.op("Sub", g.const(1.0, like=g.x(0)),
+                                                              g.like_input(ratio, 0)))
+        dy = g.op("Mul", g.op("Mul", dy, g.op("Cast", g.y(1), to=_float_type(g))), scale)
+    return [dy] + [None] * (len(g.inputs) - 1)
+
+
+def _is_inference(g: GradNode) -> bool:
+    mode = g.value(2) if g.has_input(2) else None
+    return mode is None or not bool(mode)
+
+
+def _float_type(g: GradNode) -> int:
+    from onnx import helper
+
+    return helper.np_dtype_to_tensor_dtype(g.dtype(g.x(0)))

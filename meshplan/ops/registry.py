@@ -1,7 +1,8 @@
 """One entry per ONNX op type: its sharding rule, FLOP formula, heaviness and policy class.
 
 Adding an op is one ``define`` call in the module of its family (pointwise, contractions,
-normalisations, shapes, quantized). An op type with no entry has no sharding rule (only the
+normalisations, shapes, quantized); its gradient rule (``gradient``, the words in
+``ops/grad_words.py``) is written beside it. An op type with no entry has no sharding rule (only the
 replicated strategy), one FLOP per output element, is light and has no policy class.
 Entries are per domain: an op of another domain (``com.microsoft``) without an entry of
 its own takes the FLOPs and heaviness of the default-domain op of that name, never its rule.
@@ -9,7 +10,7 @@ its own takes the FLOPs and heaviness of the default-domain op of that name, nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from meshplan.ops.view import OpView, Rule
@@ -25,6 +26,9 @@ LocalAttrsFn = Callable[[OpView, list, list], dict]
 # f(op): the segments of its operands' dims (operand index over inputs then outputs → dim →
 # ((size, heads), ...)): a packed QKV input split by heads, key/value heads fewer than devices
 SegmentsFn = Callable[[OpView], dict]
+# f(g: GradNode): the gradient of each input (a tensor name, or None where the input takes none)
+# from the gradients of the outputs, as ONNX nodes the rule emits (``ops/grad_words.py``)
+GradFn = Callable[[object], list]
 
 MATRIX = "matrix"   # policy class: a weight-bearing matrix product (Megatron's column/row split)
 ATTENTION = "attention"   # policy class: attention over heads (Megatron splits it by heads)
@@ -56,6 +60,7 @@ class OpEntry:
     segments: SegmentsFn | None = None
     cache_outputs: tuple[int, ...] = ()   # outputs a device keeps between calls (an attention's present key/value)
     lookups: tuple[int, ...] = ()         # inputs read only where indexed (a Gather's table): no more bytes than out
+    grad: GradFn | None = None            # reverse-mode rule; None: no gradient flows through the op
 
 
 _ENTRIES: dict[tuple[str, str], OpEntry] = {}
@@ -86,6 +91,30 @@ def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:
         define(*op_types, rule=fn, **fields)
         return fn
     return add
+
+
+def gradient(*op_types: str, domain: str = "") -> Callable[[GradFn], GradFn]:
+    """Decorator: ``fn`` is the gradient rule of ``op_types`` (an entry made by ``define``
+    before, or a plain one). One rule per op type and domain."""
+    def add(fn: GradFn) -> GradFn:
+        for op_type in op_types:
+            key = (_domain(domain), op_type)
+            found = _ENTRIES.get(key) or OpEntry(op_type, domain=key[0])
+            if found.grad is not None:
+                raise ValueError(f"op {op_type} has two gradient rules")
+            _ENTRIES[key] = replace(found, grad=fn)
+        return fn
+    return add
+
+
+def grad_of(op_type: str, domain: str | None = "") -> GradFn | None:
+    """The gradient rule of ``op_type`` in ``domain`` (that very domain's entry only)."""
+    found = _ENTRIES.get((_domain(domain), op_type))
+    return None if found is None else found.grad
+
+
+def ops_with_gradients(domain: str = "") -> tuple[str, ...]:
+    return tuple(sorted(op for (d, op), e in _ENTRIES.items() if d == _domain(domain) and e.grad is not None))
 
 
 def entry(op_type: str, domain: str | None = "") -> OpEntry:

@@ -9,7 +9,9 @@ from math import prod
 import numpy as np
 
 from meshplan.ops.pointwise import broadcast
-from meshplan.ops.registry import define, no_flops, rule
+from meshplan.ops.grad_words import GradNode
+from meshplan.ops.registry import define, gradient, no_flops, rule
+from meshplan.ops.grad_words import GradientError
 from meshplan.ops.view import P, R, LocalShape, NoRule, OpView, Rule, need
 
 
@@ -331,3 +333,124 @@ def _resize_sizes(op: OpView, inputs, outputs, mesh):
 
 
 define("Resize", rule=_resize, rewrite=_resize_sizes)
+
+
+# --- gradients: layout operators move dy back; lookups scatter-add it ----------------------
+
+@gradient("Reshape", "Squeeze", "Unsqueeze", "Flatten")
+def _reshape_grad(g: GradNode) -> list:
+    return [g.op("Reshape", g.dy(0), g.shape_tensor(g.x(0)))] + [None] * (len(g.inputs) - 1)
+
+
+@gradient("Transpose")
+def _transpose_grad(g: GradNode) -> list:
+    rank = g.rank(g.x(0))
+    perm = list(g.attr("perm", list(range(rank))[::-1]))
+    return [g.op("Transpose", g.dy(0), perm=[perm.index(i) for i in range(rank)])]
+
+
+@gradient("Expand")
+def _expand_grad(g: GradNode) -> list:
+    return [g.unbroadcast(g.dy(0), g.x(0)), None]
+
+
+@gradient("Tile")
+def _tile_grad(g: GradNode) -> list:
+    """Each of the tiles' addends: dy viewed as [r0, d0, r1, d1, …] summed over the r's."""
+    repeats = g.value(1)
+    if repeats is None:
+        raise GradientError(f"Tile node '{g.name}': the repeats are not a constant")
+    shape = g.shape(g.x(0))
+    split = [v for r, d in zip(repeats.tolist(), shape) for v in (int(r), d if isinstance(d, int) else -1)]
+    if sum(1 for v in split if v == -1) > 1:
+        raise GradientError(f"Tile node '{g.name}': more than one dim of unknown size")
+    viewed = g.op("Reshape", g.dy(0), g.ints(split))
+    summed = g.op("ReduceSum", viewed, g.ints(range(0, 2 * len(shape), 2)), keepdims=0)
+    return [g.op("Reshape", summed, g.shape_tensor(g.x(0))), None]
+
+
+def _positions(g: GradNode, name: str) -> str:
+    """An int64 tensor of ``name``'s shape holding each element's flat index."""
+    count = g.op("Size", name)
+    return g.op("Reshape", g.op("Range", g.const(np.int64(0)), count, g.const(np.int64(1))),
+                g.shape_tensor(name))
+
+
+def _scatter_back(g: GradNode, picked: str, dy: str, x: str, add: bool) -> str:
+    """dx: zeros of x's shape with dy's elements added (or written) at the flat positions
+    ``picked`` (int64, dy's shape) of x."""
+    flat = g.op("ConstantOfShape", _scalar_size(g, x), value=np.zeros(1, dtype=g.dtype(x)))
+    attrs = {"reduction": "add"} if add else {}
+    scattered = g.op("ScatterElements", flat, g.op("Reshape", picked, g.ints([-1])),
+                     g.op("Reshape", dy, g.ints([-1])), axis=0, **attrs)
+    return g.op("Reshape", scattered, g.shape_tensor(x))
+
+
+def _scalar_size(g: GradNode, name: str) -> str:
+    return g.op("Reshape", g.op("Size", name), g.ints([1]))
+
+
+@gradient("Slice")
+def _slice_grad(g: GradNode) -> list:
+    """dy written back at the positions the slice took (a slice takes each at most once)."""
+    x = g.x(0)
+    picked = g.op("Slice", _positions(g, x), *g.inputs[1:])
+    return [_scatter_back(g, picked, g.dy(0), x, add=False)] + [None] * (len(g.inputs) - 1)
+
+
+@gradient("Gather")
+def _gather_grad(g: GradNode) -> list:
+    """dy added back at the rows the indices took (a row taken twice gets both addends)."""
+    x = g.x(0)
+    picked = g.op("Gather", _positions(g, x), g.x(1), axis=int(g.attr("axis", 0)))
+    return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+
+
+@gradient("GatherElements")
+def _gather_elements_grad(g: GradNode) -> list:
+    x = g.x(0)
+    picked = g.op("GatherElements", _positions(g, x), g.x(1), axis=int(g.attr("axis", 0)))
+    return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+
+
+@gradient("GatherND")
+def _gather_nd_grad(g: GradNode) -> list:
+    x = g.x(0)
+    picked = g.op("GatherND", _positions(g, x), g.x(1), batch_dims=int(g.attr("batch_dims", 0)))
+    return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+
+
+@gradient("Concat")
+def _concat_grad(g: GradNode) -> list:
+    axis = int(g.attr("axis"))
+    sizes = g.op("Concat", *[g.op("Gather", g.shape_tensor(x), g.ints([axis])) for x in g.inputs], axis=0)
+    parts = g.op("Split", g.dy(0), sizes, axis=axis, outputs=len(g.inputs))
+    parts = parts if isinstance(parts, list) else [parts]
+    return [p if g.need(i) else None for i, p in enumerate(parts)]
+
+
+@gradient("Split")
+def _split_grad(g: GradNode) -> list:
+    axis = int(g.attr("axis", 0))
+    return [g.op("Concat", *[g.dy(i) for i in range(len(g.outputs))], axis=axis)] + [None] * (len(g.inputs) - 1)
+
+
+@gradient("Pad")
+def _pad_grad(g: GradNode) -> list:
+    """Constant padding: dy at the positions the input was copied to."""
+    mode = g.attr("mode", "constant")
+    if mode not in ("constant", b"constant"):
+        raise GradientError(f"Pad node '{g.name}': only constant padding has a gradient rule (mode {mode})")
+    x = g.x(0)
+    fill = g.const(np.int64(-1))
+    picked = g.op("Pad", _positions(g, x), g.x(1), fill, *([g.x(3)] if g.has_input(3) else []))
+    keep = g.op("GreaterOrEqual", picked, g.const(np.int64(0)))
+    # the padded positions write their dy to an extra slot past the end, then dropped
+    count = g.op("Size", x)
+    slot = g.op("Where", keep, picked, count)
+    flat = g.op("ConstantOfShape", g.op("Add", _scalar_size(g, x), g.ints([1])),
+                value=np.zeros(1, dtype=g.dtype(x)))
+    scattered = g.op("ScatterElements", flat, g.op("Reshape", slot, g.ints([-1])),
+                     g.op("Reshape", g.dy(0), g.ints([-1])), axis=0)
+    body = g.op("Slice", scattered, g.ints([0]), _scalar_size(g, x))
+    return [g.op("Reshape", body, g.shape_tensor(x))] + [None] * (len(g.inputs) - 1)
