@@ -1,0 +1,115 @@
+"""Optimizers as ONNX nodes: one update per trained weight, with torch.optim's semantics.
+
+The hyperparameters are float32 scalar inputs of every step (``HYPER``), so a schedule of
+the learning rate costs nothing and one plan serves any setting:
+
+- ``sgd`` (``torch.optim.SGD``, dampening 0, not Nesterov): g ← g + wd·w; b ← μ·b + g
+  (b starts at 0, so its first value is g, as torch's); w ← w − lr·b.
+- ``adamw`` (``torch.optim.AdamW``): w ← w·(1 − lr·wd); m ← β1·m + (1 − β1)·g;
+  v ← β2·v + (1 − β2)·g²; w ← w − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε), t the step
+  (counted from 1), in torch's order of operations.
+
+Before the update, gradients may be clipped by their global norm (torch's
+``clip_grad_norm_``): n = √Σ‖g‖², g ← g·min(1, c/(n + 1e-6)) where c = ``train.clip_norm``
+is positive; n is an output of every step either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from meshplan.errors import TrainError
+
+OPTIMIZERS = ("sgd", "adamw")
+HYPER = {"sgd": ("train.lr", "train.momentum", "train.weight_decay", "train.clip_norm"),
+         "adamw": ("train.lr", "train.step", "train.beta1", "train.beta2", "train.eps", "train.weight_decay",
+                   "train.clip_norm")}
+# torch's defaults, used where the command line gives none
+DEFAULTS = {"train.lr": 1e-3, "train.momentum": 0.0, "train.weight_decay": 0.0, "train.clip_norm": 0.0,
+            "train.beta1": 0.9, "train.beta2": 0.999, "train.eps": 1e-8}
+SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}   # torch's state names
+GRAD_NORM = "train.grad_norm"
+UPDATED = ".updated"
+
+
+def updated(name: str) -> str:
+    """The output that becomes state input ``name`` at the next step."""
+    return name + UPDATED
+
+
+def slot(weight: str, kind: str) -> str:
+    return f"{weight}.{kind}"
+
+
+@dataclass
+class _Emit:
+    nodes: list = field(default_factory=list)
+    constants: list = field(default_factory=list)
+    count: int = 0
+
+    def __call__(self, op: str, *inputs: str, name: str | None = None, **attrs) -> str:
+        self.count += 1
+        out = name or f"train.update/{op}_{self.count}"
+        self.nodes.append(helper.make_node(op, list(inputs), [out], name=f"train.update/n{self.count}", **attrs))
+        return out
+
+    def const(self, value, dtype) -> str:
+        self.count += 1
+        name = f"train.update/c{self.count}"
+        self.constants.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+
+def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], grads: dict[str, str]) -> _Emit:
+    """The nodes of one step's update: ``weights`` maps each trained weight to (its gradient's
+    name, its dtype); the new values are the outputs ``updated(name)`` (weights and slots)."""
+    if optimizer not in OPTIMIZERS:
+        raise TrainError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
+    e = _Emit()
+    f32 = np.float32
+    squares = []
+    for name, (grad, dtype) in weights.items():
+        g32 = grad if dtype == np.float32 else e("Cast", grad, to=TensorProto.FLOAT)
+        squares.append(e("ReduceSum", e("Mul", g32, g32), keepdims=0))
+    norm = e("Sqrt", squares[0] if len(squares) == 1 else e("Sum", *squares), name=GRAD_NORM)
+    clip = "train.clip_norm"
+    coef = e("Min", e("Div", clip, e("Add", norm, e.const(1e-6, f32))), e.const(1.0, f32))
+    scale = e("Where", e("Greater", clip, e.const(0.0, f32)), coef, e.const(1.0, f32))
+    cast_of = {}
+
+    def hyper(input_name: str, dtype) -> str:
+        if np.dtype(dtype) == np.float32:
+            return input_name
+        key = (input_name, np.dtype(dtype).str)
+        if key not in cast_of:
+            cast_of[key] = e("Cast", input_name, to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        return cast_of[key]
+
+    if optimizer == "adamw":
+        t = "train.step"
+        one = e.const(1.0, f32)
+        correction1 = e("Sub", one, e("Pow", "train.beta1", t))
+        correction2 = e("Sqrt", e("Sub", one, e("Pow", "train.beta2", t)))
+        step_size = e("Div", "train.lr", correction1)
+        keep = e("Sub", one, e("Mul", "train.lr", "train.weight_decay"))
+        rest1, rest2 = e("Sub", one, "train.beta1"), e("Sub", one, "train.beta2")
+    for name, (grad, dtype) in weights.items():
+        h = lambda n: hyper(n, dtype)
+        g = e("Mul", grad, h(scale))
+        if optimizer == "sgd":
+            g = e("Add", g, e("Mul", h("train.weight_decay"), name))
+            buf = e("Add", e("Mul", h("train.momentum"), slot(name, "momentum_buffer")), g,
+                    name=updated(slot(name, "momentum_buffer")))
+            e("Sub", name, e("Mul", h("train.lr"), buf), name=updated(name))
+            continue
+        decayed = e("Mul", name, h(keep))
+        m = e("Add", e("Mul", h("train.beta1"), slot(name, "exp_avg")), e("Mul", h(rest1), g),
+              name=updated(slot(name, "exp_avg")))
+        v = e("Add", e("Mul", h("train.beta2"), slot(name, "exp_avg_sq")), e("Mul", h(rest2), e("Mul", g, g)),
+              name=updated(slot(name, "exp_avg_sq")))
+        denom = e("Add", e("Div", e("Sqrt", v), h(correction2)), h("train.eps"))
+        e("Sub", decayed, e("Mul", h(step_size), e("Div", m, denom)), name=updated(name))
+    return e

@@ -1,0 +1,163 @@
+"""The training step as one ONNX model: forward, loss, backward, clipping and update.
+
+``build_step_model`` turns a forward model into a model that the planner plans and the job
+runs like any other:
+
+- each trained weight (a float initializer of two or more elements, finite where stored
+  inline, that the loss depends on, not matched by ``--frozen``) becomes a state input of
+  the same name, and its new value the output ``NAME.updated`` (``optimizers.updated``);
+  the optimizer's slots (``NAME.exp_avg``, ``NAME.exp_avg_sq`` or ``NAME.momentum_buffer``)
+  are state too, starting at zero. State stays on the ranks that hold it between steps, so
+  the weights are resident and updated in place of the old ones;
+- the loss's target and the hyperparameters (``optimizers.HYPER``: learning rate, step,
+  betas, ...) are inputs of every step; ``train.loss`` and ``train.grad_norm`` its outputs;
+- frozen weights stay initializers (sliced by the emitter as any weight).
+
+The forward graph is brought to opset 18 first (the gradient rules are written in its
+operator forms). The trained weights' values are not in the step model: a job starts from
+the source model's (``manifest["weights"]``) or from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from meshplan.errors import TrainError
+from meshplan.ops.grad_words import GradientError
+from meshplan.training.autodiff import gradients, is_float
+from meshplan.training.losses import LOSS, LossSpec, build_loss
+from meshplan.training.optimizers import GRAD_NORM, HYPER, SLOTS, build_update, slot, updated
+
+OPSET = 18
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What ``meshplan plan --train`` asks for."""
+
+    loss: str
+    optimizer: str = "adamw"
+    frozen: tuple[str, ...] = ()
+
+
+@dataclass
+class StepModel:
+    model: onnx.ModelProto
+    state: dict[str, str]                 # output → the state input it becomes
+    manifest: dict = field(default_factory=dict)
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _trained(model: onnx.ModelProto, frozen: tuple[str, ...]) -> list[onnx.TensorProto]:
+    chosen = []
+    for tensor in model.graph.initializer:
+        if not is_float(helper.tensor_dtype_to_np_dtype(tensor.data_type)) or int(np.prod(tensor.dims)) < 2:
+            continue
+        if any(fnmatch.fnmatchcase(tensor.name, p) for p in frozen):
+            continue
+        if tensor.data_location != TensorProto.EXTERNAL and tensor.ByteSize() < (1 << 20):
+            if not np.all(np.isfinite(numpy_helper.to_array(tensor))):   # a mask of -inf, not a weight
+                continue
+        chosen.append(tensor)
+    return chosen
+
+
+def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
+    """The training step of the model at ``source`` (read without its external weights)."""
+    source = Path(source)
+    model = onnx.load(str(source), load_external_data=False)
+    if _opset(model) < OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, OPSET)
+        except Exception as exc:
+            raise TrainError(f"{source}: opset {_opset(model)} could not be brought to {OPSET} for training "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    loss_spec = LossSpec.parse(spec.loss)
+    loss = build_loss(model, loss_spec)
+    graph = model.graph
+    candidates = _trained(model, spec.frozen)
+    by_name = {t.name: t for t in candidates}
+    graph.node.extend(loss.nodes)
+    graph.initializer.extend(loss.constants)
+    if loss.target is not None:
+        graph.input.append(loss.target)
+    graph.input.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in HYPER[spec.optimizer])
+    # trained weights become inputs (before shape inference, so it sees them as such)
+    kept = [t for t in graph.initializer if t.name not in by_name]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    for tensor in candidates:
+        graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:
+        raise TrainError(f"shape inference of the training graph failed: {str(exc).splitlines()[0]}") from None
+    try:
+        found = gradients(inferred, LOSS, list(by_name))
+    except GradientError:
+        raise
+    reached = {n: g for n, g in found.of.items() if g is not None}
+    if not reached:
+        hint = "every float weight is frozen or does not reach the loss" if candidates else \
+            "the model has no float weight of two or more elements outside --frozen"
+        raise TrainError("nothing to train: no weight takes a gradient from the loss", hint=hint)
+    # weights the loss does not reach stay initializers, as frozen ones
+    for name in [n for n in by_name if n not in reached]:
+        graph.input.remove(next(v for v in graph.input if v.name == name))
+        graph.initializer.append(by_name.pop(name))
+    dtypes = {n: np.dtype(helper.tensor_dtype_to_np_dtype(by_name[n].data_type)) for n in reached}
+    update = build_update(spec.optimizer, {n: (reached[n], dtypes[n]) for n in reached}, reached)
+    graph.node.extend(found.nodes)
+    graph.initializer.extend(found.constants)
+    graph.node.extend(update.nodes)
+    graph.initializer.extend(update.constants)
+    state = {}
+    for name in reached:
+        tensor = by_name[name]
+        for kind in SLOTS[spec.optimizer]:
+            graph.input.append(helper.make_tensor_value_info(slot(name, kind), tensor.data_type, list(tensor.dims)))
+            state[updated(slot(name, kind))] = slot(name, kind)
+        state[updated(name)] = name
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, []))
+    graph.output.append(helper.make_tensor_value_info(GRAD_NORM, TensorProto.FLOAT, []))
+    for out, name in state.items():
+        tensor = by_name[name] if name in by_name else by_name[name.rsplit(".", 1)[0]]
+        graph.output.append(helper.make_tensor_value_info(out, tensor.data_type, list(tensor.dims)))
+    del graph.value_info[:]
+    manifest = {
+        "loss": str(loss_spec), "optimizer": spec.optimizer, "frozen": list(spec.frozen),
+        "target": loss_spec.target, "hyperparameters": list(HYPER[spec.optimizer]),
+        "weights": {name: {"shape": list(by_name[name].dims), "dtype": dtypes[name].name} for name in reached},
+        "slots": list(SLOTS[spec.optimizer]),
+        "not_reached": sorted(set(t.name for t in candidates) - set(reached)),
+    }
+    return StepModel(model, state, manifest)
+
+
+def save_step_model(step: StepModel, source: str | Path, path: str | Path, threshold: int = 1 << 20) -> Path:
+    """Write the step model to ``path``: the frozen weights it keeps are copied from the
+    source model's files (beside ``source``) into its own external data file where large."""
+    from onnx import external_data_helper
+
+    path, base = Path(path), Path(source).parent
+    model = step.model
+    for tensor in model.graph.initializer:
+        if tensor.data_location == TensorProto.EXTERNAL:
+            external_data_helper.load_external_data_for_tensor(tensor, str(base))
+            tensor.data_location = TensorProto.DEFAULT
+            del tensor.external_data[:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    large = sum(t.ByteSize() for t in model.graph.initializer) > threshold
+    onnx.save(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
+              location=path.name + ".data", size_threshold=threshold)
+    return path
