@@ -18,6 +18,8 @@ from cli.profile_cmd import profile
 from cli.run_cmd import run
 from cli.show_cmd import show
 from cli.verify_cmd import verify
+from cli.train_cmd import train
+from cli.export_cmd import export
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -29,7 +31,7 @@ def main(ctx, debug):
     ctx.obj = {"debug": debug}
 
 
-for command in (plan, run, generate, serve, verify, inputs, profile, doctor, show):
+for command in (plan, run, generate, serve, train, export, verify, inputs, profile, doctor, show):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -66,11 +66,21 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
                    "each annotated node's stage and layouts are kept, the rest is planned around them "
                    "[default: the annotations MODEL carries].")
 @click.option("--no-hints", is_flag=True, help="Ignore the multi-device annotations MODEL carries.")
+@click.option("--train", is_flag=True,
+              help="Plan a training step (forward, loss, backward, update) for meshplan train: the trained weights "
+                   "and the optimizer's state stay on their ranks between steps.")
+@click.option("--loss", "loss_spec", metavar="SPEC",
+              help="With --train: cross_entropy:LOGITS:TARGET, mse:OUTPUT:TARGET or OUTPUT (a scalar the model "
+                   "computes); TARGET becomes an input of the step.")
+@click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(["sgd", "adamw"]),
+              help="With --train: torch.optim.SGD's or AdamW's update.")
+@click.option("--frozen", "frozen", multiple=True, metavar="PATTERN",
+              help="With --train: weights whose names match this glob pattern are not trained (repeatable).")
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
-         max_length, prefill_chunk, hints_path, no_hints, out_dir):
+         max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.emit.annotate import ANNOTATED_FILE
@@ -131,9 +141,20 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                        f"padded on the {chosen['padding']}")
         elif max_length is not None or prefill_chunk is not None or gen_batch != 1:
             raise click.UsageError("--batch, --max-length and --prefill-chunk go with --generate")
+        training = None
+        if train:
+            from meshplan.training.step_model import TrainSpec
+
+            if loss_spec is None:
+                raise click.UsageError("--train needs --loss")
+            if generate or state is not None or hints_path is not None:
+                raise click.UsageError("--train goes without --generate, --state, --no-state and --hints")
+            training = TrainSpec(loss_spec, optimizer, tuple(frozen))
+        elif loss_spec is not None or frozen:
+            raise click.UsageError("--loss and --frozen go with --train")
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,
                            programs=not (no_programs or shapes_only), shapes_only=shapes_only, hints=hints_path,
-                           model_hints=not no_hints)
+                           model_hints=not no_hints, training=training)
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "

@@ -7,6 +7,7 @@ sibling that is renamed into place at the end.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import shutil
 import tempfile
 from pathlib import Path
@@ -487,14 +488,19 @@ def make_plan(
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
     cost_model: CostModel | None = None, state: dict[str, str] | None = None,
     programs: bool = True, shapes_only: bool = False, hints=None, model_hints: bool = True,
+    training=None,
 ) -> Plan:
     """Plan ``model_path`` and write the plan directory ``out_dir``: plan.json, the timeline
     and, unless ``programs`` is False, one program per device. Without programs no weight
     byte is read (the external data files are only checked to be there and long enough,
     so sparse ones do); ``shapes_only`` (which implies no programs) does not even look for
-    them."""
+    them. ``training`` (a ``training.step_model.TrainSpec``): plan the model's training step
+    instead (``_training_step``)."""
     if shapes_only:
         programs = False
+    if training is not None:
+        return _plan_training(model_path, cluster, dims, out_dir, options, external_threshold, cost_model,
+                              programs, shapes_only, training)
     weights = "read" if programs else "absent" if shapes_only else "unread"
     model_path = Path(model_path)
     out_dir = Path(out_dir)
@@ -531,6 +537,53 @@ def make_plan(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+TRAINING_STEP = Path("training") / "step.onnx"
+
+
+def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOptions, external_threshold: int,
+                   cost_model, programs: bool, shapes_only: bool, spec) -> Plan:
+    """Plan the training step of ``model_path`` (``training.step_model``): one stage spanning
+    the mesh, one microbatch, the trained weights and optimizer slots as state; the step
+    model is kept in the plan directory (``TRAINING_STEP``), the source model's path and
+    digest in ``plan.training``."""
+    from meshplan.files import file_sha256
+    from meshplan.training.step_model import build_step_model, save_step_model
+
+    model_path, out_dir = Path(model_path), Path(out_dir)
+    if not model_path.is_file():
+        raise ModelError(f"model file not found: {model_path}")
+    if options.microbatches > 1:
+        raise PlanError("a training plan runs its batch as one microbatch for now (gradient accumulation over "
+                        "microbatches is not built yet)", hint="drop --microbatches")
+    if options.max_stages not in (None, 1):
+        raise PlanError("a training plan has one stage spanning the mesh for now", hint="drop --max-stages")
+    step = build_step_model(model_path, spec)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    holder = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.step.", dir=out_dir.parent))
+    try:
+        step_path = save_step_model(step, model_path, holder / TRAINING_STEP.name)
+        plan_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
+        shutil.rmtree(plan_dir)
+        plan = make_plan(step_path, cluster, dims, plan_dir, replace(options, max_stages=1), external_threshold,
+                         cost_model, step.state, programs, shapes_only)
+        try:
+            target = plan_dir / TRAINING_STEP
+            target.parent.mkdir()
+            for item in holder.iterdir():
+                shutil.move(str(item), str(target.parent / item.name))
+            plan.model["path"] = str((out_dir / TRAINING_STEP).resolve())
+            plan.training = {**step.manifest, "source": {"path": str(model_path.resolve()),
+                                                         "sha256": file_sha256(model_path)}}
+            write_plan(plan, plan_dir)
+            _replace_dir(plan_dir, out_dir)
+        except BaseException:
+            shutil.rmtree(plan_dir, ignore_errors=True)
+            raise
+        return plan
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

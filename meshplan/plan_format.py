@@ -15,7 +15,7 @@ from pathlib import Path
 from meshplan.errors import PlanError
 from meshplan.files import atomic_write_bytes, read_json
 
-FORMAT_VERSION = 3             # 2: ranged sizes and state; 3: idle devices (a plan without them is written as
+FORMAT_VERSION = 4             # 2: ranged sizes and state; 3: idle devices; 4: training (a plan without them is written as
                                # the least version that holds it)
 PLAN_FILE = "plan.json"
 OUTPUT_COLLECTOR = -1          # dst_stage of a transfer that brings a model output to rank 0
@@ -145,6 +145,11 @@ class Plan:
     # no stage and no program; they are started with the others and only take part in the
     # job's start-up and broadcasts.
     idle: dict = field(default_factory=dict)
+    # A training plan (``meshplan plan --train``): the loss, the optimizer, the trained weights
+    # ({name: {"shape", "dtype"}}) and their optimizer slots, the hyperparameter inputs and the
+    # source model the weights start from ({"path", "sha256"}); the planned model is the
+    # training step (``training/step.onnx`` in the plan directory).
+    training: dict = field(default_factory=dict)
     # Wall-clock seconds of this planning run (total, stage DP, ILPs): reported, never
     # written, so that the same command writes the same plan on any machine.
     timings: dict = field(default_factory=dict, compare=False, repr=False)
@@ -201,10 +206,11 @@ class Plan:
         body.pop("layer_bounds")
         body.pop("notes")
         body.pop("hinted")
-        for key in ("sizes", "state", "idle"):   # absent when unused: such a plan reads as format 1
+        for key in ("sizes", "state", "idle", "training"):   # absent when unused: such a plan reads as format 1
             if not body[key]:
                 body.pop(key)
-        body["format_version"] = 3 if "idle" in body else 2 if ("sizes" in body or "state" in body) else 1
+        body["format_version"] = 4 if "training" in body else 3 if "idle" in body else \
+            2 if ("sizes" in body or "state" in body) else 1
         body = {"format_version": body.pop("format_version"), "model_sha256": self.model_sha256, **body}
         body["checksum"] = _checksum(body)
         return body
@@ -233,6 +239,7 @@ class Plan:
                 programs=[Program(**p) for p in data["programs"]],
                 estimate=data["estimate"], solver=data["solver"], format_version=version,
                 sizes=data.get("sizes", {}), state=data.get("state", []), idle=data.get("idle", {}),
+                training=data.get("training", {}),
             )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"plan.json is malformed ({exc})") from None

@@ -1,0 +1,105 @@
+"""``meshplan train``: train a training plan's model, one rank per device, under mpiexec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from cli.guard import debugging, rank_guard
+from cli.options import bind_cores_option
+
+
+def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count:
+        raise click.BadParameter(f"expected {count} comma-separated numbers, got {text!r}", param_hint=name)
+    return values
+
+
+@click.command()
+@click.argument("plan_dir", type=click.Path(path_type=Path))
+@click.option("--data", "data_path", required=True, type=click.Path(path_type=Path),
+              help="Training data (.npz): one array per input of the step (the model's inputs and the loss's "
+                   "target), samples on the leading axis.")
+@click.option("--steps", required=True, type=click.IntRange(min=1), help="Steps to run (in this run).")
+@click.option("--lr", default=1e-3, show_default=True, type=float, help="Learning rate (the schedule's peak).")
+@click.option("--schedule", default="constant", show_default=True, type=click.Choice(["constant", "cosine"]),
+              help="Learning-rate schedule: constant, or cosine decay to 0 at the last step.")
+@click.option("--warmup", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Steps of linear warm-up before the schedule.")
+@click.option("--total-steps", type=click.IntRange(min=1),
+              help="The schedule's length [default: the step this run ends at].")
+@click.option("--momentum", default=0.0, show_default=True, type=float, help="SGD's momentum.")
+@click.option("--weight-decay", default=0.0, show_default=True, type=float,
+              help="Weight decay (SGD: added to the gradient; AdamW: decoupled).")
+@click.option("--betas", default="0.9,0.999", show_default=True, help="AdamW's β1,β2.")
+@click.option("--eps", default=1e-8, show_default=True, type=float, help="AdamW's ε.")
+@click.option("--clip-norm", default=0.0, show_default=True, type=float,
+              help="Clip the gradients to this global norm (0: no clipping).")
+@click.option("--shuffle", is_flag=True, help="Draw each pass over the data in a random order.")
+@click.option("--seed", default=0, show_default=True, type=int, help="The shuffling's seed.")
+@click.option("--log", "log_path", type=click.Path(path_type=Path),
+              help="Write JSON with each step's loss, lr, grad_norm and step_seconds.")
+@click.option("--checkpoint", "checkpoint_dir", type=click.Path(path_type=Path),
+              help="Write checkpoints into this directory (at the end, and every --checkpoint-every steps).")
+@click.option("--checkpoint-every", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Steps between checkpoints (0: only at the end).")
+@click.option("--resume", "resume_dir", type=click.Path(path_type=Path),
+              help="Continue from the newest checkpoint in this directory.")
+@click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
+              help="Execution provider for the programs.")
+@click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
+              help="Where tensors travel between ranks (as meshplan run's).")
+@click.option("-q", "--quiet", is_flag=True, help="No line per step.")
+@bind_cores_option
+@click.pass_context
+def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, momentum, weight_decay, betas, eps,
+          clip_norm, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, quiet,
+          bind_cores):
+    """Train: start as `mpiexec -n N meshplan train PLAN_DIR --data DATA.npz --steps K`."""
+    from meshplan.emit.report import human_seconds
+    from meshplan.files import atomic_write_bytes
+    from meshplan.runtime.threads import set_binding
+    from meshplan.trainer.driver import TrainOptions, train_rank
+
+    beta1, beta2 = _floats(betas, 2, "--betas")
+    options = TrainOptions(data_path, steps, lr, schedule, warmup,
+                           {"momentum": momentum, "weight_decay": weight_decay, "beta1": beta1, "beta2": beta2,
+                            "eps": eps, "clip_norm": clip_norm},
+                           shuffle, seed, checkpoint_dir, checkpoint_every, resume_dir, total_steps)
+    if log_path is not None and not log_path.parent.is_dir():
+        raise click.BadParameter(f"directory does not exist: {log_path.parent}", param_hint="--log")
+
+    def progress(step, end, loss, rate, norm, samples):
+        if not quiet:
+            click.echo(f"step {step}/{end}  loss {loss:.6g}  lr {rate:.4g}  grad_norm {norm:.4g}  "
+                       f"{samples:.1f} samples/s")
+
+    with rank_guard(debugging(ctx)):
+        set_binding(bind_cores, pin=True)
+        report = train_rank(plan_dir, options, provider, transfer, progress)
+    if report is None:
+        return
+    if log_path is not None:
+        atomic_write_bytes(log_path, (json.dumps(report.log(), indent=1) + "\n").encode())
+    import statistics
+
+    measured = statistics.median(report.step_seconds[1:] or report.step_seconds)
+    click.echo(f"trained {len(report.losses)} step(s) on {report.ranks} rank(s), {report.provider}; transfer path: "
+               f"{report.transfer_path}")
+    click.echo(f"loss {report.losses[0]:.6g} -> {report.losses[-1]:.6g}; step {human_seconds(measured)} measured "
+               f"(median), {human_seconds(report.estimate_seconds)} estimated; "
+               f"{report.batch / measured:.1f} samples/s")
+    for rank, rss in enumerate(report.peak_rss_bytes or []):
+        estimate = report.memory_estimates[rank] if rank < len(report.memory_estimates) else 0
+        click.echo(f"rank {rank}: peak RSS {rss / 2**20:.1f} MiB"
+                   + (f", the plan's estimate {estimate / 2**20:.1f} MiB" if estimate else ""))
+    for path in report.checkpoints[-1:]:
+        click.echo(f"wrote checkpoint {path}")
+    if log_path is not None:
+        click.echo(f"wrote {log_path}")

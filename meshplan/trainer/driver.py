@@ -1,0 +1,218 @@
+"""``meshplan train`` as a driver of the resident job (``runtime.job.Job``).
+
+Rank 0 reads the data and drives; every rank holds its shards of the weights and of the
+optimizer's state as the job's state, updated in place by each step. The weights start
+from the source model the plan was made from (streamed one tensor at a time) or from a
+checkpoint. ``Trainer`` is the Python interface: ``Trainer(job).step(batch, lr)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, numpy_helper
+
+from meshplan.errors import MeshplanError, TrainError
+from meshplan.files import file_sha256
+from meshplan.plan_format import Plan, read_plan
+from meshplan.trainer.checkpoint import Checkpoint, plan_digest, write_checkpoint
+from meshplan.trainer.data import Batches
+from meshplan.trainer.schedule import learning_rate
+
+LOSS, GRAD_NORM = "train.loss", "train.grad_norm"
+DEFAULTS = {"train.momentum": 0.0, "train.weight_decay": 0.0, "train.clip_norm": 0.0,
+            "train.beta1": 0.9, "train.beta2": 0.999, "train.eps": 1e-8}
+
+
+def require_training(plan: Plan, plan_dir) -> None:
+    if not plan.training:
+        raise TrainError(f"plan {plan_dir} is not a training plan", hint="plan it with meshplan plan --train")
+
+
+def source_weights(plan: Plan, names) -> "iter":
+    """(name, array) of the trained weights' starting values, one at a time, from the source model."""
+    source = plan.training["source"]
+    path = Path(source["path"])
+    if not path.is_file():
+        raise TrainError(f"the source model {path} is gone", hint="resume from a checkpoint, or plan again")
+    if file_sha256(path) != source["sha256"]:
+        raise TrainError(f"the source model {path} changed since planning", hint="plan again")
+    model = onnx.load(str(path), load_external_data=False)
+    wanted = set(names)
+    for tensor in model.graph.initializer:
+        if tensor.name not in wanted:
+            continue
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
+        yield tensor.name, numpy_helper.to_array(tensor)
+        tensor.Clear()
+
+
+class Trainer:
+    """Steps of a training plan's job (rank 0)."""
+
+    def __init__(self, job, hyper: dict[str, float] | None = None):
+        require_training(job.plan, job.plan_dir)
+        self.job, self.plan = job, job.plan
+        self.training = job.plan.training
+        self.hyper = {**DEFAULTS, **{k if k.startswith("train.") else "train." + k: float(v)
+                                     for k, v in (hyper or {}).items()}}
+        self.steps_done = 0
+
+    @property
+    def weights(self) -> list[str]:
+        return list(self.training["weights"])
+
+    def state_names(self) -> list[str]:
+        slots = self.training["slots"]
+        return [n for w in self.weights for n in [w] + [f"{w}.{s}" for s in slots]]
+
+    def load_source(self) -> None:
+        """Set every trained weight from the source model (the slots start at zero)."""
+        for name, array in source_weights(self.plan, self.weights):
+            self.job.set_state({name: array})
+
+    def step(self, batch: dict[str, np.ndarray], lr: float) -> tuple[float, float]:
+        """One step on ``batch`` at learning rate ``lr``: the loss (before the update) and the
+        gradients' global norm (before clipping)."""
+        feeds = dict(batch)
+        for name in self.training["hyperparameters"]:
+            value = lr if name == "train.lr" else self.steps_done + 1 if name == "train.step" else self.hyper[name]
+            feeds[name] = np.asarray(value, dtype=np.float32)
+        out = self.job.run(feeds, outputs=[LOSS, GRAD_NORM])
+        self.steps_done += 1
+        return float(out[LOSS]), float(out[GRAD_NORM])
+
+    def save(self, directory, batches: Batches | None) -> Path:
+        manifest = {"plan_sha256": plan_digest(self.job.plan_dir), "weights": self._trained_record(),
+                    "data": batches.get_state() if batches is not None else None}
+        job = self.job
+        return write_checkpoint(directory, self.steps_done,
+                                ((n, job.get_state([n])[n]) for n in self.state_names()), manifest)
+
+    def resume(self, directory, batches: Batches | None) -> Checkpoint:
+        checkpoint = Checkpoint(directory)
+        if checkpoint.manifest.get("weights") != self._trained_record():
+            raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
+                             "slots differ from the plan's)")
+        for name, array in checkpoint.tensors():
+            self.job.set_state({name: array})
+        self.steps_done = checkpoint.step
+        if batches is not None and checkpoint.manifest.get("data"):
+            batches.set_state(checkpoint.manifest["data"])
+        return checkpoint
+
+    def _trained_record(self) -> dict:
+        return {"weights": self.training["weights"], "slots": self.training["slots"],
+                "optimizer": self.training["optimizer"]}
+
+
+@dataclass
+class TrainOptions:
+    data: Path
+    steps: int
+    lr: float = 1e-3
+    schedule: str = "constant"
+    warmup: int = 0
+    hyper: dict = field(default_factory=dict)
+    shuffle: bool = False
+    seed: int = 0
+    checkpoint: Path | None = None
+    checkpoint_every: int = 0
+    resume: Path | None = None
+    total_steps: int | None = None     # the schedule's length (default: where this run ends)
+
+
+@dataclass
+class TrainReport:
+    losses: list = field(default_factory=list)
+    lrs: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    step_seconds: list = field(default_factory=list)
+    first_step: int = 0
+    batch: int = 0
+    ranks: int = 1
+    provider: str = ""
+    transfer_path: str = ""
+    estimate_seconds: float = 0.0
+    checkpoints: list = field(default_factory=list)
+    peak_rss_bytes: list = field(default_factory=list)
+    memory_estimates: list = field(default_factory=list)
+
+    def log(self) -> dict:
+        return {"first_step": self.first_step, "losses": self.losses, "lr": self.lrs, "grad_norm": self.grad_norms,
+                "step_seconds": self.step_seconds, "batch": self.batch, "ranks": self.ranks,
+                "estimate_seconds": self.estimate_seconds}
+
+
+def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer: str = "auto",
+               progress=None) -> TrainReport | None:
+    """Every rank: load the job, then rank 0 drives ``options.steps`` steps (the others
+    serve). Rank 0 returns the report; ``progress(step, steps, loss, lr, grad_norm,
+    samples_per_second)`` is called after each step."""
+    from meshplan.process_memory import peak_rss_bytes
+    from meshplan.runtime.job import Job
+    from meshplan.runtime.transport import world
+
+    plan_dir = Path(plan_dir)
+    held: dict = {}
+
+    def check(plan: Plan) -> None:
+        require_training(plan, plan_dir)
+        if options.steps < 1:
+            raise TrainError(f"--steps must be at least 1, got {options.steps}")
+        held["batches"] = Batches(options.data, plan, options.shuffle, options.seed)
+        if options.resume is not None:
+            Checkpoint(options.resume)   # there and readable, before any work
+
+    job = Job(plan_dir, provider, transfer, check=check)
+    if not job.is_driver:
+        job.serve()
+        _gather_rss(world()[1], peak_rss_bytes())
+        return None
+    plan = job.plan
+    batches: Batches = held["batches"]
+    trainer = Trainer(job, options.hyper)
+    report = TrainReport(batch=batches.batch, ranks=job.size, provider=job.provider,
+                         transfer_path=job.transfer_path, estimate_seconds=plan.estimate["latency_seconds"])
+    try:
+        if options.resume is not None:
+            trainer.resume(options.resume, batches)
+        else:
+            trainer.load_source()
+        report.first_step = trainer.steps_done
+        end = trainer.steps_done + options.steps
+        while trainer.steps_done < end:
+            k = trainer.steps_done
+            lr = learning_rate(options.schedule, options.lr, k, options.total_steps or end, options.warmup)
+            batch = batches.next()
+            started = time.perf_counter()
+            loss, norm = trainer.step(batch, lr)
+            seconds = time.perf_counter() - started
+            report.losses.append(loss)
+            report.lrs.append(lr)
+            report.grad_norms.append(norm)
+            report.step_seconds.append(seconds)
+            if progress is not None:
+                progress(trainer.steps_done, end, loss, lr, norm, batches.batch / seconds)
+            every = options.checkpoint_every
+            if options.checkpoint is not None and (trainer.steps_done == end or
+                                                   (every and trainer.steps_done % every == 0)):
+                report.checkpoints.append(str(trainer.save(options.checkpoint, batches)))
+    except MeshplanError:
+        job.close()
+        raise
+    job.close()
+    report.peak_rss_bytes = _gather_rss(world()[1], peak_rss_bytes())
+    report.memory_estimates = [float(plan.stage_of_rank(r).memory_bytes) if plan.stage_of_rank(r) else 0.0
+                               for r in range(job.size)]
+    return report
+
+
+def _gather_rss(comm, rss: int) -> list[int] | None:
+    found = comm.gather(int(rss), root=0)
+    return found if comm.Get_rank() == 0 else None
