@@ -1,0 +1,46 @@
+"""A training plan's step model run whole on onnxruntime, step after step: the oracle that a
+partitioned training job (any mesh, in process or under mpiexec) must equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from meshplan.plan_format import read_plan
+from meshplan.trainer.data import Batches
+from meshplan.trainer.driver import DEFAULTS, source_weights
+from meshplan.trainer.schedule import learning_rate
+
+
+def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyper: dict | None = None,
+              schedule: str = "constant", warmup: int = 0) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The losses of ``steps`` steps and the state after them (weights and slots by name)."""
+    plan_dir = Path(plan_dir)
+    plan = read_plan(plan_dir)
+    training = plan.training
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(plan_dir / "training" / "step.onnx"), options,
+                                   providers=["CPUExecutionProvider"])
+    state = {}
+    for name, array in source_weights(plan, training["weights"]):
+        state[name] = array
+        for kind in training["slots"]:
+            state[f"{name}.{kind}"] = np.zeros_like(array)
+    values = {**DEFAULTS, **{"train." + k.removeprefix("train."): float(v) for k, v in (hyper or {}).items()}}
+    pairs = {entry["output"]: entry["input"] for entry in plan.state}
+    batches = Batches(data, plan)
+    outputs = [o.name for o in session.get_outputs()]
+    losses = []
+    for k in range(steps):
+        feeds = {**batches.next(), **state}
+        for name in training["hyperparameters"]:
+            value = learning_rate(schedule, lr, k, steps, warmup) if name == "train.lr" else \
+                k + 1 if name == "train.step" else values[name]
+            feeds[name] = np.asarray(value, dtype=np.float32)
+        result = dict(zip(outputs, session.run(outputs, feeds)))
+        losses.append(float(result["train.loss"]))
+        state = {pairs[o]: result[o] for o in pairs}
+    return losses, state

@@ -1,0 +1,278 @@
+"""Training: the step model's losses and optimizers against numpy, training plans on 1x2 and
+2x2 under mpiexec against the whole step model on onnxruntime, checkpoints, resume, export,
+and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import REPO, run_cli, run_mpi
+from meshplan.errors import TrainError
+from meshplan.testing.train_reference import run_whole
+from meshplan.trainer.checkpoint import Checkpoint
+from meshplan.training.step_model import TrainSpec, build_step_model
+
+MLP = REPO / "sample_models" / "mlp.onnx"
+
+
+# --- the step model alone, against numpy ---------------------------------------------------
+
+def _linear_model(path: Path, rng) -> dict:
+    """y = x·W + b (x: [batch, 4], W: [4, 3]): a model whose gradients numpy writes by hand."""
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8), str(path))
+    return {"W": w, "b": b}
+
+
+def _run_steps(step, weights: dict, batches: list[dict], hyper: dict) -> tuple[list[float], dict]:
+    session = ort.InferenceSession(step.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    state = {}
+    for name, value in weights.items():
+        state[name] = value
+        for kind in step.manifest["slots"]:
+            state[f"{name}.{kind}"] = np.zeros_like(value)
+    outputs = [o.name for o in session.get_outputs()]
+    losses = []
+    for k, batch in enumerate(batches):
+        feeds = {**batch, **state, **{h: np.asarray(hyper.get(h, k + 1), np.float32)
+                                      for h in step.manifest["hyperparameters"]}}
+        result = dict(zip(outputs, session.run(outputs, feeds)))
+        losses.append(float(result["train.loss"]))
+        state = {i: result[o] for o, i in step.state.items()}
+    return losses, state
+
+
+def _numpy_train(weights: dict, batches: list[dict], hyper: dict, optimizer: str) -> tuple[list[float], dict]:
+    """MSE of x·W + b against t, with torch.optim's SGD or AdamW written out in float64."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    slots = {k: [np.zeros_like(v), np.zeros_like(v)] for k, v in w.items()}
+    lr, wd = hyper["train.lr"], hyper["train.weight_decay"]
+    losses = []
+    for t, batch in enumerate(batches, start=1):
+        x, target = batch["x"].astype(np.float64), batch["t"].astype(np.float64)
+        diff = x @ w["W"] + w["b"] - target
+        losses.append(float(np.mean(diff ** 2)))
+        dy = 2 * diff / diff.size
+        grads = {"W": x.T @ dy, "b": dy.sum(0)}
+        norm = np.sqrt(sum(float((g ** 2).sum()) for g in grads.values()))
+        clip = hyper["train.clip_norm"]
+        if clip > 0:
+            grads = {k: g * min(1.0, clip / (norm + 1e-6)) for k, g in grads.items()}
+        for k, g in grads.items():
+            if optimizer == "sgd":
+                g = g + wd * w[k]
+                slots[k][0] = hyper["train.momentum"] * slots[k][0] + g
+                w[k] = w[k] - lr * slots[k][0]
+            else:
+                b1, b2, eps = hyper["train.beta1"], hyper["train.beta2"], hyper["train.eps"]
+                w[k] = w[k] * (1 - lr * wd)
+                slots[k][0] = b1 * slots[k][0] + (1 - b1) * g
+                slots[k][1] = b2 * slots[k][1] + (1 - b2) * g * g
+                denom = np.sqrt(slots[k][1]) / np.sqrt(1 - b2 ** t) + eps
+                w[k] = w[k] - lr / (1 - b1 ** t) * slots[k][0] / denom
+    return losses, w
+
+
+@pytest.mark.parametrize("optimizer,hyper", [
+    ("sgd", {"train.lr": 0.05, "train.momentum": 0.9, "train.weight_decay": 0.01, "train.clip_norm": 0.0}),
+    ("sgd", {"train.lr": 0.05, "train.momentum": 0.0, "train.weight_decay": 0.0, "train.clip_norm": 0.5}),
+    ("adamw", {"train.lr": 0.02, "train.weight_decay": 0.1, "train.clip_norm": 1.0, "train.beta1": 0.9,
+               "train.beta2": 0.95, "train.eps": 1e-8}),
+])
+def test_optimizers_and_mse_equal_numpy(tmp_path, optimizer, hyper):
+    rng = np.random.default_rng(3)
+    weights = _linear_model(tmp_path / "linear.onnx", rng)
+    step = build_step_model(tmp_path / "linear.onnx", TrainSpec("mse:y:t", optimizer))
+    assert set(step.manifest["weights"]) == {"W", "b"}
+    batches = [{"x": rng.standard_normal((5, 4)).astype(np.float32),
+                "t": rng.standard_normal((5, 3)).astype(np.float32)} for _ in range(6)]
+    losses, state = _run_steps(step, weights, batches, hyper)
+    expected_losses, expected = _numpy_train(weights, batches, hyper, optimizer)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for name in ("W", "b"):
+        np.testing.assert_allclose(state[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_cross_entropy_ignores_minus_100_as_torch(tmp_path):
+    """The mean over the positions whose target is not -100, of −log softmax at the target."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 7)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["h", "W"], ["logits"])], "head",
+                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["batch", "seq", 6])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", 7])],
+                              [numpy_helper.from_array(w, "W")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "head.onnx"))
+    step = build_step_model(tmp_path / "head.onnx", TrainSpec("cross_entropy:logits:labels", "sgd"))
+    h = rng.standard_normal((2, 5, 6)).astype(np.float32)
+    labels = rng.integers(0, 7, (2, 5))
+    labels[0, 1] = labels[1, 4] = -100
+    losses, _ = _run_steps(step, {"W": w}, [{"h": h, "labels": labels}],
+                           {"train.lr": 0.0, "train.momentum": 0.0, "train.weight_decay": 0.0, "train.clip_norm": 0.0})
+    logits = (h @ w).reshape(-1, 7).astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+    flat = labels.reshape(-1)
+    keep = flat != -100
+    expected = -logp[np.arange(flat.size)[keep], flat[keep]].mean()
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_frozen_weights_stay_initializers(tmp_path):
+    step = build_step_model(MLP, TrainSpec("cross_entropy:logits:target", "sgd", frozen=("layer0.*",)))
+    kept = {t.name for t in step.model.graph.initializer}
+    assert any(n.startswith("layer0.") for n in kept)
+    assert not any(n.startswith("layer0.") for n in step.manifest["weights"])
+    assert step.manifest["weights"]
+
+
+@pytest.mark.parametrize("loss,frozen,match", [
+    ("cross_entropy:nope:target", (), "names no output"),
+    ("cross_entropy:logits", (), "expected cross_entropy"),
+    ("logits", (), "not a scalar"),
+    ("cross_entropy:logits:x", (), "already a tensor"),
+    ("cross_entropy:logits:target", ("*",), "nothing to train"),
+])
+def test_bad_losses_and_nothing_to_train_are_one_error(loss, frozen, match):
+    with pytest.raises(TrainError, match=match):
+        build_step_model(MLP, TrainSpec(loss, "sgd", frozen))
+
+
+def test_an_operator_without_a_rule_names_the_node(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("Det", ["a"], ["y"], name="the_det")],
+        "det", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "W")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8), str(tmp_path / "det.onnx"))
+    with pytest.raises(TrainError, match="no gradient rule for Det node 'the_det'"):
+        build_step_model(tmp_path / "det.onnx", TrainSpec("y", "sgd"))
+
+
+# --- training plans under mpiexec, against the whole step model ----------------------------
+
+def _data(path: Path, count: int = 24, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    np.savez(path, x=rng.standard_normal((count, 64)).astype(np.float32), target=rng.integers(0, 10, count))
+    return path
+
+
+def _plan(tmp_path: Path, name: str, *options: str) -> Path:
+    out = tmp_path / name
+    done = run_cli("plan", MLP, "--train", "--loss", "cross_entropy:logits:target", "--device", "cpu",
+                   "--dim", "batch=8", "-o", out, *options)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _close_state(actual: dict, expected: dict, rtol: float, atol: float = 0.0) -> None:
+    """Within ``rtol`` of each tensor's largest magnitude, but for at most 1% of its elements
+    that are within ``atol`` (AdamW: an element whose gradient is at rounding level moves by
+    up to lr a step whichever sign the rounding gives it; docs/numerics.md)."""
+    for name, value in expected.items():
+        scale = float(np.abs(value).max()) or 1.0
+        off = np.abs(actual[name] - value)
+        assert float(off.max()) <= rtol * scale + atol, name
+        assert float(np.mean(off > rtol * scale)) <= 0.01, name
+
+
+CASES = {
+    "1x2-data-sgd": (["--mesh", "1x2", "--optimizer", "sgd", "--policy", "data"],
+                     ["--lr", "0.05", "--momentum", "0.9", "--weight-decay", "1e-4"], 2),
+    "1x2-megatron-adamw": (["--mesh", "1x2", "--optimizer", "adamw", "--policy", "megatron"],
+                           ["--lr", "0.01", "--weight-decay", "0.1", "--clip-norm", "1", "--betas", "0.9,0.95",
+                            "--schedule", "cosine", "--warmup", "2"], 2),
+    "2x2-auto-sgd": (["--mesh", "2x2", "--optimizer", "sgd", "--all-devices"],
+                     ["--lr", "0.05", "--momentum", "0.9"], 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_plans_equal_the_whole_step_model(tmp_path, case):
+    plan_options, train_options, ranks = CASES[case]
+    plan_dir = _plan(tmp_path, "plan", *plan_options)
+    data = _data(tmp_path / "data.npz")
+    steps = 5
+    done = run_mpi(ranks, "train", plan_dir, "--data", data, "--steps", steps, "--checkpoint", tmp_path / "ck",
+                   "--log", tmp_path / "log.json", *train_options, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = json.loads((tmp_path / "log.json").read_text())
+    given = dict(zip(train_options[::2], train_options[1::2]))
+    hyper = {"momentum": float(given.get("--momentum", 0)), "weight_decay": float(given.get("--weight-decay", 0)),
+             "clip_norm": float(given.get("--clip-norm", 0))}
+    if "--betas" in given:
+        hyper["beta1"], hyper["beta2"] = map(float, given["--betas"].split(","))
+    losses, state = run_whole(plan_dir, data, steps, float(given["--lr"]), hyper, given.get("--schedule", "constant"),
+                              int(given.get("--warmup", 0)))
+    np.testing.assert_allclose(log["losses"], losses, rtol=1e-4)
+    assert log["losses"][-1] < log["losses"][0]
+    trained = dict(Checkpoint(tmp_path / "ck").tensors())
+    adam = "adamw" in plan_options
+    _close_state(trained, state, 1e-4, float(given["--lr"]) * steps if adam else 0.0)
+
+
+def test_resume_continues_bitwise_and_export_runs(tmp_path):
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw")
+    data = _data(tmp_path / "data.npz", count=20)
+    common = ["--data", data, "--lr", "0.01", "--shuffle", "--seed", "7", "--schedule", "cosine", "--total-steps", "6",
+              "-q"]
+    whole = run_mpi(1, "train", plan_dir, "--steps", 6, "--checkpoint", tmp_path / "a", *common)
+    assert whole.returncode == 0, whole.stderr
+    first = run_mpi(1, "train", plan_dir, "--steps", 3, "--checkpoint", tmp_path / "b", *common)
+    assert first.returncode == 0, first.stderr
+    second = run_mpi(1, "train", plan_dir, "--steps", 3, "--resume", tmp_path / "b", "--checkpoint", tmp_path / "b",
+                     *common)
+    assert second.returncode == 0, second.stderr
+    a, b = Checkpoint(tmp_path / "a"), Checkpoint(tmp_path / "b")
+    assert a.step == b.step == 6
+    for (name, x), (other, y) in zip(a.tensors(), b.tensors()):
+        assert name == other and np.array_equal(x, y), name
+    done = run_cli("export", plan_dir, "--checkpoint", tmp_path / "a", "-o", tmp_path / "trained.onnx")
+    assert done.returncode == 0, done.stderr
+    trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
+    for name, value in a.tensors():
+        if name in trained:
+            assert np.array_equal(trained[name], value)
+    x = np.load(data)["x"][:8]
+    ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+# --- bad input: one line, exit 1 ------------------------------------------------------------
+
+def test_bad_training_input_is_one_line(tmp_path):
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "sgd")
+    rng = np.random.default_rng(0)
+    cases = {
+        "missing": ({"x": rng.standard_normal((16, 64)).astype(np.float32)}, "has no array 'target'"),
+        "dtype": ({"x": rng.standard_normal((16, 64)), "target": rng.integers(0, 10, 16)}, "is float64"),
+        "shape": ({"x": rng.standard_normal((16, 32)).astype(np.float32), "target": rng.integers(0, 10, 16)},
+                  "samples of shape"),
+        "few": ({"x": rng.standard_normal((4, 64)).astype(np.float32), "target": rng.integers(0, 10, 4)},
+                "fewer than a batch"),
+    }
+    for name, (arrays, message) in cases.items():
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        done = run_mpi(1, "train", plan_dir, "--data", tmp_path / f"{name}.npz", "--steps", 1, timeout=120)
+        assert done.returncode == 1, (name, done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("meshplan: error:") and message in lines[0], (name, done.stderr)
+    inference = tmp_path / "inference"
+    assert run_cli("plan", MLP, "--mesh", "1x1", "--device", "cpu", "--dim", "batch=8", "-o", inference).returncode == 0
+    done = run_mpi(1, "train", inference, "--data", _data(tmp_path / "d.npz"), "--steps", 1, timeout=120)
+    assert done.returncode == 1 and "not a training plan" in done.stderr
+    done = run_cli("plan", MLP, "--train", "--loss", "cross_entropy:logits:target", "--mesh", "1x1", "--device", "cpu",
+                   "--dim", "batch=8", "--microbatches", "2", "-o", tmp_path / "mb")
+    assert done.returncode == 1 and done.stderr.startswith("meshplan: error:") and not (tmp_path / "mb").exists()
+    done = run_cli("plan", MLP, "--loss", "mse:logits:t", "--mesh", "1x1", "-o", tmp_path / "x")
+    assert done.returncode != 0 and "go with --train" in done.stderr
