@@ -44,3 +44,31 @@ def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyp
         losses.append(float(result["train.loss"]))
         state = {pairs[o]: result[o] for o in pairs}
     return losses, state
+
+
+def run_step_model(step, weights: dict[str, np.ndarray], batches: list[dict], hyper: dict,
+                   lrs: list[float] | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
+    """A ``training.step_model.StepModel`` (not planned) run on onnxruntime from ``weights``:
+    each batch one step; ``hyper`` by input name (``train.lr`` unless ``lrs`` gives each
+    step's); returns the losses and the state after the last step."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(step.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    state = {}
+    for name in step.manifest["weights"]:
+        state[name] = weights[name]
+        for kind in step.manifest["slots"]:
+            state[f"{name}.{kind}"] = np.zeros_like(weights[name])
+    values = {**DEFAULTS, **hyper}
+    outputs = [o.name for o in session.get_outputs()]
+    losses = []
+    for k, batch in enumerate(batches):
+        feeds = {**batch, **state}
+        for name in step.manifest["hyperparameters"]:
+            value = lrs[k] if name == "train.lr" and lrs is not None else k + 1 if name == "train.step" \
+                else values[name]
+            feeds[name] = np.asarray(value, dtype=np.float32)
+        result = dict(zip(outputs, session.run(outputs, feeds)))
+        losses.append(float(result["train.loss"]))
+        state = {i: result[o] for o, i in step.state.items()}
+    return losses, state

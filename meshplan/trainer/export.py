@@ -39,9 +39,14 @@ def export_trained(plan_dir, checkpoint_dir, output) -> Path:
         raise TrainError(f"output directory does not exist: {output.parent}")
     model = onnx.load(str(source))
     place = {t.name: i for i, t in enumerate(model.graph.initializer)}
+    copies = plan.training.get("tied", {})
     for name, array in checkpoint.tensors():
         if name in weights:
             model.graph.initializer[place[name]].CopyFrom(numpy_helper.from_array(array, name))
+            for copy, tie in copies.items():   # an exporter's copy of a tied weight: the trained value again
+                if tie["of"] == name:
+                    value = array.T if tie["transposed"] else array
+                    model.graph.initializer[place[copy]].CopyFrom(numpy_helper.from_array(value, copy))
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         large = sum(t.ByteSize() for t in model.graph.initializer) > EXTERNAL_THRESHOLD

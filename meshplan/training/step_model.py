@@ -11,7 +11,9 @@ runs like any other:
   the weights are resident and updated in place of the old ones;
 - the loss's target and the hyperparameters (``optimizers.HYPER``: learning rate, step,
   betas, ...) are inputs of every step; ``train.loss`` and ``train.grad_norm`` its outputs;
-- frozen weights stay initializers (sliced by the emitter as any weight).
+- frozen weights stay initializers (sliced by the emitter as any weight);
+- a weight the exporter stored twice (a tied embedding and its transposed copy) is trained
+  once, the copy a node of it (``ties.py``).
 
 The forward graph is brought to opset 18 first (the gradient rules are written in its
 operator forms). The trained weights' values are not in the step model: a job starts from
@@ -32,6 +34,7 @@ from meshplan.errors import TrainError
 from meshplan.ops.grad_words import GradientError
 from meshplan.training.autodiff import gradients, is_float
 from meshplan.training.losses import LOSS, LossSpec, build_loss
+from meshplan.training.ties import retie
 from meshplan.training.optimizers import GRAD_NORM, HYPER, SLOTS, build_update, slot, updated
 
 OPSET = 18
@@ -84,6 +87,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     loss_spec = LossSpec.parse(spec.loss)
     loss = build_loss(model, loss_spec)
     graph = model.graph
+    tied = retie(model, source.parent, {t.name for t in _trained(model, spec.frozen)})
     candidates = _trained(model, spec.frozen)
     by_name = {t.name: t for t in candidates}
     graph.node.extend(loss.nodes)
@@ -140,6 +144,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
         "weights": {name: {"shape": list(by_name[name].dims), "dtype": dtypes[name].name} for name in reached},
         "slots": list(SLOTS[spec.optimizer]),
         "not_reached": sorted(set(t.name for t in candidates) - set(reached)),
+        "tied": tied,
     }
     return StepModel(model, state, manifest)
 
