@@ -1,5 +1,5 @@
 # meshplan: `make demo` runs the main job on a sample model, `make test` runs the tests,
-# `make serve` serves a sample LLM with the OpenAI API.
+# `make serve` serves a sample LLM with the OpenAI API, `make train` trains a sample GPT on 1x2.
 # Both create the virtual environment (.venv) first when it is missing or stale: it holds
 # exactly the versions in uv.lock (the set the tests passed with), installed by uv, which
 # `make` itself installs into .tools/ at a pinned version. `make lock` re-resolves uv.lock
@@ -20,7 +20,7 @@ DEMO := demo
 # uv uses the interpreter $(PYTHON) names and never downloads one.
 UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PROJECT_ENVIRONMENT=$(VENV)
 
-.PHONY: all venv demo serve test test-all bench clean samples lock
+.PHONY: all venv demo serve train test test-all bench clean samples lock
 
 all: test
 
@@ -52,6 +52,15 @@ SERVE_MODEL ?= sample_models/genai/llama_fp32/model.onnx
 serve: $(STAMP)
 	$(BIN)/meshplan plan $(SERVE_MODEL) --mesh 1x2 --generate --batch 4 --max-length 256 --policy megatron --max-stages 1 -o $(DEMO)/serve_plan
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n 2 $(BIN)/meshplan serve $(DEMO)/serve_plan --port $(PORT)
+
+# the sample GPT of sample_models/training trained on 1x2 (AdamW, cosine schedule), then exported
+TRAIN_MODEL ?= sample_models/training/gpt_adamw.onnx
+TRAIN_DATA ?= sample_models/training/gpt_adamw.data.npz
+train: $(STAMP)
+	@mkdir -p $(DEMO)
+	$(BIN)/meshplan plan $(TRAIN_MODEL) --train --loss cross_entropy:logits:target --optimizer adamw --mesh 1x2 --device cpu --dim batch=8 -o $(DEMO)/train_plan
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n 2 $(BIN)/meshplan train $(DEMO)/train_plan --data $(TRAIN_DATA) --steps 40 --lr 3e-3 --betas 0.9,0.95 --weight-decay 0.1 --clip-norm 1 --schedule cosine --warmup 3 --checkpoint $(DEMO)/train_checkpoints --log $(DEMO)/train_log.json
+	$(BIN)/meshplan export $(DEMO)/train_plan --checkpoint $(DEMO)/train_checkpoints -o $(DEMO)/trained.onnx
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
