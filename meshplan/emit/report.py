@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from html import escape
 
+import numpy as np
+
 from meshplan.plan_format import Plan
 
 TIMELINE_FILE = "timeline.svg"
@@ -84,7 +86,7 @@ def text_report(plan: Plan) -> str:
     if plan.sizes:
         lines.insert(1, sizes_line(plan))
     if plan.state:
-        lines.insert(1, state_line(plan))
+        lines.insert(1, training_lines(plan) if plan.training else state_line(plan))
     for stage in plan.stages:
         devices = device_ranges(stage.devices)
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
@@ -156,6 +158,49 @@ def state_line(plan: Plan) -> str:
     shown = ", ".join(f"{s['output']} -> {s['input']} ({s['spec']}, stage {s['stage']})" for s in plan.state[:2])
     more = f", … {len(plan.state) - 2} more" if len(plan.state) > 2 else ""
     return f"state: {len(plan.state)} output(s) kept on their devices for the next call: {shown}{more}"
+
+
+def training_memory(plan: Plan) -> dict[int, dict[str, float]]:
+    """Per rank of a training plan, the estimate's bytes split into ``weights`` and
+    ``optimizer`` (the state each holds, in its layout), ``gradients`` (taken as the
+    weights' local bytes: a gradient is made in its weight's layout or whole and cut) and
+    ``activations`` (the rest of the stage's estimate: what backward keeps)."""
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    weights = plan.training["weights"]
+    found = {}
+    for stage in plan.stages:
+        mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+        held = {"weights": 0.0, "optimizer": 0.0}
+        for entry in plan.state:
+            if entry["stage"] != stage.index:
+                continue
+            name = entry["input"]
+            base = name if name in weights else name.rsplit(".", 1)[0]
+            if base not in weights:
+                continue
+            shape = tuple(weights[base]["shape"])
+            local = ShardingSpec.parse(entry["spec"]).local_shape(shape, mesh)
+            nbytes = float(np.prod(local, dtype=np.float64)) * np.dtype(weights[base]["dtype"]).itemsize
+            held["weights" if name in weights else "optimizer"] += nbytes
+        rest = max(0.0, float(stage.memory_bytes) - held["weights"] - held["optimizer"])
+        gradients = min(rest, held["weights"])
+        for rank in stage.devices:
+            found[rank] = {**held, "gradients": gradients, "activations": rest - gradients}
+    return found
+
+
+def training_lines(plan: Plan) -> str:
+    """``training: adamw on cross_entropy:logits:target, 70 weight(s) trained, 12 of them split over the
+    mesh (…); per device: weights …, optimizer …, gradients …, activations …``."""
+    t = plan.training
+    split = sum(1 for e in plan.state if e["input"] in t["weights"] and any(c != "R" for c in e["spec"]))
+    memory = training_memory(plan)
+    first = memory[min(memory)] if memory else {}
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in first.items())
+    return (f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained, {split} of them split "
+            f"over the mesh (the rest whole on every device)"
+            + (f"; per device: {parts}" if parts else ""))
 
 
 def static_batch_line(batch: dict) -> str:
