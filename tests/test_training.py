@@ -222,23 +222,32 @@ def test_training_plans_equal_the_whole_step_model(tmp_path, case):
     _close_state(trained, state, 1e-4, float(given["--lr"]) * steps if adam else 0.0)
 
 
-def test_resume_continues_bitwise_and_export_runs(tmp_path):
-    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw")
+def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):
+    """12 steps = 6 + resume 6 with each rank reading its own pieces (bitwise, same plan);
+    another plan of the model resumes from the same checkpoint, each tensor put together."""
+    split = _plan(tmp_path, "split", "--mesh", "1x2", "--optimizer", "adamw", "--policy", "megatron")
+    whole_plan = _plan(tmp_path, "whole", "--mesh", "1x1", "--optimizer", "adamw")
     data = _data(tmp_path / "data.npz", count=20)
     common = ["--data", data, "--lr", "0.01", "--shuffle", "--seed", "7", "--schedule", "cosine", "--total-steps", "6",
               "-q"]
-    whole = run_mpi(1, "train", plan_dir, "--steps", 6, "--checkpoint", tmp_path / "a", *common)
-    assert whole.returncode == 0, whole.stderr
-    first = run_mpi(1, "train", plan_dir, "--steps", 3, "--checkpoint", tmp_path / "b", *common)
-    assert first.returncode == 0, first.stderr
-    second = run_mpi(1, "train", plan_dir, "--steps", 3, "--resume", tmp_path / "b", "--checkpoint", tmp_path / "b",
-                     *common)
-    assert second.returncode == 0, second.stderr
+    runs = [(split, 6, "a", None), (split, 3, "b", None), (split, 3, "b", "b")]
+    for plan_dir, steps, out, resume in runs:
+        done = run_mpi(2, "train", plan_dir, "--steps", steps, "--checkpoint", tmp_path / out, *common,
+                       *(["--resume", tmp_path / resume] if resume else []))
+        assert done.returncode == 0, done.stdout + done.stderr
     a, b = Checkpoint(tmp_path / "a"), Checkpoint(tmp_path / "b")
-    assert a.step == b.step == 6
+    assert a.step == b.step == 6 and sorted((a.path).glob("rank*.npz")) and len(list(a.path.glob("rank*.npz"))) == 2
     for (name, x), (other, y) in zip(a.tensors(), b.tensors()):
         assert name == other and np.array_equal(x, y), name
-    done = run_cli("export", plan_dir, "--checkpoint", tmp_path / "a", "-o", tmp_path / "trained.onnx")
+    logs = {}
+    for plan_dir, ranks in ((split, 2), (whole_plan, 1)):
+        log = tmp_path / f"{plan_dir.name}.json"
+        done = run_mpi(ranks, "train", plan_dir, "--steps", 1, "--resume", tmp_path / "a", "--log", log, *common)
+        assert done.returncode == 0, done.stdout + done.stderr
+        logs[plan_dir.name] = json.loads(log.read_text())
+    assert logs["whole"]["first_step"] == 6
+    assert logs["whole"]["losses"][0] == pytest.approx(logs["split"]["losses"][0], rel=1e-4)
+    done = run_cli("export", split, "--checkpoint", tmp_path / "a", "-o", tmp_path / "trained.onnx")
     assert done.returncode == 0, done.stderr
     trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "trained.onnx")).graph.initializer}
     for name, value in a.tensors():

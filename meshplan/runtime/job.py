@@ -71,7 +71,7 @@ from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffe
 from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
 
-CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS = range(6)
+CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS, SAVE_STATE, LOAD_STATE = range(8)
 END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
 _SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
 _ROWS = 1 << 32     # a call of some rows: header[1] = first row * _ROWS + their count
@@ -629,6 +629,55 @@ class Job:
             self.state_shapes[name] = tuple(np.shape(value))
             self._tracked = None
 
+    def save_state_files(self, directory) -> None:
+        """Every working rank writes the state pieces it is the first holder of into
+        ``directory/rankN.npz`` (``state_files``): no rank gathers the state (driver)."""
+        self._require_driver("save_state_files")
+        self._send_header(self._header(SAVE_STATE))
+        self._state_files(str(directory), save=True)
+
+    def load_state_files(self, directory) -> None:
+        """Every working rank reads its state pieces back from what ``save_state_files`` of a
+        job of this same plan wrote (driver)."""
+        self._require_driver("load_state_files")
+        self._send_header(self._header(LOAD_STATE))
+        self._state_files(str(directory), save=False)
+        self._tracked = None
+        for entry in self.state_entries:
+            spec = next(s for s in self.state_entries_specs() if s.name == entry["input"])
+            self.state_shapes[entry["input"]] = tuple(spec.shape)
+
+    def _state_files(self, directory: str | None, save: bool) -> None:
+        """Save or load on every working rank; the first rank's error stops all of them."""
+        from meshplan.runtime.state_files import piece_sources, rank_file, read_pieces, write_pieces
+
+        comm = self.transport.headers
+        directory = comm.bcast(directory, root=0) if comm.Get_size() > 1 else directory
+        error = None
+        try:
+            mine = [e for e in self.state_entries if self.rank in self.plan.stages[e["stage"]].devices]
+            if save:
+                first = [e["input"] for e in mine if self.rank in distinct_holders(self.plan, e)]
+                for name in first:
+                    if name not in self.state:
+                        raise RunError(f"state '{name}' is not set")
+                write_pieces(rank_file(directory, self.rank),
+                             ((n, np.asarray(self.buffers.to_host(self.state[n]), order="C")) for n in first))
+            else:
+                by_file: dict[int, set] = {}
+                for entry in mine:
+                    by_file.setdefault(piece_sources(self.plan, entry)[self.rank], set()).add(entry["input"])
+                for source, names in by_file.items():
+                    for name, piece in read_pieces(rank_file(directory, source), names):
+                        self.state[name] = self.state_buffers.from_host(piece)
+                        self._made.pop(name, None)
+                        self._kept.pop(name, None)
+        except Exception as exc:
+            error = f"rank {self.rank}: {_line(exc)}"
+        errors = comm.gather(error, root=0) if comm.Get_size() > 1 else [error]
+        if self.rank == 0 and any(errors):
+            raise RunError(next(e for e in errors if e))
+
     def _drop_state(self) -> None:
         """Let the state go. Buffers to take again (``_empty_state``): the device's, and on the
         host a cache updated in place that is still the array the job made (one per state, a
@@ -699,6 +748,10 @@ class Job:
                     self._scatter_state(None, header)
                 elif op == STATS:
                     self._gather_stats()
+                elif op == SAVE_STATE:
+                    self._state_files(None, save=True)
+                elif op == LOAD_STATE:
+                    self._state_files(None, save=False)
         except Exception as exc:
             raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
         self._free()

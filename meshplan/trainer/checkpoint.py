@@ -1,10 +1,13 @@
-"""Checkpoints of a training job: the trained weights, the optimizer's slots, the step, the
-data position and the shuffling generator's state.
+"""Checkpoints of a training job: the trained weights and the optimizer's slots as each
+rank's own pieces, the step, the data position and the shuffling generator's state.
 
-A checkpoint is a folder ``DIR/step-NNNNNNNN`` holding ``state.npz`` (one array per state
-input, written one tensor at a time: rank 0 holds one tensor at once, never the model) and
-``manifest.json``; it is written under a temporary name and renamed whole, so a job that
-dies leaves the last complete checkpoint as it was. ``--resume DIR`` takes the newest.
+A checkpoint is a folder ``DIR/step-NNNNNNNN`` holding ``rankN.npz`` for each rank that
+holds a distinct piece of the state (``runtime.state_files``: every rank writes its own, no
+rank gathers the model; ``DIR`` must be on a file system every rank sees) and
+``manifest.json`` (the layout each state was held in, so that a job of another plan of the
+same model, or ``meshplan export``, can put each tensor back together, one at a time). It is
+written under a temporary name and renamed whole: a job that dies leaves the last complete
+checkpoint as it was. ``--resume DIR`` takes the newest.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import json
 import os
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,9 @@ import numpy as np
 from meshplan.errors import TrainError
 from meshplan.files import atomic_write_bytes, file_sha256
 from meshplan.plan_format import PLAN_FILE
+from meshplan.runtime.state_files import read_whole
 
-FORMAT = 1
-STATE_FILE = "state.npz"
+FORMAT = 2
 MANIFEST = "manifest.json"
 PREFIX = "step-"
 
@@ -32,20 +34,17 @@ def plan_digest(plan_dir: str | Path) -> str:
     return file_sha256(Path(plan_dir) / PLAN_FILE)
 
 
-def write_checkpoint(directory: str | Path, step: int, tensors, manifest: dict) -> Path:
-    """``tensors`` yields (state input, array) one at a time."""
+def staging_folder(directory: str | Path, step: int) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"{PREFIX}{step:08d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
+    return Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step:08d}.", dir=directory))
+
+
+def finish_checkpoint(staging: Path, directory: str | Path, step: int, manifest: dict) -> Path:
+    """Write the manifest into ``staging`` (the ranks' files are there) and rename it whole."""
+    final = Path(directory) / f"{PREFIX}{step:08d}"
     try:
-        names = []
-        with zipfile.ZipFile(staging / STATE_FILE, "w", allowZip64=True) as archive:
-            for name, array in tensors:
-                with archive.open(f"{len(names)}.npy", "w", force_zip64=True) as out:
-                    np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
-                names.append(name)
-        body = {"format": FORMAT, "step": step, "tensors": names, **manifest}
+        body = {"format": FORMAT, "step": step, **manifest}
         atomic_write_bytes(staging / MANIFEST, (json.dumps(body, indent=1) + "\n").encode())
         if final.exists():
             shutil.rmtree(final)
@@ -60,7 +59,7 @@ def latest(directory: str | Path) -> Path:
     directory = Path(directory)
     if not directory.is_dir():
         raise TrainError(f"checkpoint directory not found: {directory}")
-    found = sorted(p for p in directory.glob(f"{PREFIX}*") if (p / MANIFEST).is_file() and (p / STATE_FILE).is_file())
+    found = sorted(p for p in directory.glob(f"{PREFIX}*") if (p / MANIFEST).is_file())
     if not found:
         if (directory / MANIFEST).is_file():
             return directory
@@ -69,7 +68,7 @@ def latest(directory: str | Path) -> Path:
 
 
 class Checkpoint:
-    """A checkpoint read back: its manifest, and its tensors one at a time."""
+    """A checkpoint read back: its manifest, and its tensors whole, one at a time."""
 
     def __init__(self, path: str | Path):
         self.path = latest(path)
@@ -84,22 +83,15 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.manifest["step"])
 
-    def check_plan(self, digest: str, trained: dict) -> None:
-        """A checkpoint of another plan is refused (its weights would not fit this one)."""
-        if self.manifest.get("weights") != trained:
-            raise TrainError(f"{self.path} is a checkpoint of another model or optimizer (its weights and slots "
-                             "differ from the plan's)")
-        if self.manifest.get("plan_sha256") != digest:
-            self.other_plan = True
+    @property
+    def names(self) -> list[str]:
+        return list(self.manifest["layouts"])
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self.manifest["layouts"]:
+            raise TrainError(f"{self.path} holds no tensor {name!r}")
+        return read_whole(self.path, self.manifest["layouts"], name)
 
     def tensors(self):
-        with zipfile.ZipFile(self.path / STATE_FILE) as archive:
-            for index, name in enumerate(self.manifest["tensors"]):
-                with archive.open(f"{index}.npy") as source:
-                    yield name, np.lib.format.read_array(source, allow_pickle=False)
-
-    def tensor(self, wanted: str) -> np.ndarray:
-        for name, array in self.tensors():
-            if name == wanted:
-                return array
-        raise TrainError(f"{self.path} holds no tensor {wanted!r}")
+        for name in self.names:
+            yield name, self.tensor(name)

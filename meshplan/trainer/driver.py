@@ -8,6 +8,7 @@ checkpoint. ``Trainer`` is the Python interface: ``Trainer(job).step(batch, lr)`
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from onnx import external_data_helper, numpy_helper
 from meshplan.errors import MeshplanError, TrainError
 from meshplan.files import file_sha256
 from meshplan.plan_format import Plan, read_plan
-from meshplan.trainer.checkpoint import Checkpoint, plan_digest, write_checkpoint
+from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
 from meshplan.trainer.schedule import learning_rate
 
@@ -88,19 +89,32 @@ class Trainer:
         return float(out[LOSS]), float(out[GRAD_NORM])
 
     def save(self, directory, batches: Batches | None) -> Path:
+        """A checkpoint in ``directory``: every rank writes its own pieces of the state."""
+        from meshplan.runtime.state_files import layouts
+
+        staging = staging_folder(directory, self.steps_done)
+        try:
+            self.job.save_state_files(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         manifest = {"plan_sha256": plan_digest(self.job.plan_dir), "weights": self._trained_record(),
-                    "data": batches.get_state() if batches is not None else None}
-        job = self.job
-        return write_checkpoint(directory, self.steps_done,
-                                ((n, job.get_state([n])[n]) for n in self.state_names()), manifest)
+                    "data": batches.get_state() if batches is not None else None,
+                    "layouts": {n: v for n, v in layouts(self.plan).items() if n in set(self.state_names())}}
+        return finish_checkpoint(staging, directory, self.steps_done, manifest)
 
     def resume(self, directory, batches: Batches | None) -> Checkpoint:
+        """Continue from the newest checkpoint in ``directory``: each rank reads its own pieces
+        where this plan wrote them, else the tensors are put together and sent one at a time."""
         checkpoint = Checkpoint(directory)
         if checkpoint.manifest.get("weights") != self._trained_record():
             raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
                              "slots differ from the plan's)")
-        for name, array in checkpoint.tensors():
-            self.job.set_state({name: array})
+        if checkpoint.manifest.get("plan_sha256") == plan_digest(self.job.plan_dir):
+            self.job.load_state_files(checkpoint.path)
+        else:
+            for name in self.state_names():
+                self.job.set_state({name: checkpoint.tensor(name)})
         self.steps_done = checkpoint.step
         if batches is not None and checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])

@@ -40,13 +40,13 @@ def export_trained(plan_dir, checkpoint_dir, output) -> Path:
     model = onnx.load(str(source))
     place = {t.name: i for i, t in enumerate(model.graph.initializer)}
     copies = plan.training.get("tied", {})
-    for name, array in checkpoint.tensors():
-        if name in weights:
-            model.graph.initializer[place[name]].CopyFrom(numpy_helper.from_array(array, name))
-            for copy, tie in copies.items():   # an exporter's copy of a tied weight: the trained value again
-                if tie["of"] == name:
-                    value = array.T if tie["transposed"] else array
-                    model.graph.initializer[place[copy]].CopyFrom(numpy_helper.from_array(value, copy))
+    for name in weights:
+        array = checkpoint.tensor(name)
+        model.graph.initializer[place[name]].CopyFrom(numpy_helper.from_array(array, name))
+        for copy, tie in copies.items():   # an exporter's copy of a tied weight: the trained value again
+            if tie["of"] == name:
+                value = array.T if tie["transposed"] else array
+                model.graph.initializer[place[copy]].CopyFrom(numpy_helper.from_array(value, copy))
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         large = sum(t.ByteSize() for t in model.graph.initializer) > EXTERNAL_THRESHOLD
