@@ -77,6 +77,11 @@ class GradNode:
     def dtype(self, name: str) -> np.dtype:
         return self.tape.dtype_of(name)
 
+    @property
+    def opset(self) -> int:
+        """The model's default-domain opset (18 where the tape does not say)."""
+        return int(getattr(self.tape, "opset", 18) or 18)
+
     def value(self, index: int) -> np.ndarray | None:
         """Input ``index``'s value where it is a known constant (axes, shapes), else None."""
         return getattr(self.tape, "known", {}).get(self.inputs[index]) if self.has_input(index) else None
@@ -109,7 +114,7 @@ class GradNode:
     def const(self, value, like: str | None = None, dtype=None) -> str:
         """A constant: a scalar in the dtype of tensor ``like`` (default the first output's),
         or an array as given (int64 axes and shapes)."""
-        if dtype is None and not isinstance(value, (np.ndarray, np.generic)):
+        if dtype is None and not isinstance(value, (np.ndarray, np.integer, np.bool_)):
             dtype = self.dtype(like or self.y(0))
         return self.tape.constant(np.asarray(value, dtype=dtype))
 
@@ -120,16 +125,46 @@ class GradNode:
     def shape_tensor(self, name: str) -> str:
         return self.op("Shape", name)
 
+    def zeros(self, like: str) -> str:
+        """Zeros of tensor ``like``'s shape and dtype (the gradient of a step function)."""
+        return self.op("ConstantOfShape", self.op("Shape", like), value=np.zeros(1, dtype=self.dtype(like)))
+
+    def forward_output(self, index: int, dtype, shape=None) -> str:
+        """Output ``index`` of the forward node, named where the model leaves that optional
+        output out (Dropout's mask: the one its forward run draws). The one edit a rule makes
+        to the forward graph: the node in the model gains the output."""
+        outs = self.node.output
+        while len(outs) <= index:
+            outs.append("")
+        if not outs[index]:
+            outs[index] = self.tape.fresh(f"{self.op_type}_output{index}")
+            self.tape.dtypes[outs[index]] = np.dtype(dtype)
+            if shape is not None:
+                self.tape.shapes[outs[index]] = tuple(shape)
+            self.outputs = list(outs)
+        return outs[index]
+
     def unbroadcast(self, grad: str, target: str, like: str | None = None) -> str:
         """``grad``, of tensor ``like``'s shape (default the first output's: the broadcast
         result), summed down to ``target``'s shape: over the leading axes ``target`` lacks and
-        the axes where it is 1 and the result is not."""
+        the axes where it is 1 and the result is not. An axis of ``target`` of unknown size is
+        summed where it turns out to be 1 when the graph runs."""
         out, to = self.shape(like or self.y(0)), self.shape(target)
         lead = len(out) - len(to)
+        if lead < 0:
+            raise GradientError(f"{self.op_type} node '{self.name}': a gradient of rank {len(out)} "
+                                f"for '{target}' of rank {len(to)}")
         axes = list(range(lead)) + [lead + a for a, d in enumerate(to) if d == 1 and out[lead + a] != 1]
-        if not axes:
+        unknown = [a for a, d in enumerate(to) if d is None and out[lead + a] != 1]
+        if not axes and not unknown:
             return grad
-        summed = self.op("ReduceSum", grad, self.ints(axes), keepdims=1)
+        summed = self.op("ReduceSum", grad, self.ints(axes), keepdims=1) if axes else grad
+        for a in unknown:   # Where(size == 1, Σ over the axis, grad), cut to the size
+            size = self.op("Gather", self.shape_tensor(target), self.ints([a]))
+            one = self.op("Equal", size, self.ints([1]))
+            summed = self.op("Slice", self.op("Where", one, self.op("ReduceSum", summed, self.ints([lead + a]),
+                                                                    keepdims=1), summed),
+                             self.ints([0]), size, self.ints([lead + a]))
         if lead:
             summed = self.op("Reshape", summed, self.shape_tensor(target))
         return summed

@@ -133,24 +133,10 @@ gradient("Elu")(_unary(lambda g, x, y, dy: g.op("Where", g.op("Greater", x, g.co
 
 @gradient("Gelu")
 def _gelu_grad(g: GradNode) -> list:
-    """erf form: Φ(x) + x·φ(x); tanh form: the derivative of 0.5·x·(1 + tanh(u)),
-    u = √(2/π)·(x + 0.044715·x³)."""
-    x, dy = g.x(0), g.dy(0)
-    c = lambda v: g.const(v, like=x)
-    if g.attr("approximate", "none") in ("tanh", b"tanh"):
-        k = np.sqrt(2.0 / np.pi)
-        x2 = g.op("Mul", x, x)
-        u = g.op("Mul", c(k), g.op("Add", x, g.op("Mul", c(0.044715), g.op("Mul", x2, x))))
-        t = g.op("Tanh", u)
-        du = g.op("Mul", c(k), g.op("Add", c(1.0), g.op("Mul", c(3 * 0.044715), x2)))
-        sech2 = g.op("Sub", c(1.0), g.op("Mul", t, t))
-        d = g.op("Add", g.op("Mul", c(0.5), g.op("Add", c(1.0), t)),
-                 g.op("Mul", g.op("Mul", c(0.5), x), g.op("Mul", sech2, du)))
-    else:
-        cdf = g.op("Mul", c(0.5), g.op("Add", c(1.0), g.op("Erf", g.op("Mul", x, c(1 / np.sqrt(2.0))))))
-        pdf = g.op("Mul", c(1 / np.sqrt(2 * np.pi)), g.op("Exp", g.op("Mul", c(-0.5), g.op("Mul", x, x))))
-        d = g.op("Add", cdf, g.op("Mul", x, pdf))
-    return [g.op("Mul", dy, d)]
+    """dx = dy·gelu'(x): erf form Φ(x) + x·φ(x); tanh form the derivative of
+    0.5·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³)."""
+    tanh = g.attr("approximate", "none") in ("tanh", b"tanh")
+    return [g.op("Mul", g.dy(0), (_gelu_tanh if tanh else _gelu_erf)(g, g.x(0)))]
 
 
 @gradient("Add", "Sub")
@@ -235,23 +221,158 @@ def _cast_grad(g: GradNode) -> list:
 
 @gradient("Dropout")
 def _dropout_grad(g: GradNode) -> list:
-    """Inference dropout is the identity; in training mode the kept mask scales dy
-    (``training/modes.py`` makes its seeded mask a forward output)."""
+    """dx = dy·mask/(1 − ratio) in training mode (the mask the forward run drew: its mask
+    output, which the node gains where the model leaves it out); dx = dy in inference mode."""
     dy = g.dy(0)
-    if len(g.outputs) > 1 and g.outputs[1] and g.has_input(1) and not _is_inference(g):
-        ratio = g.x(1)
-        scale = g.op("Div", g.const(1.0, like=g.x(0)), g.op("Sub", g.const(1.0, like=g.x(0)),
-                                                              g.like_input(ratio, 0)))
-        dy = g.op("Mul", g.op("Mul", dy, g.op("Cast", g.y(1), to=_float_type(g))), scale)
-    return [dy] + [None] * (len(g.inputs) - 1)
+    mode = g.value(2) if g.has_input(2) else np.array(False)
+    if mode is not None and not bool(mode):
+        return [dy] + [None] * (len(g.inputs) - 1)
+    x = g.x(0)
+    mask = g.forward_output(1, np.bool_, g.shape(x) if g.tape.shape_of(x) is not None else None)
+    ratio = g.like_input(g.x(1), 0) if g.has_input(1) else g.const(0.5, like=x)
+    scale = g.op("Div", g.const(1.0, like=x), g.op("Sub", g.const(1.0, like=x), ratio))
+    if mode is None:   # the mode known only when the graph runs: scale 1 in inference
+        scale = g.op("Where", g.x(2), scale, g.const(1.0, like=x))
+    kept = g.op("Where", mask, dy, g.const(0.0, like=x))
+    return [g.op("Mul", kept, scale)] + [None] * (len(g.inputs) - 1)
 
 
-def _is_inference(g: GradNode) -> bool:
-    mode = g.value(2) if g.has_input(2) else None
-    return mode is None or not bool(mode)
+def _passed(g: GradNode, where: str) -> str:
+    """dy where ``where`` holds, else 0."""
+    return g.op("Where", where, g.dy(0), g.const(0.0))
 
 
-def _float_type(g: GradNode) -> int:
-    from onnx import helper
+def _attr(g: GradNode, name: str, default: float) -> str:
+    return g.const(float(g.attr(name, default)))
 
-    return helper.np_dtype_to_tensor_dtype(g.dtype(g.x(0)))
+
+# dx = 0 (a step function: zero almost everywhere)
+gradient("Sign", "Floor", "Ceil", "Round")(_unary(lambda g, x, y, dy: g.zeros(x)))
+# dx = dy·[x > alpha]
+gradient("ThresholdedRelu")(_unary(lambda g, x, y, dy: _passed(g, g.op("Greater", x, _attr(g, "alpha", 1.0)))))
+# dx = dy·[|x| > lambd]
+gradient("Shrink")(_unary(lambda g, x, y, dy: _passed(g, g.op("Greater", g.op("Abs", x), _attr(g, "lambd", 0.5)))))
+# dx = dy / (1 + |x|)²
+gradient("Softsign")(_unary(lambda g, x, y, dy: g.op("Div", dy, _squared(g, g.op("Add", g.const(1.0),
+                                                                                 g.op("Abs", x))))))
+# dx = dy·cosh(x), dy·sinh(x), dy·(1 + y²), dy/(1 + x²)
+gradient("Sinh")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Cosh", x))))
+gradient("Cosh")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Sinh", x))))
+gradient("Tan")(_unary(lambda g, x, y, dy: _times(g, dy, g.op("Add", g.const(1.0), _squared(g, y)))))
+gradient("Atan")(_unary(lambda g, x, y, dy: g.op("Div", dy, g.op("Add", g.const(1.0), _squared(g, x)))))
+# dx = dy/√(1 − x²), −dy/√(1 − x²), dy/√(x² + 1), dy/√(x² − 1), dy/(1 − x²)
+gradient("Asin")(_unary(lambda g, x, y, dy: g.op("Div", dy, g.op("Sqrt", g.op("Sub", g.const(1.0), _squared(g, x))))))
+gradient("Acos")(_unary(lambda g, x, y, dy: g.op("Neg", g.op("Div", dy, g.op("Sqrt", g.op(
+    "Sub", g.const(1.0), _squared(g, x)))))))
+gradient("Asinh")(_unary(lambda g, x, y, dy: g.op("Div", dy, g.op("Sqrt", g.op("Add", _squared(g, x), g.const(1.0))))))
+gradient("Acosh")(_unary(lambda g, x, y, dy: g.op("Div", dy, g.op("Sqrt", g.op("Sub", _squared(g, x), g.const(1.0))))))
+gradient("Atanh")(_unary(lambda g, x, y, dy: g.op("Div", dy, g.op("Sub", g.const(1.0), _squared(g, x)))))
+
+
+def _squared(g: GradNode, name: str) -> str:
+    return g.op("Mul", name, name)
+
+
+@gradient("HardSigmoid")
+def _hard_sigmoid_grad(g: GradNode) -> list:
+    """dx = dy·alpha·[0 < alpha·x + beta < 1] (y strictly between its bounds)."""
+    y = g.y(0)
+    inside = g.op("And", g.op("Greater", y, g.const(0.0)), g.op("Less", y, g.const(1.0)))
+    return [g.op("Mul", _passed(g, inside), _attr(g, "alpha", 0.2))]
+
+
+@gradient("HardSwish")
+def _hard_swish_grad(g: GradNode) -> list:
+    """y = x·max(0, min(1, x/6 + ½)): dx = dy·(x < −3 ? 0 : x > 3 ? 1 : x/3 + ½)."""
+    x = g.x(0)
+    ramp = g.op("Add", g.op("Div", x, g.const(3.0)), g.const(0.5))
+    slope = g.op("Where", g.op("Less", x, g.const(-3.0)), g.const(0.0),
+                 g.op("Where", g.op("Greater", x, g.const(3.0)), g.const(1.0), ramp))
+    return [g.op("Mul", g.dy(0), slope)]
+
+
+@gradient("Selu")
+def _selu_grad(g: GradNode) -> list:
+    """dx = dy·gamma·(x > 0 ? 1 : alpha·eˣ)."""
+    x = g.x(0)
+    negative = g.op("Mul", _attr(g, "alpha", 1.67326319217681884765625), g.op("Exp", x))
+    slope = g.op("Where", g.op("Greater", x, g.const(0.0)), g.const(1.0), negative)
+    return [g.op("Mul", g.op("Mul", g.dy(0), _attr(g, "gamma", 1.05070102214813232421875)), slope)]
+
+
+@gradient("Celu")
+def _celu_grad(g: GradNode) -> list:
+    """dx = dy·(x > 0 ? 1 : exp(x/alpha))."""
+    x, dy = g.x(0), g.dy(0)
+    negative = g.op("Mul", dy, g.op("Exp", g.op("Div", x, _attr(g, "alpha", 1.0))))
+    return [g.op("Where", g.op("Greater", x, g.const(0.0)), dy, negative)]
+
+
+@gradient("Mish")
+def _mish_grad(g: GradNode) -> list:
+    """y = x·tanh(softplus(x)): dx = dy·(t + x·σ(x)·(1 − t²)), t = tanh(softplus(x))."""
+    x = g.x(0)
+    t = g.op("Tanh", g.op("Softplus", x))
+    sech2 = g.op("Sub", g.const(1.0), _squared(g, t))
+    return [g.op("Mul", g.dy(0), g.op("Add", t, g.op("Mul", g.op("Mul", x, g.op("Sigmoid", x)), sech2)))]
+
+
+@gradient("PRelu")
+def _prelu_grad(g: GradNode) -> list:
+    """y = x > 0 ? x : slope·x: dx = dy·(x > 0 ? 1 : slope), dslope = dy·(x > 0 ? 0 : x)."""
+    x, slope, dy = g.x(0), g.x(1), g.dy(0)
+    positive = g.op("Greater", x, g.const(0.0))
+    dx = g.unbroadcast(g.op("Where", positive, dy, g.op("Mul", dy, slope)), x) if g.need(0) else None
+    dslope = g.unbroadcast(g.op("Where", positive, g.const(0.0), g.op("Mul", dy, x)), slope) if g.need(1) else None
+    return [dx, dslope]
+
+
+# --- com.microsoft activations (onnxruntime's fused forms, as transformers exports write them)
+
+MICROSOFT = "com.microsoft"
+
+
+def _gelu_erf(g: GradNode, x: str) -> str:
+    """d/dx x·Φ(x) = Φ(x) + x·φ(x)."""
+    c = lambda v: g.const(v, like=x)
+    cdf = g.op("Mul", c(0.5), g.op("Add", c(1.0), g.op("Erf", g.op("Mul", x, c(1 / np.sqrt(2.0))))))
+    pdf = g.op("Mul", c(1 / np.sqrt(2 * np.pi)), g.op("Exp", g.op("Mul", c(-0.5), g.op("Mul", x, x))))
+    return g.op("Add", cdf, g.op("Mul", x, pdf))
+
+
+def _gelu_tanh(g: GradNode, x: str) -> str:
+    """d/dx 0.5·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³)."""
+    c = lambda v: g.const(v, like=x)
+    k = np.sqrt(2.0 / np.pi)
+    x2 = g.op("Mul", x, x)
+    t = g.op("Tanh", g.op("Mul", c(k), g.op("Add", x, g.op("Mul", c(0.044715), g.op("Mul", x2, x)))))
+    du = g.op("Mul", c(k), g.op("Add", c(1.0), g.op("Mul", c(3 * 0.044715), x2)))
+    sech2 = g.op("Sub", c(1.0), g.op("Mul", t, t))
+    return g.op("Add", g.op("Mul", c(0.5), g.op("Add", c(1.0), t)), g.op("Mul", g.op("Mul", c(0.5), x),
+                                                                        g.op("Mul", sech2, du)))
+
+
+def _biased_gelu(derivative):
+    """Gelu of x + bias (bias optional, broadcast over the last dim): dx = dy·gelu'(x + bias),
+    dbias = Σ dx over the leading dims."""
+    def rule(g: GradNode) -> list:
+        x = g.op("Add", g.x(0), g.x(1)) if g.has_input(1) else g.x(0)
+        dx = g.op("Mul", g.dy(0), derivative(g, x))
+        return [dx if g.need(0) else None] + ([g.unbroadcast(dx, g.x(1)) if g.need(1) else None]
+                                               if g.has_input(1) else [])
+    return rule
+
+
+gradient("Gelu", domain=MICROSOFT)(_biased_gelu(_gelu_erf))
+gradient("BiasGelu", domain=MICROSOFT)(_biased_gelu(_gelu_erf))
+gradient("FastGelu", domain=MICROSOFT)(_biased_gelu(_gelu_tanh))
+
+
+@gradient("QuickGelu", domain=MICROSOFT)
+def _quick_gelu_grad(g: GradNode) -> list:
+    """y = x·σ(αx): dx = dy·(s + αx·s·(1 − s)), s = σ(αx)."""
+    x = g.x(0)
+    ax = g.op("Mul", x, g.const(float(g.attr("alpha", 1.702)), like=x))
+    s = g.op("Sigmoid", ax)
+    d = g.op("Add", s, g.op("Mul", ax, g.op("Mul", s, g.op("Sub", g.const(1.0, like=x), s))))
+    return [g.op("Mul", g.dy(0), d)]

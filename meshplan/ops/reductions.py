@@ -199,20 +199,27 @@ def _reduce_lse_grad(g: GradNode) -> list:
 def _reduce_max_grad(g: GradNode) -> list:
     """dy shared evenly among the elements equal to the result (as torch's amax/amin)."""
     axes = _axes(g)
+    if not axes:   # noop_with_empty_axes: y = x
+        return _none_after([g.dy(0)], g)
     best = g.op("Expand", _kept(g, g.y(0), axes), g.shape_tensor(g.x(0)))
     hit = g.op("Cast", g.op("Equal", g.x(0), best), to=_float_type(g))
     ties = g.op("ReduceSum", hit, g.ints(axes), keepdims=1)
     return _none_after([g.op("Mul", _spread(g, axes), g.op("Div", hit, ties))], g)
 
 
-def _softmax_axis(g: GradNode) -> int:
-    return int(g.attr("axis", -1)) % g.rank(g.x(0))
+def _softmax_axes(g: GradNode) -> str:
+    """The normalised axes: ``axis`` (default -1) from opset 13; before, every axis from
+    ``axis`` (default 1) on, the input read as a matrix."""
+    rank = g.rank(g.x(0))
+    if g.opset >= 13:
+        return g.ints([int(g.attr("axis", -1)) % rank])
+    return g.ints(range(int(g.attr("axis", 1)) % rank, rank))
 
 
 @gradient("Softmax")
 def _softmax_grad(g: GradNode) -> list:
-    """dx = y·(dy − Σ dy·y) along the axis (opset 13+: one axis)."""
-    y, dy, axis = g.y(0), g.dy(0), g.ints([_softmax_axis(g)])
+    """dx = y·(dy − Σ dy·y) along the axis."""
+    y, dy, axis = g.y(0), g.dy(0), _softmax_axes(g)
     inner = g.op("ReduceSum", g.op("Mul", dy, y), axis, keepdims=1)
     return [g.op("Mul", y, g.op("Sub", dy, inner))]
 
@@ -220,15 +227,20 @@ def _softmax_grad(g: GradNode) -> list:
 @gradient("LogSoftmax")
 def _log_softmax_grad(g: GradNode) -> list:
     """dx = dy − exp(y)·Σ dy along the axis."""
-    y, dy, axis = g.y(0), g.dy(0), g.ints([_softmax_axis(g)])
+    y, dy, axis = g.y(0), g.dy(0), _softmax_axes(g)
     total = g.op("ReduceSum", dy, axis, keepdims=1)
     return [g.op("Sub", dy, g.op("Mul", g.op("Exp", y), total))]
 
 
-def normalization_grad(g: GradNode, axes: list[int], centered: bool, epsilon: float, scale: str | None) -> tuple:
+def normalization_grad(g: GradNode, axes: list[int], centered: bool, epsilon: float, scale: str | None,
+                       source: str | None = None, dy: str | None = None, dmean: str | None = None,
+                       drstd: str | None = None) -> tuple:
     """The gradient of x̂·scale where x̂ = (x − mean)·rstd (centered) or x·rstd (RMS) over
-    ``axes``; returns (dx, x̂), the statistics recomputed here in x's dtype."""
-    x, dy = g.x(0), g.dy(0)
+    ``axes`` (x: ``source``, default input 0; dy default output 0's gradient); returns (dx, x̂),
+    the statistics recomputed here in x's dtype. ``dmean``, ``drstd``: the gradients of the
+    statistics as outputs (keepdims shape), added: dmean/H and −drstd·rstd³·(x − mean)/H."""
+    x = source or g.x(0)
+    dy = dy or g.dy(0)
     c = lambda v: g.const(v, like=x)
     ax = g.ints(axes)
     xc = g.op("Sub", x, g.op("ReduceMean", x, ax, keepdims=1)) if centered else x
@@ -239,14 +251,181 @@ def normalization_grad(g: GradNode, axes: list[int], centered: bool, epsilon: fl
     inner = g.op("Mul", xhat, g.op("ReduceMean", g.op("Mul", dxhat, xhat), ax, keepdims=1))
     if centered:
         inner = g.op("Add", inner, g.op("ReduceMean", dxhat, ax, keepdims=1))
-    return g.op("Mul", rstd, g.op("Sub", dxhat, inner)), xhat
+    dx = g.op("Mul", rstd, g.op("Sub", dxhat, inner))
+    if dmean is not None or drstd is not None:
+        to = _onnx_type(g.dtype(x))
+        count = g.op("Div", g.op("Cast", g.op("Size", x), to=to), g.op("Cast", g.op("Size", rstd), to=to))
+        if dmean is not None:
+            dx = g.op("Add", dx, g.op("Div", _cast_to(g, dmean, x), count))
+        if drstd is not None:
+            cube = g.op("Mul", rstd, g.op("Mul", rstd, rstd))
+            dx = g.op("Sub", dx, g.op("Div", g.op("Mul", g.op("Mul", _cast_to(g, drstd, x), cube), xc), count))
+    return dx, xhat
+
+
+def _cast_to(g: GradNode, name: str, like: str) -> str:
+    return name if g.dtype(name) == g.dtype(like) else g.op("Cast", name, to=_onnx_type(g.dtype(like)))
+
+
+def _onnx_type(dtype) -> int:
+    from onnx import helper
+
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def _stat(g: GradNode, index: int) -> str | None:
+    """Output ``index``'s gradient where the loss depends on it (a statistics output)."""
+    return g.dy(index) if g.has_dy(index) else None
 
 
 @gradient("LayerNormalization")
 def _layer_norm_grad(g: GradNode) -> list:
+    """y = x̂·scale + B over the axes from ``axis``; Mean and InvStdDev, where the loss reads
+    them, add theirs to dx."""
     rank = g.rank(g.x(0))
     axes = list(range(int(g.attr("axis", -1)) % rank, rank))
-    dx, xhat = normalization_grad(g, axes, True, float(g.attr("epsilon", 1e-5)), g.x(1))
+    dx, xhat = normalization_grad(g, axes, True, float(g.attr("epsilon", 1e-5)), g.x(1),
+                                  dmean=_stat(g, 1), drstd=_stat(g, 2))
     dscale = g.unbroadcast(g.op("Mul", g.dy(0), xhat), g.x(1)) if g.need(1) else None
     dbias = g.unbroadcast(g.dy(0), g.x(2)) if g.has_input(2) and g.need(2) else None
     return [dx if g.need(0) else None, dscale, dbias]
+
+
+def _channels(g: GradNode, name: str) -> str:
+    """A per-channel vector [C] shaped to broadcast against x [N, C, …]."""
+    rank = g.rank(g.x(0))
+    return g.op("Unsqueeze", name, g.ints(range(1, rank - 1))) if rank > 2 else name
+
+
+@gradient("BatchNormalization")
+def _batch_norm_grad(g: GradNode) -> list:
+    """Inference: y = (x − mean)·rstd·scale + B, rstd = 1/√(var + ε) of the running statistics:
+    dx = dy·scale·rstd, dscale = Σ dy·x̂, dB = Σ dy, dmean = −Σ dy·scale·rstd,
+    dvar = −½·rstd²·Σ dy·scale·x̂. training_mode=1: the batch's statistics over every dim but
+    the channels, dx as a layer norm's over those dims; the running outputs take none."""
+    x, dy = g.x(0), g.dy(0)
+    rank = g.rank(x)
+    axes = [0] + list(range(2, rank))
+    eps = float(g.attr("epsilon", 1e-5))
+    scale = _channels(g, g.x(1))
+    sum_c = lambda v: g.op("ReduceSum", v, g.ints(axes), keepdims=0)
+    if int(g.attr("training_mode", 0)):
+        dx, xhat = normalization_grad(g, axes, True, eps, scale)
+        return [dx if g.need(0) else None, sum_c(g.op("Mul", dy, xhat)) if g.need(1) else None,
+                sum_c(dy) if g.need(2) else None, None, None]
+    rstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", g.x(4), g.const(eps, like=x))))
+    rstd_c = _channels(g, rstd)
+    xhat = g.op("Mul", g.op("Sub", x, _channels(g, g.x(3))), rstd_c)
+    dxhat = g.op("Mul", dy, scale)
+    dmean = g.op("Neg", g.op("Mul", sum_c(dxhat), rstd)) if g.need(3) else None
+    dvar = g.op("Mul", sum_c(g.op("Mul", dxhat, xhat)), g.op("Mul", g.op("Mul", rstd, rstd), g.const(-0.5, like=x))) \
+        if g.need(4) else None
+    return [g.op("Mul", dxhat, rstd_c) if g.need(0) else None, sum_c(g.op("Mul", dy, xhat)) if g.need(1) else None,
+            sum_c(dy) if g.need(2) else None, dmean, dvar]
+
+
+@gradient("InstanceNormalization")
+def _instance_norm_grad(g: GradNode) -> list:
+    """y = x̂·scale + B, x̂ normalised over the spatial dims of each sample and channel: dx
+    as a layer norm's over those dims, dscale = Σ dy·x̂, dB = Σ dy (over batch and space)."""
+    x, dy = g.x(0), g.dy(0)
+    rank = g.rank(x)
+    dx, xhat = normalization_grad(g, list(range(2, rank)), True, float(g.attr("epsilon", 1e-5)),
+                                  _channels(g, g.x(1)))
+    sum_c = lambda v: g.op("ReduceSum", v, g.ints([0] + list(range(2, rank))), keepdims=0)
+    return [dx if g.need(0) else None, sum_c(g.op("Mul", dy, xhat)) if g.need(1) else None,
+            sum_c(dy) if g.need(2) else None]
+
+
+@gradient("ReduceL1")
+def _reduce_l1_grad(g: GradNode) -> list:
+    """dx = dy·sign(x)."""
+    axes = _axes(g)
+    return _none_after([g.op("Mul", _spread(g, axes) if axes else g.dy(0), g.op("Sign", g.x(0)))], g)
+
+
+@gradient("ReduceLogSum")
+def _reduce_log_sum_grad(g: GradNode) -> list:
+    """dx = dy / Σx = dy·exp(−y)."""
+    axes = _axes(g)
+    total = g.op("Exp", g.op("Expand", _kept(g, g.y(0), axes), g.shape_tensor(g.x(0))))
+    return _none_after([g.op("Div", _spread(g, axes) if axes else g.dy(0), total)], g)
+
+
+@gradient("CumSum")
+def _cumsum_grad(g: GradNode) -> list:
+    """dx = the cumulative sum of dy the other way (``reverse`` flipped, ``exclusive`` kept)."""
+    return [g.op("CumSum", g.dy(0), g.x(1), exclusive=int(g.attr("exclusive", 0)),
+                 reverse=1 - int(g.attr("reverse", 0))), None]
+
+
+@gradient("TopK")
+def _top_k_grad(g: GradNode) -> list:
+    """dy added back at the positions the values came from (the Indices output)."""
+    from meshplan.ops.shapes import _positions, _scatter_back
+
+    x = g.x(0)
+    picked = g.op("GatherElements", _positions(g, x), g.y(1), axis=int(g.attr("axis", -1)))
+    return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+
+
+# --- pools ---------------------------------------------------------------------------------
+
+@gradient("GlobalAveragePool")
+def _global_average_pool_grad(g: GradNode) -> list:
+    """dx = dy spread over the spatial dims / their size."""
+    return [g.op("Div", g.op("Expand", g.dy(0), g.shape_tensor(g.x(0))), _count(g))]
+
+
+@gradient("GlobalMaxPool")
+def _global_max_pool_grad(g: GradNode) -> list:
+    """dy shared evenly among the elements equal to the maximum (as ReduceMax)."""
+    x = g.x(0)
+    spatial = g.ints(range(2, g.rank(x)))
+    hit = g.op("Cast", g.op("Equal", x, g.op("Expand", g.y(0), g.shape_tensor(x))), to=_float_type(g))
+    ties = g.op("ReduceSum", hit, spatial, keepdims=1)
+    return [g.op("Mul", g.op("Expand", g.dy(0), g.shape_tensor(x)), g.op("Div", hit, ties))]
+
+
+@gradient("MaxPool")
+def _max_pool_grad(g: GradNode) -> list:
+    """dy added at each window's argmax: the node's Indices output (row-major), or those of a
+    MaxPool of x with the same windows the rule writes."""
+    from meshplan.ops.shapes import _scatter_back
+
+    x = g.x(0)
+    if len(g.outputs) > 1 and g.outputs[1] and int(g.attr("storage_order", 0)) == 0:
+        indices = g.y(1)
+    else:
+        attrs = {k: v for k, v in g.attrs.items() if k != "storage_order"}
+        indices = g.op("MaxPool", x, outputs=2, **attrs)[1]
+    return [_scatter_back(g, indices, g.dy(0), x, add=True)]
+
+
+@gradient("AveragePool")
+def _average_pool_grad(g: GradNode) -> list:
+    """dx = Σ over the windows reading each position of dy/c, c the window's divisor as the
+    pool counts it (count_include_pad either way, ceil_mode): 1/c = AveragePool(1)/Σ-pool(1);
+    the sum over windows a ConvTranspose with a kernel of ones, per channel."""
+    from meshplan.ops.contractions import transposed_window, window_geometry
+
+    x, dy = g.x(0), g.dy(0)
+    kernel = list(g.attr("kernel_shape"))
+    sizes, outs, strides, dilations, begin = window_geometry(g, kernel)
+    dtype = g.dtype(x)
+    ones = g.op("ConstantOfShape", g.ints([1, 1] + sizes), value=np.ones(1, dtype=dtype))
+    averaged = g.op("AveragePool", ones, **g.attrs)
+    window = g.const(np.ones([1, 1] + kernel, dtype=dtype))
+    ends = [max(0, s * (o - 1) + (k - 1) * d + 1 - b - i)
+            for i, o, s, d, k, b in zip(sizes, outs, strides, dilations, kernel, begin)]
+    counted = g.op("Conv", ones, window, strides=strides, dilations=dilations, pads=begin + ends)
+    reach = [(i + b + e - (k - 1) * d - 1) // s + 1
+             for i, s, d, k, b, e in zip(sizes, strides, dilations, kernel, begin, ends)]
+    if reach != outs:
+        spatial = list(range(2, 2 + len(kernel)))
+        counted = g.op("Slice", counted, g.ints([0] * len(kernel)), g.ints(outs), g.ints(spatial))
+    scaled = g.op("Mul", dy, g.op("Div", averaged, counted))
+    flat = g.op("Reshape", scaled, g.ints([-1, 1] + outs))   # every (sample, channel) alone
+    back = transposed_window(g, flat, window, kernel, 1)
+    return [g.op("Reshape", back, g.shape_tensor(x))]
+

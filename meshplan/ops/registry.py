@@ -64,6 +64,7 @@ class OpEntry:
 
 
 _ENTRIES: dict[tuple[str, str], OpEntry] = {}
+_GRADS: dict[tuple[str, str], GradFn] = {}      # gradient rules, by (domain, op type)
 _DEFAULT = OpEntry("")
 
 
@@ -82,7 +83,8 @@ def define(*op_types: str, rule: RuleFn | None = None, flops: FlopsFn | None = N
         if key in _ENTRIES:
             raise ValueError(f"op {op_type} is defined twice")
         _ENTRIES[key] = OpEntry(op_type, rule, flops or per_element(1), heavy, policy, rewrite, key[0],
-                                partial_bias, local_attrs, segments, tuple(cache_outputs), tuple(lookups))
+                                partial_bias, local_attrs, segments, tuple(cache_outputs), tuple(lookups),
+                                _GRADS.get(key))
 
 
 def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:
@@ -94,27 +96,29 @@ def rule(*op_types: str, **fields) -> Callable[[RuleFn], RuleFn]:
 
 
 def gradient(*op_types: str, domain: str = "") -> Callable[[GradFn], GradFn]:
-    """Decorator: ``fn`` is the gradient rule of ``op_types`` (an entry made by ``define``
-    before, or a plain one). One rule per op type and domain."""
+    """Decorator: ``fn`` is the gradient rule of ``op_types`` in ``domain``. One rule per op
+    type and domain. An op with no entry gets none from this (a com.microsoft op keeps taking
+    the default-domain op's FLOPs and heaviness): the rule is kept beside the entries."""
     def add(fn: GradFn) -> GradFn:
         for op_type in op_types:
             key = (_domain(domain), op_type)
-            found = _ENTRIES.get(key) or OpEntry(op_type, domain=key[0])
-            if found.grad is not None:
+            if key in _GRADS:
                 raise ValueError(f"op {op_type} has two gradient rules")
-            _ENTRIES[key] = replace(found, grad=fn)
+            _GRADS[key] = fn
+            if key in _ENTRIES:
+                _ENTRIES[key] = replace(_ENTRIES[key], grad=fn)
         return fn
     return add
 
 
 def grad_of(op_type: str, domain: str | None = "") -> GradFn | None:
-    """The gradient rule of ``op_type`` in ``domain`` (that very domain's entry only)."""
-    found = _ENTRIES.get((_domain(domain), op_type))
-    return None if found is None else found.grad
+    """The gradient rule of ``op_type`` in ``domain`` (that very domain's rule only)."""
+    return _GRADS.get((_domain(domain), op_type))
 
 
 def ops_with_gradients(domain: str = "") -> tuple[str, ...]:
-    return tuple(sorted(op for (d, op), e in _ENTRIES.items() if d == _domain(domain) and e.grad is not None))
+    """The op types of ``domain`` (default: the default domain) that have gradient rules."""
+    return tuple(sorted(op for (d, op) in _GRADS if d == _domain(domain)))
 
 
 def entry(op_type: str, domain: str | None = "") -> OpEntry:

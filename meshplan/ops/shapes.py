@@ -454,3 +454,47 @@ def _pad_grad(g: GradNode) -> list:
                      g.op("Reshape", g.dy(0), g.ints([-1])), axis=0)
     body = g.op("Slice", scattered, g.ints([0]), _scalar_size(g, x))
     return [g.op("Reshape", body, g.shape_tensor(x))] + [None] * (len(g.inputs) - 1)
+
+
+@gradient("Trilu")
+def _trilu_grad(g: GradNode) -> list:
+    """dx = Trilu(dy): the same triangle kept."""
+    return [g.op("Trilu", g.dy(0), *g.inputs[1:], upper=int(g.attr("upper", 1))), None]
+
+
+@gradient("Resize")
+def _resize_grad(g: GradNode) -> list:
+    """Resize is linear in x and separable: along each resized axis d, y = x ×_d A_d (A_d: m×n);
+    dx = dy ×_d A_dᵀ, A_dᵀ the resize of the n×n identity by the node's own attributes along
+    its last axis (so every mode: nearest, linear, cubic, antialias, coordinate transforms)."""
+    x, dy = g.x(0), g.dy(0)
+    coordinates = _text(g.attr("coordinate_transformation_mode"), "half_pixel")
+    if coordinates == "tf_crop_and_resize":
+        raise GradientError(f"Resize node '{g.name}': tf_crop_and_resize has no gradient rule")
+    src, dst = g.shape(x), g.shape(g.y(0))
+    rank = len(src)
+    axes = [int(a) % rank for a in g.attr("axes", list(range(rank)))]
+    scales = g.value(2) if g.has_input(2) else np.zeros(0)
+    if scales is None:
+        raise GradientError(f"Resize node '{g.name}': the scales are not a constant")
+    if scales.size == 0 and _text(g.attr("keep_aspect_ratio_policy"), "stretch") != "stretch":
+        raise GradientError(f"Resize node '{g.name}': only keep_aspect_ratio_policy 'stretch' has a gradient rule")
+    keep = ("mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside", "nearest_mode", "antialias")
+    attrs = {k: v for k, v in g.attrs.items() if k in keep}
+    grad = dy
+    for k, axis in enumerate(axes):
+        n, m = src[axis], dst[axis]
+        scale = float(scales.reshape(-1)[k]) if scales.size else None
+        if scale == 1.0 or (scale is None and n == m):
+            continue
+        if not isinstance(n, int) or not isinstance(m, int):
+            raise GradientError(f"Resize node '{g.name}': axis {axis} has a size not known ({n} → {m})")
+        eye = g.const(np.eye(n, dtype=g.dtype(x)))
+        if scale is not None:
+            weights = g.op("Resize", eye, "", g.const(np.array([1.0, scale], dtype=np.float32)), **attrs)
+        else:
+            weights = g.op("Resize", eye, "", "", g.ints([n, m]), **attrs)
+        perm = [d for d in range(rank) if d != axis] + [axis]
+        moved = g.op("MatMul", g.op("Transpose", grad, perm=perm), g.op("Transpose", weights, perm=[1, 0]))
+        grad = g.op("Transpose", moved, perm=[perm.index(d) for d in range(rank)])
+    return [grad] + [None] * (len(g.inputs) - 1)
