@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import REPO, run_cli, run_mpi
+from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.errors import TrainError
 from meshplan.testing.train_reference import run_whole
 from meshplan.trainer.checkpoint import Checkpoint
@@ -255,6 +255,15 @@ def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp
             assert np.array_equal(trained[name], value)
     x = np.load(data)["x"][:8]
     ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+def test_job_train_step_from_a_users_loop(tmp_path):
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x2", "--optimizer", "adamw")
+    data = _data(tmp_path / "data.npz")
+    hyper = {"weight_decay": 0.05, "clip_norm": 0.5}
+    losses, _ = run_whole(plan_dir, data, 3, 0.01, hyper)
+    (tmp_path / "expected.json").write_text(json.dumps({"lr": 0.01, "hyper": hyper, "losses": losses}))
+    assert run_mpi_script("train_step_case.py", 2, args=(plan_dir, data, tmp_path / "expected.json"))
 
 
 # --- bad input: one line, exit 1 ------------------------------------------------------------

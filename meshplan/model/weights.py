@@ -174,3 +174,15 @@ def copy_range(tensor: onnx.TensorProto, source_dir: Path, out) -> int:
             out.write(chunk)
             left -= len(chunk)
     return size
+
+
+def read_initializers(path: str | os.PathLike, names) -> "iter":
+    """(name, array) of the initializers ``names`` of the model at ``path``, one at a time
+    (each read from its external data only when its turn comes)."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    wanted = set(names)
+    for tensor in model.graph.initializer:
+        if tensor.name in wanted:
+            yield tensor.name, tensor_value(tensor, path.parent)
+            tensor.Clear()

@@ -81,6 +81,7 @@ _LOGITS = "logits"            # the output a greedy choice is made from (``Job(c
 # ``MESHPLAN_DEVICE_CHOICE=0`` in the environment: a job on CUDA returns logits and the token is
 # chosen on the host (the way to measure what the choice next to the logits saves)
 DEVICE_CHOICE = "MESHPLAN_DEVICE_CHOICE"
+TRAIN_LOSS, TRAIN_GRAD_NORM = "train.loss", "train.grad_norm"   # a training step's outputs
 
 
 @dataclass
@@ -250,6 +251,7 @@ class Job:
         except Exception as exc:
             raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
         self.closed = False
+        self.train_steps, self.grad_norm = 0, None   # a training plan's steps (``train_step``)
 
     # --- set-up shared by every rank -------------------------------------------------------
 
@@ -628,6 +630,41 @@ class Job:
         for name, value in values.items():
             self.state_shapes[name] = tuple(np.shape(value))
             self._tracked = None
+
+    # --- training plans ------------------------------------------------------------------------
+
+    def train_step(self, batch: dict[str, np.ndarray], lr: float, **hyper: float) -> float:
+        """One step of a training plan (``meshplan plan --train``) on ``batch`` (the model's
+        inputs and the loss's target) at learning rate ``lr`` (driver): the loss before the
+        update. ``hyper``: the optimizer's other settings (momentum, weight_decay, beta1,
+        beta2, eps, clip_norm; torch's defaults where not given). The first step starts the
+        weights from the plan's source model unless ``set_state`` or ``load_state_files``
+        gave them. After it, ``grad_norm`` is the gradients' global norm before clipping and
+        ``train_steps`` counts the steps (AdamW's bias correction reads it)."""
+        from meshplan.model.weights import read_initializers
+        from meshplan.training.optimizers import DEFAULTS
+
+        self._require_driver("train_step")
+        training = self.plan.training
+        if not training:
+            raise RunError(f"plan {self.plan_dir} is not a training plan", hint="plan it with meshplan plan --train")
+        if not all(w in self.state_shapes for w in training["weights"]):
+            source = Path(training["source"]["path"])
+            if not source.is_file():
+                raise RunError(f"the source model {source} is gone", hint="set the weights, or resume a checkpoint")
+            for name, value in read_initializers(source, training["weights"]):
+                self.set_state({name: value})
+        values = {**DEFAULTS, **{"train." + k: float(v) for k, v in hyper.items()}}
+        feeds = dict(batch)
+        for name in training["hyperparameters"]:
+            if name not in values and name not in ("train.lr", "train.step"):
+                raise RunError(f"train_step: no value for {name}")
+            value = lr if name == "train.lr" else self.train_steps + 1 if name == "train.step" else values[name]
+            feeds[name] = np.asarray(value, dtype=np.float32)
+        out = self.run(feeds, outputs=[TRAIN_LOSS, TRAIN_GRAD_NORM])
+        self.train_steps += 1
+        self.grad_norm = float(out[TRAIN_GRAD_NORM])
+        return float(out[TRAIN_LOSS])
 
     def save_state_files(self, directory) -> None:
         """Every working rank writes the state pieces it is the first holder of into

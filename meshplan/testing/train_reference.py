@@ -10,7 +10,8 @@ import onnxruntime as ort
 
 from meshplan.plan_format import read_plan
 from meshplan.trainer.data import Batches
-from meshplan.trainer.driver import DEFAULTS, source_weights
+from meshplan.trainer.driver import source_weights
+from meshplan.training.optimizers import DEFAULTS
 from meshplan.trainer.schedule import learning_rate
 
 

@@ -14,19 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import external_data_helper, numpy_helper
 
 from meshplan.errors import MeshplanError, TrainError
 from meshplan.files import file_sha256
+from meshplan.model.weights import read_initializers
 from meshplan.plan_format import Plan, read_plan
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
 from meshplan.trainer.schedule import learning_rate
 
-LOSS, GRAD_NORM = "train.loss", "train.grad_norm"
-DEFAULTS = {"train.momentum": 0.0, "train.weight_decay": 0.0, "train.clip_norm": 0.0,
-            "train.beta1": 0.9, "train.beta2": 0.999, "train.eps": 1e-8}
 
 
 def require_training(plan: Plan, plan_dir) -> None:
@@ -35,22 +31,15 @@ def require_training(plan: Plan, plan_dir) -> None:
 
 
 def source_weights(plan: Plan, names) -> "iter":
-    """(name, array) of the trained weights' starting values, one at a time, from the source model."""
+    """(name, array) of the trained weights' starting values, one at a time, from the source
+    model (which must be the file the plan was made from)."""
     source = plan.training["source"]
     path = Path(source["path"])
     if not path.is_file():
         raise TrainError(f"the source model {path} is gone", hint="resume from a checkpoint, or plan again")
     if file_sha256(path) != source["sha256"]:
         raise TrainError(f"the source model {path} changed since planning", hint="plan again")
-    model = onnx.load(str(path), load_external_data=False)
-    wanted = set(names)
-    for tensor in model.graph.initializer:
-        if tensor.name not in wanted:
-            continue
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            external_data_helper.load_external_data_for_tensor(tensor, str(path.parent))
-        yield tensor.name, numpy_helper.to_array(tensor)
-        tensor.Clear()
+    return read_initializers(path, names)
 
 
 class Trainer:
@@ -60,9 +49,11 @@ class Trainer:
         require_training(job.plan, job.plan_dir)
         self.job, self.plan = job, job.plan
         self.training = job.plan.training
-        self.hyper = {**DEFAULTS, **{k if k.startswith("train.") else "train." + k: float(v)
-                                     for k, v in (hyper or {}).items()}}
-        self.steps_done = 0
+        self.hyper = {k.removeprefix("train."): float(v) for k, v in (hyper or {}).items()}
+
+    @property
+    def steps_done(self) -> int:
+        return self.job.train_steps
 
     @property
     def weights(self) -> list[str]:
@@ -80,13 +71,8 @@ class Trainer:
     def step(self, batch: dict[str, np.ndarray], lr: float) -> tuple[float, float]:
         """One step on ``batch`` at learning rate ``lr``: the loss (before the update) and the
         gradients' global norm (before clipping)."""
-        feeds = dict(batch)
-        for name in self.training["hyperparameters"]:
-            value = lr if name == "train.lr" else self.steps_done + 1 if name == "train.step" else self.hyper[name]
-            feeds[name] = np.asarray(value, dtype=np.float32)
-        out = self.job.run(feeds, outputs=[LOSS, GRAD_NORM])
-        self.steps_done += 1
-        return float(out[LOSS]), float(out[GRAD_NORM])
+        loss = self.job.train_step(batch, lr, **self.hyper)
+        return loss, self.job.grad_norm
 
     def save(self, directory, batches: Batches | None) -> Path:
         """A checkpoint in ``directory``: every rank writes its own pieces of the state."""
@@ -115,7 +101,7 @@ class Trainer:
         else:
             for name in self.state_names():
                 self.job.set_state({name: checkpoint.tensor(name)})
-        self.steps_done = checkpoint.step
+        self.job.train_steps = checkpoint.step
         if batches is not None and checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])
         return checkpoint
