@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.errors import TrainError
-from meshplan.testing.train_reference import run_whole
+from meshplan.testing.train_reference import run_step_model, run_whole
 from meshplan.trainer.checkpoint import Checkpoint
 from meshplan.training.step_model import TrainSpec, build_step_model
 
@@ -294,3 +294,29 @@ def test_bad_training_input_is_one_line(tmp_path):
     assert done.returncode == 1 and done.stderr.startswith("meshplan: error:") and not (tmp_path / "mb").exists()
     done = run_cli("plan", MLP, "--loss", "mse:logits:t", "--mesh", "1x1", "-o", tmp_path / "x")
     assert done.returncode != 0 and "go with --train" in done.stderr
+
+
+def test_batch_normalization_in_training_mode_keeps_running_statistics_as_state(tmp_path):
+    """Normalised by the batch's statistics; the running mean and variance are state, updated
+    as ONNX says (momentum·old + (1 − momentum)·the batch's mean), and not trained."""
+    rng = np.random.default_rng(0)
+    c = 3
+    inits = {"scale": rng.standard_normal(c).astype(np.float32), "bias": rng.standard_normal(c).astype(np.float32),
+             "mean": np.zeros(c, np.float32), "var": np.ones(c, np.float32)}
+    graph = helper.make_graph(
+        [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y", "rm", "rv"],
+                          training_mode=1, momentum=0.9)],
+        "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", c, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", c, 4, 4])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8),
+              str(tmp_path / "bn.onnx"))
+    step = build_step_model(tmp_path / "bn.onnx", TrainSpec("mse:y:t", "sgd"))
+    assert set(step.manifest["weights"]) == {"scale", "bias"}
+    assert set(step.manifest["statistics"]) == {"mean", "var"}
+    x = rng.standard_normal((6, c, 4, 4)).astype(np.float32) * 2 + 1
+    batch = {"x": x, "t": rng.standard_normal((6, c, 4, 4)).astype(np.float32)}
+    _, state = run_step_model(step, inits, [batch], {"train.lr": 0.1})
+    mean = x.mean(axis=(0, 2, 3))
+    np.testing.assert_allclose(state["mean"], 0.9 * inits["mean"] + 0.1 * mean, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(state["scale"], inits["scale"])

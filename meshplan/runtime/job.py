@@ -648,11 +648,12 @@ class Job:
         training = self.plan.training
         if not training:
             raise RunError(f"plan {self.plan_dir} is not a training plan", hint="plan it with meshplan plan --train")
-        if not all(w in self.state_shapes for w in training["weights"]):
+        starting = list(training["weights"]) + list(training.get("statistics", {}))
+        if not all(w in self.state_shapes for w in starting):
             source = Path(training["source"]["path"])
             if not source.is_file():
                 raise RunError(f"the source model {source} is gone", hint="set the weights, or resume a checkpoint")
-            for name, value in read_initializers(source, training["weights"]):
+            for name, value in read_initializers(source, starting):
                 self.set_state({name: value})
         values = {**DEFAULTS, **{"train." + k: float(v) for k, v in hyper.items()}}
         feeds = dict(batch)

@@ -26,10 +26,11 @@ def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyp
     session = ort.InferenceSession(str(plan_dir / "training" / "step.onnx"), options,
                                    providers=["CPUExecutionProvider"])
     state = {}
-    for name, array in source_weights(plan, training["weights"]):
+    for name, array in source_weights(plan, list(training["weights"]) + list(training.get("statistics", {}))):
         state[name] = array
-        for kind in training["slots"]:
-            state[f"{name}.{kind}"] = np.zeros_like(array)
+        if name in training["weights"]:
+            for kind in training["slots"]:
+                state[f"{name}.{kind}"] = np.zeros_like(array)
     values = {**DEFAULTS, **{"train." + k.removeprefix("train."): float(v) for k, v in (hyper or {}).items()}}
     pairs = {entry["output"]: entry["input"] for entry in plan.state}
     batches = Batches(data, plan)
@@ -56,10 +57,11 @@ def run_step_model(step, weights: dict[str, np.ndarray], batches: list[dict], hy
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(step.model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     state = {}
-    for name in step.manifest["weights"]:
+    for name in list(step.manifest["weights"]) + list(step.manifest.get("statistics", {})):
         state[name] = weights[name]
-        for kind in step.manifest["slots"]:
-            state[f"{name}.{kind}"] = np.zeros_like(weights[name])
+        if name in step.manifest["weights"]:
+            for kind in step.manifest["slots"]:
+                state[f"{name}.{kind}"] = np.zeros_like(weights[name])
     values = {**DEFAULTS, **hyper}
     outputs = [o.name for o in session.get_outputs()]
     losses = []

@@ -59,13 +59,19 @@ class Trainer:
     def weights(self) -> list[str]:
         return list(self.training["weights"])
 
+    @property
+    def statistics(self) -> list[str]:
+        """Running statistics (BatchNormalization in training mode): state, not trained."""
+        return list(self.training.get("statistics", {}))
+
     def state_names(self) -> list[str]:
         slots = self.training["slots"]
-        return [n for w in self.weights for n in [w] + [f"{w}.{s}" for s in slots]]
+        return [n for w in self.weights for n in [w] + [f"{w}.{s}" for s in slots]] + self.statistics
 
     def load_source(self) -> None:
-        """Set every trained weight from the source model (the slots start at zero)."""
-        for name, array in source_weights(self.plan, self.weights):
+        """Set every trained weight and running statistic from the source model (the slots
+        start at zero)."""
+        for name, array in source_weights(self.plan, self.weights + self.statistics):
             self.job.set_state({name: array})
 
     def step(self, batch: dict[str, np.ndarray], lr: float) -> tuple[float, float]:
@@ -108,7 +114,7 @@ class Trainer:
 
     def _trained_record(self) -> dict:
         return {"weights": self.training["weights"], "slots": self.training["slots"],
-                "optimizer": self.training["optimizer"]}
+                "optimizer": self.training["optimizer"], "statistics": self.training.get("statistics", {})}
 
 
 @dataclass

@@ -40,7 +40,7 @@ def export_trained(plan_dir, checkpoint_dir, output) -> Path:
     model = onnx.load(str(source))
     place = {t.name: i for i, t in enumerate(model.graph.initializer)}
     copies = plan.training.get("tied", {})
-    for name in weights:
+    for name in list(weights) + list(plan.training.get("statistics", {})):
         array = checkpoint.tensor(name)
         model.graph.initializer[place[name]].CopyFrom(numpy_helper.from_array(array, name))
         for copy, tie in copies.items():   # an exporter's copy of a tied weight: the trained value again

@@ -74,6 +74,38 @@ def _trained(model: onnx.ModelProto, frozen: tuple[str, ...]) -> list[onnx.Tenso
     return chosen
 
 
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    found = next((a for a in node.attribute if a.name == name), None)
+    return default if found is None else helper.get_attribute_value(found)
+
+
+def _training_modes(model: onnx.ModelProto) -> dict[str, str]:
+    """Operators exported in training mode, as training runs them: a BatchNormalization with
+    ``training_mode=1`` normalises by the batch's statistics and its running statistics
+    (initializers) are state, updated each step — returned as {updated output: input}; a
+    Dropout in training mode gets its mask output (its gradient reads it)."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    constants = {t.name: t for t in graph.initializer}
+    stats = {}
+    for node in graph.node:
+        if node.op_type == "BatchNormalization" and _attr(node, "training_mode", 0):
+            while len(node.output) < 3:
+                node.output.append("")
+            for index, out in ((3, 1), (4, 2)):
+                name = node.input[index]
+                if name in initializers and name not in stats.values():
+                    node.output[out] = updated(name)
+                    stats[updated(name)] = name
+        if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] in constants:
+            training = bool(numpy_helper.to_array(constants[node.input[2]]))
+            if training and (len(node.output) < 2 or not node.output[1]):
+                while len(node.output) < 2:
+                    node.output.append("")
+                node.output[1] = f"{node.output[0]}.mask"
+    return stats
+
+
 def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     """The training step of the model at ``source`` (read without its external weights)."""
     source = Path(source)
@@ -88,8 +120,10 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     loss = build_loss(model, loss_spec)
     graph = model.graph
     tied = retie(model, source.parent, {t.name for t in _trained(model, spec.frozen)})
-    candidates = _trained(model, spec.frozen)
+    stats = _training_modes(model)
+    candidates = [t for t in _trained(model, spec.frozen) if t.name not in stats.values()]
     by_name = {t.name: t for t in candidates}
+    statistics = {t.name: t for t in model.graph.initializer if t.name in stats.values()}
     graph.node.extend(loss.nodes)
     graph.initializer.extend(loss.constants)
     if loss.target is not None:
@@ -99,8 +133,11 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     kept = [t for t in graph.initializer if t.name not in by_name]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    for tensor in candidates:
+    for tensor in candidates + list(statistics.values()):
         graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    kept = [t for t in graph.initializer if t.name not in statistics]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:
@@ -131,11 +168,12 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
             graph.input.append(helper.make_tensor_value_info(slot(name, kind), tensor.data_type, list(tensor.dims)))
             state[updated(slot(name, kind))] = slot(name, kind)
         state[updated(name)] = name
+    state.update(stats)
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, []))
     graph.output.append(helper.make_tensor_value_info(GRAD_NORM, TensorProto.FLOAT, []))
     for out, name in state.items():
-        tensor = by_name[name] if name in by_name else by_name[name.rsplit(".", 1)[0]]
+        tensor = statistics.get(name) or by_name.get(name) or by_name[name.rsplit(".", 1)[0]]
         graph.output.append(helper.make_tensor_value_info(out, tensor.data_type, list(tensor.dims)))
     del graph.value_info[:]
     manifest = {
@@ -145,6 +183,9 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
         "slots": list(SLOTS[spec.optimizer]),
         "not_reached": sorted(set(t.name for t in candidates) - set(reached)),
         "tied": tied,
+        "statistics": {name: {"shape": list(t.dims),
+                              "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name}
+                       for name, t in statistics.items()},
     }
     return StepModel(model, state, manifest)
 
