@@ -475,9 +475,10 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
     between: list[Transfer] = []
     state_inputs = {i: o for o, i in graph.state.items()}
     for stage in stages:
+        uses = _tensor_uses(graph, stage, (shardings or {}).get(stage.index, {}))
         for name in stage.inputs:
             if name in state_inputs:
-                stage.input_specs[name] = str(_state_spec(graph, name, stage, (shardings or {}).get(stage.index, {})))
+                stage.input_specs[name] = str(_state_spec(graph, name, stage, uses))
                 continue
             if name in inputs:
                 stage.input_specs[name] = str(_spec("R", graph, name, stage))   # read from the inputs file
@@ -512,22 +513,35 @@ def _connect_stages(graph: Graph, stages: list[Stage], node_stage: np.ndarray, l
     return transfers, reshardings
 
 
-def _state_spec(graph: Graph, name: str, stage: Stage, strategies: dict[str, Strategy]) -> ShardingSpec:
-    """The layout a state input is held in: the one its paired output is made in (so that it
-    leaves with no resharding), else what its first reader that reads more than its shape
-    takes; replicated on one device, or where that layout does not fit both tensors."""
-    info = graph.tensors[name]
-    mesh = _mesh(stage)
-    output = next((o for o, i in graph.state.items() if i == name), None)
-    candidates = []
-    for node in graph.nodes:
+def _tensor_uses(graph: Graph, stage: Stage, strategies: dict[str, Strategy]) -> tuple[dict, dict]:
+    """The stage's operators in one pass: tensor → (operator index, the spec it is made in),
+    and tensor → [(operator index, the spec it is read in)] in graph order (a Shape reads no
+    layout), for every state of the stage to look up."""
+    made, read = {}, {}
+    for index, node in enumerate(graph.nodes):
         if node.name not in stage.operators or node.name not in strategies:
             continue
         strategy = strategies[node.name]
-        if output is not None and output in node.outputs:
-            candidates.insert(0, strategy.outputs[node.outputs.index(output)])
-        elif name in node.inputs and node.op_type != "Shape":
-            candidates.append(strategy.inputs[node.inputs.index(name)])
+        for k, name in enumerate(node.outputs):
+            made[name] = (index, strategy.outputs[k])
+        if node.op_type != "Shape":
+            for name in dict.fromkeys(n for n in node.inputs if n):
+                read.setdefault(name, []).append((index, strategy.inputs[node.inputs.index(name)]))
+    return made, read
+
+
+def _state_spec(graph: Graph, name: str, stage: Stage, uses: tuple[dict, dict]) -> ShardingSpec:
+    """The layout a state input is held in: the one its paired output is made in (so that it
+    leaves with no resharding), else what its first reader that reads more than its shape
+    takes; replicated on one device, or where that layout does not fit both tensors
+    (``uses``: ``_tensor_uses`` of the stage)."""
+    info = graph.tensors[name]
+    mesh = _mesh(stage)
+    output = next((o for o, i in graph.state.items() if i == name), None)
+    made, read = uses
+    maker = made.get(output) if output is not None else None
+    candidates = [maker[1]] if maker is not None else []
+    candidates += [spec for index, spec in read.get(name, []) if maker is None or index != maker[0]]
     for spec in candidates:
         if spec is None or spec.partial or not spec.is_valid_for(info.split_sizes, mesh):
             continue
