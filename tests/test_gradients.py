@@ -430,6 +430,20 @@ def test_instance_norm(spatial, seed):
     check([N("InstanceNormalization", list(inputs), ["y"], epsilon=1e-3)], inputs, list(inputs))
 
 
+@covers("GroupNormalization")
+@FEW
+@given(spatial=st.lists(st.integers(1, 3), max_size=2), groups=st.sampled_from([1, 2, 4]),
+       opset=st.sampled_from([18, 21]), seed=seeds)
+def test_group_norm(spatial, groups, opset, seed):
+    """Scale and bias per group (opset 18) or per channel (21)."""
+    shape = [2, 4] + spatial
+    per = groups if opset == 18 else 4
+    inputs = {"x": rand(seed, shape), "s": rand(seed + 1, [per]), "b": rand(seed + 2, [per])}
+    attrs = {"stash_type": TensorProto.DOUBLE} if opset >= 21 else {}   # (float32 by default)
+    check([N("GroupNormalization", list(inputs), ["y"], num_groups=groups, epsilon=1e-3, **attrs)], inputs,
+          list(inputs), opset=opset)
+
+
 @covers("Softmax", "LogSoftmax")
 @pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
 @SETTINGS
@@ -908,3 +922,31 @@ def test_model_without_inferred_shapes():
     mask = (x @ w + b > 0).astype(float)
     np.testing.assert_allclose(dw, x.T @ mask)
     np.testing.assert_allclose(db, mask.sum(axis=0))
+
+
+@covers("ScatterElements", "ScatterND")
+@pytest.mark.parametrize("op", ["ScatterElements", "ScatterND"])
+@SETTINGS
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), data=st.data(), add=st.booleans(), seed=seeds)
+def test_scatter(op, shape, data, add, seed):
+    """Reduction none (distinct indices: one write each) or add (repeated indices)."""
+    rng = np.random.default_rng(seed)
+    rank = len(shape)
+    if op == "ScatterElements":
+        axis = data.draw(st.integers(-rank, rank - 1))
+        index_shape = list(shape)
+        count = data.draw(st.integers(1, shape[axis] if not add else 4))
+        index_shape[axis] = count
+        picks = [rng.choice(shape[axis], count, replace=add) for _ in range(int(np.prod(index_shape)) // count)]
+        indices = np.moveaxis(np.array(picks).reshape([*np.delete(index_shape, axis % rank), count]), -1, axis % rank)
+        updates_shape, attrs = index_shape, {"axis": axis}
+    else:
+        depth = data.draw(st.integers(1, rank))
+        cells = int(np.prod(shape[:depth]))
+        count = data.draw(st.integers(1, cells if not add else 4))
+        flat = rng.choice(cells, count, replace=add)
+        indices = np.stack(np.unravel_index(flat, shape[:depth]), axis=-1)
+        updates_shape, attrs = [count] + shape[depth:], {}
+    inputs = {"x": rand(seed, shape), "u": rand(seed + 1, updates_shape)}
+    node = N(op, ["x", "i", "u"], ["y"], reduction="add" if add else "none", **attrs)
+    check([node], inputs, ["x", "u"], initializers={"i": np.asarray(indices, dtype=np.int64)})

@@ -429,3 +429,34 @@ def _average_pool_grad(g: GradNode) -> list:
     back = transposed_window(g, flat, window, kernel, 1)
     return [g.op("Reshape", back, g.shape_tensor(x))]
 
+
+
+@gradient("GroupNormalization")
+def _group_norm_grad(g: GradNode) -> list:
+    """x̂ normalised over each group of channels (with their spatial dims) per sample; y =
+    x̂·scale + bias, scale and bias per channel (opset 21) or per group (opset 18, read from
+    their size): dx as a layer norm's over the group, dscale = Σ dy·x̂, dbias = Σ dy (over the
+    batch, the space, and the group's channels where they are per group)."""
+    x, dy = g.x(0), g.dy(0)
+    shape, groups = g.shape(x), int(g.attr("num_groups"))
+    channels, per = shape[1], g.shape(g.x(1))[0]
+    if not isinstance(channels, int) or not isinstance(per, int):
+        raise GradientError(f"GroupNormalization node '{g.name}': channels of unknown count")
+    by_group = per != channels
+    scale = g.x(1)
+    if by_group:   # [G] → [C]: each group's scale for each of its channels
+        scale = g.op("Reshape", g.op("Expand", g.op("Unsqueeze", scale, g.ints([1])),
+                                     g.ints([groups, channels // groups])), g.ints([channels]))
+    grouped = lambda name: g.op("Reshape", name, g.ints([0, groups, -1]))
+    dx, xhat = normalization_grad(g, [2], True, float(g.attr("epsilon", 1e-5)), None, source=grouped(x),
+                                  dy=grouped(g.op("Mul", dy, _channels(g, scale))))
+    xhat = g.op("Reshape", xhat, g.shape_tensor(x))
+    axes = g.ints([0] + list(range(2, len(shape))))
+
+    def per_parameter(name: str) -> str:
+        summed = g.op("ReduceSum", name, axes, keepdims=0)
+        return g.op("ReduceSum", g.op("Reshape", summed, g.ints([groups, -1])), g.ints([1]), keepdims=0) \
+            if by_group else summed
+    return [g.op("Reshape", dx, g.shape_tensor(x)) if g.need(0) else None,
+            per_parameter(g.op("Mul", dy, xhat)) if g.need(1) else None,
+            per_parameter(dy) if g.need(2) else None]

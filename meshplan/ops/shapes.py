@@ -498,3 +498,26 @@ def _resize_grad(g: GradNode) -> list:
         moved = g.op("MatMul", g.op("Transpose", grad, perm=perm), g.op("Transpose", weights, perm=[1, 0]))
         grad = g.op("Transpose", moved, perm=[perm.index(d) for d in range(rank)])
     return [grad] + [None] * (len(g.inputs) - 1)
+
+
+def _scatter_grad(gather: str):
+    """data with updates written at indices (ScatterElements, ScatterND): reduction none:
+    ddata = dy with the written positions zeroed, dupdates = dy gathered at the indices
+    (indices distinct, as the operator's result assumes); add: ddata = dy, dupdates as for none."""
+    def rule(g: GradNode) -> list:
+        reduction = _text(g.attr("reduction"), "none")
+        if reduction not in ("none", "add"):
+            raise GradientError(f"{g.op_type} node '{g.name}': reduction '{reduction}' has no gradient rule")
+        attrs = {"axis": int(g.attr("axis", 0))} if g.op_type == "ScatterElements" else {}
+        dy, indices = g.dy(0), g.x(1)
+        ddata = dupdates = None
+        if g.need(0):
+            ddata = dy if reduction == "add" else g.op(g.op_type, dy, indices, g.zeros(g.x(2)), **attrs)
+        if g.need(2):
+            dupdates = g.op(gather, dy, indices, **attrs)
+        return [ddata, None, dupdates]
+    return rule
+
+
+gradient("ScatterElements")(_scatter_grad("GatherElements"))
+gradient("ScatterND")(_scatter_grad("GatherND"))

@@ -55,7 +55,7 @@ def _model(nodes, inputs: dict, outputs: list[str], initializers: dict, opset: i
         [numpy_helper.from_array(np.asarray(v), n) for n, v in initializers.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
+    model.ir_version = max(8, helper.find_min_ir_version_for([helper.make_opsetid("", opset)]))
     return model
 
 

@@ -284,6 +284,7 @@ _CONTRIB_TYPES = {
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): {0: "like", 1: "stats", 2: "stats", 3: "like"},
     ("", "SimplifiedLayerNormalization"): {0: "like", 1: "stats"},
     ("", "LayerNormalization"): {0: "like", 1: "stats", 2: "stats"},
+    ("", "GroupNormalization"): {0: "like"},
     **{("com.microsoft", op): {0: "like"} for op in ("FastGelu", "BiasGelu", "Gelu", "QuickGelu")},
 }
 
