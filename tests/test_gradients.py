@@ -14,7 +14,7 @@ step is ~1e-5 of them, and a wrong rule is off by O(1). Inputs of functions with
 fails for a rule without a test. The rest: an operator without a rule on the gradient path
 is a ``GradientError`` naming it and its node, integer and boolean paths carry no gradient,
 a tensor read twice (a tied embedding) gets the sum, a float16 weight behind a Cast gets a
-float16 gradient, training-mode Dropout scales by its mask.
+float16 gradient, training-mode Dropout scales by its mask (and without one is an error).
 """
 
 from __future__ import annotations
@@ -224,9 +224,9 @@ def test_cast(shape, seed):
 @given(form=st.sampled_from(["plain", "inference", "ratio0"]), mask=st.booleans(),
        shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), seed=seeds)
 def test_dropout_differences(form, mask, shape, seed):
-    """Inference mode is the identity; training mode with ratio 0 keeps everything (the
-    differences are deterministic there); the mask output present or left out."""
-    outputs = ["y", "mask"] if mask else ["y"]
+    """Inference mode is the identity (the mask output present or not); training mode with
+    ratio 0 keeps everything (the differences are deterministic there)."""
+    outputs = ["y", "mask"] if mask or form == "ratio0" else ["y"]
     if form == "plain":
         node, constants = N("Dropout", ["x"], outputs), {}
     else:
@@ -887,25 +887,31 @@ def test_unbroadcast_over_a_dim_of_unknown_size():
 
 
 @pytest.mark.parametrize("mode", ["constant", "input"])
-@pytest.mark.parametrize("mask_output", [True, False])
-def test_dropout_training_scales_by_its_mask(mode, mask_output):
-    """Training mode: dx = dy·mask/(1 − ratio), the mask the forward run drew (the node gains
-    its mask output where it had none); with the mode a graph input, inference gives dy."""
+@pytest.mark.parametrize("ratio", [0.25, None])
+def test_dropout_training_scales_by_its_mask(mode, ratio):
+    """Training mode: dx = dy·mask/(1 − ratio) (ratio 0.5 where the input is left out), the
+    mask the forward run drew; with the mode a graph input, inference gives dy."""
     x = rand(0, [4, 50])
     training = {"t": np.array(True)} if mode == "constant" else {}
-    outputs = ["y", "mask"] if mask_output else ["y"]
-    nodes = [N("Dropout", ["x", "r", "t"], outputs, seed=3), N("Mul", ["y", "c"], ["z"])] + _loss("z")
+    nodes = [N("Dropout", ["x", "r" if ratio else "", "t"], ["y", "mask"], seed=3),
+             N("Mul", ["y", "c"], ["z"])] + _loss("z")
     inputs = {"x": x, "c": rand(1, [4, 50])} | ({} if mode == "constant" else {"t": np.array(True)})
-    model = _model(nodes, inputs, ["loss"], {"r": np.array(0.25)} | training)
+    model = _model(nodes, inputs, ["loss"], ({"r": np.array(ratio)} if ratio else {}) | training)
     found = gradients(model, "loss", ["x"])
-    mask_name = next(n for n in model.graph.node if n.op_type == "Dropout").output[1]
     for on in ([True] if mode == "constant" else [True, False]):
         feeds = {"x": x, "c": inputs["c"]} | ({} if mode == "constant" else {"t": np.array(on)})
-        grad, mask = _run(model, found, feeds, [found.of["x"], mask_name])
-        expected = inputs["c"] * mask / 0.75 if on else inputs["c"]
+        grad, mask = _run(model, found, feeds, [found.of["x"], "mask"])
+        expected = inputs["c"] * mask / (1 - (ratio or 0.5)) if on else inputs["c"]
         np.testing.assert_allclose(grad, expected, rtol=1e-12)
         if on:
             assert 0 < mask.mean() < 1
+
+
+def test_dropout_training_without_its_mask_is_an_error():
+    nodes = [N("Dropout", ["x", "r", "t"], ["y"], name="drop_2")] + _loss("y")
+    model = _model(nodes, {"x": rand(0, [3, 4])}, ["loss"], {"r": np.array(0.25), "t": np.array(True)})
+    with pytest.raises(GradientError, match="Dropout node 'drop_2'.*mask"):
+        gradients(model, "loss", ["x"])
 
 
 def test_model_without_inferred_shapes():

@@ -129,21 +129,6 @@ class GradNode:
         """Zeros of tensor ``like``'s shape and dtype (the gradient of a step function)."""
         return self.op("ConstantOfShape", self.op("Shape", like), value=np.zeros(1, dtype=self.dtype(like)))
 
-    def forward_output(self, index: int, dtype, shape=None) -> str:
-        """Output ``index`` of the forward node, named where the model leaves that optional
-        output out (Dropout's mask: the one its forward run draws). The one edit a rule makes
-        to the forward graph: the node in the model gains the output."""
-        outs = self.node.output
-        while len(outs) <= index:
-            outs.append("")
-        if not outs[index]:
-            outs[index] = self.tape.fresh(f"{self.op_type}_output{index}")
-            self.tape.dtypes[outs[index]] = np.dtype(dtype)
-            if shape is not None:
-                self.tape.shapes[outs[index]] = tuple(shape)
-            self.outputs = list(outs)
-        return outs[index]
-
     def unbroadcast(self, grad: str, target: str, like: str | None = None) -> str:
         """``grad``, of tensor ``like``'s shape (default the first output's: the broadcast
         result), summed down to ``target``'s shape: over the leading axes ``target`` lacks and

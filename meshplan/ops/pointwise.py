@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.ops.grad_words import GradNode
+from meshplan.ops.grad_words import GradientError, GradNode
 from meshplan.ops.registry import define, gradient, no_flops, per_element, rule
 from meshplan.ops.view import P, R, OpView, Rule, need
 
@@ -221,19 +221,21 @@ def _cast_grad(g: GradNode) -> list:
 
 @gradient("Dropout")
 def _dropout_grad(g: GradNode) -> list:
-    """dx = dy·mask/(1 − ratio) in training mode (the mask the forward run drew: its mask
-    output, which the node gains where the model leaves it out); dx = dy in inference mode."""
+    """dx = dy·mask/(1 − ratio) in training mode (the mask output: the one the forward run
+    drew); dx = dy in inference mode (a mode given at run time: Where(mode, scale, 1))."""
     dy = g.dy(0)
     mode = g.value(2) if g.has_input(2) else np.array(False)
     if mode is not None and not bool(mode):
         return [dy] + [None] * (len(g.inputs) - 1)
+    if len(g.outputs) < 2 or not g.outputs[1]:
+        raise GradientError(f"Dropout node '{g.name}' in training mode has no mask output: its gradient "
+                            "needs the mask its forward run drew", hint="give the node its mask output")
     x = g.x(0)
-    mask = g.forward_output(1, np.bool_, g.shape(x) if g.tape.shape_of(x) is not None else None)
     ratio = g.like_input(g.x(1), 0) if g.has_input(1) else g.const(0.5, like=x)
     scale = g.op("Div", g.const(1.0, like=x), g.op("Sub", g.const(1.0, like=x), ratio))
-    if mode is None:   # the mode known only when the graph runs: scale 1 in inference
+    if mode is None:
         scale = g.op("Where", g.x(2), scale, g.const(1.0, like=x))
-    kept = g.op("Where", mask, dy, g.const(0.0, like=x))
+    kept = g.op("Where", g.y(1), dy, g.const(0.0, like=x))
     return [g.op("Mul", kept, scale)] + [None] * (len(g.inputs) - 1)
 
 

@@ -10,8 +10,8 @@ the sum of its gradients. An operator on a gradient path with no rule is a
 whose type the model does not give (shape inference not run, or the outputs of com.microsoft
 operators, which onnx's inference does not know) are typed here (``_complete_types``); one
 still untyped is taken to carry a gradient, so an operator without a rule behind it is an
-error rather than a path dropped. The one edit to the forward graph: a training-mode
-Dropout without its mask output gets one (``GradNode.forward_output``).
+error rather than a path dropped. The forward graph is read, never changed (a training-mode
+Dropout needs its mask output: ``training/step_model.py`` names it).
 """
 
 from __future__ import annotations
