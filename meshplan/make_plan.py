@@ -554,9 +554,9 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     model_path, out_dir = Path(model_path), Path(out_dir)
     if not model_path.is_file():
         raise ModelError(f"model file not found: {model_path}")
-    if options.microbatches > 1:
-        raise PlanError("a training plan runs its batch as one microbatch for now (gradient accumulation over "
-                        "microbatches is not built yet)", hint="drop --microbatches")
+    if options.microbatches > 1:   # a call per microbatch, the gradients accumulated: planned at one microbatch
+        dims, spec = _training_microbatches(model_path, dims, options.microbatches, spec)
+        options = replace(options, microbatches=1)
     if options.max_stages not in (None, 1):
         raise PlanError("a training plan has one stage spanning the mesh for now", hint="drop --max-stages")
     step = build_step_model(model_path, spec)
@@ -584,6 +584,25 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
         return plan
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def _training_microbatches(model_path: Path, dims: dict, count: int, spec):
+    """The dims of one microbatch of a training step of ``count`` (the leading dim of the
+    model's first input divided), and the spec that accumulates over them."""
+    header = read_model(model_path, load_external_data=False)
+    initializers = {t.name for t in header.graph.initializer}
+    first = next((v for v in header.graph.input if v.name not in initializers), None)
+    shape = first.type.tensor_type.shape.dim if first is not None else []
+    name = shape[0].dim_param if len(shape) else ""
+    if not name:
+        raise PlanError("--microbatches in a training plan needs a named batch dim (the leading dim of the model's "
+                        "inputs)", hint="export the model with a dynamic batch dim")
+    size = dims.get(name)
+    if not isinstance(size, int):
+        raise PlanError(f"--microbatches in a training plan needs --dim {name}=SIZE (one size)")
+    if size % count:
+        raise PlanError(f"--microbatches {count} does not divide the batch ({name}={size})")
+    return {**dims, name: size // count}, replace(spec, microbatches=count)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

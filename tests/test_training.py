@@ -190,7 +190,7 @@ def _close_state(actual: dict, expected: dict, rtol: float, atol: float = 0.0) -
 CASES = {
     "1x2-data-sgd": (["--mesh", "1x2", "--optimizer", "sgd", "--policy", "data"],
                      ["--lr", "0.05", "--momentum", "0.9", "--weight-decay", "1e-4"], 2),
-    "1x2-megatron-adamw": (["--mesh", "1x2", "--optimizer", "adamw", "--policy", "megatron"],
+    "1x2-megatron-adamw-2mb": (["--mesh", "1x2", "--optimizer", "adamw", "--policy", "megatron", "--microbatches", "2"],
                            ["--lr", "0.01", "--weight-decay", "0.1", "--clip-norm", "1", "--betas", "0.9,0.95",
                             "--schedule", "cosine", "--warmup", "2"], 2),
     "2x2-auto-sgd": (["--mesh", "2x2", "--optimizer", "sgd", "--all-devices"],
@@ -290,8 +290,9 @@ def test_bad_training_input_is_one_line(tmp_path):
     done = run_mpi(1, "train", inference, "--data", _data(tmp_path / "d.npz"), "--steps", 1, timeout=120)
     assert done.returncode == 1 and "not a training plan" in done.stderr
     done = run_cli("plan", MLP, "--train", "--loss", "cross_entropy:logits:target", "--mesh", "1x1", "--device", "cpu",
-                   "--dim", "batch=8", "--microbatches", "2", "-o", tmp_path / "mb")
-    assert done.returncode == 1 and done.stderr.startswith("meshplan: error:") and not (tmp_path / "mb").exists()
+                   "--dim", "batch=8", "--microbatches", "3", "-o", tmp_path / "mb")
+    assert done.returncode == 1 and done.stderr.startswith("meshplan: error:") and "does not divide" in done.stderr
+    assert not (tmp_path / "mb").exists()
     done = run_cli("plan", MLP, "--loss", "mse:logits:t", "--mesh", "1x1", "-o", tmp_path / "x")
     assert done.returncode != 0 and "go with --train" in done.stderr
 

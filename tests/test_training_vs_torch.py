@@ -20,11 +20,14 @@ def _hyper(settings: dict) -> dict:
             "train.eps": settings.get("eps") or 1e-8}
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_training_equals_torch(name):
+@pytest.mark.parametrize("name,microbatches", [(name, 1) for name in CASES] + [("gpt_adamw", 4), ("mlp_sgd", 2)])
+def test_training_equals_torch(name, microbatches):
+    """A step of several microbatches accumulates their gradients: the same step (the
+    GPT's targets hold ignored positions, so each microbatch's mean counts differently)."""
     case = load_case(name)
     settings = case["settings"]
-    step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"]))
+    step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
+                                                          microbatches=microbatches))
     assert set(step.manifest["weights"]) | set(step.manifest["tied"]) == set(settings["trainable"])
     count, batch = len(next(iter(case["data"].values()))), settings["batch"]
     batches = []

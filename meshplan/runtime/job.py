@@ -656,13 +656,23 @@ class Job:
             for name, value in read_initializers(source, starting):
                 self.set_state({name: value})
         values = {**DEFAULTS, **{"train." + k: float(v) for k, v in hyper.items()}}
-        feeds = dict(batch)
-        for name in training["hyperparameters"]:
-            if name not in values and name not in ("train.lr", "train.step"):
-                raise RunError(f"train_step: no value for {name}")
-            value = lr if name == "train.lr" else self.train_steps + 1 if name == "train.step" else values[name]
-            feeds[name] = np.asarray(value, dtype=np.float32)
-        out = self.run(feeds, outputs=[TRAIN_LOSS, TRAIN_GRAD_NORM])
+        count = int(training.get("microbatches", 1))
+        parts = [dict(batch)] if count == 1 else _split_batch(batch, count)
+        for index, part in enumerate(parts):   # a step of several microbatches: the last one updates
+            feeds = dict(part)
+            for name in training["hyperparameters"]:
+                if name == "train.apply":
+                    value = float(index == count - 1)
+                elif name == "train.lr":
+                    value = lr
+                elif name == "train.step":
+                    value = self.train_steps + 1
+                elif name in values:
+                    value = values[name]
+                else:
+                    raise RunError(f"train_step: no value for {name}")
+                feeds[name] = np.asarray(value, dtype=np.float32)
+            out = self.run(feeds, outputs=[TRAIN_LOSS, TRAIN_GRAD_NORM])
         self.train_steps += 1
         self.grad_norm = float(out[TRAIN_GRAD_NORM])
         return float(out[TRAIN_LOSS])
@@ -1107,6 +1117,15 @@ class Job:
             stats.trace.extend(item["trace"])
             stats.peak_rss_bytes.append(item["rss"])
         return stats
+
+
+def _split_batch(batch: dict[str, np.ndarray], count: int) -> list[dict[str, np.ndarray]]:
+    """A step's batch as ``count`` microbatches along the leading axis."""
+    sizes = {int(np.shape(v)[0]) for v in batch.values()}
+    if len(sizes) != 1 or next(iter(sizes)) % count:
+        raise RunError(f"train_step: a batch of {sorted(sizes)} samples does not split into {count} microbatches")
+    size = next(iter(sizes)) // count
+    return [{n: np.ascontiguousarray(v[k * size:(k + 1) * size]) for n, v in batch.items()} for k in range(count)]
 
 
 def _take(data: np.ndarray, index: tuple) -> np.ndarray:

@@ -46,7 +46,8 @@ def write_pieces(path: Path, pieces) -> list[str]:
     with zipfile.ZipFile(path, "w", allowZip64=True) as archive:
         for name, array in pieces:
             with archive.open(f"{len(names)}.npy", "w", force_zip64=True) as out:
-                np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
+                # (np.ascontiguousarray would make a scalar state one element long)
+                np.lib.format.write_array(out, np.asarray(array, order="C"), allow_pickle=False)
             names.append(name)
     (path.parent / (path.name + ".names")).write_text("\n".join(names) + "\n")
     return names

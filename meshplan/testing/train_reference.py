@@ -31,20 +31,26 @@ def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyp
         if name in training["weights"]:
             for kind in training["slots"]:
                 state[f"{name}.{kind}"] = np.zeros_like(array)
+    for name in training.get("accumulators", []):
+        state[name] = np.zeros((), np.float32)
     values = {**DEFAULTS, **{"train." + k.removeprefix("train."): float(v) for k, v in (hyper or {}).items()}}
     pairs = {entry["output"]: entry["input"] for entry in plan.state}
     batches = Batches(data, plan)
     outputs = [o.name for o in session.get_outputs()]
     losses = []
+    count = int(training.get("microbatches", 1))
     for k in range(steps):
-        feeds = {**batches.next(), **state}
-        for name in training["hyperparameters"]:
-            value = learning_rate(schedule, lr, k, steps, warmup) if name == "train.lr" else \
-                k + 1 if name == "train.step" else values[name]
-            feeds[name] = np.asarray(value, dtype=np.float32)
-        result = dict(zip(outputs, session.run(outputs, feeds)))
+        batch = batches.next()
+        size = len(next(iter(batch.values()))) // count
+        for m in range(count):
+            feeds = {**{n: v[m * size:(m + 1) * size] for n, v in batch.items()}, **state}
+            for name in training["hyperparameters"]:
+                value = learning_rate(schedule, lr, k, steps, warmup) if name == "train.lr" else \
+                    k + 1 if name == "train.step" else float(m == count - 1) if name == "train.apply" else values[name]
+                feeds[name] = np.asarray(value, dtype=np.float32)
+            result = dict(zip(outputs, session.run(outputs, feeds)))
+            state = {pairs[o]: result[o] for o in pairs}
         losses.append(float(result["train.loss"]))
-        state = {pairs[o]: result[o] for o in pairs}
     return losses, state
 
 
@@ -62,16 +68,21 @@ def run_step_model(step, weights: dict[str, np.ndarray], batches: list[dict], hy
         if name in step.manifest["weights"]:
             for kind in step.manifest["slots"]:
                 state[f"{name}.{kind}"] = np.zeros_like(weights[name])
+    for name in step.manifest.get("accumulators", []):
+        state[name] = np.zeros((), np.float32)
     values = {**DEFAULTS, **hyper}
     outputs = [o.name for o in session.get_outputs()]
     losses = []
+    count = int(step.manifest.get("microbatches", 1))
     for k, batch in enumerate(batches):
-        feeds = {**batch, **state}
-        for name in step.manifest["hyperparameters"]:
-            value = lrs[k] if name == "train.lr" and lrs is not None else k + 1 if name == "train.step" \
-                else values[name]
-            feeds[name] = np.asarray(value, dtype=np.float32)
-        result = dict(zip(outputs, session.run(outputs, feeds)))
+        size = len(next(iter(batch.values()))) // count
+        for m in range(count):
+            feeds = {**{n: v[m * size:(m + 1) * size] for n, v in batch.items()}, **state}
+            for name in step.manifest["hyperparameters"]:
+                value = lrs[k] if name == "train.lr" and lrs is not None else k + 1 if name == "train.step" \
+                    else float(m == count - 1) if name == "train.apply" else values[name]
+                feeds[name] = np.asarray(value, dtype=np.float32)
+            result = dict(zip(outputs, session.run(outputs, feeds)))
+            state = {i: result[o] for o, i in step.state.items()}
         losses.append(float(result["train.loss"]))
-        state = {i: result[o] for o, i in step.state.items()}
     return losses, state

@@ -30,7 +30,8 @@ class Batches:
             arrays = {name: data[name] for name in data.files}
         except Exception as exc:
             raise TrainError(f"{path} is not a readable .npz file ({str(exc).splitlines()[0]})") from None
-        self.batch = int(plan.batch["size"])
+        # a step's batch: the plan's (one call's) times the microbatches a step accumulates
+        self.batch = int(plan.batch["size"]) * int(plan.training.get("microbatches", 1))
         self.arrays, count = {}, None
         for spec in step_inputs(plan):
             if spec.name not in arrays:
@@ -41,7 +42,7 @@ class Batches:
                 raise TrainError(f"{path}: {spec.name!r} is {array.dtype}, the step takes {spec.dtype}")
             if list(array.shape[1:]) != list(spec.shape[1:]):
                 raise TrainError(f"{path}: {spec.name!r} has samples of shape {list(array.shape[1:])}, the step "
-                                 f"takes {list(spec.shape[1:])} (batch of {spec.shape[0]} on the leading axis)")
+                                 f"takes {list(spec.shape[1:])} (batch of {self.batch} on the leading axis)")
             if count is not None and array.shape[0] != count:
                 raise TrainError(f"{path}: the arrays hold different numbers of samples ({count} and "
                                  f"{array.shape[0]} in {spec.name!r})")

@@ -66,7 +66,8 @@ class Trainer:
 
     def state_names(self) -> list[str]:
         slots = self.training["slots"]
-        return [n for w in self.weights for n in [w] + [f"{w}.{s}" for s in slots]] + self.statistics
+        return [n for w in self.weights for n in [w] + [f"{w}.{s}" for s in slots]] + self.statistics \
+            + list(self.training.get("accumulators", []))
 
     def load_source(self) -> None:
         """Set every trained weight and running statistic from the source model (the slots
@@ -184,7 +185,8 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
     batches: Batches = held["batches"]
     trainer = Trainer(job, options.hyper)
     report = TrainReport(batch=batches.batch, ranks=job.size, provider=job.provider,
-                         transfer_path=job.transfer_path, estimate_seconds=plan.estimate["latency_seconds"])
+                         transfer_path=job.transfer_path,
+                         estimate_seconds=plan.estimate["latency_seconds"] * plan.training.get("microbatches", 1))
     try:
         if options.resume is not None:
             trainer.resume(options.resume, batches)

@@ -19,6 +19,10 @@ from meshplan.errors import TrainError
 
 IGNORE_INDEX = -100
 LOSS = "train.loss"
+# the loss as a sum over the batch and the count it is the mean over (the positions that
+# count for cross-entropy, the elements for MSE, 1 for a model's scalar): what microbatches
+# accumulate, so that a step's loss is the mean over its whole batch
+TOTAL, COUNT = "train.loss/total", "train.loss/count"
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,9 @@ def _output_type(model: onnx.ModelProto, name: str) -> onnx.TypeProto:
     raise TrainError(f"the loss names no output of the model: {name!r} (outputs: {outputs})")
 
 
-def build_loss(model: onnx.ModelProto, spec: LossSpec) -> LossNodes:
-    """The nodes computing ``LOSS`` (a float32 scalar) from the model's outputs."""
+def build_loss(model: onnx.ModelProto, spec: LossSpec, name: str = LOSS) -> LossNodes:
+    """The nodes computing the loss ``name`` (a float32 scalar) from the model's outputs, as
+    ``TOTAL`` / ``COUNT``."""
     kind = _output_type(model, spec.output).tensor_type
     names = {v.name for v in list(model.graph.input) + list(model.graph.output)}
     if spec.target is not None and spec.target in names:
@@ -79,15 +84,20 @@ def build_loss(model: onnx.ModelProto, spec: LossSpec) -> LossNodes:
         if len(dims) and any(not d.HasField("dim_value") or d.dim_value != 1 for d in dims):
             raise TrainError(f"loss output {spec.output!r} is not a scalar (shape "
                              f"{[d.dim_value or d.dim_param for d in dims]})", hint="name a scalar, or use mse:/cross_entropy:")
-        consts.append(c("shape", np.zeros(0, dtype=np.int64)))
-        nodes.append(helper.make_node("Reshape", [logits, "train.loss/shape"], [LOSS], name=LOSS))
+        consts += [c("shape", np.zeros(0, dtype=np.int64)), c("one", np.float32(1.0))]
+        nodes.append(helper.make_node("Reshape", [logits, "train.loss/shape"], [TOTAL], name=TOTAL))
+        nodes.append(helper.make_node("Identity", ["train.loss/one"], [COUNT], name=COUNT))
+        nodes.append(helper.make_node("Div", [TOTAL, COUNT], [name], name=name))
         return LossNodes(nodes, consts, None)
     if spec.kind == "mse":
         target = helper.make_tensor_value_info(spec.target, TensorProto.FLOAT, _dims(dims))
         diff = node("Sub", [logits, spec.target], "diff")
         square = node("Mul", [diff, diff], "square")
         consts.append(c("axes", np.arange(len(dims), dtype=np.int64)))
-        nodes.append(helper.make_node("ReduceMean", [square, "train.loss/axes"], [LOSS], name=LOSS, keepdims=0))
+        nodes.append(helper.make_node("ReduceSum", [square, "train.loss/axes"], [TOTAL], name=TOTAL, keepdims=0))
+        size = node("Size", [square], "size")
+        nodes.append(helper.make_node("Cast", [size], [COUNT], name=COUNT, to=TensorProto.FLOAT))
+        nodes.append(helper.make_node("Div", [TOTAL, COUNT], [name], name=name))
         return LossNodes(nodes, consts, target)
     if not dims:
         raise TrainError(f"cross_entropy: {spec.output!r} has no class axis")
@@ -104,7 +114,7 @@ def build_loss(model: onnx.ModelProto, spec: LossSpec) -> LossNodes:
     total = node("ReduceSum", [kept, "train.loss/axes"], "total", keepdims=0)
     count = node("ReduceSum", [node("Cast", [valid], "valid_f", to=TensorProto.FLOAT), "train.loss/axes"], "count",
                  keepdims=0)
-    nodes.append(helper.make_node("Div", [total, count], [LOSS], name=LOSS))
+    nodes.append(helper.make_node("Div", [total, count], [name], name=name))
     return LossNodes(nodes, consts, target)
 
 

@@ -33,6 +33,10 @@ DEFAULTS = {"train.lr": 1e-3, "train.momentum": 0.0, "train.weight_decay": 0.0, 
 SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}   # torch's state names
 GRAD_NORM = "train.grad_norm"
 UPDATED = ".updated"
+# gradient accumulation over microbatches: each call adds its microbatch's gradient of the
+# loss's sum into ``W.grad_acc`` and the sum and count into these; the call whose
+# ``APPLY`` is 1 updates from their quotient and starts them again at 0
+APPLY, ACC_TOTAL, ACC_COUNT, GRAD_ACC = "train.apply", "train.acc.total", "train.acc.count", "grad_acc"
 
 
 def updated(name: str) -> str:
@@ -63,13 +67,37 @@ class _Emit:
         return name
 
 
-def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], grads: dict[str, str]) -> _Emit:
+def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], accumulate: tuple[str, str, str] | None
+                 = None) -> _Emit:
     """The nodes of one step's update: ``weights`` maps each trained weight to (its gradient's
-    name, its dtype); the new values are the outputs ``updated(name)`` (weights and slots)."""
+    name, its dtype); the new values are the outputs ``updated(name)`` (weights and slots).
+
+    ``accumulate`` = (the microbatch's loss, its sum, its count): the gradient is of the
+    microbatch's mean; it is accumulated as a sum (× count) with the loss's sum and count
+    (``GRAD_ACC``, ``ACC_TOTAL``, ``ACC_COUNT``), and every state keeps its value unless
+    ``APPLY``; the loss output ``train.loss`` is then the accumulated mean."""
     if optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     e = _Emit()
     f32 = np.float32
+    finals: dict[str, str] = {}     # output → its new value before the APPLY mask
+    if accumulate is not None:
+        _, total, count = accumulate
+        apply = e("Greater", APPLY, e.const(0.5, f32))
+        count_sum = e("Add", ACC_COUNT, count)
+        total_sum = e("Add", ACC_TOTAL, total)
+        e("Div", total_sum, count_sum, name="train.loss")
+        zero = e.const(0.0, f32)
+        e("Where", apply, zero, count_sum, name=updated(ACC_COUNT))
+        e("Where", apply, zero, total_sum, name=updated(ACC_TOTAL))
+        summed = {}
+        for name, (grad, dtype) in weights.items():
+            scale = count_sum if dtype == np.float32 else e("Cast", count_sum, to=helper.np_dtype_to_tensor_dtype(dtype))
+            counted = count if dtype == np.float32 else e("Cast", count, to=helper.np_dtype_to_tensor_dtype(dtype))
+            acc = e("Add", slot(name, GRAD_ACC), e("Mul", grad, counted))
+            e("Where", apply, e.const(0.0, dtype), acc, name=updated(slot(name, GRAD_ACC)))
+            summed[name] = (e("Div", acc, scale), dtype)
+        weights = summed
     squares = []
     for name, (grad, dtype) in weights.items():
         g32 = grad if dtype == np.float32 else e("Cast", grad, to=TensorProto.FLOAT)
@@ -99,17 +127,20 @@ def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], grads
     for name, (grad, dtype) in weights.items():
         h = lambda n: hyper(n, dtype)
         g = e("Mul", grad, h(scale))
+        out = (lambda n: updated(n)) if accumulate is None else (lambda n: finals.setdefault(updated(n), f"{n}.new"))
         if optimizer == "sgd":
             g = e("Add", g, e("Mul", h("train.weight_decay"), name))
             buf = e("Add", e("Mul", h("train.momentum"), slot(name, "momentum_buffer")), g,
-                    name=updated(slot(name, "momentum_buffer")))
-            e("Sub", name, e("Mul", h("train.lr"), buf), name=updated(name))
+                    name=out(slot(name, "momentum_buffer")))
+            e("Sub", name, e("Mul", h("train.lr"), buf), name=out(name))
             continue
         decayed = e("Mul", name, h(keep))
         m = e("Add", e("Mul", h("train.beta1"), slot(name, "exp_avg")), e("Mul", h(rest1), g),
-              name=updated(slot(name, "exp_avg")))
+              name=out(slot(name, "exp_avg")))
         v = e("Add", e("Mul", h("train.beta2"), slot(name, "exp_avg_sq")), e("Mul", h(rest2), e("Mul", g, g)),
-              name=updated(slot(name, "exp_avg_sq")))
+              name=out(slot(name, "exp_avg_sq")))
         denom = e("Add", e("Div", e("Sqrt", v), h(correction2)), h("train.eps"))
-        e("Sub", decayed, e("Mul", h(step_size), e("Div", m, denom)), name=updated(name))
+        e("Sub", decayed, e("Mul", h(step_size), e("Div", m, denom)), name=out(name))
+    for output, new in finals.items():   # unchanged until the step's last microbatch
+        e("Where", apply, new, output[:-len(UPDATED)], name=output)
     return e

@@ -33,9 +33,10 @@ from onnx import TensorProto, helper, numpy_helper
 from meshplan.errors import TrainError
 from meshplan.ops.grad_words import GradientError
 from meshplan.training.autodiff import gradients, is_float
-from meshplan.training.losses import LOSS, LossSpec, build_loss
+from meshplan.training.losses import COUNT, LOSS, TOTAL, LossSpec, build_loss
 from meshplan.training.ties import retie
-from meshplan.training.optimizers import GRAD_NORM, HYPER, SLOTS, build_update, slot, updated
+from meshplan.training.optimizers import (ACC_COUNT, ACC_TOTAL, APPLY, GRAD_ACC, GRAD_NORM, HYPER, SLOTS,
+                                          build_update, slot, updated)
 
 OPSET = 18
 
@@ -47,6 +48,7 @@ class TrainSpec:
     loss: str
     optimizer: str = "adamw"
     frozen: tuple[str, ...] = ()
+    microbatches: int = 1        # calls a step's batch is split into (gradients accumulated)
 
 
 @dataclass
@@ -117,7 +119,9 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
             raise TrainError(f"{source}: opset {_opset(model)} could not be brought to {OPSET} for training "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     loss_spec = LossSpec.parse(spec.loss)
-    loss = build_loss(model, loss_spec)
+    accumulate = spec.microbatches > 1
+    seed = LOSS + "/microbatch" if accumulate else LOSS
+    loss = build_loss(model, loss_spec, seed)
     graph = model.graph
     tied = retie(model, source.parent, {t.name for t in _trained(model, spec.frozen)})
     stats = _training_modes(model)
@@ -128,7 +132,8 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     graph.initializer.extend(loss.constants)
     if loss.target is not None:
         graph.input.append(loss.target)
-    graph.input.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in HYPER[spec.optimizer])
+    controls = list(HYPER[spec.optimizer]) + ([APPLY] if accumulate else [])
+    graph.input.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in controls)
     # trained weights become inputs (before shape inference, so it sees them as such)
     kept = [t for t in graph.initializer if t.name not in by_name]
     del graph.initializer[:]
@@ -143,7 +148,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     except Exception as exc:
         raise TrainError(f"shape inference of the training graph failed: {str(exc).splitlines()[0]}") from None
     try:
-        found = gradients(inferred, LOSS, list(by_name))
+        found = gradients(inferred, seed, list(by_name))
     except GradientError:
         raise
     reached = {n: g for n, g in found.of.items() if g is not None}
@@ -156,31 +161,40 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
         graph.input.remove(next(v for v in graph.input if v.name == name))
         graph.initializer.append(by_name.pop(name))
     dtypes = {n: np.dtype(helper.tensor_dtype_to_np_dtype(by_name[n].data_type)) for n in reached}
-    update = build_update(spec.optimizer, {n: (reached[n], dtypes[n]) for n in reached}, reached)
+    update = build_update(spec.optimizer, {n: (reached[n], dtypes[n]) for n in reached},
+                          (seed, TOTAL, COUNT) if accumulate else None)
     graph.node.extend(found.nodes)
     graph.initializer.extend(found.constants)
     graph.node.extend(update.nodes)
     graph.initializer.extend(update.constants)
     state = {}
+    slots = SLOTS[spec.optimizer] + ((GRAD_ACC,) if accumulate else ())
     for name in reached:
         tensor = by_name[name]
-        for kind in SLOTS[spec.optimizer]:
+        for kind in slots:
             graph.input.append(helper.make_tensor_value_info(slot(name, kind), tensor.data_type, list(tensor.dims)))
             state[updated(slot(name, kind))] = slot(name, kind)
         state[updated(name)] = name
     state.update(stats)
+    accumulators = [ACC_TOTAL, ACC_COUNT] if accumulate else []
+    for name in accumulators:
+        graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, []))
+        state[updated(name)] = name
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, []))
     graph.output.append(helper.make_tensor_value_info(GRAD_NORM, TensorProto.FLOAT, []))
     for out, name in state.items():
+        if name in accumulators:
+            graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
+            continue
         tensor = statistics.get(name) or by_name.get(name) or by_name[name.rsplit(".", 1)[0]]
         graph.output.append(helper.make_tensor_value_info(out, tensor.data_type, list(tensor.dims)))
     del graph.value_info[:]
     manifest = {
         "loss": str(loss_spec), "optimizer": spec.optimizer, "frozen": list(spec.frozen),
-        "target": loss_spec.target, "hyperparameters": list(HYPER[spec.optimizer]),
+        "target": loss_spec.target, "hyperparameters": controls,
         "weights": {name: {"shape": list(by_name[name].dims), "dtype": dtypes[name].name} for name in reached},
-        "slots": list(SLOTS[spec.optimizer]),
+        "slots": list(slots), "microbatches": spec.microbatches, "accumulators": accumulators,
         "not_reached": sorted(set(t.name for t in candidates) - set(reached)),
         "tied": tied,
         "statistics": {name: {"shape": list(t.dims),
