@@ -295,6 +295,14 @@ def test_bad_training_input_is_one_line(tmp_path):
     assert not (tmp_path / "mb").exists()
     done = run_cli("plan", MLP, "--loss", "mse:logits:t", "--mesh", "1x1", "-o", tmp_path / "x")
     assert done.returncode != 0 and "go with --train" in done.stderr
+    data = _data(tmp_path / "good.npz")
+    done = run_mpi(1, "train", plan_dir, "--data", data, "--steps", 1, "--checkpoint", tmp_path / "ck", timeout=120)
+    assert done.returncode == 0, done.stderr
+    other = _plan(tmp_path, "other", "--mesh", "1x1", "--optimizer", "sgd", "--frozen", "layer0.*")
+    done = run_mpi(1, "train", other, "--data", data, "--steps", 1, "--resume", tmp_path / "ck", timeout=120)
+    assert done.returncode == 1 and "checkpoint of another model or optimizer" in done.stderr, done.stderr
+    done = run_cli("export", other, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "other.onnx")
+    assert done.returncode == 1 and "another model" in done.stderr and not (tmp_path / "other.onnx").exists()
 
 
 def test_batch_normalization_in_training_mode_keeps_running_statistics_as_state(tmp_path):
