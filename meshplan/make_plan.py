@@ -488,7 +488,7 @@ def make_plan(
     options: PlanOptions = PlanOptions(), external_threshold: int = EXTERNAL_THRESHOLD,
     cost_model: CostModel | None = None, state: dict[str, str] | None = None,
     programs: bool = True, shapes_only: bool = False, hints=None, model_hints: bool = True,
-    training=None,
+    training=None, _record=None,
 ) -> Plan:
     """Plan ``model_path`` and write the plan directory ``out_dir``: plan.json, the timeline
     and, unless ``programs`` is False, one program per device. Without programs no weight
@@ -521,6 +521,8 @@ def make_plan(
         workdir.mkdir()
         plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model, state,
                                                        weights, hints, model_hints)
+        if _record is not None:   # what a caller adds to plan.json (a training plan's section)
+            _record(plan)
         if programs:
             emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         constants = small_constants(canonical.model)
@@ -566,17 +568,19 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
         step_path = save_step_model(step, model_path, holder / TRAINING_STEP.name)
         plan_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
         shutil.rmtree(plan_dir)
+        source = {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)}
+
+        def record(plan: Plan) -> None:
+            plan.model["path"] = str((out_dir / TRAINING_STEP).resolve())
+            plan.training = {**step.manifest, "source": source}
+
         plan = make_plan(step_path, cluster, dims, plan_dir, replace(options, max_stages=1), external_threshold,
-                         cost_model, step.state, programs, shapes_only)
+                         cost_model, step.state, programs, shapes_only, _record=record)
         try:
             target = plan_dir / TRAINING_STEP
             target.parent.mkdir()
             for item in holder.iterdir():
                 shutil.move(str(item), str(target.parent / item.name))
-            plan.model["path"] = str((out_dir / TRAINING_STEP).resolve())
-            plan.training = {**step.manifest, "source": {"path": str(model_path.resolve()),
-                                                         "sha256": file_sha256(model_path)}}
-            write_plan(plan, plan_dir)
             _replace_dir(plan_dir, out_dir)
         except BaseException:
             shutil.rmtree(plan_dir, ignore_errors=True)
