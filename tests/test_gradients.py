@@ -956,3 +956,41 @@ def test_scatter(op, shape, data, add, seed):
     inputs = {"x": rand(seed, shape), "u": rand(seed + 1, updates_shape)}
     node = N(op, ["x", "i", "u"], ["y"], reduction="add" if add else "none", **attrs)
     check([node], inputs, ["x", "u"], initializers={"i": np.asarray(indices, dtype=np.int64)})
+
+
+@covers("DepthToSpace", "SpaceToDepth")
+@pytest.mark.parametrize("op", ["DCR", "CRD", "SpaceToDepth"])
+@FEW
+@given(block=st.integers(1, 3), sizes=st.lists(st.integers(1, 3), min_size=3, max_size=3), seed=seeds)
+def test_depth_and_space(op, block, sizes, seed):
+    c, h, w = sizes
+    if op == "SpaceToDepth":
+        node, shape = N("SpaceToDepth", ["x"], ["y"], blocksize=block), [2, c, h * block, w * block]
+    else:
+        node, shape = N("DepthToSpace", ["x"], ["y"], blocksize=block, mode=op), [2, c * block * block, h, w]
+    check([node], {"x": rand(seed, shape)}, ["x"])
+
+
+@covers("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@SETTINGS
+@given(extra=st.lists(st.integers(1, 3), max_size=1), classes=st.integers(2, 4),
+       reduction=st.sampled_from(["mean", "sum", "none"]), weighted=st.booleans(), ignore=st.booleans(),
+       log_prob=st.booleans(), seed=seeds)
+def test_class_losses(op, extra, classes, reduction, weighted, ignore, log_prob, seed):
+    """Weights or not, an ignore_index some targets take (not all), the log_prob output read."""
+    rng = np.random.default_rng(seed)
+    shape = [3, classes] + extra
+    target = rng.integers(0, classes, [3] + extra)
+    attrs = {"reduction": reduction}
+    if ignore:
+        target.reshape(-1)[0] = -1
+        attrs["ignore_index"] = -1
+    inputs = {"x": rand(seed, shape)}
+    names = ["x", "t"]
+    constants = {"t": target.astype(np.int64)}
+    if weighted:
+        names.append("w")
+        constants["w"] = rng.uniform(0.5, 2.0, classes)
+    outputs = ["loss", "lp"] if op == "SoftmaxCrossEntropyLoss" and log_prob else ["loss"]
+    check([N(op, names, outputs, **attrs)], inputs, ["x"], initializers=constants)

@@ -460,3 +460,54 @@ def _group_norm_grad(g: GradNode) -> list:
     return [g.op("Reshape", dx, g.shape_tensor(x)) if g.need(0) else None,
             per_parameter(g.op("Mul", dy, xhat)) if g.need(1) else None,
             per_parameter(dy) if g.need(2) else None]
+
+
+# --- losses exported with the model ------------------------------------------------------------
+
+def _class_loss_grad(g: GradNode, softmax: bool) -> list:
+    """l[n, …] = −w[t]·x[n, t, …] (x the log-probabilities: the input, or LogSoftmax(scores));
+    a target equal to ignore_index counts 0. dx = −onehot(t)·w[t]·dl, dl = dy (none), dy
+    broadcast (sum), dy/Σ w[t] (mean); scores: dx = (softmax − onehot(t))·w[t]·dl, and
+    log_prob's gradient, where read, through LogSoftmax."""
+    from meshplan.ops.shapes import _text
+
+    x, target = g.x(0), g.x(1)
+    rank = g.rank(x)
+    to = _onnx_type(g.dtype(x))
+    valid = None
+    if g.attr("ignore_index") is not None:
+        valid = g.op("Not", g.op("Equal", target, g.const(np.asarray(int(g.attr("ignore_index")),
+                                                                      dtype=g.dtype(target)))))
+        target = g.op("Where", valid, target, g.const(np.zeros((), dtype=g.dtype(target))))
+    weight = g.op("Gather", g.x(2), target) if g.has_input(2) else None
+    if valid is not None:
+        mask = g.op("Cast", valid, to=to)
+        weight = mask if weight is None else g.op("Mul", weight, mask)
+    reduction = _text(g.attr("reduction"), "mean")
+    dl = g.dy(0)
+    if reduction == "mean":
+        total = g.op("ReduceSum", weight, keepdims=0) if weight is not None else \
+            g.op("Cast", g.op("Size", target), to=to)
+        dl = g.op("Div", dl, total)
+    coef = g.op("Mul", dl, weight) if weight is not None else dl
+    if reduction != "none":
+        coef = g.op("Expand", coef, g.op("Shape", target))
+    coef = g.op("Unsqueeze", coef, g.ints([1]))
+    classes = g.op("Range", g.const(np.int64(0)), g.op("Gather", g.shape_tensor(x), g.const(np.int64(1))),
+                   g.const(np.int64(1)))
+    classes = g.op("Reshape", classes, g.ints([1, -1] + [1] * (rank - 2)))
+    labels = g.op("Unsqueeze", g.op("Cast", target, to=_onnx_type(np.int64)), g.ints([1]))
+    onehot = g.op("Cast", g.op("Equal", labels, classes), to=to)
+    if not softmax:
+        return [g.op("Neg", g.op("Mul", onehot, coef)), None, None][:len(g.inputs)]
+    log_prob = g.y(1) if len(g.outputs) > 1 and g.outputs[1] else g.op("LogSoftmax", x, axis=1)
+    prob = g.op("Exp", log_prob)
+    dx = g.op("Mul", g.op("Sub", prob, onehot), coef)
+    if g.has_dy(1):
+        dlp = g.dy(1)
+        dx = g.op("Add", dx, g.op("Sub", dlp, g.op("Mul", prob, g.op("ReduceSum", dlp, g.ints([1]), keepdims=1))))
+    return [dx, None, None][:len(g.inputs)]
+
+
+gradient("SoftmaxCrossEntropyLoss")(lambda g: _class_loss_grad(g, True))
+gradient("NegativeLogLikelihoodLoss")(lambda g: _class_loss_grad(g, False))

@@ -521,3 +521,36 @@ def _scatter_grad(gather: str):
 
 gradient("ScatterElements")(_scatter_grad("GatherElements"))
 gradient("ScatterND")(_scatter_grad("GatherND"))
+
+
+def _rearranged_back(g: GradNode, viewed: list, perm: list[int]) -> str:
+    """dx of y = Reshape(Transpose(Reshape(x, viewed), perm)): dy viewed as the transposed
+    shape, transposed back, reshaped to x (the batch dim as 0: copied)."""
+    moved = [viewed[p] for p in perm]
+    back = g.op("Transpose", g.op("Reshape", g.dy(0), g.ints(moved)), perm=[perm.index(d) for d in range(len(perm))])
+    return g.op("Reshape", back, g.shape_tensor(g.x(0)))
+
+
+def _blocks(g: GradNode) -> tuple[int, int, int, int]:
+    _, c, h, w = g.shape(g.x(0))
+    if not all(isinstance(d, int) for d in (c, h, w)):
+        raise GradientError(f"{g.op_type} node '{g.name}': channels or spatial dims of unknown size")
+    return int(g.attr("blocksize")), c, h, w
+
+
+@gradient("DepthToSpace")
+def _depth_to_space_grad(g: GradNode) -> list:
+    """The inverse rearrangement of dy: DCR views x as [N, b, b, C/b², H, W] and transposes it
+    by (0, 3, 4, 1, 5, 2); CRD as [N, C/b², b, b, H, W] by (0, 1, 4, 2, 5, 3)."""
+    b, c, h, w = _blocks(g)
+    if _text(g.attr("mode"), "DCR") == "DCR":
+        return [_rearranged_back(g, [0, b, b, c // (b * b), h, w], [0, 3, 4, 1, 5, 2])]
+    return [_rearranged_back(g, [0, c // (b * b), b, b, h, w], [0, 1, 4, 2, 5, 3])]
+
+
+@gradient("SpaceToDepth")
+def _space_to_depth_grad(g: GradNode) -> list:
+    """The inverse rearrangement of dy: x viewed as [N, C, H/b, b, W/b, b], transposed by
+    (0, 3, 5, 1, 2, 4)."""
+    b, c, h, w = _blocks(g)
+    return [_rearranged_back(g, [0, c, h // b, b, w // b, b], [0, 3, 5, 1, 2, 4])]
