@@ -430,7 +430,6 @@ def _average_pool_grad(g: GradNode) -> list:
     return [g.op("Reshape", back, g.shape_tensor(x))]
 
 
-
 @gradient("GroupNormalization")
 def _group_norm_grad(g: GradNode) -> list:
     """x̂ normalised over each group of channels (with their spatial dims) per sample; y =
