@@ -6,12 +6,15 @@ generate``; requests that arrive
 at different times share the model's calls; bad requests get OpenAI-style 400s and leave
 no slot taken; a client that goes away frees its slot; a full queue answers 429 with
 Retry-After; SIGTERM lets what runs finish and exits 0; a rank that dies ends the job
-with an error for the request in flight. A growing-cache export (optimum) serves requests
-together, each with its own ids.
+with an error for the request in flight. Hostile bodies (NaN and infinities, lone
+surrogates, wrong JSON types, numbers too large) get a 400 naming the field on a
+connection that stays usable, and the server goes on. A growing-cache export (optimum)
+serves requests together, each with its own ids.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -19,6 +22,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -188,6 +192,51 @@ def test_bad_requests_get_a_400(server, path, body, raw, message):
     assert status == 400, answer
     assert message in answer["error"]["message"] and answer["error"]["type"] == "invalid_request_error"
     assert server.metric("meshplan_requests_running") == 0 and server.metric("meshplan_requests_waiting") == 0
+
+
+# what a hostile client sent (issue: a NaN temperature killed the server), each with the
+# field its 400 names (None: the body as a whole)
+HOSTILE = [
+    ("/v1/completions", b'{"model": "llama_fp32", "prompt": "hi", "max_tokens": 2, "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1, "top_p": NaN}', "top_p"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", b'{"prompt": "a \\udfff"}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "stream": {"a": 1}}', "stream"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1, "seed": -1}', "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1e400}', "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": 99999999999999999999}', "top_k"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+    ("/v1/completions", b'{"prompt": "hi", "model": 7}', "model"),
+    ("/v1/completions", b'{"prompt": "hi", "n": true}', "n"),
+    ("/v1/completions", b'{"prompt": [-1]}', "prompt"),
+    ("/v1/completions", b"[" * 100_000, None),
+    ("/v1/completions", b'\xff\xfe{"prompt"', None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": NaN}',
+     "max_completion_tokens"),
+]
+
+
+def test_hostile_bodies_get_a_400_naming_the_field_and_the_server_goes_on(server):
+    """One keep-alive connection for all of them: none may end it."""
+    address = urllib.parse.urlsplit(server.url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+    for path, raw, param in HOSTILE:
+        connection.request("POST", path, raw, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 400, (raw[:80], answer)
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param, \
+            (raw[:80], answer)
+    # a tiny temperature samples (it made every probability NaN)
+    connection.request("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 3, "temperature": 1e-320}',
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and len(json.loads(response.read())["choices"][0]["token_ids"]) == 3
+    assert server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert server.metric("meshplan_requests_running") == 0 and server.process.poll() is None
 
 
 def test_another_model_is_a_404_and_the_client_says_so(server):
