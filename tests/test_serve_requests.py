@@ -226,6 +226,25 @@ def test_read_submission_raises_nothing_but_bad_request():
             read_submission(parse_body(json.dumps(body).encode()), limits(), chat="messages" in body)
 
 
+def test_a_second_stop_ends_what_runs_at_once():
+    """The engine stopped with ``hurry`` (a second SIGTERM): a running request gets an error
+    at the next step, and the loop returns."""
+    shape = GenerationShape("input_ids", "attention_mask", None, {}, True, (1, 2), 16, CONTEXT, VOCAB, {}, {})
+    engine = Engine(SlotBatch(shape, RandomLogits(pause=0.01), 1, 2), None, [], ServerMetrics(), 4)
+    events = []
+    engine.submit(Work([5, 6], 60, Sampler(), emit=events.append))
+    stop, hurry = threading.Event(), threading.Event()
+    runner = threading.Thread(target=engine.run, args=(stop, hurry))
+    runner.start()
+    while not events:
+        time.sleep(0.001)
+    stop.set()
+    hurry.set()
+    runner.join(10)
+    assert not runner.is_alive()
+    assert events[-1] == ("error", "the server is stopping", 503) and len(events) < 60
+
+
 # --- the property test ------------------------------------------------------------------------
 
 def texts(size: int = 12):
