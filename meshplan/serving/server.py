@@ -6,10 +6,10 @@ any rank goes on (a port in use is one line, like any start-up error), makes a w
 call, then runs the engine on its main thread (the one that calls MPI) and uvicorn on
 another. SIGTERM or SIGINT: no new request is taken, what runs finishes, what waits is
 refused, and the job closes with exit 0; a second signal ends what runs at once (an
-error for each). A failure of the engine, whatever raised it (a
-call of the job, a draw, a bug), gives every request in flight and waiting an error,
-lets those answers go out, and aborts the job (``JobFailure``: exit 1, every rank ended
-by the launcher); a rank that dies has the launcher end the others.
+error for each). A failure of the engine, whatever raised it (a call of the job, a draw,
+a bug), gives every request in flight and waiting an error, lets those answers go out,
+and aborts the job (``JobFailure``: exit 1, every rank ended by the launcher); a rank
+that dies has the launcher end the others.
 """
 
 from __future__ import annotations
