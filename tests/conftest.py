@@ -102,6 +102,21 @@ def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("shared")
 
 
+@pytest.fixture(scope="session")
+def llama_batch4(tmp_path_factory) -> Path:
+    """The sample builder Llama planned for generation on 1x2 (heads and cache split over both
+    ranks), 4 sequences, a context of 1024, calls of up to 16 positions: ``test_serve``'s
+    server and ``test_job_failures``' generate."""
+    from sample_models import SAMPLE_DIR
+
+    out = tmp_path_factory.mktemp("llama_batch4")
+    done = run_cli("plan", SAMPLE_DIR / "genai" / "llama_fp32" / "model.onnx", "--mesh", "1x2", "--generate",
+                   "--max-length", "1024", "--prefill-chunk", "16", "--policy", "megatron", "--max-stages", "1",
+                   "--batch", "4", "-o", out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
 def _strip(data: dict) -> dict:
     """The plan less what differs from run to run: the solver's wall-clock seconds, the
     checksum over them, and where the model was read from."""

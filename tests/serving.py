@@ -1,5 +1,6 @@
 """A ``meshplan serve`` job started by a test: ``mpiexec -n N meshplan serve PLAN --port 0``,
-its address read from its first line."""
+its address read from its first line; its processes carry a mark (``tests.jobs``), by which
+the test finds what is left of it and ends it."""
 
 from __future__ import annotations
 
@@ -9,24 +10,30 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 
-from tests.conftest import REPO, meshplan_command, mpiexec_path
+from tests.conftest import REPO
+from tests.jobs import command, end, marked_environment
 
 START_SECONDS = 90
 
 
 class Served:
-    def __init__(self, plan_dir, ranks: int = 2, *args):
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        command = [mpiexec_path(), "-n", str(ranks), *meshplan_command(), "serve", str(plan_dir), "--port", "0",
-                   *map(str, args)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env=env, cwd=REPO, start_new_session=True)
+    def __init__(self, plan_dir, ranks: int = 2, *args, failure: str | None = None, env: dict | None = None,
+                 wait: bool = True):
+        """``failure``: one of ``failing_command.py``'s, put in; ``wait``: for the address."""
+        self.mark = uuid.uuid4().hex
+        self.process = subprocess.Popen(command(ranks, "serve", plan_dir, "--port", "0", *args, failure=failure),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=marked_environment(self.mark, **(env or {})), cwd=REPO,
+                                        start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.url = None
         self.pids: dict[int, int] = {}
+        if not wait:
+            return
         began = time.monotonic()
         while time.monotonic() - began < START_SECONDS:
             text = "\n".join(self.lines)
@@ -70,6 +77,7 @@ class Served:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
+        end(self.mark)   # the ranks, in sessions of their own
 
     def __enter__(self):
         return self

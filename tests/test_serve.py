@@ -6,12 +6,17 @@ generate``; requests that arrive
 at different times share the model's calls; bad requests get OpenAI-style 400s and leave
 no slot taken; a client that goes away frees its slot; a full queue answers 429 with
 Retry-After; SIGTERM lets what runs finish and exits 0; a rank that dies ends the job
-with an error for the request in flight. A growing-cache export (optimum) serves requests
-together, each with its own ids.
+with an error for the request in flight. Hostile bodies (NaN and infinities, lone
+surrogates, wrong JSON types, numbers too large) get a 400 naming the field on a
+connection that stays usable, and the server goes on; a draw that fails inside the engine
+answers every request in flight and waiting with an error, then ends every rank within
+seconds, exit 1; SIGTERM while the job starts ends every rank. A growing-cache export
+(optimum) serves requests together, each with its own ids.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -19,6 +24,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -26,6 +32,7 @@ import pytest
 from meshplan.generation.driver import load_tokenizer
 from sample_models import SAMPLE_DIR
 from tests.conftest import run_cli, run_mpi, run_mpi_script
+from tests.jobs import left_after
 from tests.serving import Served
 
 pytestmark = pytest.mark.mpi
@@ -46,8 +53,8 @@ def plan(tmp_path_factory, name: str, model, *args):
 
 
 @pytest.fixture(scope="module")
-def batch4(tmp_path_factory):
-    return plan(tmp_path_factory, "batch4", LLAMA / "model.onnx", "--batch", "4")
+def batch4(llama_batch4):
+    return llama_batch4   # (``plan``'s, with --batch 4: shared with test_job_failures)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +197,51 @@ def test_bad_requests_get_a_400(server, path, body, raw, message):
     assert server.metric("meshplan_requests_running") == 0 and server.metric("meshplan_requests_waiting") == 0
 
 
+# what a hostile client sent (issue: a NaN temperature killed the server), each with the
+# field its 400 names (None: the body as a whole)
+HOSTILE = [
+    ("/v1/completions", b'{"model": "llama_fp32", "prompt": "hi", "max_tokens": 2, "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1, "top_p": NaN}', "top_p"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": -Infinity}', "top_p"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", b'{"prompt": "a \\udfff"}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "stream": {"a": 1}}', "stream"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1, "seed": -1}', "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1e400}', "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": 99999999999999999999}', "top_k"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+    ("/v1/completions", b'{"prompt": "hi", "model": 7}', "model"),
+    ("/v1/completions", b'{"prompt": "hi", "n": true}', "n"),
+    ("/v1/completions", b'{"prompt": [-1]}', "prompt"),
+    ("/v1/completions", b"[" * 100_000, None),
+    ("/v1/completions", b'\xff\xfe{"prompt"', None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": NaN}',
+     "max_completion_tokens"),
+]
+
+
+def test_hostile_bodies_get_a_400_naming_the_field_and_the_server_goes_on(server):
+    """One keep-alive connection for all of them: none may end it."""
+    address = urllib.parse.urlsplit(server.url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+    for path, raw, param in HOSTILE:
+        connection.request("POST", path, raw, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 400, (raw[:80], answer)
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param, \
+            (raw[:80], answer)
+    # a tiny temperature samples (it made every probability NaN)
+    connection.request("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 3, "temperature": 1e-320}',
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and len(json.loads(response.read())["choices"][0]["token_ids"]) == 3
+    assert server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert server.metric("meshplan_requests_running") == 0 and server.process.poll() is None
+
+
 def test_another_model_is_a_404_and_the_client_says_so(server):
     import openai
 
@@ -314,6 +366,59 @@ def test_a_rank_that_dies_ends_the_job_with_an_error(batch4):
                     os.kill(served.pids[1], signal.SIGKILL)
         assert time.monotonic() - began < 60
         assert served.wait(60) != 0
+        assert time.monotonic() - began < 20, served.output
+        assert not left_after(served.mark), served.output
+
+
+def test_a_failing_draw_answers_every_request_and_ends_the_job(batch4, tmp_path):
+    """A failure inside the engine (a sampler that raises, put in by ``failing_command.py``
+    once the flag file exists): the three greedy streams and the sampled one in the four
+    slots end with an error event, the request waiting for a slot gets a 500 body, and
+    every rank is gone within seconds, exit non-zero, one error line, no traceback."""
+    import openai
+
+    flag = tmp_path / "fail-now"
+    with Served(batch4, 2, failure="sampler-raises", env={"FAIL_WHEN": str(flag)}) as served:
+        client = served.client()
+        streams = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0 if i < 3 else 1,
+                                             stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
+        firsts = [next(iter(stream)) for stream in streams]
+        waited = {}
+
+        def wait():
+            try:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+            except openai.APIStatusError as exc:
+                waited.update(status=exc.status_code, message=exc.message)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while served.metric("meshplan_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.metric("meshplan_requests_running") == 4 and all(firsts)
+        flag.touch()
+        began = time.monotonic()
+        for stream in streams:
+            with pytest.raises(openai.APIError, match="the job failed: a draw failed"):
+                list(stream)
+        waiter.join(30)
+        assert waited["status"] == 500 and "the job failed" in waited["message"], waited
+        assert served.wait(30) != 0, served.output
+        assert time.monotonic() - began < 20, served.output
+        assert not left_after(served.mark), served.output
+    errors = [line for line in served.output.splitlines() if line.startswith("meshplan: error:")]
+    assert errors and "rank 0 failed: a draw failed" in errors[0], served.output
+    assert "Traceback" not in served.output
+
+
+def test_sigterm_while_the_job_starts_ends_every_rank(batch4):
+    with Served(batch4, 2, wait=False) as served:
+        time.sleep(1.5)   # the ranks import and load (a start takes 4-6 s on 2 cores)
+        os.kill(served.process.pid, signal.SIGTERM)
+        began = time.monotonic()
+        served.wait(30)
+        assert time.monotonic() - began < 20, served.output
+        assert not left_after(served.mark), served.output
 
 
 def test_a_growing_cache_serves_requests_together(tmp_path_factory):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.errors import MeshplanError, RunError
+from meshplan.errors import RunError
 from meshplan.generation.loop import Generation, GenerationShape, Metrics, Sequence
 from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
@@ -231,7 +231,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
     tokens come (``on_text`` gets the ids of every sequence otherwise: ``on_text(None,
     step, ids)``)."""
     from meshplan.providers import CUDA
-    from meshplan.runtime.job import Job
+    from meshplan.runtime.job import Job, driving
     from meshplan.runtime.mpi_runner import _gather_memory
     from meshplan.runtime.transport import world
 
@@ -267,7 +267,8 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         else:
             on_text(None, step, ids)
 
-    try:
+    # (the workers gather each rank's memory once the job has closed, whatever closed it)
+    with driving(job, closed=lambda: _gather_memory(job.plan, plan_dir, world()[1], job.threads)):
         generation = Generation(prepared.shape, JobStepper(job), prepared.pad_id)
         # a warm-up of the prompts' prefill and a decode step (on CUDA with graphs, until the
         # step's graph is captured: ``warm_up_steps``), so that the first token's time is not the
@@ -285,10 +286,7 @@ def generate_rank(plan_dir: str | Path, request: Request, provider: str = "auto"
         if rest:
             on_text(rest)
         stats = job.stats()
-    except MeshplanError:
         job.close()
-        raise
-    job.close()
     memory = _gather_memory(job.plan, plan_dir, world()[1], job.threads)
     if tokenizer is not None:
         for sequence in sequences:

@@ -3,6 +3,7 @@ with a temperature, top-k and top-p (nucleus) from a seeded generator."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,9 @@ class Sampler:
     """``temperature`` 0 (the default) is greedy: the highest logit, the first on a tie.
     Otherwise the logits are divided by the temperature, cut to the ``top_k`` highest (0:
     all) and to the smallest set whose probabilities reach ``top_p`` (1: all), and one
-    token is drawn per sequence from what remains."""
+    token is drawn per sequence from what remains. Every setting is checked here (finite,
+    in range: NaN passes no comparison), so that a draw never fails on what it was given;
+    logits that hold NaN or an infinity are a ``RunError`` at the draw."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -23,12 +26,14 @@ class Sampler:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise RunError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
-        if self.top_k < 0:
-            raise RunError(f"--top-k must be 0 (all) or more, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not _real(self.temperature) or not self.temperature >= 0:
+            raise RunError(f"--temperature must be a finite number, 0 (greedy) or more, got {self.temperature}")
+        if not _integer(self.top_k) or self.top_k < 0:
+            raise RunError(f"--top-k must be an integer, 0 (all) or more, got {self.top_k}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
             raise RunError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed <= LARGEST_SEED):
+            raise RunError(f"--seed must be an integer from 0 to {LARGEST_SEED}, got {self.seed}")
         self._rng = None     # made at the first draw: a greedy request never needs one (10 µs)
 
     @property
@@ -48,14 +53,18 @@ class Sampler:
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed)
         logits = logits.astype(np.float64)
-        scaled = logits / self.temperature
-        chosen = np.empty(len(scaled), dtype=np.int64)
-        for row, values in enumerate(scaled):
+        chosen = np.empty(len(logits), dtype=np.int64)
+        for row, values in enumerate(logits):
             order = np.argsort(-values, kind="stable")
             if self.top_k:
                 order = order[:self.top_k]
             kept = values[order]
-            probs = np.exp(kept - kept.max())
+            # less the highest before dividing: a tiny temperature then gives 0 and -inf, never
+            # inf - inf (a temperature of 1e-320 made every probability NaN)
+            with np.errstate(over="ignore"):
+                probs = np.exp((kept - kept[0]) / self.temperature)
+            if not np.isfinite(probs).all():
+                raise RunError("the model's logits hold NaN or an infinity: no token can be sampled from them")
             probs /= probs.sum()
             if self.top_p < 1:
                 reach = np.cumsum(probs)
@@ -63,6 +72,17 @@ class Sampler:
                 order, probs = order[:count], probs[:count] / probs[:count].sum()
             chosen[row] = order[self._rng.choice(len(order), p=probs)]
         return chosen
+
+
+LARGEST_SEED = 2**64 - 1     # numpy's generators take seeds from 0 up; OpenAI's are 64-bit
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _float16_argmax(logits: np.ndarray) -> np.ndarray:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1153,6 +1154,35 @@ def _line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def as_failure(exc: BaseException) -> JobFailure:
+    """``exc`` raised on rank 0 as a failure of the job (``JobFailure`` as it is)."""
+    return exc if isinstance(exc, JobFailure) else JobFailure(f"rank 0 failed: {_line(exc)}")
+
+
+@contextmanager
+def driving(job: Job, closed=None):
+    """Rank 0's work on a started job (``run``, ``generate`` and ``serve`` drive inside it).
+    A library error (a call refused before any rank heard of it) closes the job, so that the
+    workers end with it, then runs ``closed()`` (the collective the workers make once the job
+    has closed, where they make one), and goes on. A failure of the job (``JobFailure``: the
+    workers may be inside a call) and anything else raised (numpy's errors, a bug) leave as
+    a ``JobFailure``, which the command's guard ends by aborting the job: closing it would
+    wait on workers that never answer, and leaving the process would leave them waiting for
+    a header for ever."""
+    try:
+        yield
+    except JobFailure:
+        raise
+    except MeshplanError:
+        if not job.closed:
+            job.close()
+            if closed is not None:
+                closed()
+        raise
+    except Exception as exc:
+        raise as_failure(exc) from exc
+
+
 def fail(exc: BaseException) -> None:
     """End the whole job after a rank's failure: its one line on stderr, then MPI_Abort (the
     other ranks are waiting on it). The one place the library writes and exits: an MPI job
@@ -1161,4 +1191,4 @@ def fail(exc: BaseException) -> None:
     abort_job(1)
 
 
-__all__ = ["CallStats", "Job", "JobFailure", "ReportedElsewhere", "fail"]
+__all__ = ["CallStats", "Job", "JobFailure", "ReportedElsewhere", "as_failure", "driving", "fail"]

@@ -9,7 +9,8 @@ module also holds the run's report, each rank's memory and threads, and the trac
 
 Failure handling: start-up checks (plan, rank count, files, inputs) run on every rank
 and the ranks agree on the outcome with one Allreduce, so all of them exit 1 and the
-lowest failing rank reports; a failure after that aborts the whole job.
+lowest failing rank reports; a failure after that, whatever raised it, aborts the whole
+job (``job.driving``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.errors import MeshplanError, RunError
+from meshplan.errors import RunError
 from meshplan.plan_format import Plan
 from meshplan.process_memory import peak_rss_bytes
 from meshplan.providers import CPU
-from meshplan.runtime.job import Job
+from meshplan.runtime.job import Job, driving
 from meshplan.runtime.tensors import read_inputs, write_outputs
 from meshplan.runtime.threads import ThreadChoice
 from meshplan.runtime.transport import gather_rows, world
@@ -95,7 +96,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
     inputs = held["inputs"]
     state_given = {n: v for n, v in inputs.items() if n in job.state_inputs}
     latencies, outputs = [], {}
-    try:
+    with driving(job, closed=lambda: _gather_memory(plan, plan_dir, world()[1], job.threads)):
         for _ in range(repeat):
             if state_given:
                 job.set_state(state_given)
@@ -106,10 +107,7 @@ def run_rank(plan_dir: str | Path, inputs_path: str | Path, output_path: str | P
         if job.state_inputs:
             kept = job.get_state()
             outputs.update({entry["output"]: kept[entry["input"]] for entry in plan.state if entry["input"] in kept})
-    except MeshplanError:
         job.close()
-        raise
-    job.close()
     memory = _gather_memory(plan, plan_dir, world()[1], job.threads)
     if output_path is not None:
         write_outputs(output_path, {spec.name: outputs[spec.name] for spec in plan.outputs if spec.name in outputs})

@@ -3,9 +3,11 @@
 ``POST /v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent
 events, ``data: [DONE]`` last), ``GET /v1/models``, ``/health`` and ``/metrics``. Every
 error is an OpenAI-style body: 400 for a request the plan cannot take, 404 for another
-model, 429 with ``Retry-After`` when the queue is full, 503 while the server stops, 500
-when the job fails. A client that goes away cancels its request (its slot is free within
-one step).
+model, 413 for a body over ``MAX_BODY_BYTES``, 429 with ``Retry-After`` when the queue is
+full, 503 while the server stops, 500 when the job fails. No request body reaches the
+engine unchecked (``protocol``), and none ends the connection: what reading one raises
+unforeseen is a 500 body too, the server going on. A client that goes away cancels its
+request (its slot is free within one step).
 """
 
 from __future__ import annotations
@@ -20,18 +22,24 @@ from meshplan.serving.engine import QueueFull, Stopping
 from meshplan.serving.protocol import BadRequest, parse_body, read_submission
 
 RETRY_AFTER_SECONDS = 1
+MAX_BODY_BYTES = 4 << 20    # a request body larger than this is refused (413), read to its end
 
 
 def build_app(engine, limits, metrics, started: float | None = None):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     created = int(started or time.time())
 
+    class ErrorResponse(JSONResponse):   # escaped to ASCII: whatever text a message quotes, it renders
+        def render(self, content) -> bytes:
+            return json.dumps(content, separators=(",", ":")).encode("ascii")
+
     def error(exc: BadRequest, headers=None) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        return ErrorResponse(exc.body(), status_code=exc.status, headers=headers)
 
     async def health(request):
         if engine.stopping:
@@ -53,14 +61,18 @@ def build_app(engine, limits, metrics, started: float | None = None):
 
     async def generate(request, chat: bool):
         try:
-            submission = read_submission(parse_body(await request.body()), limits, chat)
+            submission = read_submission(parse_body(await _read_body(request)), limits, chat)
             sampler = submission.sampler()
         except BadRequest as exc:
             return error(exc)
-        loop = asyncio.get_running_loop()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as exc:   # a check that failed unforeseen: this request's 500, not the server's
+            line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return error(BadRequest(f"the request could not be read: {line}", status=500, kind="server_error"))
         events: asyncio.Queue = asyncio.Queue()
         work = Work(submission.prompt_ids, submission.max_tokens, sampler,
-                    emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                    emit=_emitter(asyncio.get_running_loop(), events),
                     stop=submission.stop, ignore_eos=submission.ignore_eos)
         try:
             engine.submit(work)
@@ -98,8 +110,8 @@ def build_app(engine, limits, metrics, started: float | None = None):
                 engine.cancel(work)
 
     async def not_found(request, exc: HTTPException):
-        return JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
-                                       "code": None}}, status_code=exc.status_code)
+        return ErrorResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
+                                        "code": None}}, status_code=exc.status_code)
 
     routes = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics_text),
               Route("/v1/completions", completions, methods=["POST"]),
@@ -136,6 +148,30 @@ class _Shape:
     def usage(self, usage: dict) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": usage}
+
+
+async def _read_body(request) -> bytes:
+    """The request body, refused (413) past ``MAX_BODY_BYTES``; read to its end all the same,
+    so that the connection stays usable for the client's next request."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            chunks.append(chunk)
+    if size > MAX_BODY_BYTES:
+        raise BadRequest(f"the request body has {size} bytes: at most {MAX_BODY_BYTES}", status=413)
+    return b"".join(chunks)
+
+
+def _emitter(loop, events: asyncio.Queue):
+    """The engine's events for one request, handed to the HTTP thread's loop (dropped once that
+    loop has closed: the engine must not fail because a front is gone)."""
+    def emit(event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:
+            pass
+    return emit
 
 
 async def _disconnected(request) -> None:

@@ -56,11 +56,12 @@ class Engine:
 
     # --- the engine's side (the MPI thread) -------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set and what runs has finished (what waits is refused)."""
+    def run(self, stop: threading.Event, hurry: threading.Event | None = None) -> None:
+        """Serve until ``stop`` is set and what runs has finished (what waits is refused), or
+        as soon as ``hurry`` is set too (what runs gets an error, as what waits does)."""
         try:
             while True:
-                self._take_new(stop.is_set())
+                self._take_new(stop.is_set(), hurry is not None and hurry.is_set())
                 if not self.batch.busy:   # nothing runs: wait for a request (or the stop)
                     if self.stopping and not self.waiting:
                         return
@@ -89,7 +90,7 @@ class Engine:
                 self.metrics.requests.labels("error").inc()
                 work.emit(("error", message, 500))
 
-    def _take_new(self, stop: bool) -> None:
+    def _take_new(self, stop: bool, hurry: bool = False) -> None:
         with self._lock:
             if stop:
                 self.stopping = True
@@ -97,6 +98,11 @@ class Engine:
                 self.waiting.append(self._inbox.popleft())
         for work in [w for w in self.batch.busy if w.cancelled]:
             self._finish(work, "cancelled")
+        for work in self.batch.busy if hurry else []:
+            self.batch.release(work)
+            work.finished = "error"
+            self.metrics.requests.labels("refused").inc()
+            work.emit(("error", "the server is stopping", 503))
         for work in [w for w in self.waiting if w.cancelled or self.stopping]:
             self.waiting.remove(work)
             self._dequeued()

@@ -1,22 +1,28 @@
 """Request bodies of the OpenAI API read into a ``Submission``, or refused with one
-``BadRequest`` (HTTP 400 and an OpenAI-style error body): malformed JSON, a field this
-server does not know or cannot honour, a value of the wrong type or range, a prompt
-longer than the context, token ids outside the vocabulary, ``max_tokens`` beyond the
-context."""
+``BadRequest`` (HTTP 400 and an OpenAI-style error body naming the field): malformed JSON,
+text that is not Unicode (a lone surrogate), a field this server does not know or cannot
+honour, a value of the wrong JSON type, not finite (``NaN`` and ``Infinity``, which
+Python's JSON reader takes) or out of range, a prompt longer than the context, token ids
+outside the vocabulary, ``max_tokens`` beyond the context. Nothing in a body gets past
+here that the engine cannot take: no request fails there."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from meshplan.errors import RunError
-from meshplan.generation.sampling import Sampler
+from meshplan.generation.sampling import LARGEST_SEED, Sampler
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
           "user", "presence_penalty", "frequency_penalty", "logprobs", "ignore_eos"}
 COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default for /v1/completions
+LARGEST_TOP_K = 2**31 - 1
+LARGEST_TOKEN_ID = 2**31 - 1     # where the plan does not say its vocabulary
+SHOWN_CHARACTERS = 40            # of a value quoted in an error message
 
 
 class BadRequest(Exception):
@@ -58,45 +64,109 @@ class Submission:
     def sampler(self) -> Sampler:
         try:
             return Sampler(self.temperature, self.top_k, self.top_p, self.seed)
-        except RunError as exc:
-            raise BadRequest(str(exc).replace("--", "").replace("-", "_")) from None
+        except RunError as exc:   # (``read_submission`` checked each value already)
+            text = str(exc).replace("--", "")
+            name = text.split()[0].replace("-", "_")
+            raise BadRequest(text.replace(text.split()[0], f"'{name}'", 1), name) from None
 
 
 def parse_body(raw: bytes) -> dict:
+    """The body as a JSON object whose every string is Unicode (one ``BadRequest`` else)."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise BadRequest("the request body is not JSON: it is not UTF-8 text") from None
+    except ValueError:   # (an integer of more digits than Python converts)
+        raise BadRequest("the request body holds a number with too many digits") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _check_text(body)
     return body
 
 
+def _check_text(body: dict) -> None:
+    """Every key and string in the body encodes to UTF-8: JSON's escapes let a lone surrogate
+    (``"\\ud800"``) through, which no tokenizer, template or response can take."""
+    stack = [(_safe(key), key, value) for key, value in body.items()]
+    while stack:
+        name, key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((name, k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((name, None, v) for v in value)
+        for text in (key, value):
+            if isinstance(text, str) and not _unicode(text):
+                raise BadRequest(f"'{name}' holds text that is not Unicode (a lone surrogate)", name)
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _safe(name: str) -> str:
+    """A field's name as a message and ``param`` can carry it: Unicode, cut short."""
+    name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return name if len(name) <= SHOWN_CHARACTERS else name[:SHOWN_CHARACTERS] + "..."
+
+
+def _shown(value) -> str:
+    """A value as an error message quotes it: JSON, cut short; a list or an object by its kind."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        cut = value[:SHOWN_CHARACTERS]
+        return json.dumps(_safe(cut)) + ("..." if len(value) > len(cut) else "")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**SHOWN_CHARACTERS:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return json.dumps(value)
+
+
 def _number(body, name, lo=None, hi=None, integer=False, default=None):
-    value = body.get(name, default)
+    value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, got {_shown(value)}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"'{name}' must be a finite number, got {_shown(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         span = f"from {lo}" + (f" to {hi}" if hi is not None else " up")
-        raise BadRequest(f"'{name}' must be {span}, got {value}", name)
+        raise BadRequest(f"'{name}' must be {span}, got {_shown(value)}", name)
     return value
 
 
 def _must_be(body, name, allowed, why):
-    if name in body and body[name] not in allowed:
-        raise BadRequest(f"'{name}' = {json.dumps(body[name])} is not supported: {why}", name)
+    """``name`` absent, or one of ``allowed`` (of the same JSON type: ``true`` is not 1)."""
+    if name in body and not any(type(body[name]) is type(a) and body[name] == a for a in allowed):
+        raise BadRequest(f"'{name}' = {_shown(body[name])} is not supported: {why}", name)
+
+
+def _text(body, name) -> None:
+    if body.get(name) is not None and not isinstance(body[name], str):
+        raise BadRequest(f"'{name}' must be a string, got {_shown(body[name])}", name)
 
 
 def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
     known = CHAT if chat else COMPLETION
     unknown = sorted(set(body) - known)
     if unknown:
-        raise BadRequest(f"unknown field '{unknown[0]}'", unknown[0])
+        name = _safe(unknown[0])
+        raise BadRequest(f"unknown field '{name}'", name)
+    _text(body, "model")
+    _text(body, "user")
     model = body.get("model")
     if model is not None and model != limits.model:
-        raise BadRequest(f"the model '{model}' does not exist: this server serves '{limits.model}'", "model",
+        raise BadRequest(f"the model '{_safe(model)}' does not exist: this server serves '{limits.model}'", "model",
                          status=404)
     _must_be(body, "n", (None, 1), "one choice per request")
     _must_be(body, "best_of", (None, 1), "one choice per request")
@@ -116,8 +186,8 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
     if max_tokens is None:
         max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
     if max_tokens > room:
-        raise BadRequest(f"'{name}' is {max_tokens}, but the context holds {limits.context} tokens and the prompt "
-                         f"takes {len(prompt)}: at most {room}", name)
+        raise BadRequest(f"'{name}' is {_shown(max_tokens)}, but the context holds {limits.context} tokens and the "
+                         f"prompt takes {len(prompt)}: at most {room}", name)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
@@ -141,8 +211,8 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
         chat=chat, prompt_ids=prompt, max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", lo=0, hi=2, default=1.0)),
         top_p=float(_number(body, "top_p", lo=0, hi=1, default=1.0)),
-        top_k=int(_number(body, "top_k", lo=0, integer=True, default=0)),
-        seed=_number(body, "seed", integer=True), stop=stop, stream=stream,
+        top_k=int(_number(body, "top_k", lo=0, hi=LARGEST_TOP_K, integer=True, default=0)),
+        seed=_number(body, "seed", lo=0, hi=LARGEST_SEED, integer=True), stop=stop, stream=stream,
         include_usage=bool(options and options.get("include_usage")), ignore_eos=ignore_eos)
     if submission.top_p == 0:
         raise BadRequest("'top_p' must be above 0", "top_p")
@@ -159,13 +229,13 @@ def _completion_prompt(body: dict, limits: Limits) -> list[int]:
     if isinstance(prompt, str):
         if limits.tokenizer is None:
             raise BadRequest("the model folder has no tokenizer.json: give the prompt as token ids", "prompt")
-        ids = limits.tokenizer.encode(prompt).ids
+        ids = _encode(limits.tokenizer, prompt, "prompt")
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
-        if limits.vocab is not None:
-            bad = [t for t in ids if not 0 <= t < limits.vocab]
-            if bad:
-                raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0 to {limits.vocab - 1})", "prompt")
+        top = limits.vocab if limits.vocab is not None else LARGEST_TOKEN_ID + 1
+        bad = [t for t in ids if not 0 <= t < top]
+        if bad:
+            raise BadRequest(f"token id {_shown(bad[0])} is outside the vocabulary (0 to {top - 1})", "prompt")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest("one prompt per request (send the others as requests of their own)", "prompt")
     else:
@@ -200,7 +270,15 @@ def _chat_prompt(body: dict, limits: Limits) -> list[int]:
         text = limits.chat.render(flat)
     except ValueError as exc:
         raise BadRequest(str(exc), "messages") from None
-    ids = limits.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = _encode(limits.tokenizer, text, "messages", add_special_tokens=False)
     if not ids:
         raise BadRequest("the messages render to no tokens", "messages")
     return ids
+
+
+def _encode(tokenizer, text: str, name: str, **options) -> list[int]:
+    try:
+        return tokenizer.encode(text, **options).ids
+    except Exception as exc:   # (the tokenizers library's own errors)
+        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadRequest(f"the {name} cannot be tokenized: {line}", name) from None

@@ -5,8 +5,11 @@ Every rank loads its program once (``Job``); the other ranks follow rank 0's cal
 any rank goes on (a port in use is one line, like any start-up error), makes a warm-up
 call, then runs the engine on its main thread (the one that calls MPI) and uvicorn on
 another. SIGTERM or SIGINT: no new request is taken, what runs finishes, what waits is
-refused, and the job closes with exit 0. A failure of the job gives every request in
-flight an error, and the job ends with exit 1.
+refused, and the job closes with exit 0; a second signal ends what runs at once (an
+error for each). A failure of the engine, whatever raised it (a call of the job, a draw,
+a bug), gives every request in flight and waiting an error, lets those answers go out,
+and aborts the job (``JobFailure``: exit 1, every rank ended by the launcher); a rank
+that dies has the launcher end the others.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshplan.errors import JobFailure, MeshplanError, RunError
+from meshplan.errors import RunError
 from meshplan.generation.driver import JobStepper, Request, prepare, warm_up_steps
 from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
@@ -125,6 +128,7 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     """Rank 0 after start-up: warm up, serve HTTP on another thread, run the engine here."""
     import uvicorn
 
+    from meshplan.runtime.job import as_failure, driving
     from meshplan.serving.app import build_app
     from meshplan.serving.engine import Engine
     from meshplan.serving.metrics import ServerMetrics
@@ -132,14 +136,11 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     prepared, folder = held["prepared"], held["folder"]
     shape = prepared.shape
     stepper = JobStepper(job)
-    try:
+    with driving(job):
         batch = batch_for(shape, stepper, prepared.pad_id, options.prefill_chunk)
         # (a two-token prompt and its steps must fit the cache, as a request's must)
         _warm_up(batch, prepared.pad_id, max(1, min(warm_up_steps(job, options.cuda_graph), shape.context - 3)))
         cache = [int(b) for b in job.stats().state_bytes]
-    except MeshplanError:
-        job.close()
-        raise
     model_file = Path(job.plan.model["path"])
     name = options.model_name or (folder.path.name if model_file.name == "model.onnx" else model_file.stem)
     limits = Limits(name, shape.context, shape.vocab, prepared.tokenizer, held["chat"])
@@ -163,9 +164,16 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     if not server.started:
         job.close()
         raise RunError("the HTTP server did not start")
-    stop = threading.Event()
+    stop, hurry, signals = threading.Event(), threading.Event(), []
+
+    def on_signal(*_) -> None:   # the first: what runs finishes; a second: it ends now
+        signals.append(1)
+        stop.set()
+        if len(signals) > 1:
+            hurry.set()
+        engine.wake.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: (stop.set(), engine.wake.set()))
+        signal.signal(sig, on_signal)
     http_ended = threading.Event()
 
     def watch() -> None:   # an HTTP server that ends on its own stops the engine too
@@ -181,10 +189,10 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
                            shape.context, time.perf_counter() - loading, [int(r[1]) for r in memory], cache,
                            list(pids), [ThreadChoice.from_row(r[2:]) if r[2] else None for r in memory]))
     try:
-        engine.run(stop)
-    except MeshplanError as exc:
+        engine.run(stop, hurry)
+    except Exception as exc:   # every request has its error (``Engine.fail_all``): they go out, the job ends
         _stop_http(server, thread)
-        raise JobFailure(str(exc)) from exc
+        raise as_failure(exc) from exc
     except BaseException:
         _stop_http(server, thread)
         raise
