@@ -304,7 +304,9 @@ def main() -> int:
         source = folder / "model.onnx"
     ranks = eval(args.mesh.replace("x", "*"))
     plans = {}
-    for batch in sorted({args.batch, 1}):
+    running = [n for n in ("continuous", "meshplan-one", "genai-one") if not args.only or n in args.only]
+    batches = ({args.batch} if "continuous" in running else set()) | ({1} if "meshplan-one" in running else set())
+    for batch in sorted(batches):   # (only those of the servers that run)
         out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
         if not (out / "plan.json").exists():
             policy = ["--policy", "megatron", "--max-stages", "1"] if ranks > 1 else []
@@ -335,7 +337,7 @@ def main() -> int:
     print(f"model {model}, mesh {args.mesh}, {args.clients} clients, {args.requests} requests "
           f"(prompts {lo}-{hi} tokens, {new_lo}-{new_hi} new), {os.cpu_count()} cores")
     for name, start in servers.items():
-        if args.only and name not in args.only:
+        if name not in running:
             continue
         if name == "genai-one" and importlib.util.find_spec("onnxruntime_genai") is None:
             print(f"{name:14s} skipped: onnxruntime-genai is not installed", flush=True)
