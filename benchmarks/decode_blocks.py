@@ -38,6 +38,7 @@ without it the 0.4 GB float32 builder Llama is written into ``--workdir``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -212,6 +213,9 @@ def main() -> None:
         for spec in args.runners.split(","):
             kind, *options = spec.split(":")
             huge = "4k" not in options
+            if kind == "genai" and importlib.util.find_spec("onnxruntime_genai") is None:
+                print(f"runner {spec}: onnxruntime-genai is not installed, left out", flush=True)
+                continue
             if kind == "genai":
                 command = [*me, "genai", str(folder), str(args.capacity), str(args.threads)]
             elif kind == "onnxruntime":
@@ -229,6 +233,8 @@ def main() -> None:
     finally:
         for runner in runners:
             runner.close()
+    if not runners:
+        raise SystemExit("no runner left to run")
     first = runners[0]
     print(f"{folder.name}, capacity {args.capacity}, {args.blocks} blocks of {args.steps} decode steps in turns, "
           f"{args.pause:g} s of quiet before each")

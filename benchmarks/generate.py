@@ -37,6 +37,12 @@ meshplan run's load, warm TTFT, ms per token, CUDA graphs and each rank's peak G
 (``nvidia-smi``, read in one more run of each after the timed rounds: polling it stalls the
 GPU's driver calls) next to the plan's estimate; onnxruntime-genai's load, first and warm TTFT
 (two generations in one process) and ms per token.
+
+A run that fails is printed as FAILED after the tables, the others going on; the exit
+status is then 1. The committed samples take seconds:
+
+    python benchmarks/generate.py --folders fp32=sample_models/genai/llama_fp32 --max-length 32 --prompt-length 4 \
+        --new-tokens 2 --repeat 1
 """
 
 from __future__ import annotations
@@ -239,7 +245,7 @@ def summary(runs: list[dict]) -> dict:
     return chosen
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gigabytes", type=float, default=0.4, help="size of the float32 builder model")
     parser.add_argument("--export", type=Path, help="an optimum or torch export with a key/value cache")
@@ -261,6 +267,13 @@ def main() -> None:
                         help="meshplan's ranks with malloc's memory in transparent huge pages (the `meshplan` "
                              "command's default), with 4 KiB pages (MESHPLAN_HUGE_PAGES=0), or both in turns")
     args = parser.parse_args()
+    if args.provider == "cuda":
+        sys.path.insert(0, str(REPO))
+        from meshplan.providers import cuda_usable
+
+        if not cuda_usable():
+            raise SystemExit("--provider cuda: the CUDA execution provider is not usable here "
+                             "(no GPU or CUDA libraries)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-generate-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.folders:
@@ -276,6 +289,8 @@ def main() -> None:
     prompt = [(7 * i + 5) % 250 + 2 for i in range(args.prompt_length)]
     genai = f"onnxruntime-genai, {args.genai_threads} threads" if args.provider == "cpu" else "onnxruntime-genai"
     rows, ratios, ttft_ratios, failures, per_collective = [], {}, {}, [], {}
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        print("onnxruntime-genai is not installed: its runs are left out")
     for label, model in models.items():
         size = sum(f.stat().st_size for f in model.parent.iterdir() if f.name.startswith(model.stem))
         runners = {}
@@ -360,7 +375,8 @@ def main() -> None:
               f"{r.get('ms_per_token', 1e3 / r['decode_tokens_per_s']):9.3f} "
               f"{r['estimate_ms'] if 'estimate_ms' in r else float('nan'):9.3f}  "
               f"{r.get('gpu_mib_per_rank', '')} ({r.get('estimate_mib_per_rank', '')}) / {r.get('graphs')}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,6 +4,10 @@ Each plan runs in a child process, which reports its own peak RSS. Prints a tabl
 ``--json PATH`` writes the numbers.
 
     python benchmarks/number_formats.py [--meshes 1x4 2x8] [--layers 24] [--dtype float16] [--json PATH]
+    python benchmarks/number_formats.py --smoke --meshes 1x2 --layers 2    # a 5 MB model: the path in seconds
+
+``--smoke`` shrinks the decoder (hidden 256, ffn 688, vocab 1000) to check the script, not
+to measure it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a small decoder (hidden 256): the script's path in seconds")
     args = parser.parse_args()
     from sample_models.llama import make_llama, save_llama
 
@@ -49,8 +55,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         started = time.perf_counter()
-        model = save_llama(work / "llama.onnx", make_llama(layers=args.layers, hidden=2048, heads=16, ffn=5504,
-                                                            vocab=32000, max_seq=512, dtype=args.dtype))
+        shape = dict(hidden=256, heads=4, ffn=688, vocab=1000) if args.smoke else \
+            dict(hidden=2048, heads=16, ffn=5504, vocab=32000)
+        model = save_llama(work / "llama.onnx", make_llama(layers=args.layers, **shape, max_seq=512, dtype=args.dtype))
         size = (work / "llama.onnx.data").stat().st_size
         print(f"wrote a {size / 1e9:.2f} GB {args.dtype} model in {time.perf_counter() - started:.0f} s")
         print(f"{'mesh':>5} {'plan s':>7} {'peak RSS GiB':>13} {'stages':>24} {'latency ms':>11}")

@@ -13,7 +13,8 @@ is the work, on 1x1, 1x2, 1x4, 2x2 and 2x4: meshplan's plan against the same bas
 and against its own plans on fewer devices (1x2 ≤ 1x1, 1x4 ≤ 1x2, 2x2 ≤ 1x2, 2x4 ≤ 1x4):
 more devices are never worse, and devices the plan leaves idle are counted.
 
-    python benchmarks/plan_quality.py [--layers 12 24] [--meshes 1x4 1x8 2x4 2x8] [--small-layers 12] [--json PATH]
+    python benchmarks/plan_quality.py [--layers 12 24] [--meshes 1x4 1x8 2x4 2x8] [--small-layers 12]
+        [--small-meshes 1x1 1x2 1x4 2x2 2x4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ SMALL_MESHES = ("1x1", "1x2", "1x4", "2x2", "2x4")
 FEWER = {"1x2": "1x1", "1x4": "1x2", "2x2": "1x2", "2x4": "1x4"}
 
 
-def small_batch_rows(layers: int, tmp: str) -> tuple[list[dict], bool]:
+def small_batch_rows(layers: int, tmp: str, meshes=SMALL_MESHES) -> tuple[list[dict], bool]:
     """One decode step at batch 1 and 2 on the small meshes: meshplan against the
     baselines, and against itself on fewer devices."""
     path = Path(tmp) / f"gpt{layers}-step.onnx"
@@ -66,7 +67,7 @@ def small_batch_rows(layers: int, tmp: str) -> tuple[list[dict], bool]:
     rows, ok = [], True
     for batch in SMALL_BATCHES:
         mine: dict[str, float] = {}
-        for mesh_text in SMALL_MESHES:
+        for mesh_text in meshes:
             mesh = parse_mesh(mesh_text)
             cluster = make_cluster(mesh, "h100-80g")
             row = {"layers": layers, "batch": batch, "seq": 1, "mesh": mesh_text, "latency_seconds": {}}
@@ -88,7 +89,7 @@ def small_batch_rows(layers: int, tmp: str) -> tuple[list[dict], bool]:
             mine[mesh_text] = row["latency_seconds"]["meshplan"]
             others = [v for k, v in row["latency_seconds"].items() if k != "meshplan" and v is not None]
             row["never_worse"] = not others or mine[mesh_text] <= min(others) * (1 + 1e-9)
-            if mesh_text in FEWER:
+            if FEWER.get(mesh_text) in mine:
                 row["fewer_devices"] = {"mesh": FEWER[mesh_text], "latency_seconds": mine[FEWER[mesh_text]]}
                 row["never_worse_than_fewer"] = mine[mesh_text] <= mine[FEWER[mesh_text]] * (1 + 1e-9)
                 ok &= row["never_worse_than_fewer"]
@@ -120,6 +121,8 @@ def main() -> int:
     parser.add_argument("--meshes", nargs="+", default=["1x4", "1x8", "2x4", "2x8"])
     parser.add_argument("--small-layers", type=int, nargs="*", default=[12],
                         help="layer counts of the decode-step rows at batch 1 and 2 (none: skip them)")
+    parser.add_argument("--small-meshes", nargs="+", default=list(SMALL_MESHES),
+                        help="the meshes of the decode-step rows (each against its smaller mesh where that ran too)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows, ok = [], True
@@ -162,7 +165,7 @@ def main() -> int:
                       f"{'ok' if row['never_worse'] else 'WORSE'}")
         small = []
         for layers in args.small_layers:
-            found, fine = small_batch_rows(layers, tmp)
+            found, fine = small_batch_rows(layers, tmp, args.small_meshes)
             small += found
             ok &= fine
         if small:

@@ -13,20 +13,27 @@ each loaded with the same requests by ``--clients`` concurrent clients (loopback
   same front (what its users write: it takes one batch at a time), ``--genai-threads``.
 
 The model is a Llama in the builder's format of ``--gigabytes`` in float32
-(``sample_models.genai_large``, written into ``--workdir``). Printed per server: output
+(``sample_models.genai_large``, written into ``--workdir``), or the builder folder
+``--folder`` names (its files linked into ``--workdir``, where its configuration takes
+``--genai-threads``). The genai server is left out, in one line, where onnxruntime-genai
+is not installed. Printed per server: output
 tokens/s over the whole run, TTFT p50/p99, time per output token p50/p99 (per request:
 from its first to its last token over the tokens between), failed requests, and the
 server's resident memory (rank 0) before the load, once a quarter of the requests are
-done, and at the end (flat when the last two agree).
+done, and at the end (flat when the last two agree). The exit status is 1 when a server
+answered no request.
 
     python benchmarks/serve.py --gigabytes 0.4 --clients 8 --requests 64 [--json PATH]
     python benchmarks/serve.py --only continuous --clients 16 --requests 200   # nothing lost
+    python benchmarks/serve.py --folder sample_models/genai/llama_fp32 --max-length 64 --batch 2 --clients 2 \
+        --requests 4 --prompt-lengths 4:8 --new-tokens 4:8    # the 1 MB sample: every server in seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -157,6 +164,8 @@ def load(url: str, requests: list[dict], clients: int, pid: int | None = None) -
     for worker in workers:
         worker.join()
     wall = time.perf_counter() - began
+    if pid is not None:
+        samples.append((len(results), rss_bytes(pid)))
     done = [r for r in results if not r["error"] and r["times"]]
     ttft = [r["times"][0] - r["started"] for r in done]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in done if len(r["times"]) > 1]
@@ -209,7 +218,7 @@ def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
         def busy(self):
             return [self.work] if self.work is not None else []
 
-        def accepts(self):
+        def accepts(self, work=None):
             return self.work is None
 
         def admit(self, work):
@@ -253,9 +262,10 @@ def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
     server.should_exit = True
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gigabytes", type=float, default=0.4, help="size of the float32 builder model")
+    parser.add_argument("--folder", type=Path, help="a builder folder to serve instead of writing a model")
     parser.add_argument("--workdir", type=Path, help="where the model and plans go [default: a temporary folder]")
     parser.add_argument("--mesh", default="1x1", help="the plans' mesh (ranks = its product)")
     parser.add_argument("--batch", type=int, default=8, help="slots of the continuous server's plan")
@@ -274,24 +284,38 @@ def main() -> None:
     if args.genai_front:
         folder, host, port, capacity = args.genai_front
         genai_front(folder, host, int(port), int(capacity))
-        return
+        return 0
     sys.path.insert(0, str(REPO))
     from sample_models.genai_large import write_builder_llama
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="meshplan-serve-"))
-    folder = workdir / f"builder_fp32_{args.gigabytes}"
-    if not (folder / "model.onnx").exists():
-        write_builder_llama(folder, args.gigabytes, context=args.max_length)
+    if args.folder:   # its files linked, its configuration copied (the genai threads are written into it)
+        source = args.folder.resolve() / "model.onnx"   # (what the plans read: onnx takes no linked data)
+        folder = workdir / args.folder.resolve().name
+        folder.mkdir(parents=True, exist_ok=True)
+        for item in args.folder.resolve().iterdir():
+            if item.is_file() and item.name != "genai_config.json" and not (folder / item.name).exists():
+                (folder / item.name).symlink_to(item)
+        (folder / "genai_config.json").write_text((args.folder / "genai_config.json").read_text())
+    else:
+        folder = workdir / f"builder_fp32_{args.gigabytes}"
+        if not (folder / "model.onnx").exists():
+            write_builder_llama(folder, args.gigabytes, context=args.max_length)
+        source = folder / "model.onnx"
     ranks = eval(args.mesh.replace("x", "*"))
     plans = {}
-    for batch in sorted({args.batch, 1}):
+    running = [n for n in ("continuous", "meshplan-one", "genai-one") if not args.only or n in args.only]
+    batches = ({args.batch} if "continuous" in running else set()) | ({1} if "meshplan-one" in running else set())
+    for batch in sorted(batches):   # (only those of the servers that run)
         out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
         if not (out / "plan.json").exists():
             policy = ["--policy", "megatron", "--max-stages", "1"] if ranks > 1 else []
-            subprocess.run([str(BIN / "meshplan"), "plan", str(folder / "model.onnx"), "--mesh", args.mesh,
-                            "--device", "cpu", "--generate", "--batch", str(batch), "--max-length",
-                            str(args.max_length), "--prefill-chunk", str(args.max_length), *policy, "-o", str(out)],
-                           check=True, capture_output=True, cwd=REPO)
+            done = subprocess.run([str(BIN / "meshplan"), "plan", str(source), "--mesh", args.mesh,
+                                   "--device", "cpu", "--generate", "--batch", str(batch), "--max-length",
+                                   str(args.max_length), "--prefill-chunk", str(args.max_length), *policy,
+                                   "-o", str(out)], capture_output=True, text=True, cwd=REPO)
+            if done.returncode:
+                raise SystemExit(f"meshplan plan failed: {done.stderr.strip()}")
         plans[batch] = out
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = args.genai_threads
@@ -308,11 +332,15 @@ def main() -> None:
         "genai-one": lambda: Server([sys.executable, str(Path(__file__).resolve()), "--genai-front", str(folder),
                                      "127.0.0.1", "0", str(args.max_length)]),
     }
-    rows = []
-    print(f"model {args.gigabytes} GB float32, mesh {args.mesh}, {args.clients} clients, {args.requests} requests "
+    rows, nan = [], float("nan")   # (no TPOT where every request got one token)
+    model = args.folder or f"{args.gigabytes} GB float32"
+    print(f"model {model}, mesh {args.mesh}, {args.clients} clients, {args.requests} requests "
           f"(prompts {lo}-{hi} tokens, {new_lo}-{new_hi} new), {os.cpu_count()} cores")
     for name, start in servers.items():
-        if args.only and name not in args.only:
+        if name not in running:
+            continue
+        if name == "genai-one" and importlib.util.find_spec("onnxruntime_genai") is None:
+            print(f"{name:14s} skipped: onnxruntime-genai is not installed", flush=True)
             continue
         server = start()
         try:
@@ -320,25 +348,29 @@ def main() -> None:
             before = rss_bytes(server.pid)
             row = {"server": name, **load(server.url, requests, args.clients, server.pid)}
             row["rss_before_mb"] = before / 2**20
+            if server.process.poll() is not None:   # what it said last tells why its requests failed
+                row["server_exit"] = next((line for line in reversed(server.lines) if line.strip()), "")
         finally:
             server.stop()
         rows.append(row)
         if not row["output_tokens"]:
-            print(f"{name:14s} every request failed: {row['errors']}", flush=True)
+            print(f"{name:14s} every request failed: {row['errors']}"
+                  + (f" (the server exited: {row['server_exit']})" if "server_exit" in row else ""), flush=True)
             continue
         print(f"{name:14s} {row['tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} ms "
-              f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {row['tpot_p50_s'] * 1e3:6.1f} ms "
-              f"p99 {row['tpot_p99_s'] * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "
+              f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {(row['tpot_p50_s'] or nan) * 1e3:6.1f} ms "
+              f"p99 {(row['tpot_p99_s'] or nan) * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "
               f"RSS {row['rss_before_mb']:.0f} / {row['rss_quarter_mb']:.0f} / {row['rss_end_mb']:.0f} MB"
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
-    by = {r["server"]: r["tokens_per_s"] for r in rows}
+    by = {r["server"]: r["tokens_per_s"] for r in rows if r["output_tokens"]}
     if "continuous" in by:
         for other in ("genai-one", "meshplan-one"):
             if other in by:
                 print(f"continuous / {other}: {by['continuous'] / by[other]:.2f}x output tokens/s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if any(not r["output_tokens"] for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -265,6 +265,8 @@ def main() -> None:
         over_genai_us = statistics.median(m - g for m, g in zip(loop_times, genai_times)) * 1e6
         print(f"  onnxruntime-genai                                 {genai_us:8.1f} us/step")
         print(f"  the loop over onnxruntime-genai (rounds' median)  {over_genai_us:8.1f} us/step (target: <= 50)")
+    elif "genai" not in times:
+        print("  onnxruntime-genai                                 not installed: its runner left out")
     if args.json:
         args.json.write_text(json.dumps({"onnxruntime_us": ort_us, "job_us": job_us, "overhead_us": job_us - ort_us,
                                          "paired_overhead_us": paired_us, "loop_us": loop_us, "genai_us": genai_us,
