@@ -400,10 +400,20 @@ def _slice_grad(g: GradNode) -> list:
 
 @gradient("Gather")
 def _gather_grad(g: GradNode) -> list:
-    """dy added back at the rows the indices took (a row taken twice gets both addends)."""
+    """dy added back at the rows the indices took (a row taken twice gets both addends): on
+    axis 0 (an embedding's lookup) one ScatterND of whole rows, elsewhere by flat positions."""
     x = g.x(0)
-    picked = g.op("Gather", _positions(g, x), g.x(1), axis=int(g.attr("axis", 0)))
-    return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+    axis = int(g.attr("axis", 0)) % g.rank(x)
+    if axis != 0:
+        picked = g.op("Gather", _positions(g, x), g.x(1), axis=axis)
+        return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+    ids = g.x(1)
+    rows = g.op("Gather", g.shape_tensor(x), g.const(np.int64(0)))
+    if g.dtype(ids) != np.int64:
+        ids = g.op("Cast", ids, to=7)   # int64
+    ids = g.op("Where", g.op("Less", ids, g.const(np.int64(0))), g.op("Add", ids, rows), ids)
+    zeros = g.op("ConstantOfShape", g.shape_tensor(x), value=np.zeros(1, dtype=g.dtype(x)))
+    return [g.op("ScatterND", zeros, g.op("Unsqueeze", ids, g.ints([-1])), g.dy(0), reduction="add"), None]
 
 
 @gradient("GatherElements")
