@@ -486,6 +486,30 @@ def test_requests_arriving_at_different_times_share_calls(server):
     assert made == {"prompts": 1, "row": 1, "decode": len(alone["long"]) - 1}, made
 
 
+def test_a_prompt_scored_while_another_request_runs(server, reference):
+    """The joining request's prompt goes in by calls of its row (16 positions each): their
+    logits score it as a first prompt's do."""
+    tokenizer = load_tokenizer(LLAMA)
+    ids = (tokenizer.encode("each device holds the heads of the model").ids * 4)[:37]
+    got = {}
+    stream = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    count = 0
+    for chunk in stream:
+        count += len(chunk.choices[0].model_extra["token_ids"]) if chunk.choices else 0
+        if count == 1:
+            worker = threading.Thread(target=lambda: got.update(echo=server.client().completions.create(
+                model=MODEL, prompt=ids, max_tokens=2, echo=True, logprobs=3, temperature=0).choices[0]))
+            worker.start()
+    worker.join(60)
+    choice = got["echo"]
+    sequence = ids + choice.model_extra["token_ids"]
+    expected = reference(sequence[:-1])
+    values = choice.logprobs.token_logprobs
+    assert len(values) == len(sequence) and values[0] is None
+    assert all(abs(values[p] - expected[p - 1][sequence[p]]) < TOLERANCE for p in range(1, len(sequence)))
+
+
 def test_a_client_that_goes_away_frees_its_slot(server):
     before = server.metric("meshplan_generation_tokens_total")
     stream = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
@@ -650,7 +674,14 @@ def test_a_growing_cache_serves_requests_together(tmp_path_factory):
             worker.start()
         for worker in workers:
             worker.join(60)
+        # the growing cache's calls score a prompt too: the generated tokens' logprobs again
+        made = served.client().completions.create(model="llama_optimum", prompt=prompts[0], max_tokens=5,
+                                                  temperature=0, logprobs=2).choices[0]
+        scored = served.client().completions.create(model="llama_optimum", prompt=prompts[0] + expected[0],
+                                                    max_tokens=0, echo=True, logprobs=2).choices[0]
     assert got == expected
+    assert scored.logprobs.token_logprobs[0] is None and len(scored.logprobs.tokens) == len(prompts[0]) + 5
+    assert scored.logprobs.token_logprobs[len(prompts[0]):] == pytest.approx(made.logprobs.token_logprobs, abs=1e-5)
 
 
 def test_start_up_errors_are_one_line(batch4, tmp_path_factory):
