@@ -708,3 +708,38 @@ def test_calls_of_one_row_through_the_job(tmp_path_factory, where):
     plan_dir = plan(tmp_path_factory, "rows", LLAMA / "model.onnx", "--batch", "2")
     lines = run_mpi_script("row_calls_case.py", ranks=2, args=[plan_dir] + ([where] if where != "host" else []))
     assert len(lines) == (3 if where != "host" else 2)
+
+
+def test_a_prompt_fed_one_token_per_decode_call_is_scored(batch4, reference):
+    """Where the plan makes no row calls, a joining prompt rides along the others' decode
+    calls a token at a time: each call's logits score one prompt token (the slots in one
+    process, onnxruntime on the original model as the stepper)."""
+    from meshplan.generation.loop import GenerationShape, SessionStepper
+    from meshplan.generation.sampling import Sampler
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.sessions import StageSession, providers_for
+    from meshplan.serving.batching import SlotBatch, Work
+
+    shape = GenerationShape.of_plan(read_plan(batch4))
+    stepper = SessionStepper(shape, StageSession(str(LLAMA / "model.onnx"), providers_for("cpu"),
+                                                 optimization="basic").run)
+    stepper.row_calls = False
+    slots = SlotBatch(shape, stepper, 0, 4)
+    assert not slots.row_calls
+    running = Work([5, 17, 42, 7], 50, Sampler())
+    slots.admit(running)
+    running.ids.extend(token for _, token in slots.step())   # (what the engine does)
+    prompt = [1, 9, 33, 71, 12, 150, 8]
+    scored = Work(prompt, 1, Sampler(), logprobs=2, echo=True)
+    slots.admit(scored)
+    chosen = []
+    while not chosen:
+        for work, token in slots.step():
+            work.ids.append(token)
+            chosen += [token] if work is scored else []
+    assert slots.made.count("decode") == len(prompt)   # the last prompt token's call gives its first token
+    expected = reference(prompt)
+    assert [s[0] for s in scored.prompt_scores] == prompt[1:]
+    for position, (token, logprob, top) in enumerate(scored.prompt_scores, start=1):
+        assert abs(logprob - expected[position - 1][token]) < TOLERANCE and len(top) == 2
+    assert abs(scored.score[1] - expected[-1][chosen[0]]) < TOLERANCE
