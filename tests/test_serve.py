@@ -233,7 +233,8 @@ def test_logprobs_are_a_log_softmax_of_onnxruntimes_logits(server, reference):
                                                  logprobs=0).choices[0]
     ids = sampled.model_extra["token_ids"]
     expected = reference(prompt + ids[:-1])[len(prompt) - 1:]
-    assert all(abs(v - expected[s][t]) < TOLERANCE for s, (v, t) in enumerate(zip(sampled.logprobs.token_logprobs, ids)))
+    assert all(abs(value - expected[step][token]) < TOLERANCE
+               for step, (value, token) in enumerate(zip(sampled.logprobs.token_logprobs, ids)))
     assert all(top == {} for top in sampled.logprobs.top_logprobs)
 
 

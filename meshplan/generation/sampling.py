@@ -149,7 +149,8 @@ class Adjustment:
             keep = ids < len(values)
             values[ids[keep]] -= self.frequency * counts[keep] + self.presence
         for token, value in self.bias.items():
-            values[token] += value
+            if token < len(values):   # (where the plan does not say its vocabulary, ids past the logits' are none)
+                values[token] += value
         if len(generated) < self.min_tokens:
             for token in eos:
                 if 0 <= token < len(values):
