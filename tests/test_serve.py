@@ -171,6 +171,192 @@ def test_sampling_is_seeded(server):
     assert len({tuple(sample(s)) for s in range(6)}) > 1
 
 
+
+# --- log-probabilities, echo, penalties: numbers checked against onnxruntime on the model ---------
+
+TOLERANCE = 2e-4   # float32 logits summed over two ranks' heads, a log-softmax in float64
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The log-softmax (float64) of onnxruntime's float32 logits at every position of a
+    sequence fed whole, the original model in one process, the cache empty."""
+    import numpy as np
+    import onnxruntime
+
+    from meshplan.generation.sampling import log_softmax
+
+    session = onnxruntime.InferenceSession(str(LLAMA / "model.onnx"), providers=["CPUExecutionProvider"])
+    past = {i.name: np.zeros((1, 2, 0, 16), dtype=np.float32) for i in session.get_inputs()
+            if i.name.startswith("past_key_values")}
+
+    def logits(ids: list[int]):
+        feeds = {"input_ids": np.array([ids], dtype=np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+                 **past}
+        return session.run(["logits"], feeds)[0][0]
+
+    def logprobs(ids: list[int]):
+        return np.stack([log_softmax(row) for row in logits(ids)])
+    logprobs.logits = logits
+    return logprobs
+
+
+def test_logprobs_are_a_log_softmax_of_onnxruntimes_logits(server, reference):
+    tokenizer = load_tokenizer(LLAMA)
+    prompt = tokenizer.encode(PROMPT).ids
+    whole = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5)
+    choice = whole.choices[0]
+    ids = choice.model_extra["token_ids"]
+    expected = reference(prompt + ids[:-1])[len(prompt) - 1:]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) == 8
+    for step, token in enumerate(ids):
+        assert abs(logprobs.token_logprobs[step] - expected[step][token]) < TOLERANCE
+        top = sorted(range(len(expected[step])), key=lambda i: -expected[step][i])[:5]
+        assert logprobs.tokens[step] == tokenizer.decode([token], skip_special_tokens=False)
+        # (a dict by token text, as OpenAI's: ids of the same text take one key, the less likely's value)
+        wanted = {tokenizer.decode([i], skip_special_tokens=False): expected[step][i] for i in top}
+        assert logprobs.top_logprobs[step].keys() == wanted.keys()
+        assert all(abs(logprobs.top_logprobs[step][k] - v) < TOLERANCE for k, v in wanted.items())
+        assert token == top[0]   # greedy: the most likely
+    offsets = [0]
+    for name in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(name))
+    assert logprobs.text_offset == offsets
+    # streamed: the same per chunk
+    chunks = list(server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                     logprobs=5, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(logprobs.token_logprobs, abs=1e-12)
+    # sampled: the chosen token's logprob is still the model's (no temperature in it)
+    sampled = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=3,
+                                                 logprobs=0).choices[0]
+    ids = sampled.model_extra["token_ids"]
+    expected = reference(prompt + ids[:-1])[len(prompt) - 1:]
+    assert all(abs(value - expected[step][token]) < TOLERANCE
+               for step, (value, token) in enumerate(zip(sampled.logprobs.token_logprobs, ids)))
+    assert all(top == {} for top in sampled.logprobs.top_logprobs)
+
+
+def test_chat_logprobs_in_openais_chat_format(server, reference):
+    messages = [{"role": "user", "content": "a small model speaks"}]
+    reply = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                    logprobs=True, top_logprobs=3)
+    choice = reply.choices[0]
+    ids = choice.model_extra["token_ids"]
+    from meshplan.serving.chat import ChatTemplate
+    prompt = load_tokenizer(LLAMA).encode(ChatTemplate.of_folder(LLAMA).render(messages), add_special_tokens=False).ids
+    expected = reference(prompt + ids[:-1])[len(prompt) - 1:]
+    content = choice.logprobs.content
+    assert len(content) == len(ids)
+    for step, (entry, token) in enumerate(zip(content, ids)):
+        assert abs(entry.logprob - expected[step][token]) < TOLERANCE
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = list(server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                            temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-12)
+    plain = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_scores_the_prompt_as_a_log_likelihood_request(server, reference):
+    tokenizer = load_tokenizer(LLAMA)
+    context, continuation = "the quick brown", " fox jumps over the lazy dog"
+    ids = tokenizer.encode(context + continuation).ids
+    start = len(tokenizer.encode(context).ids)
+    scored = server.client().completions.create(model=MODEL, prompt=context + continuation, max_tokens=0, echo=True,
+                                                logprobs=1, temperature=0).choices[0]
+    assert scored.text == context + continuation and scored.model_extra["token_ids"] == []
+    logprobs = scored.logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert len(logprobs.tokens) == len(ids)
+    expected = reference(ids)
+    for position in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[position] - expected[position - 1][ids[position]]) < TOLERANCE
+    # what an evaluation harness sums: the continuation's log-likelihood
+    total = sum(logprobs.token_logprobs[start:])
+    assert abs(total - sum(expected[p - 1][ids[p]] for p in range(start, len(ids)))) < TOLERANCE * len(ids)
+    # a prompt longer than one call (16 positions) and given as ids, echoed with new tokens, streamed
+    long_ids = (ids * 3)[:40]
+    chunks = list(server.client().completions.create(model=MODEL, prompt=long_ids, max_tokens=3, echo=True,
+                                                     logprobs=2, temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == tokenizer.decode(long_ids, skip_special_tokens=False)
+    values = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    new = [i for c in chunks if c.choices for i in c.choices[0].model_extra["token_ids"]]
+    expected = reference(long_ids + new[:-1])
+    assert len(values) == len(long_ids) + 3 and values[0] is None
+    sequence = long_ids + new
+    assert all(abs(values[p] - expected[p - 1][sequence[p]]) < TOLERANCE for p in range(1, len(sequence)))
+    # echo without logprobs: the text only
+    plain = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, temperature=0)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+
+
+def test_penalties_and_biases_replayed_on_onnxruntimes_logits(server, reference):
+    import numpy as np
+
+    tokenizer = load_tokenizer(LLAMA)
+    prompt = tokenizer.encode(PROMPT).ids
+    options = {"presence_penalty": 0.7, "frequency_penalty": 1.3, "repetition_penalty": 1.8,
+               "logit_bias": {"42": 3.5, "7": -2.0}}
+    ids = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                             extra_body=options).choices[0].model_extra["token_ids"]
+    plain = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0
+                                               ).choices[0].model_extra["token_ids"]
+    assert ids != plain
+    logits = reference.logits(prompt + ids[:-1])[len(prompt) - 1:].astype(np.float64)
+    for step, token in enumerate(ids):
+        values = logits[step].copy()
+        seen = sorted(set(prompt + ids[:step]))
+        values[seen] = np.where(values[seen] > 0, values[seen] / 1.8, values[seen] * 1.8)
+        for i in set(ids[:step]):
+            values[i] -= 1.3 * ids[:step].count(i) + 0.7
+        values[42] += 3.5
+        values[7] -= 2.0
+        assert int(values.argmax()) == token, step
+    # a bias of 100 takes every draw
+    forced = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=1,
+                                                extra_body={"logit_bias": {"99": 100}})
+    assert forced.choices[0].model_extra["token_ids"] == [99] * 4
+    # min_tokens: the end token masked until then
+    ended = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0)
+    short = ended.choices[0].model_extra["token_ids"]
+    assert short[-1] == 1
+    longer = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
+                                                extra_body={"min_tokens": len(short) + 3})
+    got = longer.choices[0].model_extra["token_ids"]
+    assert len(got) >= len(short) + 3 and got[:len(short) - 1] == short[:-1] and 1 not in got[:len(short) + 2]
+
+    # with a seed, the same request gives the same tokens
+    def sample(seed):
+        return server.client().completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed, presence_penalty=1.0,
+            frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2, "logit_bias": {"5": 2}, "min_tokens": 4}
+        ).choices[0].model_extra["token_ids"]
+    assert sample(11) == sample(11)
+    assert len({tuple(sample(s)) for s in range(4)}) > 1
+
+
+def test_adjustment_numerics():
+    import numpy as np
+
+    from meshplan.generation.sampling import Adjustment, log_softmax, top_logprobs
+
+    logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0], dtype=np.float32)
+    values = Adjustment(presence=0.5, frequency=0.25, repetition=2.0, bias={4: 10.0}, min_tokens=3)(
+        logits, [0], [3, 3, 1], {2})
+    assert values.tolist() == [1.0, -2.0 - 0.75, 0.5, 1.5 - 1.0, 8.0]   # the end id masked only under min_tokens
+    assert Adjustment(min_tokens=4)(logits, [0], [3, 3, 1], {2})[2] == -np.inf
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]
+    big = np.array([1000.0, 999.0, -1000.0])
+    assert np.isfinite(log_softmax(big)).all() and abs(np.exp(log_softmax(big)).sum() - 1) < 1e-12
+    assert [i for i, _ in top_logprobs(log_softmax(np.array([1.0, 3.0, 3.0, 0.0])), 3)] == [1, 2, 0]
+
+
 BAD = [
     ("/v1/completions", None, b"{not json", "not JSON"),
     ("/v1/completions", None, b"[1, 2]", "JSON object"),
@@ -179,6 +365,7 @@ BAD = [
     ("/v1/completions", {"prompt": [5] * 1024}, None, "the context holds 1024"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2000}, None, "'max_tokens' is 2000"),
     ("/v1/completions", {"prompt": PROMPT, "n": 2}, None, "one choice per request"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, None, "'max_tokens' must be from 1"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, None, "'temperature' must be from 0 to 2"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, None, "'max_tokens' must be an integer"),
     ("/v1/completions", {"max_tokens": 3}, None, "'prompt' is required"),
@@ -219,6 +406,24 @@ HOSTILE = [
     ("/v1/completions", b'\xff\xfe{"prompt"', None),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": NaN}',
      "max_completion_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": true}', "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "top_logprobs": 2}', "top_logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "echo": 1}', "echo"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, '
+                             b'"top_logprobs": 21}', "top_logprobs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}', "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 101}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": NaN}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"320": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"-1": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": [1]}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 2.5}', "presence_penalty"),
+    ("/v1/completions", b'{"prompt": "hi", "frequency_penalty": NaN}', "frequency_penalty"),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": 0}', "repetition_penalty"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 3, "min_tokens": 4}', "min_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "min_tokens": -1}', "min_tokens"),
 ]
 
 
@@ -280,6 +485,30 @@ def test_requests_arriving_at_different_times_share_calls(server):
     # one after the other they need len(long) + 8 calls; together the short one's prompt goes
     # in one call of its row, then it decodes in the long one's steps
     assert made == {"prompts": 1, "row": 1, "decode": len(alone["long"]) - 1}, made
+
+
+def test_a_prompt_scored_while_another_request_runs(server, reference):
+    """The joining request's prompt goes in by calls of its row (16 positions each): their
+    logits score it as a first prompt's do."""
+    tokenizer = load_tokenizer(LLAMA)
+    ids = (tokenizer.encode("each device holds the heads of the model").ids * 4)[:37]
+    got = {}
+    stream = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    count = 0
+    for chunk in stream:
+        count += len(chunk.choices[0].model_extra["token_ids"]) if chunk.choices else 0
+        if count == 1:
+            worker = threading.Thread(target=lambda: got.update(echo=server.client().completions.create(
+                model=MODEL, prompt=ids, max_tokens=2, echo=True, logprobs=3, temperature=0).choices[0]))
+            worker.start()
+    worker.join(60)
+    choice = got["echo"]
+    sequence = ids + choice.model_extra["token_ids"]
+    expected = reference(sequence[:-1])
+    values = choice.logprobs.token_logprobs
+    assert len(values) == len(sequence) and values[0] is None
+    assert all(abs(values[p] - expected[p - 1][sequence[p]]) < TOLERANCE for p in range(1, len(sequence)))
 
 
 def test_a_client_that_goes_away_frees_its_slot(server):
@@ -446,7 +675,14 @@ def test_a_growing_cache_serves_requests_together(tmp_path_factory):
             worker.start()
         for worker in workers:
             worker.join(60)
+        # the growing cache's calls score a prompt too: the generated tokens' logprobs again
+        made = served.client().completions.create(model="llama_optimum", prompt=prompts[0], max_tokens=5,
+                                                  temperature=0, logprobs=2).choices[0]
+        scored = served.client().completions.create(model="llama_optimum", prompt=prompts[0] + expected[0],
+                                                    max_tokens=0, echo=True, logprobs=2).choices[0]
     assert got == expected
+    assert scored.logprobs.token_logprobs[0] is None and len(scored.logprobs.tokens) == len(prompts[0]) + 5
+    assert scored.logprobs.token_logprobs[len(prompts[0]):] == pytest.approx(made.logprobs.token_logprobs, abs=1e-5)
 
 
 def test_start_up_errors_are_one_line(batch4, tmp_path_factory):
@@ -473,3 +709,38 @@ def test_calls_of_one_row_through_the_job(tmp_path_factory, where):
     plan_dir = plan(tmp_path_factory, "rows", LLAMA / "model.onnx", "--batch", "2")
     lines = run_mpi_script("row_calls_case.py", ranks=2, args=[plan_dir] + ([where] if where != "host" else []))
     assert len(lines) == (3 if where != "host" else 2)
+
+
+def test_a_prompt_fed_one_token_per_decode_call_is_scored(batch4, reference):
+    """Where the plan makes no row calls, a joining prompt rides along the others' decode
+    calls a token at a time: each call's logits score one prompt token (the slots in one
+    process, onnxruntime on the original model as the stepper)."""
+    from meshplan.generation.loop import GenerationShape, SessionStepper
+    from meshplan.generation.sampling import Sampler
+    from meshplan.plan_format import read_plan
+    from meshplan.runtime.sessions import StageSession, providers_for
+    from meshplan.serving.batching import SlotBatch, Work
+
+    shape = GenerationShape.of_plan(read_plan(batch4))
+    stepper = SessionStepper(shape, StageSession(str(LLAMA / "model.onnx"), providers_for("cpu"),
+                                                 optimization="basic").run)
+    stepper.row_calls = False
+    slots = SlotBatch(shape, stepper, 0, 4)
+    assert not slots.row_calls
+    running = Work([5, 17, 42, 7], 50, Sampler())
+    slots.admit(running)
+    running.ids.extend(token for _, token in slots.step())   # (what the engine does)
+    prompt = [1, 9, 33, 71, 12, 150, 8]
+    scored = Work(prompt, 1, Sampler(), logprobs=2, echo=True)
+    slots.admit(scored)
+    chosen = []
+    while not chosen:
+        for work, token in slots.step():
+            work.ids.append(token)
+            chosen += [token] if work is scored else []
+    assert slots.made.count("decode") == len(prompt)   # the last prompt token's call gives its first token
+    expected = reference(prompt)
+    assert [s[0] for s in scored.prompt_scores] == prompt[1:]
+    for position, (token, logprob, top) in enumerate(scored.prompt_scores, start=1):
+        assert abs(logprob - expected[position - 1][token]) < TOLERANCE and len(top) == 2
+    assert abs(scored.score[1] - expected[-1][chosen[0]]) < TOLERANCE

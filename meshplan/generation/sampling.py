@@ -4,7 +4,7 @@ with a temperature, top-k and top-p (nucleus) from a seeded generator."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -97,3 +97,62 @@ def _float16_argmax(logits: np.ndarray) -> np.ndarray:
     sign = bits >> 15                                  # -1 where negative, else 0
     keys = (bits ^ (sign & 0x7FFF)) - sign             # negatives mirrored below zero, -0 on +0
     return keys.argmax(axis=-1).astype(np.int64)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The log-probabilities of one position's logits, in float64 whatever their dtype: the
+    highest logit taken off first, so that no exponential overflows."""
+    values = np.asarray(logits).astype(np.float64)
+    shifted = values - values.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, count: int) -> list[tuple[int, float]]:
+    """The ``count`` most likely ids with their log-probabilities, the most likely first (the
+    lower id first on a tie)."""
+    if count <= 0:
+        return []
+    count = min(count, len(logprobs))
+    part = np.argpartition(-logprobs, count - 1)[:count]
+    order = part[np.lexsort((part, -logprobs[part]))]
+    return [(int(i), float(logprobs[i])) for i in order]
+
+
+@dataclass
+class Adjustment:
+    """What a request changes in the logits before its draw (the log-probabilities it is told
+    are of the model's logits as they are): OpenAI's ``presence_penalty`` and
+    ``frequency_penalty`` (less ``presence`` for each id generated so far, less ``frequency``
+    times its count), vLLM's ``repetition_penalty`` (a logit of an id in the prompt or
+    generated divided by it where positive, multiplied where negative), ``logit_bias`` (added
+    per id) and ``min_tokens`` (the end ids at -inf until that many were generated)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.bias or self.min_tokens)
+
+    def __call__(self, logits: np.ndarray, prompt: list[int], generated: list[int], eos) -> np.ndarray:
+        values = np.asarray(logits).astype(np.float64)   # (a copy: the model's logits stay as they are)
+        if self.repetition != 1.0:
+            seen = np.unique(np.asarray(prompt + generated, dtype=np.int64))
+            seen = seen[seen < len(values)]
+            picked = values[seen]
+            values[seen] = np.where(picked > 0, picked / self.repetition, picked * self.repetition)
+        if (self.presence or self.frequency) and generated:
+            ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+            keep = ids < len(values)
+            values[ids[keep]] -= self.frequency * counts[keep] + self.presence
+        for token, value in self.bias.items():
+            if token < len(values):   # (where the plan does not say its vocabulary, ids past the logits' are none)
+                values[token] += value
+        if len(generated) < self.min_tokens:
+            for token in eos:
+                if 0 <= token < len(values):
+                    values[token] = -np.inf
+        return values

@@ -61,7 +61,8 @@ def build_app(engine, limits, metrics, started: float | None = None):
 
     async def generate(request, chat: bool):
         try:
-            submission = read_submission(parse_body(await _read_body(request)), limits, chat)
+            body = parse_body(await _read_body(request))
+            submission = read_submission(body, limits, chat)
             sampler = submission.sampler()
         except BadRequest as exc:
             return error(exc)
@@ -73,7 +74,8 @@ def build_app(engine, limits, metrics, started: float | None = None):
         events: asyncio.Queue = asyncio.Queue()
         work = Work(submission.prompt_ids, submission.max_tokens, sampler,
                     emit=_emitter(asyncio.get_running_loop(), events),
-                    stop=submission.stop, ignore_eos=submission.ignore_eos)
+                    stop=submission.stop, ignore_eos=submission.ignore_eos, logprobs=submission.logprobs,
+                    echo=submission.echo, adjust=submission.adjust)
         try:
             engine.submit(work)
         except QueueFull:
@@ -82,11 +84,13 @@ def build_app(engine, limits, metrics, started: float | None = None):
         except Stopping:
             return error(BadRequest("the server is stopping", status=503, kind="server_error"))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = _Shape(ident, limits.model, int(time.time()), chat)
+        shape = _Shape(ident, limits.model, int(time.time()), chat, limits.tokenizer, submission.logprobs)
+        if submission.echo:
+            shape.echo(body["prompt"], submission.prompt_ids)
         if submission.stream:
             return StreamingResponse(_stream(engine, work, events, shape, submission.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, ids = [], []
+        text, ids, scores = [], [], []
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -100,8 +104,11 @@ def build_app(engine, limits, metrics, started: float | None = None):
                 if event[0] == "token":
                     text.append(event[1])
                     ids.append(event[2])
+                    scores.append(event[3])
+                elif event[0] == "prompt":
+                    shape.prompt_scores = event[1]
                 elif event[0] == "done":
-                    return JSONResponse(shape.whole("".join(text), ids, event[1], event[2]))
+                    return JSONResponse(shape.whole("".join(text), ids, event[1], event[2], scores))
                 else:
                     return error(BadRequest(event[1], status=event[2], kind="server_error"))
         finally:
@@ -120,29 +127,81 @@ def build_app(engine, limits, metrics, started: float | None = None):
 
 
 class _Shape:
-    """The response bodies of one request, completion or chat."""
+    """The response bodies of one request, completion or chat; with ``logprobs`` (alternatives
+    per token), each token's log-probability in OpenAI's format of the endpoint."""
 
-    def __init__(self, ident: str, model: str, created: int, chat: bool):
+    def __init__(self, ident: str, model: str, created: int, chat: bool, tokenizer=None,
+                 logprobs: int | None = None):
         self.ident, self.model, self.created, self.chat = ident, model, created, chat
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.prompt_text: str | None = None    # echoed before the completion's text
+        self.prompt_ids: list[int] = []
+        self.prompt_scores: list | None = None
+        self.offset = 0                        # the text_offset of the next token (completions)
+
+    def echo(self, prompt, ids: list[int]) -> None:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        self.prompt_ids = ids
+        if isinstance(prompt, str):
+            self.prompt_text = prompt
+        else:
+            self.prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
 
     def _head(self, kind: str) -> dict:
         return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, ids: list[int], reason: str, usage: dict) -> dict:
+    def _name(self, token: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _echoed(self) -> list:
+        """The prompt's entries: its first token's logprob null (nothing predicts it)."""
+        if self.prompt_scores is None or self.logprobs is None:
+            return []
+        return [(self.prompt_ids[0], None, None)] + list(self.prompt_scores)
+
+    def _logprobs(self, scores: list) -> dict | None:
+        if self.logprobs is None:
+            return None
+        scores = [s for s in scores if s is not None]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason, "token_ids": ids}
+            def entry(token, logprob):
+                name = self._name(token)
+                return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+            return {"content": [{**entry(token, logprob), "top_logprobs": [entry(i, v) for i, v in top]}
+                                for token, logprob, top in scores]}
+        found = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, logprob, top in scores:
+            name = self._name(token)
+            found["tokens"].append(name)
+            found["token_logprobs"].append(logprob)
+            found["top_logprobs"].append(None if top is None else {self._name(i): v for i, v in top})
+            found["text_offset"].append(self.offset)
+            self.offset += len(name)
+        return found
+
+    def whole(self, text: str, ids: list[int], reason: str, usage: dict, scores: list = ()) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(list(scores)), "finish_reason": reason, "token_ids": ids}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "token_ids": ids}
+        if self.prompt_text is not None:
+            text = self.prompt_text + text
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(self._echoed() + list(scores)),
+                  "finish_reason": reason, "token_ids": ids}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage}
 
-    def chunk(self, text: str | None, ids: list[int], reason: str | None, first: bool = False) -> dict:
+    def chunk(self, text: str | None, ids: list[int], reason: str | None, first: bool = False,
+              scores: list = ()) -> dict:
+        logprobs = self._logprobs(list(scores)) if scores else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason, "token_ids": ids}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason, "token_ids": ids}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason,
+                "choices": [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
                              "token_ids": ids}]}
 
     def usage(self, usage: dict) -> dict:
@@ -191,7 +250,10 @@ async def _stream(engine, work, events: asyncio.Queue, shape: _Shape, include_us
         while True:
             event = await events.get()
             if event[0] == "token":
-                yield _sse(shape.chunk(event[1], [event[2]], None))
+                yield _sse(shape.chunk(event[1], [event[2]], None, scores=[event[3]]))
+            elif event[0] == "prompt":   # the echoed prompt, with its scores
+                shape.prompt_scores = event[1]
+                yield _sse(shape.chunk(shape.prompt_text, [], None, scores=shape._echoed()))
             elif event[0] == "done":
                 yield _sse(shape.chunk(None, [], event[1]))
                 if include_usage:

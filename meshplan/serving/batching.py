@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from meshplan.generation.loop import GenerationShape
-from meshplan.generation.sampling import Sampler
+from meshplan.generation.sampling import Adjustment, Sampler, log_softmax, top_logprobs
 
 
 @dataclass(eq=False)
@@ -59,6 +59,21 @@ class Work:
     stream: object = None                   # the engine's text stream for it
     text: str = ""                          # its text so far (stop strings cut it)
     sent: int = 0                           # how much of it was emitted
+    logprobs: int | None = None             # alternatives told per token (None: no log-probabilities)
+    echo: bool = False                      # the prompt's own tokens scored too (with logprobs)
+    adjust: Adjustment | None = None        # penalties, biases, min_tokens
+    eos: frozenset = frozenset()            # the end ids (min_tokens masks them)
+    prompt_scores: list = field(default_factory=list)   # (id, logprob, top) per prompt token from the 2nd
+    score: tuple | None = None              # the last chosen token's (id, logprob, top)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Its choice needs the logits, not the stepper's greedy id."""
+        return self.logprobs is not None or (self.adjust is not None and self.adjust.active)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @property
     def prefilling(self) -> bool:
@@ -150,12 +165,14 @@ class SlotBatch:
             part = work.prompt[work.fed:work.fed + width]
             ids[row, :len(part)], mask[row, :len(part)] = part, 1
             counts[row] = len(part)
-        last = width - int(counts.min()) + 1
+        last = width if any(w.scores_prompt for _, w in busy) else width - int(counts.min()) + 1
         self.made.append("prompts")
         window = self._call(self._feeds(ids, mask, np.zeros(span, dtype=np.int64)), last, span, [w for _, w in busy])
         chosen = []
         for row, work in busy:
             n = int(counts[row])
+            if work.scores_prompt:
+                _score_prompt(work, window[row, :n])
             work.fed += n
             self.lengths[row] = n
             self.mask[row] = 0
@@ -172,8 +189,11 @@ class SlotBatch:
         ids = np.array([work.prompt[work.fed:work.fed + width]], dtype=np.int64)
         self.made.append("row")
         feeds = self._feeds(ids, np.ones((1, start + width), dtype=np.int64), np.array([start], dtype=np.int64))
-        window = _window(self.stepper, [work], feeds, 1, row) if self.rows > 1 \
-            else self._call(feeds, 1, self.rows, [work])
+        last = width if work.scores_prompt else 1
+        window = _window(self.stepper, [work], feeds, last, row) if self.rows > 1 \
+            else self._call(feeds, last, self.rows, [work])
+        if work.scores_prompt:
+            _score_prompt(work, window[0, -width:])
         work.fed += width
         self.lengths[row] += width
         self.mask[row, :min(int(self.lengths[row]) + 1, self.shape.context)] = 1
@@ -192,6 +212,8 @@ class SlotBatch:
         chosen = []
         for row, work in busy:
             if work.prefilling:
+                if work.scores_prompt:
+                    _score_prompt(work, window[row, :1])
                 work.fed += 1
             self.lengths[row] += 1
             if self.lengths[row] < self.shape.context:
@@ -211,17 +233,39 @@ class SlotBatch:
 
     @staticmethod
     def _choose(work: Work, logits: np.ndarray) -> int:
-        """The next id from a position's logits, or the id itself where the stepper chose it."""
+        """The next id from a position's logits (adjusted as the request asks), or the id itself
+        where the stepper chose it; with ``logprobs``, its score in ``work.score``."""
         if np.ndim(logits) == 0:
             return int(logits)
-        return int(work.sampler(logits[None, :])[0])
+        values = logits
+        if work.adjust is not None and work.adjust.active:
+            values = work.adjust(logits, work.prompt, work.ids, work.eos)
+        token = int(work.sampler(values[None, :])[0])
+        if work.logprobs is not None:
+            logprobs = log_softmax(logits)
+            work.score = (token, float(logprobs[token]), top_logprobs(logprobs, work.logprobs))
+        return token
+
+
+def _score_prompt(work: Work, rows: np.ndarray) -> None:
+    """The scores of the prompt tokens that ``rows`` (the logits at the positions from
+    ``work.fed`` on) predict: the logits at position p give the log-probability of token p + 1."""
+    if np.ndim(rows) < 2:
+        raise RuntimeError("the plan's call gave no logits to score the prompt with")
+    for offset, logits in enumerate(rows):
+        target = work.fed + offset + 1
+        if target >= len(work.prompt):
+            break
+        logprobs = log_softmax(logits)
+        token = work.prompt[target]
+        work.prompt_scores.append((token, float(logprobs[token]), top_logprobs(logprobs, work.logprobs)))
 
 
 def _window(stepper, works, feeds: dict, last: int, row: int | None):
     """A call's window of its last positions: the greedy ids where the stepper chooses next
     to the logits (``JobStepper.choose``: a GPU's job of one rank) and every request whose
     token the call gives is greedy, else the logits."""
-    greedy = getattr(stepper, "chooses", False) and all(w.sampler.greedy for w in works)
+    greedy = getattr(stepper, "chooses", False) and all(w.sampler.greedy and not w.needs_logits for w in works)
     call = stepper.choose if greedy else stepper.step
     return call(feeds, last) if row is None else call(feeds, last, row=row)
 
@@ -307,10 +351,13 @@ class GrowingBatch:
         if self.shape.position_ids:
             positions = np.maximum(np.cumsum(self.mask, axis=1) - 1, 0)[:, -width:]
             feeds[self.shape.position_ids] = np.ascontiguousarray(positions)
-        window = _window(self.stepper, [w for _, w in busy], feeds, 1, None)
+        last = width if any(w.scores_prompt and w.prefilling for _, w in busy) else 1
+        window = _window(self.stepper, [w for _, w in busy], feeds, last, None)
         chosen = []
         for row, work in busy:
             if work.prefilling:
+                if work.scores_prompt:
+                    _score_prompt(work, window[row, last - counts[row]:])
                 work.fed += counts[row]
                 if work.prefilling:
                     continue

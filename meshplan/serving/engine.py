@@ -2,7 +2,8 @@
 
 It runs on the thread that calls MPI (the main one); the HTTP front submits ``Work`` from
 its own thread (``submit``, which refuses when the queue is full or the server stops) and
-gets events back through ``Work.emit``: ``("token", text, id)`` per token, then ``("done",
+gets events back through ``Work.emit``: with echo ``("prompt", scores)`` first, then
+``("token", text, id, score)`` per token (``score`` None without logprobs), then ``("done",
 finish_reason, usage)``, or ``("error", message, HTTP status)``. Between two calls it takes new
 requests into free slots, drops cancelled ones and frees finished ones, so a slot is free
 again within one step of its request's end.
@@ -117,6 +118,7 @@ class Engine:
             self._dequeued()
             work.stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
             work.text, work.sent = "", 0
+            work.eos = frozenset(self.eos)
             self.batch.admit(work)
             self.metrics.prompt_tokens.inc(len(work.prompt))
         self.metrics.running.set(len(self.batch.busy))
@@ -134,6 +136,11 @@ class Engine:
         else:
             self.metrics.tpot.observe(now - work.last_at)
         work.last_at = now
+        if len(work.ids) == 0 and work.echo:   # the prompt's scores, before its first token
+            work.emit(("prompt", list(work.prompt_scores)))
+        if work.max_tokens == 0:   # (echo alone: the prompt scored, nothing generated)
+            self._finish(work, "length")
+            return
         work.ids.append(token)
         self.metrics.tokens(1)
         finish = None
@@ -154,7 +161,8 @@ class Engine:
         else:
             safe = len(work.text)
         text, work.sent = work.text[work.sent:safe], safe
-        work.emit(("token", text, token))
+        score, work.score = work.score, None
+        work.emit(("token", text, token, score))
         if finish is not None:
             self._finish(work, finish)
 

@@ -13,14 +13,17 @@ import math
 from dataclasses import dataclass, field
 
 from meshplan.errors import RunError
-from meshplan.generation.sampling import LARGEST_SEED, Sampler
+from meshplan.generation.sampling import LARGEST_SEED, Adjustment, Sampler
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "user", "presence_penalty", "frequency_penalty", "logprobs", "ignore_eos"}
+          "user", "presence_penalty", "frequency_penalty", "logprobs", "ignore_eos", "repetition_penalty",
+          "logit_bias", "min_tokens"}
 COMPLETION = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default for /v1/completions
 LARGEST_TOP_K = 2**31 - 1
+MOST_LOGPROBS = 20               # alternatives per token, as OpenAI's
+MOST_REPETITION_PENALTY = 100.0
 LARGEST_TOKEN_ID = 2**31 - 1     # where the plan does not say its vocabulary
 SHOWN_CHARACTERS = 40            # of a value quoted in an error message
 
@@ -60,6 +63,9 @@ class Submission:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False          # an extension (as vLLM's): generate max_tokens whatever comes
+    logprobs: int | None = None       # alternatives per token (None: no log-probabilities)
+    echo: bool = False                # completions: the prompt's text before the completion's
+    adjust: Adjustment = field(default_factory=Adjustment)
 
     def sampler(self) -> Sampler:
         try:
@@ -170,19 +176,15 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
                          status=404)
     _must_be(body, "n", (None, 1), "one choice per request")
     _must_be(body, "best_of", (None, 1), "one choice per request")
-    _must_be(body, "echo", (None, False), "the prompt is not echoed")
     _must_be(body, "suffix", (None,), "no suffix")
-    _must_be(body, "logprobs", (None, False, 0), "no log-probabilities")
-    _must_be(body, "top_logprobs", (None, 0), "no log-probabilities")
-    _must_be(body, "presence_penalty", (None, 0, 0.0), "no penalties")
-    _must_be(body, "frequency_penalty", (None, 0, 0.0), "no penalties")
+    logprobs, echo = _logprobs(body, chat)
     prompt = _chat_prompt(body, limits) if chat else _completion_prompt(body, limits)
     if len(prompt) >= limits.context:
         raise BadRequest(f"the prompt has {len(prompt)} tokens: the context holds {limits.context} "
                          "(the prompt and at least one new token)", "messages" if chat else "prompt")
     room = limits.context - len(prompt)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, lo=1, integer=True)
+    max_tokens = _number(body, name, lo=0 if echo else 1, integer=True)
     if max_tokens is None:
         max_tokens = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
     if max_tokens > room:
@@ -213,11 +215,59 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
         top_p=float(_number(body, "top_p", lo=0, hi=1, default=1.0)),
         top_k=int(_number(body, "top_k", lo=0, hi=LARGEST_TOP_K, integer=True, default=0)),
         seed=_number(body, "seed", lo=0, hi=LARGEST_SEED, integer=True), stop=stop, stream=stream,
-        include_usage=bool(options and options.get("include_usage")), ignore_eos=ignore_eos)
+        include_usage=bool(options and options.get("include_usage")), ignore_eos=ignore_eos, logprobs=logprobs,
+        echo=echo, adjust=_adjustment(body, limits, max_tokens))
     if submission.top_p == 0:
         raise BadRequest("'top_p' must be above 0", "top_p")
     submission.sampler()   # the sampler's own checks, as a 400
     return submission
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(alternatives per token, or None for no log-probabilities; echo): completions'
+    ``logprobs`` an integer 0..20 and ``echo``; chat's ``logprobs`` true or false and
+    ``top_logprobs`` 0..20, which needs it."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be true or false", "echo")
+    if chat:
+        wanted = body.get("logprobs", False)
+        if wanted is None:
+            wanted = False
+        if not isinstance(wanted, bool):
+            raise BadRequest(f"'logprobs' must be true or false, got {_shown(wanted)}", "logprobs")
+        top = _number(body, "top_logprobs", lo=0, hi=MOST_LOGPROBS, integer=True)
+        if top is not None and not wanted:
+            raise BadRequest("'top_logprobs' needs 'logprobs' true", "top_logprobs")
+        return (top or 0) if wanted else None, False
+    return _number(body, "logprobs", lo=0, hi=MOST_LOGPROBS, integer=True), echo
+
+
+def _adjustment(body: dict, limits: Limits, max_tokens: int) -> Adjustment:
+    """The penalties, biases and ``min_tokens`` of a request, each checked."""
+    repetition = float(_number(body, "repetition_penalty", lo=0, hi=MOST_REPETITION_PENALTY, default=1.0))
+    if repetition == 0:
+        raise BadRequest("'repetition_penalty' must be above 0", "repetition_penalty")
+    bias = body.get("logit_bias")
+    if bias is None:
+        bias = {}
+    if not isinstance(bias, dict):
+        raise BadRequest(f"'logit_bias' must be an object of token ids to numbers, got {_shown(bias)}", "logit_bias")
+    top = limits.vocab if limits.vocab is not None else LARGEST_TOKEN_ID + 1
+    biases = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12 or not int(key) < top:
+            raise BadRequest(f"'logit_bias' has token id {_shown(key)}: token ids are integers from 0 to "
+                             f"{top - 1}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            raise BadRequest(f"'logit_bias' of token {key} must be a number from -100 to 100, got {_shown(value)}",
+                             "logit_bias")
+        biases[int(key)] = float(value)
+    min_tokens = _number(body, "min_tokens", lo=0, hi=max_tokens, integer=True, default=0)
+    return Adjustment(presence=float(_number(body, "presence_penalty", lo=-2, hi=2, default=0.0)),
+                      frequency=float(_number(body, "frequency_penalty", lo=-2, hi=2, default=0.0)),
+                      repetition=repetition, bias=biases, min_tokens=min_tokens)
 
 
 def _completion_prompt(body: dict, limits: Limits) -> list[int]:
