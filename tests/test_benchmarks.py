@@ -45,6 +45,16 @@ def positive(*values) -> bool:
 
 # --- what each script's numbers must hold --------------------------------------------------------
 
+def check_train(body, out, genai):
+    rows = body["rows"]
+    assert {"meshplan 1x1", "meshplan 1x2 data"} <= set(rows)
+    for row in rows.values():
+        if "plan" in row:
+            assert positive(row["plan"]["estimate_seconds"])
+        assert row["rounds"] and all(positive(*r["step_seconds"]) for r in row["rounds"])
+    assert "torch rows skipped" in out or any(name.startswith("torch") for name in rows)
+
+
 def check_stage_dp(body, out, genai):
     assert len(body) == 2 and all(positive(r["seconds"], r["objective"], r["stages"]) for r in body)
 
@@ -173,6 +183,8 @@ CASES = {
                       (pytest.mark.mpi,)),
     "generate": (["--folders", f"fp32={SAMPLE}", "--workdir", "{work}", "--max-length", "32", "--prompt-length", "4",
                   "--new-tokens", "2", "--repeat", "1"], check_generate, (pytest.mark.mpi,)),
+    # slow: three training plans of a tiny GPT (one of them the ILP over a 1x2 mesh) and their runs
+    "train": (["--smoke"], check_train, (pytest.mark.mpi, pytest.mark.slow)),
     # (meshplan-one is continuous's server on a plan of batch 1)
     "serve": (["--folder", str(SAMPLE), "--workdir", "{work}", "--only", "continuous", "--only", "genai-one",
                "--max-length", "32", "--batch", "2", "--clients", "2", "--requests", "4", "--prompt-lengths", "4:8",
