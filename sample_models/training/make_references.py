@@ -42,9 +42,9 @@ It needs torch, onnxscript, onnxruntime and transformers, none of them dependenc
 meshplan; install them in a virtual environment outside the repository and run from the
 repository root::
 
-    python3 -m venv /tmp/torchenv
-    /tmp/torchenv/bin/pip install torch==2.13.0 numpy onnx onnxscript onnxruntime transformers
-    /tmp/torchenv/bin/python -m sample_models.training.make_references -o sample_models/training
+    python3 -m venv torch-venv
+    torch-venv/bin/pip install torch==2.13.0 numpy onnx onnxscript onnxruntime transformers
+    torch-venv/bin/python -m sample_models.training.make_references -o sample_models/training
 
 The committed files were written with torch 2.13.0+cpu, transformers 5.24.0, onnxscript
 0.7.2, onnx 1.23.2, onnxruntime 1.32.0 and numpy 2.4.6 (Python 3.11); the run is
