@@ -2,9 +2,9 @@
 
 Usage (from the repository root, in meshplan's environment)::
 
-    python benchmarks/train.py --torch-python /path/to/venv/bin/python [--steps 10] [--warmup 3]
-        [--workdir DIR] [--no-profile] [--json PATH]
-    python benchmarks/train.py --smoke [--torch-python PY]      # tiny GPT, 3 steps: a few seconds
+    python benchmarks/train.py --torch-python /path/to/venv/bin/python [--repeat 3] [--steps 8] [--warmup 2]
+        [--only eager|ddp|1x1|1x2-data|1x2-auto ...] [--workdir DIR] [--no-profile] [--json PATH]
+    python benchmarks/train.py --smoke [--torch-python PY]      # tiny GPT, 3 steps
 
 The model: a GPT written in torch (``GPT`` below: learned positions, pre-norm blocks of
 LayerNorm, softmax attention with a causal mask, a GELU MLP, an untied head), by default 7
@@ -18,7 +18,9 @@ and saves its initial weights, so that every row starts from the same ones and s
 loss is the same number everywhere (printed as a check). Without a torch to run, the torch
 rows are skipped and the same architecture is written with ``onnx.helper`` instead.
 
-Rows (each after ``--warmup`` steps, ``--steps`` steps timed, samples/s from the median step):
+Rows (each run: ``--warmup`` steps, then ``--steps`` timed; samples/s from the median step;
+``--repeat`` rounds run every row once in turns, and a row's figure is the median of its
+rounds' medians, its ratio to torch the median of the rounds' ratios):
 
 - torch eager: one process, ``torch.set_num_threads(2)``, torch's default AdamW;
 - torch DDP: 2 processes (gloo), one thread each, each pinned to its own core, 4 samples each;
@@ -34,7 +36,8 @@ Rows (each after ``--warmup`` steps, ``--steps`` steps timed, samples/s from the
   the step model itself (``PLAN/training/step.onnx``) is refused by ``plan --train
   --profile`` (it is for another model's digest); the benchmark shows that line and, as a
   diagnostic only, the estimate of the step graph planned as a plain model (1x1, no state)
-  with that profile.
+  with that profile. A profiled plan with the same programs as its unprofiled twin is not
+  run again (its measured steps are the twin's). ``--smoke`` profiles only with ``--profile``.
 
 Ratios: samples/s over the torch counterpart (1x1 over eager, 1x2 over DDP); peak RSS per
 rank over the plan's memory estimate; the plan's step estimate over the measured step.
