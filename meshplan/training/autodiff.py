@@ -25,7 +25,6 @@ from onnx import helper, numpy_helper
 from meshplan.ops import registry
 from meshplan.ops.grad_words import Dim, GradientError, GradNode
 
-FLOATS = (np.float16, np.float32, np.float64, np.dtype("bfloat16") if hasattr(np, "bfloat16") else np.float32)
 PREFIX = "grad"
 
 
