@@ -445,6 +445,8 @@ def plan_model(model_path: str | os.PathLike, cluster: Cluster, dims: dict, work
     found = _read_hints(canonical, hints, model_hints, cluster.num_devices)
     graph = build_graph(canonical.model)
     graph.state = dict(pairs)
+    # where the batch enters (--policy data follows it through the graph)
+    graph.memo["batch_inputs"] = {name: (batch.get("axes") or {}).get(name, 0) for name in batch["batched_inputs"]}
     model_info = {"path": str(model_path.resolve()), "sha256": canonical.source_sha256, "dims": given}
     if sizes.derived:
         model_info["dims"] = dims

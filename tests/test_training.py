@@ -195,6 +195,8 @@ CASES = {
                             "--schedule", "cosine", "--warmup", "2"], 2),
     "2x2-auto-sgd": (["--mesh", "2x2", "--optimizer", "sgd", "--all-devices"],
                      ["--lr", "0.05", "--momentum", "0.9"], 4),
+    "1x4-data-adamw": (["--mesh", "1x4", "--optimizer", "adamw", "--policy", "data"],
+                       ["--lr", "0.01", "--weight-decay", "0.1", "--clip-norm", "1"], 4),
 }
 
 
@@ -220,6 +222,60 @@ def test_training_plans_equal_the_whole_step_model(tmp_path, case):
     trained = dict(Checkpoint(tmp_path / "ck").tensors())
     adam = "adamw" in plan_options
     _close_state(trained, state, 1e-4, float(given["--lr"]) * steps if adam else 0.0)
+
+
+IN_PROCESS = {
+    "1x2-data-adamw": ["--mesh", "1x2", "--optimizer", "adamw", "--policy", "data"],
+    "1x4-data-sgd": ["--mesh", "1x4", "--optimizer", "sgd", "--policy", "data"],
+    "1x4-megatron-adamw": ["--mesh", "1x4", "--optimizer", "adamw", "--policy", "megatron"],
+    "1x4-auto-adamw-2mb": ["--mesh", "1x4", "--optimizer", "adamw", "--microbatches", "2"],
+    "2x2-data-adamw": ["--mesh", "2x2", "--optimizer", "adamw", "--policy", "data", "--all-devices"],
+}
+
+
+@pytest.mark.parametrize("case", list(IN_PROCESS))
+def test_training_plans_in_process_equal_the_whole_step_model(tmp_path, case):
+    """Every rank's program run in this process (the collectives in memory), step after
+    step, against the whole step model."""
+    plan_dir = _plan(tmp_path, "plan", *IN_PROCESS[case])
+    data = _data(tmp_path / "data.npz")
+    hyper = {"momentum": 0.9, "weight_decay": 0.1, "clip_norm": 1.0}
+    lr = 0.01 if "adamw" in IN_PROCESS[case] else 0.05
+    losses, state = run_whole(plan_dir, data, 4, lr, hyper, in_process=True)
+    expected_losses, expected = run_whole(plan_dir, data, 4, lr, hyper)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    _close_state(state, expected, 1e-4, lr * 4 if "adamw" in IN_PROCESS[case] else 0.0)
+
+
+@pytest.mark.parametrize("mesh", ["1x2", "2x2"])
+def test_data_policy_all_reduces_each_gradient_and_keeps_weights_whole(tmp_path, mesh):
+    """``--policy data`` on a GPT's training step is DDP's plan: every weight and slot whole
+    on every device, the batch split, and no collective but one all-reduce per trained
+    weight's gradient and the loss's sum and count."""
+    out = tmp_path / "plan"
+    done = run_cli("plan", REPO / "sample_models" / "training" / "gpt_adamw.onnx", "--train", "--loss",
+                   "cross_entropy:logits:target", "--optimizer", "adamw", "--mesh", mesh, "--all-devices",
+                   "--device", "cpu", "--dim", "batch=8", "--policy", "data", "-o", out)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    weights = plan["training"]["weights"]
+    assert plan["state"] and all(set(entry["spec"]) <= set("R()") for entry in plan["state"])
+    found = []
+
+    def walk(item):
+        if isinstance(item, dict):
+            if item.get("op") in ("AllGather", "AllReduce", "ReduceScatter", "AllToAll"):
+                found.append((item["op"], item["tensor"]))
+            for value in item.values():
+                walk(value)
+        elif isinstance(item, list):
+            for value in item:
+                walk(value)
+
+    walk(plan)
+    assert {op for op, _ in found} == {"AllReduce"}
+    assert len({tensor for _, tensor in found}) == len(weights) + 2   # a 2-D mesh's all-reduce: one per axis
+    assert {"train.loss/total", "train.loss/count"} <= {tensor for _, tensor in found}
 
 
 def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):

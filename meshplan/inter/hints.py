@@ -356,7 +356,7 @@ def _check_feasible(graph: Graph, index: int, hint: NodeHint, pin: NodePin, clus
     for logical in views:
         positions = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
         strategies = apply_policy(policy, node, graph, node_strategies(node, graph, positions, constants,
-                                                                       opset=graph.opset))
+                                                                       opset=graph.opset), constants)
         if any(pins.matches(node, s, pin, positions) for s in strategies):
             return
         candidates.append((positions, strategies))

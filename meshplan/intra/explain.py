@@ -70,7 +70,7 @@ def explain_stage(graph: Graph, cost_model: CostModelProtocol, cluster: Cluster,
         if not entry(node.op_type, node.domain).heavy or node.name not in chosen:
             continue
         strategies = apply_policy(policy, node, graph,
-                                  node_strategies(node, graph, mesh, constants, opset=graph.opset))
+                                  node_strategies(node, graph, mesh, constants, opset=graph.opset), constants)
         if len(strategies) < 2:
             continue
 

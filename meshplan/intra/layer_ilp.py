@@ -159,7 +159,8 @@ class LayerIlp:
         for i in range(start, stop):
             node = self.graph.nodes[i]
             strategies = apply_policy(self.policy, node, self.graph,
-                                      node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset))
+                                      node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset),
+                                      self.constants)
             costs = np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies])
             allowed = self.pins.allowed(i, node, strategies, mesh) if self.pins else None
             if allowed is not None:

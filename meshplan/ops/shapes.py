@@ -83,9 +83,44 @@ def _squeeze_keeps_split_dims(op: OpView, inputs, outputs, mesh):
 define("Reshape", rule=_reshape, flops=no_flops, rewrite=_rewrite_to_local_shape(1))
 define("Squeeze", rule=_reshape, flops=no_flops, rewrite=_squeeze_keeps_split_dims)
 define("Flatten", "Unsqueeze", rule=_reshape, flops=no_flops)
-# Data movement without a rule.
-define("GatherElements", flops=no_flops, lookups=(0,))
 define("ConstantOfShape", "Range", flops=no_flops)
+
+
+@rule("GatherElements", flops=no_flops, lookups=(0,))
+def _gather_elements(op: OpView) -> list[Rule]:
+    """Data and indices split together on a dim other than the gathered axis, where their
+    sizes agree (each output element reads its own row of that dim)."""
+    axis = op.axis(op.attr("axis", 0))
+    data, indices = op.shape(0), op.shape(1)
+    return [((d, d), (d,)) for d in range(op.rank) if d != axis and data[d] == indices[d]]
+
+
+@rule("ScatterElements", flops=no_flops, partial_bias=0)
+def _scatter_elements(op: OpView) -> list[Rule]:
+    """Data, indices and updates split together on a dim other than the scattered axis
+    (their sizes agreeing); with ``reduction="add"``, indices and updates split on the
+    scattered axis (their values are positions in the whole data, the other dims place by
+    position) and the data and the result as addends."""
+    axis = op.axis(op.attr("axis", 0))
+    data, indices, updates = op.shape(0), op.shape(1), op.shape(2)
+    rules = [((d, d, d), (d,)) for d in range(op.rank) if d != axis and data[d] == indices[d] == updates[d]]
+    if op.attr("reduction", b"none") in (b"add", "add"):
+        rules.append(((P, axis, axis), (P,)))
+    return rules
+
+
+@rule("ScatterND", flops=no_flops, partial_bias=0)
+def _scatter_nd(op: OpView) -> list[Rule]:
+    """A slice dim of the data (past the indexed ones) split with the updates' matching
+    dim; with ``reduction="add"``, the indices' and updates' leading (update) dims split
+    together and the data and the result as addends (an embedding's gradient scattered
+    from a split batch)."""
+    data, indices = op.shape(0), op.shape(1)
+    depth, leading = indices[-1], len(indices) - 1
+    rules = [((j, R, leading + j - depth), (j,)) for j in range(depth, len(data))]
+    if op.attr("reduction", b"none") in (b"add", "add"):
+        rules += [((P, d, d), (P,)) for d in range(leading)]
+    return rules
 
 
 @rule("Shape", flops=no_flops)
@@ -418,9 +453,12 @@ def _gather_grad(g: GradNode) -> list:
 
 @gradient("GatherElements")
 def _gather_elements_grad(g: GradNode) -> list:
+    """dy added back where each element was taken: ScatterElements is GatherElements'
+    adjoint on the same axis (and keeps every other dim where it is, so a split batch
+    stays split)."""
     x = g.x(0)
-    picked = g.op("GatherElements", _positions(g, x), g.x(1), axis=int(g.attr("axis", 0)))
-    return [_scatter_back(g, picked, g.dy(0), x, add=True), None]
+    zeros = g.op("ConstantOfShape", g.shape_tensor(x), value=np.zeros(1, dtype=g.dtype(x)))
+    return [g.op("ScatterElements", zeros, g.x(1), g.dy(0), axis=int(g.attr("axis", 0)), reduction="add"), None]
 
 
 @gradient("GatherND")

@@ -16,15 +16,32 @@ from meshplan.trainer.schedule import learning_rate
 
 
 def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyper: dict | None = None,
-              schedule: str = "constant", warmup: int = 0) -> tuple[list[float], dict[str, np.ndarray]]:
-    """The losses of ``steps`` steps and the state after them (weights and slots by name)."""
+              schedule: str = "constant", warmup: int = 0,
+              in_process: bool = False) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The losses of ``steps`` steps and the state after them (weights and slots by name):
+    of the whole step model on onnxruntime, or with ``in_process`` of the plan's
+    partitioned programs, every rank in this process (``runtime.inprocess``)."""
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
     training = plan.training
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(plan_dir / "training" / "step.onnx"), options,
-                                   providers=["CPUExecutionProvider"])
+    if in_process:
+        from meshplan.runtime.inprocess import InProcessPlan
+
+        partitioned = InProcessPlan(plan, plan_dir)
+        outputs = [spec.name for spec in plan.outputs]
+
+        def run(feeds: dict) -> list[np.ndarray]:
+            found = partitioned.run(feeds)
+            return [found[name] for name in outputs]
+    else:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(plan_dir / "training" / "step.onnx"), options,
+                                       providers=["CPUExecutionProvider"])
+        outputs = [o.name for o in session.get_outputs()]
+
+        def run(feeds: dict) -> list[np.ndarray]:
+            return session.run(outputs, feeds)
     state = {}
     for name, array in source_weights(plan, list(training["weights"]) + list(training.get("statistics", {}))):
         state[name] = array
@@ -36,7 +53,6 @@ def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyp
     values = {**DEFAULTS, **{"train." + k.removeprefix("train."): float(v) for k, v in (hyper or {}).items()}}
     pairs = {entry["output"]: entry["input"] for entry in plan.state}
     batches = Batches(data, plan)
-    outputs = [o.name for o in session.get_outputs()]
     losses = []
     count = int(training.get("microbatches", 1))
     for k in range(steps):
@@ -48,7 +64,7 @@ def run_whole(plan_dir: str | Path, data: str | Path, steps: int, lr: float, hyp
                 value = learning_rate(schedule, lr, k, steps, warmup) if name == "train.lr" else \
                     k + 1 if name == "train.step" else float(m == count - 1) if name == "train.apply" else values[name]
                 feeds[name] = np.asarray(value, dtype=np.float32)
-            result = dict(zip(outputs, session.run(outputs, feeds)))
+            result = dict(zip(outputs, run(feeds)))
             state = {pairs[o]: result[o] for o in pairs}
         losses.append(float(result["train.loss"]))
     return losses, state
