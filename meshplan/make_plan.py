@@ -524,7 +524,7 @@ def make_plan(
         plan, shardings, canonical, graph = plan_model(model_path, cluster, dims, workdir, options, cost_model, state,
                                                        weights, hints, model_hints)
         if _record is not None:   # what a caller adds to plan.json (a training plan's section)
-            _record(plan)
+            _record(plan, graph, shardings)
         if programs:
             emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         constants = small_constants(canonical.model)
@@ -572,9 +572,10 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
         shutil.rmtree(plan_dir)
         source = {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)}
 
-        def record(plan: Plan) -> None:
+        def record(plan: Plan, graph, shardings) -> None:
             plan.model["path"] = str((out_dir / TRAINING_STEP).resolve())
             plan.training = {**step.manifest, "source": source}
+            _training_memory(plan, graph, shardings)
 
         plan = make_plan(step_path, cluster, dims, plan_dir, replace(options, max_stages=1), external_threshold,
                          cost_model, step.state, programs, shapes_only, _record=record)
@@ -590,6 +591,24 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
         return plan
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def _training_memory(plan: Plan, graph, shardings) -> None:
+    """A training plan's memory per device by liveness over the step (``inter.step_memory``):
+    recorded by kind in ``plan.training["memory"]``, and as the stage's and plan's estimate."""
+    from meshplan.inter.step_memory import step_memory
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    stage = plan.stages[0]
+    mesh = LogicalMesh(tuple(stage.logical_mesh), tuple(stage.devices))
+    specs = {entry["input"]: ShardingSpec.parse(entry["spec"]) for entry in plan.state if entry["stage"] == 0}
+    found = step_memory(graph, shardings.get(0, {}), specs, mesh, set(plan.training["weights"]))
+    plan.training["memory"] = found
+    stage.memory_bytes = float(sum(found.values()))
+    per_device = plan.estimate.get("memory_bytes_per_device")
+    if isinstance(per_device, list):
+        for rank in stage.devices:
+            per_device[rank] = stage.memory_bytes
 
 
 def _training_microbatches(model_path: Path, dims: dict, count: int, spec):

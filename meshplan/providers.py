@@ -56,14 +56,40 @@ def shared_pool_threads() -> int:
     return _shared_pool[0]
 
 
-def session_options(threads: int = 0):
-    """A new ``onnxruntime.SessionOptions`` for a session meshplan opens: on the process's
-    one pool where there is one (``share_one_pool``; spinning set on it is then ignored), else
-    with a pool of its own of ``threads`` threads (0: onnxruntime's choice) and one thread
-    between operators."""
+_shared_arena: list[bool] = [False]
+
+
+def _share_one_arena(ort) -> bool:
+    """Register one CPU arena for the whole process (onnxruntime's environment allocator),
+    growing by what is asked rather than to the next power of two; False where this
+    onnxruntime cannot. A rank's program is cut at its collectives into many sessions
+    that run one after another: each with an arena of its own kept every session's peak
+    at once (a 30 M-parameter GPT's data-parallel training step: 2.8 GiB a rank, against
+    1.7 GiB on one arena)."""
+    if not _shared_arena[0]:
+        try:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, SAME_AS_REQUESTED, -1, -1))
+        except Exception:  # an onnxruntime without environment allocators: arenas of their own
+            return False
+        _shared_arena[0] = True
+    return True
+
+
+SAME_AS_REQUESTED = 1   # onnxruntime's arena_extend_strategy kSameAsRequested
+
+
+def session_options(threads: int = 0, one_arena: bool = False):
+    """A new ``onnxruntime.SessionOptions`` for a session meshplan opens: with ``one_arena``
+    (a job's sessions) its CPU tensors in the process's one arena (``_share_one_arena``;
+    never shrinks, so not for the planner's passing sessions); on the process's one pool where there
+    is one (``share_one_pool``; spinning set on it is then ignored), else with a pool of its
+    own of ``threads`` threads (0: onnxruntime's choice) and one thread between operators."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if one_arena and _share_one_arena(ort):
+        options.add_session_config_entry("session.use_env_allocators", "1")
     if _shared_pool[0]:
         options.use_per_session_threads = False
     elif threads:

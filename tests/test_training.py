@@ -278,6 +278,33 @@ def test_data_policy_all_reduces_each_gradient_and_keeps_weights_whole(tmp_path,
     assert {"train.loss/total", "train.loss/count"} <= {tensor for _, tensor in found}
 
 
+@pytest.mark.parametrize("mesh,policy", [("1x1", "auto"), ("1x2", "data"), ("1x2", "megatron")])
+def test_memory_estimate_holds_old_and_new_state_and_the_step_peak(tmp_path, mesh, policy):
+    """The estimate by liveness over the step: each trained weight and slot twice (the value
+    read and the one written) at its local size, the process's own bytes, and what the
+    step's tensors add at its peak; the stage's memory is their sum."""
+    from meshplan.inter.step_memory import PROCESS_BYTES
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    out = _plan(tmp_path, "plan", "--mesh", mesh, "--optimizer", "adamw", "--policy", policy)
+    plan = json.loads((out / "plan.json").read_text())
+    memory, stage = plan["training"]["memory"], plan["stages"][0]
+    logical = LogicalMesh(tuple(stage["logical_mesh"]), tuple(stage["devices"]))
+    held = {"weights": 0, "optimizer": 0}
+    for entry in plan["state"]:
+        name = entry["input"]
+        base = name if name in plan["training"]["weights"] else name.rsplit(".", 1)[0]
+        info = plan["training"]["weights"][base]
+        local = ShardingSpec.parse(entry["spec"]).local_shape(tuple(info["shape"]), logical)
+        held["weights" if name == base else "optimizer"] += int(np.prod(local)) * np.dtype(info["dtype"]).itemsize
+    assert memory["optimizer"] == pytest.approx(2 * held["optimizer"])
+    assert 2 * held["weights"] <= memory["weights"] <= 2 * held["weights"] + 4096   # + the model's small constants
+    assert memory["process"] == PROCESS_BYTES and memory["activations"] > 0
+    assert stage["memory_bytes"] == pytest.approx(sum(memory.values()))
+    report = (out / "report.txt").read_text()
+    assert "process 80.0 MiB" in report
+
+
 def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):
     """12 steps = 6 + resume 6 with each rank reading its own pieces (bitwise, same plan);
     another plan of the model resumes from the same checkpoint, each tensor put together."""

@@ -161,12 +161,15 @@ def state_line(plan: Plan) -> str:
 
 
 def training_memory(plan: Plan) -> dict[int, dict[str, float]]:
-    """Per rank of a training plan, the estimate's bytes split into ``weights`` and
+    """Per rank of a training plan, the estimate's bytes by kind: as recorded at planning
+    (``plan.training["memory"]``), or for a plan written before that, split into ``weights`` and
     ``optimizer`` (the state each holds, in its layout), ``gradients`` (taken as the
     weights' local bytes: a gradient is made in its weight's layout or whole and cut) and
     ``activations`` (the rest of the stage's estimate: what backward keeps)."""
     from meshplan.sharding import LogicalMesh, ShardingSpec
 
+    if "memory" in plan.training:   # by liveness over the step (inter.step_memory)
+        return {rank: dict(plan.training["memory"]) for stage in plan.stages for rank in stage.devices}
     weights = plan.training["weights"]
     found = {}
     for stage in plan.stages:

@@ -118,7 +118,7 @@ class StageSession:
         (``providers.share_one_pool``)."""
         import onnxruntime as ort
 
-        options = session_options(threads)
+        options = session_options(threads, one_arena=True)
         if weights_dir is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
         options.log_severity_level = ort_log_level()   # errors reach the user as RunError lines
