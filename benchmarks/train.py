@@ -28,8 +28,7 @@ rounds' medians, its ratio to torch the median of the rounds' ratios):
   train`` (one rank, the machine's cores as its threads); the step time from the log's
   ``step_seconds``, each rank's peak RSS and the plan's memory estimate from the command's
   report, the plan's step estimate from ``plan.json`` (``estimate.latency_seconds``);
-- meshplan 1x2 data (``--policy data``) and 1x2 auto: ``mpiexec -n 2``, one thread a rank,
-  planned with ``--shared-host`` (the two ranks share this machine's cores);
+- meshplan 1x2 data (``--policy data``) and 1x2 auto: ``mpiexec -n 2``, one thread a rank;
 - with a profile (unless ``--no-profile``; timings cached in the work directory only, so
   every run measures afresh): ``meshplan profile MODEL`` (the forward model:
   ``meshplan profile`` has no ``--train``), then ``plan --train --profile``: the forward
@@ -378,8 +377,6 @@ def plan(model: Path, out: Path, mesh: str, c: dict, policy: str = "auto", profi
                "--device", "cpu", "--dim", f"batch={c['batch']}", "--policy", policy, "-o", out]
     if profile is not None:
         command += ["--profile", profile]
-    if mesh != "1x1":   # the ranks are shares of this one machine's cores and memory
-        command += ["--shared-host"]
     started = time.perf_counter()
     done = _run(command, f"meshplan plan {mesh} {policy}")
     document = json.loads((out / "plan.json").read_text())
