@@ -10,7 +10,13 @@ each loaded with the same requests by ``--clients`` concurrent clients (loopback
 - **meshplan 1-at-a-time**: the same model planned at batch 1, so requests queue and run
   one after another;
 - **genai 1-at-a-time**: onnxruntime-genai's generator, one request at a time, behind the
-  same front (what its users write: it takes one batch at a time), ``--genai-threads``.
+  same front (what its users write: it takes one batch at a time), ``--genai-threads``;
+- **continuous without prefix caching** (``serve --no-prefix-cache``), with
+  ``--system-prompt TOKENS``: every prompt then begins with the same TOKENS tokens, and the
+  ratio of the two servers' TTFT p50 is printed (with ``meshplan_prefix_cache_reused_positions_total``).
+
+``--n K`` asks K choices per request of the continuous servers (the one-at-a-time servers
+get K separate requests instead): output tokens/s count every choice's tokens.
 
 The model is a Llama in the builder's format of ``--gigabytes`` in float32
 (``sample_models.genai_large``, written into ``--workdir``), or the builder folder
@@ -27,6 +33,10 @@ answered no request.
     python benchmarks/serve.py --only continuous --clients 16 --requests 200   # nothing lost
     python benchmarks/serve.py --folder sample_models/genai/llama_fp32 --max-length 64 --batch 2 --clients 2 \
         --requests 4 --prompt-lengths 4:8 --new-tokens 4:8    # the 1 MB sample: every server in seconds
+    python benchmarks/serve.py --folder sample_models/genai/llama_fp32 --max-length 1024 --system-prompt 512 \
+        --only continuous --only continuous-no-prefix --clients 4 --requests 32 --prompt-lengths 8:16 --new-tokens 8:16
+    python benchmarks/serve.py --folder sample_models/genai/llama_fp32 --max-length 256 --n 4 \
+        --only continuous --only meshplan-one --clients 2 --requests 16
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parents[1]
+SERVERS = ("continuous", "continuous-no-prefix", "meshplan-one", "genai-one")
 BIN = Path(sys.executable).parent
 START_SECONDS = 300
 
@@ -127,7 +138,7 @@ def one_request(url: str, body: dict) -> dict:
                 error = event["error"]["message"]
                 break
             now = time.perf_counter()
-            times.extend([now] * len(event["choices"][0].get("token_ids", [])))
+            times.extend([now] * sum(len(c.get("token_ids") or []) for c in event["choices"]))
     except (OSError, http.client.HTTPException) as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -180,16 +191,32 @@ def load(url: str, requests: list[dict], clients: int, pid: int | None = None) -
             "rss_end_mb": samples[-1][1] / 2**20 if samples else 0.0}
 
 
+def metric(url: str, name: str) -> float:
+    """A counter of the server's /metrics (0 where it has none: another server)."""
+    parts = urlparse(url)
+    try:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return 0.0
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def make_requests(count: int, vocab: int, prompt_lengths: tuple[int, int], new_tokens: tuple[int, int],
-                  context: int, seed: int = 0) -> list[dict]:
-    """Random prompts and token counts, each within the context."""
+                  context: int, seed: int = 0, system: int = 0, n: int = 1) -> list[dict]:
+    """Random prompts and token counts, each within the context; every prompt begins with
+    the same ``system`` tokens (a shared system prompt) where asked; ``n`` choices each."""
     rng = random.Random(seed)
+    shared = [random.Random(-1).randrange(3, vocab) for _ in range(system)]
     found = []
     for _ in range(count):
-        prompt = [rng.randrange(3, vocab) for _ in range(min(rng.randint(*prompt_lengths), context - 2))]
+        prompt = shared + [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lengths))]
+        prompt = prompt[:context - 2]
         found.append({"prompt": prompt, "max_tokens": min(rng.randint(*new_tokens), context - len(prompt)),
-                      "temperature": 0, "ignore_eos": True})   # every server generates the same counts
-    return found
+                      "temperature": 0, "ignore_eos": True, **({"n": n} if n > 1 else {})})
+    return found   # (ignore_eos: every server generates the same counts)
 
 
 def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
@@ -275,7 +302,12 @@ def main() -> int:
     parser.add_argument("--prompt-lengths", default="8:48", help="LO:HI tokens per prompt")
     parser.add_argument("--new-tokens", default="32:96", help="LO:HI max_tokens per request")
     parser.add_argument("--genai-threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--only", choices=["continuous", "meshplan-one", "genai-one"], action="append",
+    parser.add_argument("--system-prompt", type=int, default=0, metavar="TOKENS",
+                        help="every prompt begins with the same TOKENS tokens (a shared system prompt); the "
+                             "continuous server then also runs without prefix caching (continuous-no-prefix)")
+    parser.add_argument("--n", type=int, default=1, help="choices per request (the one-at-a-time servers take "
+                                                          "n separate requests instead)")
+    parser.add_argument("--only", choices=SERVERS, action="append",
                         help="run only these servers (repeatable)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
     parser.add_argument("--genai-front", nargs=4, metavar=("FOLDER", "HOST", "PORT", "CAPACITY"),
@@ -304,8 +336,10 @@ def main() -> int:
         source = folder / "model.onnx"
     ranks = eval(args.mesh.replace("x", "*"))
     plans = {}
-    running = [n for n in ("continuous", "meshplan-one", "genai-one") if not args.only or n in args.only]
-    batches = ({args.batch} if "continuous" in running else set()) | ({1} if "meshplan-one" in running else set())
+    running = [n for n in SERVERS if (not args.only or n in args.only)
+               and (n != "continuous-no-prefix" or args.system_prompt or (args.only and n in args.only))]
+    batches = ({args.batch} if {"continuous", "continuous-no-prefix"} & set(running) else set()) \
+        | ({1} if "meshplan-one" in running else set())
     for batch in sorted(batches):   # (only those of the servers that run)
         out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
         if not (out / "plan.json").exists():
@@ -323,11 +357,15 @@ def main() -> int:
     vocab = config["model"]["vocab_size"]
     lo, hi = map(int, args.prompt_lengths.split(":"))
     new_lo, new_hi = map(int, args.new_tokens.split(":"))
-    requests = make_requests(args.requests, vocab, (lo, hi), (new_lo, new_hi), args.max_length)
+    requests = make_requests(args.requests, vocab, (lo, hi), (new_lo, new_hi), args.max_length,
+                             system=args.system_prompt, n=args.n)
+    # the one-at-a-time servers take a request of n choices as n requests
+    separate = [{k: v for k, v in r.items() if k != "n"} for r in requests for _ in range(args.n)]
     serve = [str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "serve", "--port", "0",
              "--max-queue", str(args.requests + 1)]
     servers = {
         "continuous": lambda: Server(serve + [str(plans[args.batch])]),
+        "continuous-no-prefix": lambda: Server(serve + ["--no-prefix-cache", str(plans[args.batch])]),
         "meshplan-one": lambda: Server(serve + [str(plans[1])]),
         "genai-one": lambda: Server([sys.executable, str(Path(__file__).resolve()), "--genai-front", str(folder),
                                      "127.0.0.1", "0", str(args.max_length)]),
@@ -346,7 +384,9 @@ def main() -> int:
         try:
             load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), args.max_length, seed=1), 2)   # warm
             before = rss_bytes(server.pid)
-            row = {"server": name, **load(server.url, requests, args.clients, server.pid)}
+            given = requests if name.startswith("continuous") else separate
+            row = {"server": name, **load(server.url, given, args.clients, server.pid)}
+            row["prefix_reused_positions"] = metric(server.url, "meshplan_prefix_cache_reused_positions_total")
             row["rss_before_mb"] = before / 2**20
             if server.process.poll() is not None:   # what it said last tells why its requests failed
                 row["server_exit"] = next((line for line in reversed(server.lines) if line.strip()), "")
@@ -361,8 +401,12 @@ def main() -> int:
               f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {(row['tpot_p50_s'] or nan) * 1e3:6.1f} ms "
               f"p99 {(row['tpot_p99_s'] or nan) * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "
               f"RSS {row['rss_before_mb']:.0f} / {row['rss_quarter_mb']:.0f} / {row['rss_end_mb']:.0f} MB"
+              + (f"  prefix reused {row['prefix_reused_positions']:.0f}" if row["prefix_reused_positions"] else "")
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
     by = {r["server"]: r["tokens_per_s"] for r in rows if r["output_tokens"]}
+    ttft = {r["server"]: r["ttft_p50_s"] for r in rows if r["output_tokens"]}
+    if "continuous" in ttft and "continuous-no-prefix" in ttft:
+        print(f"TTFT p50 without prefix caching / with: {ttft['continuous-no-prefix'] / ttft['continuous']:.2f}x")
     if "continuous" in by:
         for other in ("genai-one", "meshplan-one"):
             if other in by:

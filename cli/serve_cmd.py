@@ -22,6 +22,9 @@ from cli.guard import debugging, rank_guard
 @click.option("--prefill-chunk", type=int, metavar="N",
               help="Prompt positions per call, at most the plan's longest call [default: that]: smaller pieces "
                    "stall the running requests' decode steps less while a long prompt goes in.")
+@click.option("--prefix-cache/--no-prefix-cache", "prefix_cache", default=True, show_default=True,
+              help="Reuse the cache positions a prompt's beginning already has in a row (a shared system prompt, "
+                   "a chat's earlier turns) instead of computing them again, where the plan makes row calls.")
 @click.option("--served-model-name", "model_name", metavar="NAME",
               help="The model's name in the API [default: the model folder's name for a model.onnx, else the model file's stem].")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
@@ -33,8 +36,8 @@ from cli.guard import debugging, rank_guard
               help="On CUDA, replay each batch's decode step as a CUDA graph (see meshplan generate).")
 @bind_cores_option
 @click.pass_context
-def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provider, transfer, deterministic,
-          cuda_graph, bind_cores):
+def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, prefix_cache, model_name, provider, transfer,
+          deterministic, cuda_graph, bind_cores):
     """Serve a plan of an LLM over HTTP with the OpenAI API: `mpiexec -n N meshplan serve PLAN_DIR`.
 
     Requests share the plan's batch: each takes a slot between two steps and frees it when
@@ -60,7 +63,7 @@ def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, model_name, provi
         set_deterministic(deterministic)
         set_binding(bind_cores, pin=True)
         status = serve_rank(plan_dir, Options(host, port, max_queue, model_name, prefill_chunk, provider, transfer,
-                                                    cuda_graph), started)
+                                                    cuda_graph, prefix_cache), started)
     if status is not None:
         click.echo("stopped")
         sys.exit(status)

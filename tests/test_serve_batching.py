@@ -294,3 +294,78 @@ def test_a_job_that_chooses_next_to_the_logits_serves_each_request_its_own_ids(s
         assert len(sampled.ids) == 3
     finally:
         job.close()
+
+
+SYSTEM = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83]
+
+
+@pytest.mark.parametrize("rows_alone", [True, False], ids=["prompts in row calls", "prompts token by token"])
+def test_prompts_sharing_a_prefix_reuse_it_and_get_their_own_ids(setups, rows_alone):
+    """A request whose prompt begins with what a running request's row holds has it copied
+    into its row; one that comes after a request of the same beginning has finished takes
+    that freed row as it is; neither computes those positions, and each gets the ids it
+    gets alone."""
+    shape, stepper = setups("llama_fp32", 4)
+    reference = setups("llama_fp32", 1)
+    first, second, third = SYSTEM + [101, 102, 103], SYSTEM + [201, 202], SYSTEM[:12] + [5]
+    batch = batch_for(shape, stepper, 0)
+    assert batch.copies
+    batch.row_calls = rows_alone
+    got, _ = drive(batch, {0: [(first, 10)], 3: [(second, 6)], 20: [(third, 5)], 40: [(SYSTEM + [201], 4)]})
+    assert got == [alone(*reference, p, n) for p, n in ((first, 10), (second, 6), (third, 5), (SYSTEM + [201], 4))]
+    # second: the 20 shared positions copied from the first's row; third: 12 from a freed row;
+    # the last: 20 from the freed row of the second (all its prompt but the last token, whose
+    # logits choose the first new one). Calls of every row (no row calls) write a pad into
+    # each free row at its position 0, so there a freed row is reused only where no call
+    # covered it since.
+    if rows_alone:
+        assert batch.reused == len(SYSTEM) + 12 + len(SYSTEM)
+    else:
+        assert len(SYSTEM) <= batch.reused < len(SYSTEM) + 12 + len(SYSTEM)
+
+
+def test_a_prompt_that_is_scored_or_too_short_reuses_nothing(setups):
+    shape, stepper = setups("llama_fp32", 4)
+    batch = batch_for(shape, stepper, 0)
+    drive(batch, {0: [(SYSTEM + [5], 3)]})
+    scored = Work(SYSTEM + [5, 6], 2, Sampler(), logprobs=1, echo=True)
+    batch.admit(scored)
+    assert batch.reused == 0 and scored.fed == 0
+    batch.release(scored)
+    batch.admit(Work([SYSTEM[0]], 2, Sampler()))
+    assert batch.reused == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_n_choices_prefill_once_and_each_draws_as_a_request_alone(setups, temperature):
+    """n = 3: the prompt computed in one row and copied into two more; choice i with seed
+    s + i gives the ids a request alone with that seed gets (greedy: the same ids thrice)."""
+    shape, stepper = setups("llama_fp32", 4)
+    reference = setups("llama_fp32", 1)
+    prompt = PROMPTS[2]
+    batch = batch_for(shape, stepper, 0)
+    works = [Work(prompt, 6, Sampler(temperature, seed=5 + i)) for i in range(3)]
+    works[0].followers = works[1:]
+    other = Work(PROMPTS[1], 4, Sampler())
+    batch.admit(other)
+    assert batch.accepts(works[0]) and not batch.accepts(Work(prompt, 1, Sampler(), followers=works[:3]))
+    batch.admit(works[0])
+    prompt_calls = []
+    original = stepper.step
+    stepper.step = lambda feeds, last, row=None: (prompt_calls.append(feeds[shape.input_ids].shape),
+                                                  original(feeds, last, row))[1]
+    try:
+        while batch.busy:
+            for work, token in batch.step():
+                work.ids.append(token)
+                if len(work.ids) >= work.max_tokens:
+                    batch.release(work)
+    finally:
+        stepper.step = original
+    for i, work in enumerate(works):
+        lone, _ = Generation(*reference).run([prompt], 6, Sampler(temperature, seed=5 + i))
+        assert work.ids == lone[0].ids, i
+    if temperature == 0:
+        assert works[0].ids == works[1].ids == works[2].ids
+    # the prompt's positions went into the cache in calls of one row (or the first call), never thrice
+    assert sum(width for _, width in prompt_calls if width > 1) <= len(prompt)

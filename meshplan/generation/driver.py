@@ -60,6 +60,16 @@ class JobStepper:
     def row_calls(self) -> bool:
         return self.job.row_calls
 
+    @property
+    def copies_rows(self) -> bool:
+        """Whether ``copy_rows`` works (what ``row_calls`` needs)."""
+        from meshplan.runtime.buffers import HOST
+
+        return self.job.row_calls and self.job.state_buffers is HOST
+
+    def copy_rows(self, source: int, target: int, positions: int) -> None:
+        self.job.copy_rows(source, target, positions)
+
     def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
         outputs = self._outputs.get(last)
         if outputs is None:

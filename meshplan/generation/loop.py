@@ -322,6 +322,16 @@ class SessionStepper:
         self.cache = None
 
     row_calls = True
+    copies_rows = True
+
+    def copy_rows(self, source: int, target: int, positions: int) -> None:
+        """The first ``positions`` positions of cache row ``source`` into row ``target``
+        (``Job.copy_rows``)."""
+        for array in self.cache.values():
+            axis = 2 if array.ndim == 4 else array.ndim - 2
+            into = [target] + [slice(None)] * (array.ndim - 1)
+            into[axis] = slice(0, positions)
+            array[tuple(into)] = array[tuple([source] + into[1:])]
 
     def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
         """``row``: a call of the feeds' batch of sequences on the rows of the cache from

@@ -72,7 +72,7 @@ from meshplan.runtime.transport import Transport, abort_job, agree, choose_buffe
 from meshplan.runtime.waiting import set_sleeping
 from meshplan.sharding import LogicalMesh, ShardingSpec, placement_axes
 
-CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS, SAVE_STATE, LOAD_STATE = range(8)
+CLOSE, RUN, RESET, GET_STATE, SET_STATE, STATS, SAVE_STATE, LOAD_STATE, COPY_ROWS = range(9)
 END = np.iinfo(np.int64).max      # a slice's stop that means "to the end"
 _SHAPE_TAG, _DATA_TAG, _STATE_TAG = 1 << 20, 1 << 21, 1 << 22
 _ROWS = 1 << 32     # a call of some rows: header[1] = first row * _ROWS + their count
@@ -632,6 +632,35 @@ class Job:
             self.state_shapes[name] = tuple(np.shape(value))
             self._tracked = None
 
+    def copy_rows(self, source: int, target: int, positions: int) -> None:
+        """Copy the first ``positions`` positions of every state's row ``source`` into row
+        ``target``, on every rank that holds the state (driver): a prompt prefilled once for
+        several sequences, or a prefix another row holds (serving). The positions are a
+        cache's (axis 2 of a 4-D state, else the second last). Needs what ``row_calls`` needs
+        (the state on the host, whole along its batch axis)."""
+        self._require_driver("copy_rows")
+        if not self.row_calls or self.state_buffers is not HOST or self.header_size < 5:
+            raise RunError("this plan's cache rows cannot be copied (it needs host buffers, no microbatches and the "
+                           "state whole along the batch)")
+        if not all(name in self.state_shapes for name in self.state_inputs):
+            raise RunError("copying cache rows needs the state a call of the whole batch made")
+        rows = self.state_shapes[next(iter(self.state_inputs))][0]
+        if not (0 <= source < rows and 0 <= target < rows and source != target):
+            raise RunError(f"copy_rows: rows {source} and {target} of {rows}")
+
+        def fill(header):
+            header[2:5] = source, target, positions
+        self._send_header(self._header(COPY_ROWS, fill))
+        self._copy_rows(source, target, positions)
+
+    def _copy_rows(self, source: int, target: int, positions: int) -> None:
+        for name, array in self.state.items():
+            axis = 2 if array.ndim == 4 else array.ndim - 2
+            into = [target] + [slice(None)] * (array.ndim - 1)
+            into[axis] = slice(0, positions)
+            start = [source] + into[1:]
+            array[tuple(into)] = array[tuple(start)]
+
     # --- training plans ------------------------------------------------------------------------
 
     def train_step(self, batch: dict[str, np.ndarray], lr: float, **hyper: float) -> float:
@@ -801,6 +830,8 @@ class Job:
                     self._state_files(None, save=True)
                 elif op == LOAD_STATE:
                     self._state_files(None, save=False)
+                elif op == COPY_ROWS:
+                    self._copy_rows(*(int(v) for v in header[2:5]))
         except Exception as exc:
             raise JobFailure(f"rank {self.rank} failed: {_line(exc)}") from exc
         self._free()

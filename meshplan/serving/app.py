@@ -72,12 +72,14 @@ def build_app(engine, limits, metrics, started: float | None = None):
             line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             return error(BadRequest(f"the request could not be read: {line}", status=500, kind="server_error"))
         events: asyncio.Queue = asyncio.Queue()
-        work = Work(submission.prompt_ids, submission.max_tokens, sampler,
-                    emit=_emitter(asyncio.get_running_loop(), events),
-                    stop=submission.stop, ignore_eos=submission.ignore_eos, logprobs=submission.logprobs,
-                    echo=submission.echo, adjust=submission.adjust)
+        loop = asyncio.get_running_loop()
+        works = [Work(submission.prompt_ids, submission.max_tokens, submission.sampler(i),
+                      emit=_emitter(loop, events, i), stop=submission.stop, ignore_eos=submission.ignore_eos,
+                      logprobs=submission.logprobs, echo=submission.echo, adjust=submission.adjust)
+                 for i in range(submission.n)]
+        works[0].followers = works[1:]
         try:
-            engine.submit(work)
+            engine.submit(works[0])
         except QueueFull:
             return error(BadRequest("too many requests wait: try again later", status=429, kind="rate_limit_error"),
                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -88,33 +90,43 @@ def build_app(engine, limits, metrics, started: float | None = None):
         if submission.echo:
             shape.echo(body["prompt"], submission.prompt_ids)
         if submission.stream:
-            return StreamingResponse(_stream(engine, work, events, shape, submission.include_usage),
+            return StreamingResponse(_stream(engine, works, events, shape, submission.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, ids, scores = [], [], []
+        choices = [{"text": [], "ids": [], "scores": [], "reason": None} for _ in works]
+        completion_tokens = 0
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
                 getter = asyncio.ensure_future(events.get())
                 await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():   # the client went away: its slot is freed at the next step
+                if not getter.done():   # the client went away: its slots are freed at the next step
                     getter.cancel()
-                    engine.cancel(work)
+                    for work in works:
+                        engine.cancel(work)
                     return Response(status_code=499)
-                event = getter.result()
+                index, event = getter.result()
+                choice = choices[index]
                 if event[0] == "token":
-                    text.append(event[1])
-                    ids.append(event[2])
-                    scores.append(event[3])
+                    choice["text"].append(event[1])
+                    choice["ids"].append(event[2])
+                    choice["scores"].append(event[3])
                 elif event[0] == "prompt":
                     shape.prompt_scores = event[1]
                 elif event[0] == "done":
-                    return JSONResponse(shape.whole("".join(text), ids, event[1], event[2], scores))
+                    choice["reason"] = event[1]
+                    completion_tokens += event[2]["completion_tokens"]
+                    if all(c["reason"] is not None for c in choices):
+                        usage = {**event[2], "completion_tokens": completion_tokens,
+                                 "total_tokens": event[2]["prompt_tokens"] + completion_tokens}
+                        return JSONResponse(shape.whole([("".join(c["text"]), c["ids"], c["reason"], c["scores"])
+                                                         for c in choices], usage))
                 else:
                     return error(BadRequest(event[1], status=event[2], kind="server_error"))
         finally:
             gone.cancel()
-            if work.finished is None:
-                engine.cancel(work)
+            for work in works:
+                if work.finished is None:
+                    engine.cancel(work)
 
     async def not_found(request, exc: HTTPException):
         return ErrorResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
@@ -137,7 +149,7 @@ class _Shape:
         self.prompt_text: str | None = None    # echoed before the completion's text
         self.prompt_ids: list[int] = []
         self.prompt_scores: list | None = None
-        self.offset = 0                        # the text_offset of the next token (completions)
+        self.offsets: dict[int, int] = {}      # choice → the text_offset of its next token (completions)
 
     def echo(self, prompt, ids: list[int]) -> None:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -162,7 +174,7 @@ class _Shape:
             return []
         return [(self.prompt_ids[0], None, None)] + list(self.prompt_scores)
 
-    def _logprobs(self, scores: list) -> dict | None:
+    def _logprobs(self, scores: list, index: int = 0) -> dict | None:
         if self.logprobs is None:
             return None
         scores = [s for s in scores if s is not None]
@@ -178,30 +190,34 @@ class _Shape:
             found["tokens"].append(name)
             found["token_logprobs"].append(logprob)
             found["top_logprobs"].append(None if top is None else {self._name(i): v for i, v in top})
-            found["text_offset"].append(self.offset)
-            self.offset += len(name)
+            found["text_offset"].append(self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + len(name)
         return found
 
-    def whole(self, text: str, ids: list[int], reason: str, usage: dict, scores: list = ()) -> dict:
+    def whole(self, choices: list[tuple[str, list[int], str, list]], usage: dict) -> dict:
+        """The body of a request answered whole: ``choices`` (text, ids, finish reason,
+        scores) in their order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(list(scores)), "finish_reason": reason, "token_ids": ids}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
-        if self.prompt_text is not None:
-            text = self.prompt_text + text
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(self._echoed() + list(scores)),
-                  "finish_reason": reason, "token_ids": ids}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+            found = [{"index": i, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(list(scores), i), "finish_reason": reason, "token_ids": ids}
+                     for i, (text, ids, reason, scores) in enumerate(choices)]
+            return {**self._head("chat.completion"), "choices": found, "usage": usage}
+        found = [{"index": i, "text": (self.prompt_text or "") + text,
+                  "logprobs": self._logprobs(self._echoed() + list(scores), i), "finish_reason": reason,
+                  "token_ids": ids}
+                 for i, (text, ids, reason, scores) in enumerate(choices)]
+        return {**self._head("text_completion"), "choices": found, "usage": usage}
 
     def chunk(self, text: str | None, ids: list[int], reason: str | None, first: bool = False,
-              scores: list = ()) -> dict:
-        logprobs = self._logprobs(list(scores)) if scores else None
+              scores: list = (), index: int = 0) -> dict:
+        logprobs = self._logprobs(list(scores), index) if scores else None
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason, "token_ids": ids}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                      "token_ids": ids}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
+                "choices": [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
                              "token_ids": ids}]}
 
     def usage(self, usage: dict) -> dict:
@@ -222,12 +238,13 @@ async def _read_body(request) -> bytes:
     return b"".join(chunks)
 
 
-def _emitter(loop, events: asyncio.Queue):
-    """The engine's events for one request, handed to the HTTP thread's loop (dropped once that
-    loop has closed: the engine must not fail because a front is gone)."""
+def _emitter(loop, events: asyncio.Queue, index: int = 0):
+    """The engine's events for choice ``index`` of one request, as (index, event), handed to
+    the HTTP thread's loop (dropped once that loop has closed: the engine must not fail
+    because a front is gone)."""
     def emit(event) -> None:
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
         except RuntimeError:
             pass
     return emit
@@ -243,26 +260,33 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream(engine, work, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+async def _stream(engine, works, events: asyncio.Queue, shape: _Shape, include_usage: bool):
+    done, completion_tokens = [False] * len(works), 0
     try:
         if shape.chat:
-            yield _sse(shape.chunk("", [], None, first=True))
+            for index in range(len(works)):
+                yield _sse(shape.chunk("", [], None, first=True, index=index))
         while True:
-            event = await events.get()
+            index, event = await events.get()
             if event[0] == "token":
-                yield _sse(shape.chunk(event[1], [event[2]], None, scores=[event[3]]))
+                yield _sse(shape.chunk(event[1], [event[2]], None, scores=[event[3]], index=index))
             elif event[0] == "prompt":   # the echoed prompt, with its scores
                 shape.prompt_scores = event[1]
-                yield _sse(shape.chunk(shape.prompt_text, [], None, scores=shape._echoed()))
+                yield _sse(shape.chunk(shape.prompt_text, [], None, scores=shape._echoed(), index=index))
             elif event[0] == "done":
-                yield _sse(shape.chunk(None, [], event[1]))
-                if include_usage:
-                    yield _sse(shape.usage(event[2]))
-                yield _sse("[DONE]")
-                return
+                yield _sse(shape.chunk(None, [], event[1], index=index))
+                done[index] = True
+                completion_tokens += event[2]["completion_tokens"]
+                if all(done):
+                    if include_usage:
+                        yield _sse(shape.usage({**event[2], "completion_tokens": completion_tokens,
+                                                "total_tokens": event[2]["prompt_tokens"] + completion_tokens}))
+                    yield _sse("[DONE]")
+                    return
             else:
                 yield _sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
                 return
     finally:   # the client went away (the generator is closed) or the stream ended
-        if work.finished is None:
-            engine.cancel(work)
+        for work in works:
+            if work.finished is None:
+                engine.cancel(work)

@@ -21,6 +21,16 @@ shares the call's length, so a call's new positions are masked out where a row h
 tokens, a request joining a running batch masks out the positions before it, and requests
 join while the context has room for them (then the batch drains and starts again empty).
 
+Where the stepper can copy rows of the cache (``Job.copy_rows``: the same conditions as row
+calls), ``SlotBatch`` also reuses what the cache holds. Each row remembers the tokens
+whose keys and values it holds (a freed row's stay until a call writes over them), and a
+request takes the free row whose tokens begin its prompt the furthest, or has the longest
+such beginning another row holds copied into its row: those positions are not computed
+again (a shared system prompt, a chat's earlier turns; ``reused`` counts them). A request
+of ``n`` choices takes n rows at once: its prompt is computed in the first, copied into
+the others once it is in, and each choice draws its first token from the same logits.
+Without copies, each choice is a request of its own.
+
 Both return, per step, the tokens chosen for the rows whose prompt is in, and list the
 kinds of the calls they made in ``made``: "prompts" (every busy row's prompt at once),
 "row" (one row's), "decode" (one position per row).
@@ -65,6 +75,8 @@ class Work:
     eos: frozenset = frozenset()            # the end ids (min_tokens masks them)
     prompt_scores: list = field(default_factory=list)   # (id, logprob, top) per prompt token from the 2nd
     score: tuple | None = None              # the last chosen token's (id, logprob, top)
+    followers: list = field(default_factory=list)   # the other choices of its request (``n``), admitted with it
+    held: bool = False                      # a follower waiting for its leader's prompt to be in the cache
 
     @property
     def needs_logits(self) -> bool:
@@ -81,7 +93,8 @@ class Work:
 
 
 class SlotBatch:
-    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int, chunk: int | None = None):
+    def __init__(self, shape: GenerationShape, stepper, pad_id: int, rows: int, chunk: int | None = None,
+                 prefix_cache: bool = True):
         self.shape, self.stepper, self.pad_id, self.rows = shape, stepper, pad_id, rows
         self.chunk = min(chunk or shape.chunk, shape.chunk)   # prompt positions per call
         self.slots: list[Work | None] = [None] * rows
@@ -96,23 +109,76 @@ class SlotBatch:
         self.made: list[str] = []      # the kinds of the calls made since the engine last looked
         self.stepper.reset()
         self.state_made = False        # a call of every row made the cache (row calls need it)
+        # prefix reuse and n > 1 copy rows of the cache (and need row calls for a prompt's rest)
+        self.copies = self.row_calls and bool(getattr(stepper, "copies_rows", False))
+        self.cached: list[list[int]] = [[] for _ in range(rows)]   # the tokens each row's cache holds
+        self.reused = 0                # prompt positions taken from the cache instead of computed
+        self.prefix_cache = prefix_cache
 
     @property
     def busy(self) -> list[Work]:
         return [w for w in self.slots if w is not None]
 
     def accepts(self, work: Work | None = None) -> bool:
-        return any(w is None for w in self.slots)
+        free = sum(w is None for w in self.slots)
+        return free >= 1 + (len(work.followers) if work is not None else 0)
 
     def admit(self, work: Work) -> None:
-        row = self.slots.index(None)
+        """Into the free row that reuses the most of the cache (see the module); its
+        followers into the lowest free rows, held until its prompt is in."""
+        row, reuse = self._place(work)
         self.slots[row] = work
-        self.lengths[row] = 0
-        work.fed, work.started = 0, time.perf_counter()
+        self.lengths[row] = reuse
+        self.mask[row] = 0
+        self.mask[row, :reuse + 1] = 1
+        self.cached[row] = self.cached[row][:reuse]
+        self.reused += reuse
+        work.fed, work.started = reuse, time.perf_counter()
+        for follower in work.followers:
+            other = self.slots.index(None)
+            self.slots[other] = follower
+            self.lengths[other] = 0
+            self.mask[other] = 0
+            self.mask[other, 0] = 1
+            follower.fed, follower.started, follower.held = 0, work.started, True
+
+    def _place(self, work: Work) -> tuple[int, int]:
+        """(row, prompt positions already in it): a free row's own tokens, or another row's
+        copied into the lowest free row, whichever reuses more; at least the prompt's last
+        token is computed (its logits choose the first new one), and all of a prompt whose
+        scores are asked (echo)."""
+        free = [r for r, w in enumerate(self.slots) if w is None]
+        if (not self.prefix_cache or not self.copies or not self.state_made or work.scores_prompt
+                or len(work.prompt) < 2):
+            return free[0], 0
+        limit = len(work.prompt) - 1
+
+        def common(row: int) -> int:
+            held, n = self.cached[row], 0
+            for a, b in zip(held[:limit], work.prompt[:limit]):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        own_row = max(free, key=common)
+        own = common(own_row)
+        source = max(range(self.rows), key=common)
+        copied = common(source)
+        if own >= copied:
+            return (own_row, own) if own else (free[0], 0)
+        target = free[0] if free[0] != source else free[1] if len(free) > 1 else source
+        if target == source:   # the only free row holds it: reuse it in place
+            return source, copied
+        self.stepper.copy_rows(source, target, copied)
+        self.cached[target] = self.cached[source][:copied]
+        return target, copied
 
     def release(self, work: Work) -> None:
+        """Its row is free; the row's cache keeps its tokens for a later prompt to reuse."""
         row = self.slots.index(work)
         self.slots[row] = None
+        self.cached[row] = self.cached[row][:int(self.lengths[row])]
         self.lengths[row] = 0
         self.mask[row] = 0
         self.mask[row, 0] = 1
@@ -122,7 +188,7 @@ class SlotBatch:
         return self.shape.context - int(self.lengths[self.slots.index(work)])
 
     def step(self) -> list[tuple[Work, int]]:
-        busy = [(r, w) for r, w in enumerate(self.slots) if w is not None]
+        busy = [(r, w) for r, w in enumerate(self.slots) if w is not None and not w.held]
         fresh = all(self.lengths[r] == 0 for r, _ in busy)
         prefilling = [(r, w) for r, w in busy if w.prefilling]
         longest = max((len(w.prompt) - w.fed for _, w in prefilling), default=0)
@@ -151,7 +217,28 @@ class SlotBatch:
     def _call(self, feeds: dict, last: int, span: int, works) -> np.ndarray:
         window = _window(self.stepper, works, feeds, last, 0 if span < self.rows else None)
         self.state_made = True
+        called = {id(w) for w in works}
+        for row in range(span):   # a row the call does not use gets a pad written from position 0
+            if self.slots[row] is None or id(self.slots[row]) not in called:
+                self.cached[row] = []
         return window
+
+    def _chosen(self, row: int, work: Work, logits) -> list[tuple[Work, int]]:
+        """Its next token from ``logits``; once its prompt is in, its followers' too, after
+        its row's cache is copied into theirs."""
+        chosen = [(work, self._choose(work, logits))]
+        for follower in work.followers:
+            if not follower.held or follower.cancelled:
+                continue
+            other = self.slots.index(follower)
+            self.stepper.copy_rows(row, other, int(self.lengths[row]))
+            self.lengths[other] = self.lengths[row]
+            self.mask[other] = self.mask[row]
+            self.cached[other] = list(self.cached[row])
+            follower.fed, follower.held = len(follower.prompt), False
+            follower.prompt_scores = list(work.prompt_scores)
+            chosen.append((follower, self._choose(follower, logits)))
+        return chosen
 
     def _first_prompt(self, busy, width: int) -> list[tuple[Work, int]]:
         """Every busy row new: up to ``width`` prompt tokens each, padded on the right; the
@@ -173,12 +260,13 @@ class SlotBatch:
             n = int(counts[row])
             if work.scores_prompt:
                 _score_prompt(work, window[row, :n])
+            self.cached[row] = list(work.prompt[work.fed:work.fed + n])
             work.fed += n
             self.lengths[row] = n
             self.mask[row] = 0
             self.mask[row, :n + 1] = 1
             if not work.prefilling:
-                chosen.append((work, self._choose(work, window[row, n - 1 - (width - last)])))
+                chosen += self._chosen(row, work, window[row, n - 1 - (width - last)])
         return chosen
 
     def _row_piece(self, row: int, work: Work) -> list[tuple[Work, int]]:
@@ -194,10 +282,11 @@ class SlotBatch:
             else self._call(feeds, last, self.rows, [work])
         if work.scores_prompt:
             _score_prompt(work, window[0, -width:])
+        self.cached[row] = self.cached[row][:start] + list(work.prompt[work.fed:work.fed + width])
         work.fed += width
         self.lengths[row] += width
         self.mask[row, :min(int(self.lengths[row]) + 1, self.shape.context)] = 1
-        return [(work, self._choose(work, window[0, -1]))] if not work.prefilling else []
+        return self._chosen(row, work, window[0, -1]) if not work.prefilling else []
 
     def _one_each(self, busy) -> list[tuple[Work, int]]:
         """One new position per row: a prompt token or the last chosen one (idle rows a pad
@@ -211,6 +300,7 @@ class SlotBatch:
                             [w for _, w in busy])
         chosen = []
         for row, work in busy:
+            self.cached[row] = self.cached[row][:int(self.lengths[row])] + [int(ids[row, 0])]
             if work.prefilling:
                 if work.scores_prompt:
                     _score_prompt(work, window[row, :1])
@@ -219,7 +309,7 @@ class SlotBatch:
             if self.lengths[row] < self.shape.context:
                 self.mask[row, self.lengths[row]] = 1
             if not work.prefilling:
-                chosen.append((work, self._choose(work, window[row, 0])))
+                chosen += self._chosen(row, work, window[row, 0])
         return chosen
 
     def _feeds(self, ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
@@ -365,8 +455,10 @@ class GrowingBatch:
         return chosen
 
 
-def batch_for(shape: GenerationShape, stepper, pad_id: int, chunk: int | None = None):
+def batch_for(shape: GenerationShape, stepper, pad_id: int, chunk: int | None = None, prefix_cache: bool = True):
     """The batching the plan's cache allows, over the plan's largest batch; prompts in pieces
-    of up to ``chunk`` positions (at most the plan's longest call, its default)."""
-    kind = SlotBatch if shape.shared else GrowingBatch
-    return kind(shape, stepper, pad_id, shape.batch[1], chunk)
+    of up to ``chunk`` positions (at most the plan's longest call, its default); a shared
+    buffer's slots reuse cached prefixes unless ``prefix_cache`` is False."""
+    if shape.shared:
+        return SlotBatch(shape, stepper, pad_id, shape.batch[1], chunk, prefix_cache)
+    return GrowingBatch(shape, stepper, pad_id, shape.batch[1], chunk)

@@ -41,13 +41,18 @@ class Engine:
     # --- the front's side (any thread) ------------------------------------------------------------
 
     def submit(self, work: Work) -> None:
+        """Queue a request; its other choices (``work.followers``) come in with it where the
+        batch copies a prompt's cache into their rows, else each as a request of its own."""
+        entries = [work]
+        if work.followers and not getattr(self.batch, "copies", False):
+            entries, work.followers = [work, *work.followers], []
         with self._lock:
             if self.stopping:
                 raise Stopping()
-            if self._queued >= self.max_queue:
+            if self._queued + len(entries) > self.max_queue:
                 raise QueueFull()
-            self._queued += 1
-            self._inbox.append(work)
+            self._queued += len(entries)
+            self._inbox.extend(entries)
             self.metrics.waiting.set(self._queued)
         self.wake.set()
 
@@ -116,11 +121,14 @@ class Engine:
         while self.waiting and self.batch.accepts(self.waiting[0]):
             work = self.waiting.popleft()
             self._dequeued()
-            work.stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
-            work.text, work.sent = "", 0
-            work.eos = frozenset(self.eos)
+            for one in [work, *work.followers]:
+                one.stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+                one.text, one.sent = "", 0
+                one.eos = frozenset(self.eos)
+            reused = getattr(self.batch, "reused", 0)
             self.batch.admit(work)
             self.metrics.prompt_tokens.inc(len(work.prompt))
+            self.metrics.prefix_reused.inc(getattr(self.batch, "reused", 0) - reused)
         self.metrics.running.set(len(self.batch.busy))
 
     def _dequeued(self) -> None:

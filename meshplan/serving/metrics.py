@@ -25,6 +25,9 @@ class ServerMetrics:
         self.tpot = Histogram("meshplan_time_per_output_token_seconds", "Between a request's tokens",
                               buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("meshplan_prompt_tokens", "Prompt tokens taken", registry=r)
+        self.prefix_reused = Counter("meshplan_prefix_cache_reused_positions", "Prompt positions taken from the "
+                                     "key/value cache (a prefix another request left or holds) instead of computed",
+                                     registry=r)
         self.output_tokens = Counter("meshplan_generation_tokens", "Tokens generated", registry=r)
         self.calls = Counter("meshplan_model_calls", "Calls of the model, by kind: every busy slot's prompt "
                              "(prompts), one slot's prompt (row), one position per slot (decode)", ["kind"],

@@ -48,6 +48,7 @@ class Limits:
     vocab: int | None
     tokenizer: object | None = None
     chat: object | None = None      # a ChatTemplate
+    slots: int = 1                  # the plan's batch: the most choices (``n``) one request can have
 
 
 @dataclass
@@ -64,12 +65,15 @@ class Submission:
     include_usage: bool = False
     ignore_eos: bool = False          # an extension (as vLLM's): generate max_tokens whatever comes
     logprobs: int | None = None       # alternatives per token (None: no log-probabilities)
+    n: int = 1                        # choices: sequences sampled from the one prompt
     echo: bool = False                # completions: the prompt's text before the completion's
     adjust: Adjustment = field(default_factory=Adjustment)
 
-    def sampler(self) -> Sampler:
+    def sampler(self, choice: int = 0) -> Sampler:
+        """The sampler of choice ``choice``: with a seed, choice i draws from seed + i."""
+        seed = None if self.seed is None else (self.seed + choice) % (LARGEST_SEED + 1)
         try:
-            return Sampler(self.temperature, self.top_k, self.top_p, self.seed)
+            return Sampler(self.temperature, self.top_k, self.top_p, seed)
         except RunError as exc:   # (``read_submission`` checked each value already)
             text = str(exc).replace("--", "")
             name = text.split()[0].replace("-", "_")
@@ -174,7 +178,10 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
     if model is not None and model != limits.model:
         raise BadRequest(f"the model '{_safe(model)}' does not exist: this server serves '{limits.model}'", "model",
                          status=404)
-    _must_be(body, "n", (None, 1), "one choice per request")
+    n = _number(body, "n", lo=1, integer=True, default=1)
+    if n > limits.slots:
+        raise BadRequest(f"'n' is {_shown(n)}: this server's plan has {limits.slots} batch slot(s), so at most "
+                         f"{limits.slots} choices a request", "n")
     _must_be(body, "best_of", (None, 1), "one choice per request")
     _must_be(body, "suffix", (None,), "no suffix")
     logprobs, echo = _logprobs(body, chat)
@@ -216,7 +223,7 @@ def read_submission(body: dict, limits: Limits, chat: bool) -> Submission:
         top_k=int(_number(body, "top_k", lo=0, hi=LARGEST_TOP_K, integer=True, default=0)),
         seed=_number(body, "seed", lo=0, hi=LARGEST_SEED, integer=True), stop=stop, stream=stream,
         include_usage=bool(options and options.get("include_usage")), ignore_eos=ignore_eos, logprobs=logprobs,
-        echo=echo, adjust=_adjustment(body, limits, max_tokens))
+        echo=echo, adjust=_adjustment(body, limits, max_tokens), n=int(n))
     if submission.top_p == 0:
         raise BadRequest("'top_p' must be above 0", "top_p")
     submission.sampler()   # the sampler's own checks, as a 400

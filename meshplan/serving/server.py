@@ -44,6 +44,7 @@ class Options:
     provider: str = "auto"
     transfer: str = "auto"
     cuda_graph: bool = True            # on CUDA: decode steps replayed as CUDA graphs
+    prefix_cache: bool = True          # reuse cached positions of a prompt's beginning (``batching``)
 
 
 @dataclass
@@ -137,13 +138,13 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     shape = prepared.shape
     stepper = JobStepper(job)
     with driving(job):
-        batch = batch_for(shape, stepper, prepared.pad_id, options.prefill_chunk)
+        batch = batch_for(shape, stepper, prepared.pad_id, options.prefill_chunk, options.prefix_cache)
         # (a two-token prompt and its steps must fit the cache, as a request's must)
         _warm_up(batch, prepared.pad_id, max(1, min(warm_up_steps(job, options.cuda_graph), shape.context - 3)))
         cache = [int(b) for b in job.stats().state_bytes]
     model_file = Path(job.plan.model["path"])
     name = options.model_name or (folder.path.name if model_file.name == "model.onnx" else model_file.stem)
-    limits = Limits(name, shape.context, shape.vocab, prepared.tokenizer, held["chat"])
+    limits = Limits(name, shape.context, shape.vocab, prepared.tokenizer, held["chat"], batch.rows)
     metrics = ServerMetrics()
     metrics.slots.set(batch.rows)
     for rank, row in enumerate(memory):
