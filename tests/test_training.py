@@ -309,6 +309,34 @@ def test_memory_estimate_holds_old_and_new_state_and_the_step_peak(tmp_path, mes
     assert "process 80.0 MiB" in report
 
 
+def test_frozen_weights_in_external_data_stay_external_in_the_step_model(tmp_path):
+    """A model whose weights lie in an external data file: the frozen ones are copied, byte
+    for byte, into the step model's own data file (range by range, not loaded), and the
+    plan trains as its whole step model does."""
+    source = onnx.load(str(MLP))
+    onnx.save(source, str(tmp_path / "mlp.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="mlp.onnx.data", size_threshold=0)
+    out = tmp_path / "plan"
+    done = run_cli("plan", tmp_path / "mlp.onnx", "--train", "--loss", "cross_entropy:logits:target", "--device",
+                   "cpu", "--dim", "batch=8", "--mesh", "1x2", "--optimizer", "sgd", "--frozen", "layer0.*",
+                   "--frozen", "layer1.weight", "-o", out)
+    assert done.returncode == 0, done.stderr
+    step = onnx.load(str(out / "training" / "step.onnx"), load_external_data=False)
+    kept = {t.name: t for t in step.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert set(kept) == {"layer0.weight", "layer0.bias", "layer1.weight"}
+    assert all(e.value == "step.onnx.data" for t in kept.values() for e in t.external_data if e.key == "location")
+    step = onnx.load(str(out / "training" / "step.onnx"))
+    original = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(MLP)).graph.initializer}
+    for tensor in step.graph.initializer:
+        if tensor.name in kept:
+            assert np.array_equal(numpy_helper.to_array(tensor), original[tensor.name])
+    data = _data(tmp_path / "data.npz")
+    losses, state = run_whole(out, data, 3, 0.05, {"momentum": 0.9}, in_process=True)
+    expected_losses, expected = run_whole(out, data, 3, 0.05, {"momentum": 0.9})
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    assert "layer0.weight" not in state and "layer2.weight" in state
+
+
 def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):
     """12 steps = 6 + resume 6 with each rank reading its own pieces (bitwise, same plan);
     another plan of the model resumes from the same checkpoint, each tensor put together."""

@@ -204,20 +204,31 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     return StepModel(model, state, manifest)
 
 
-def save_step_model(step: StepModel, source: str | Path, path: str | Path, threshold: int = 1 << 20) -> Path:
-    """Write the step model to ``path``: the frozen weights it keeps are copied from the
-    source model's files (beside ``source``) into its own external data file where large."""
-    from onnx import external_data_helper
+def save_step_model(step: StepModel, source: str | Path, path: str | Path) -> Path:
+    """Write the step model to ``path``: the frozen weights it keeps that lie in the source
+    model's external data files (beside ``source``) are copied range by range, never held in
+    memory, into the step model's own data file (``path`` + ``.data``); those inline in the
+    source stay inline. Written to temporary names, then renamed."""
+    from meshplan.model.weights import copy_range, point_to
 
     path, base = Path(path), Path(source).parent
     model = step.model
-    for tensor in model.graph.initializer:
-        if tensor.data_location == TensorProto.EXTERNAL:
-            external_data_helper.load_external_data_for_tensor(tensor, str(base))
-            tensor.data_location = TensorProto.DEFAULT
-            del tensor.external_data[:]
     path.parent.mkdir(parents=True, exist_ok=True)
-    large = sum(t.ByteSize() for t in model.graph.initializer) > threshold
-    onnx.save(model, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
-              location=path.name + ".data", size_threshold=threshold)
+    data = path.with_name(path.name + ".data")
+    staging = data.with_name(data.name + ".tmp")
+    offset = 0
+    with open(staging, "wb") as out:
+        for tensor in model.graph.initializer:
+            if tensor.data_location != TensorProto.EXTERNAL:
+                continue
+            length = copy_range(tensor, base, out)
+            point_to(tensor, data.name, offset, length)
+            offset += length
+    if offset:
+        staging.replace(data)
+    else:
+        staging.unlink()
+    written = path.with_name(path.name + ".tmp")
+    onnx.save(model, str(written))
+    written.replace(path)
     return path
