@@ -337,6 +337,39 @@ def test_frozen_weights_in_external_data_stay_external_in_the_step_model(tmp_pat
     assert "layer0.weight" not in state and "layer2.weight" in state
 
 
+def test_export_writes_large_tensors_to_one_data_file(tmp_path, monkeypatch):
+    """Export streams: trained weights from the checkpoint, the others' external data copied
+    by range, each tensor at or above the threshold into OUTPUT.data (the threshold lowered
+    here so that the MLP's tensors cross it)."""
+    import meshplan.trainer.export as export
+
+    source = onnx.load(str(MLP))
+    onnx.save(source, str(tmp_path / "mlp.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="mlp.onnx.data", size_threshold=0)
+    out = tmp_path / "plan"
+    done = run_cli("plan", tmp_path / "mlp.onnx", "--train", "--loss", "cross_entropy:logits:target", "--device",
+                   "cpu", "--dim", "batch=8", "--mesh", "1x2", "--optimizer", "sgd", "--frozen", "layer5.*", "-o", out)
+    assert done.returncode == 0, done.stderr
+    data = _data(tmp_path / "data.npz")
+    done = run_mpi(2, "train", out, "--data", data, "--steps", 2, "--lr", "0.05", "--checkpoint", tmp_path / "ck", "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    monkeypatch.setattr(export, "EXTERNAL_BYTES", 2048)
+    (tmp_path / "out").mkdir()
+    export.export_trained(out, tmp_path / "ck", tmp_path / "out" / "trained.onnx")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["trained.onnx", "trained.onnx.data"]
+    header = onnx.load(str(tmp_path / "out" / "trained.onnx"), load_external_data=False)
+    external = {t.name for t in header.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert "layer0.weight" in external and "layer0.bias" not in external   # 64 KiB out, 1 KiB inline
+    trained = dict(Checkpoint(tmp_path / "ck").tensors())
+    original = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(MLP)).graph.initializer}
+    for tensor in onnx.load(str(tmp_path / "out" / "trained.onnx")).graph.initializer:
+        expected = trained.get(tensor.name, original[tensor.name])
+        assert np.array_equal(numpy_helper.to_array(tensor), expected), tensor.name
+    assert not np.array_equal(trained["layer0.weight"], original["layer0.weight"])
+    x = np.load(data)["x"][:8]
+    ort.InferenceSession(str(tmp_path / "out" / "trained.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
 def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):
     """12 steps = 6 + resume 6 with each rank reading its own pieces (bitwise, same plan);
     another plan of the model resumes from the same checkpoint, each tensor put together."""

@@ -1,8 +1,11 @@
 """``meshplan export``: the source model of a training plan with a checkpoint's weights.
 
 The result is the original model (its graph as it was, every other initializer as it was)
-with each trained weight's values replaced; written atomically, with external data beside
-it when large. onnxruntime runs it and ``meshplan plan`` takes it like any model."""
+with each trained weight's values replaced; written atomically. One tensor is in memory at
+a time: the source is read without its external data, each trained weight comes from the
+checkpoint alone, and the source's external data is copied range by range; tensors of
+``EXTERNAL_BYTES`` or more go to one data file beside the output (``OUTPUT.data``).
+onnxruntime runs it and ``meshplan plan`` takes it like any model."""
 
 from __future__ import annotations
 
@@ -11,15 +14,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from meshplan.errors import TrainError
+from meshplan.model.weights import copy_range, point_to
 from meshplan.plan_format import read_plan
 from meshplan.trainer.checkpoint import Checkpoint
 from meshplan.trainer.driver import require_training
 
-EXTERNAL_THRESHOLD = 1 << 30
+EXTERNAL_BYTES = 1 << 20
 
 
 def export_trained(plan_dir, checkpoint_dir, output) -> Path:
@@ -37,21 +42,39 @@ def export_trained(plan_dir, checkpoint_dir, output) -> Path:
         raise TrainError(f"output must end in .onnx: {output}")
     if not output.parent.is_dir():
         raise TrainError(f"output directory does not exist: {output.parent}")
-    model = onnx.load(str(source))
-    place = {t.name: i for i, t in enumerate(model.graph.initializer)}
-    copies = plan.training.get("tied", {})
-    for name in list(weights) + list(plan.training.get("statistics", {})):
-        array = checkpoint.tensor(name)
-        model.graph.initializer[place[name]].CopyFrom(numpy_helper.from_array(array, name))
-        for copy, tie in copies.items():   # an exporter's copy of a tied weight: the trained value again
-            if tie["of"] == name:
-                value = array.T if tie["transposed"] else array
-                model.graph.initializer[place[copy]].CopyFrom(numpy_helper.from_array(value, copy))
+    model = onnx.load(str(source), load_external_data=False)
+    trained = set(weights) | set(plan.training.get("statistics", {}))
+    copies = plan.training.get("tied", {})   # an exporter's copy of a tied weight: the trained value again
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    data_name = output.name + ".data"
     try:
-        large = sum(t.ByteSize() for t in model.graph.initializer) > EXTERNAL_THRESHOLD
-        onnx.save(model, str(staging / output.name), save_as_external_data=large, all_tensors_to_one_file=True,
-                  location=output.name + ".data")
+        offset = 0
+        with open(staging / data_name, "wb") as out:
+            for tensor in model.graph.initializer:
+                value = None
+                if tensor.name in trained:
+                    value = checkpoint.tensor(tensor.name)
+                elif tensor.name in copies:
+                    array = checkpoint.tensor(copies[tensor.name]["of"])
+                    value = array.T if copies[tensor.name]["transposed"] else array
+                if value is not None:
+                    fresh = numpy_helper.from_array(np.ascontiguousarray(value), tensor.name)
+                    if len(fresh.raw_data) < EXTERNAL_BYTES:
+                        tensor.CopyFrom(fresh)
+                        continue
+                    out.write(fresh.raw_data)
+                    length = len(fresh.raw_data)
+                    fresh.ClearField("raw_data")
+                    tensor.CopyFrom(fresh)
+                elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    length = copy_range(tensor, source.parent, out)
+                else:
+                    continue
+                point_to(tensor, data_name, offset, length)
+                offset += length
+        if not offset:
+            (staging / data_name).unlink()
+        onnx.save(model, str(staging / output.name))
         for item in staging.iterdir():
             os.replace(item, output.parent / item.name)
     finally:
