@@ -30,14 +30,11 @@ rounds' medians, its ratio to torch the median of the rounds' ratios):
   report, the plan's step estimate from ``plan.json`` (``estimate.latency_seconds``);
 - meshplan 1x2 data (``--policy data``) and 1x2 auto: ``mpiexec -n 2``, one thread a rank;
 - with a profile (unless ``--no-profile``; timings cached in the work directory only, so
-  every run measures afresh): ``meshplan profile MODEL`` (the forward model:
-  ``meshplan profile`` has no ``--train``), then ``plan --train --profile``: the forward
-  operators' costs are measured, the backward and optimizer ones analytic. A profile of
-  the step model itself (``PLAN/training/step.onnx``) is refused by ``plan --train
-  --profile`` (it is for another model's digest); the benchmark shows that line and, as a
-  diagnostic only, the estimate of the step graph planned as a plain model (1x1, no state)
-  with that profile. A profiled plan with the same programs as its unprofiled twin is not
-  run again (its measured steps are the twin's). ``--smoke`` profiles only with ``--profile``.
+  every run measures afresh): ``mpiexec -n N meshplan profile MODEL --train --loss ...
+  --optimizer adamw`` (the training step's operators, as ``plan --train`` builds it), then
+  ``plan --train --profile``. A profiled plan with the same programs as its unprofiled twin
+  is not run again (its measured steps are the twin's). ``--smoke`` profiles only with
+  ``--profile``.
 
 Ratios: samples/s over the torch counterpart (1x1 over eager, 1x2 over DDP); peak RSS per
 rank over the plan's memory estimate; the plan's step estimate over the measured step.
@@ -497,10 +494,10 @@ def main() -> int:
             for mesh, ranks in sorted({(r[1], r[2]) for r in meshplan_rows}):
                 out = work / f"profile{mesh}.json"
                 started = time.perf_counter()
-                _run([_mpiexec(), "-n", ranks, *MESHPLAN, "profile", model, "--mesh", mesh, "--device", "cpu", "--dim",
-                      f"batch={c['batch']}", "--provider", "cpu", "--cache", work / "profile-cache.sqlite", "-o", out],
-                     f"meshplan profile {mesh}")
-                say(f"meshplan profile {mesh} (the forward model): {time.perf_counter() - started:.0f} s")
+                _run([_mpiexec(), "-n", ranks, *MESHPLAN, "profile", model, "--train", "--loss", LOSS, "--optimizer",
+                      "adamw", "--mesh", mesh, "--device", "cpu", "--dim", f"batch={c['batch']}", "--provider", "cpu",
+                      "--cache", work / "profile-cache.sqlite", "-o", out], f"meshplan profile {mesh}")
+                say(f"meshplan profile --train {mesh} (the training step): {time.perf_counter() - started:.0f} s")
                 profiles[mesh] = out
             meshplan_rows += [(name + " profiled", mesh, ranks, policy, torch_row, profiles[mesh])
                               for name, mesh, ranks, policy, torch_row, _ in list(meshplan_rows)]
@@ -540,8 +537,6 @@ def main() -> int:
                     f"peak RSS {' / '.join(f'{r:.0f}' for r in done['peak_rss_mib'])} MiB, losses "
                     f"{done['losses'][0]:.5f} -> {done['losses'][-1]:.5f}")
         summarize(rows, counterpart, c["batch"], warmup)
-        if profiling and "median_step_seconds" in rows.get("meshplan 1x1", {}):
-            step_profile_check(work, c, results)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -588,39 +583,6 @@ def summarize(rows: dict, counterpart: dict, batch: int, warmup: int) -> None:
             row["vs_torch_rounds"] = ratios
 
 
-def step_profile_check(work: Path, c: dict, results: dict) -> None:
-    """Profile the 1x1 plan's step model and try it with plan --train --profile (refused:
-    the profile is for the step model's digest, the plan for the forward model's); then,
-    as a diagnostic only, plan the step graph as a plain model with it (1x1, no state)."""
-    step = work / "plan-1x1" / "training" / "step.onnx"
-    out = work / "profile-step.json"
-    try:
-        _run([*MESHPLAN, "profile", step, "--mesh", "1x1", "--device", "cpu", "--dim", f"batch={c['batch']}",
-              "--provider", "cpu", "--cache", work / "profile-cache.sqlite", "-o", out],
-             "meshplan profile of the step model")
-    except RuntimeError as exc:
-        results["step_profile"] = {"error": str(exc)}
-        print(f"step model profile: {exc}")
-        return
-    done = subprocess.run([*MESHPLAN, "plan", work / "gpt.onnx", "--train", "--loss", LOSS, "--mesh", "1x1",
-                           "--device", "cpu", "--dim", f"batch={c['batch']}", "--profile", out, "-o",
-                           work / "plan-step-profile"], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    refused = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] if done.returncode else []
-    plain = plan_plain(step, work / "plan-step-plain", c, out)
-    results["step_profile"] = {"plan_train_refused": refused[0] if refused else None, **plain}
-
-
-def plan_plain(step: Path, out: Path, c: dict, profile: Path) -> dict:
-    done = _run([*MESHPLAN, "plan", step, "--mesh", "1x1", "--device", "cpu", "--dim", f"batch={c['batch']}",
-                 "--no-state", "--no-programs", "--profile", profile, "-o", out], "plan of the step graph")
-    document = json.loads((out / "plan.json").read_text())
-    found = re.search(r"costs: (\d+) operator\(s\) measured, (\d+) from the analytic", done.stdout)
-    return {"estimate_seconds": document["estimate"]["latency_seconds"],
-            "measured_ops": int(found.group(1)) if found else None,
-            "analytic_ops": int(found.group(2)) if found else None}
-
-
 def report(results: dict) -> None:
     rows = results["rows"]
     print()
@@ -648,20 +610,7 @@ def report(results: dict) -> None:
             print(f"{name}: the same programs as {row['same_programs_as']} (its measured steps)")
         if "plan" in row and row["plan"].get("measured_ops") is not None:
             print(f"{name}: {row['plan']['measured_ops']} operator(s) measured, {row['plan']['analytic_ops']} "
-                  "analytic (meshplan profile times the forward model; backward and optimizer are analytic)")
-    check = results.get("step_profile")
-    if check:
-        if "error" in check:
-            print(f"step model profile: {check['error']}")
-        else:
-            measured = rows.get("meshplan 1x1", {}).get("median_step_seconds")
-            print(f"plan --train --profile with a profile of the step model itself: "
-                  f"{check['plan_train_refused'] or 'accepted'}")
-            if measured:
-                print(f"diagnostic: the step graph planned as a plain model (1x1) with its own profile "
-                      f"({check['measured_ops']} measured, {check['analytic_ops']} analytic): estimate "
-                      f"{check['estimate_seconds'] * 1e3:.0f} ms, {check['estimate_seconds'] / measured:.2f}x "
-                      "meshplan 1x1's measured step")
+                  "analytic (meshplan profile --train times the training step's operators)")
     for note in results["notes"]:
         print(note)
 

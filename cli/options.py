@@ -89,3 +89,36 @@ def cluster_from_options(mesh: tuple[int, int] | None, cluster_file: Path | None
             raise click.UsageError("--device goes with --mesh; a cluster file names its device")
         return load_cluster_file(cluster_file)
     return make_cluster(mesh, device or default_device())
+
+
+def train_options(command: Callable) -> Callable:
+    """``--train``, ``--loss``, ``--optimizer``, ``--frozen``: the training step (``plan``
+    plans it, ``profile`` times its operators)."""
+    for option in reversed((
+        click.option("--train", is_flag=True,
+                     help="The training step (forward, loss, backward, update) for meshplan train: the trained "
+                          "weights and the optimizer's state stay on their ranks between steps."),
+        click.option("--loss", "loss_spec", metavar="SPEC",
+                     help="With --train: cross_entropy:LOGITS:TARGET, mse:OUTPUT:TARGET or OUTPUT (a scalar the "
+                          "model computes); TARGET becomes an input of the step."),
+        click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(["sgd", "adamw"]),
+                     help="With --train: torch.optim.SGD's or AdamW's update."),
+        click.option("--frozen", "frozen", multiple=True, metavar="PATTERN",
+                     help="With --train: weights whose names match this glob pattern are not trained (repeatable)."),
+    )):
+        command = option(command)
+    return command
+
+
+def train_spec(train: bool, loss_spec: str | None, optimizer: str, frozen) -> "TrainSpec | None":
+    """The ``TrainSpec`` the train options give (None without ``--train``); a usage error
+    for ``--loss`` or ``--frozen`` without it, or ``--train`` without ``--loss``."""
+    from meshplan.training.step_model import TrainSpec
+
+    if not train:
+        if loss_spec is not None or frozen:
+            raise click.UsageError("--loss and --frozen go with --train")
+        return None
+    if loss_spec is None:
+        raise click.UsageError("--train needs --loss")
+    return TrainSpec(loss_spec, optimizer, tuple(frozen))

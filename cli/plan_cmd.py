@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from cli.guard import debugging, guard
-from cli.options import batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, mesh_option
+from cli.options import (batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, mesh_option,
+                         train_options, train_spec)
 
 
 @click.command()
@@ -66,16 +67,7 @@ from cli.options import batch_dim_option, cluster_from_options, cluster_option, 
                    "each annotated node's stage and layouts are kept, the rest is planned around them "
                    "[default: the annotations MODEL carries].")
 @click.option("--no-hints", is_flag=True, help="Ignore the multi-device annotations MODEL carries.")
-@click.option("--train", is_flag=True,
-              help="Plan a training step (forward, loss, backward, update) for meshplan train: the trained weights "
-                   "and the optimizer's state stay on their ranks between steps.")
-@click.option("--loss", "loss_spec", metavar="SPEC",
-              help="With --train: cross_entropy:LOGITS:TARGET, mse:OUTPUT:TARGET or OUTPUT (a scalar the model "
-                   "computes); TARGET becomes an input of the step.")
-@click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(["sgd", "adamw"]),
-              help="With --train: torch.optim.SGD's or AdamW's update.")
-@click.option("--frozen", "frozen", multiple=True, metavar="PATTERN",
-              help="With --train: weights whose names match this glob pattern are not trained (repeatable).")
+@train_options
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, shared_host, policy,
@@ -112,7 +104,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
 
             if not Path(model).is_file():
                 raise ModelError(f"model file not found: {model}")
-            profile = load_profile(profile_path, file_sha256(model), cluster)
+            profile = load_profile(profile_path, file_sha256(model), cluster,
+                                   training=train_spec(train, loss_spec, optimizer, frozen))
             cluster, links = with_measured_links(cluster, profile)
             cost_model = ProfiledCostModel(cluster, profile)
         state = None
@@ -141,17 +134,9 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                        f"padded on the {chosen['padding']}")
         elif max_length is not None or prefill_chunk is not None or gen_batch != 1:
             raise click.UsageError("--batch, --max-length and --prefill-chunk go with --generate")
-        training = None
-        if train:
-            from meshplan.training.step_model import TrainSpec
-
-            if loss_spec is None:
-                raise click.UsageError("--train needs --loss")
-            if generate or state is not None or hints_path is not None:
-                raise click.UsageError("--train goes without --generate, --state, --no-state and --hints")
-            training = TrainSpec(loss_spec, optimizer, tuple(frozen))
-        elif loss_spec is not None or frozen:
-            raise click.UsageError("--loss and --frozen go with --train")
+        training = train_spec(train, loss_spec, optimizer, frozen)
+        if training is not None and (generate or state is not None or hints_path is not None):
+            raise click.UsageError("--train goes without --generate, --state, --no-state and --hints")
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,
                            programs=not (no_programs or shapes_only), shapes_only=shapes_only, hints=hints_path,
                            model_hints=not no_hints, training=training)

@@ -15,7 +15,7 @@ import click
 
 from cli.guard import debugging, guard
 from cli.options import (batch_dim_option, cluster_from_options, cluster_option, device_option, dim_option, fixed_dims,
-                         mesh_option)
+                         mesh_option, train_options, train_spec)
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
           "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
@@ -112,10 +112,11 @@ class _Bar:
 @click.option("--comm-budget-ms", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Timed running per collective and message size, milliseconds.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="Rows of the costliest-operator table.")
+@train_options
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path), help="Profile file to write (JSON).")
 @click.pass_context
 def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, batch_dim, provider, threads, cache_path, refresh,
-            budget_ms, comm_max, comm_budget_ms, top, out_path):
+            budget_ms, comm_max, comm_budget_ms, top, train, loss_spec, optimizer, frozen, out_path):
     """Measure what MODEL's operators and the mesh's collectives cost here, for `meshplan plan --profile`.
 
     Under `mpiexec -n N meshplan profile ...` the ranks share the operator timings and
@@ -132,15 +133,25 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
     from meshplan.profile.timing import CPU, TimingConfig, resolve_provider
     from meshplan.emit.report import human_seconds
 
-    with guard(debugging(ctx)), _quiet_unless_rank0():
+    source = model
+    with guard(debugging(ctx)), _quiet_unless_rank0(), _training_step(model, train_spec(
+            train, loss_spec, optimizer, frozen), microbatch_counts) as (model, training):
         cluster = cluster_from_options(mesh, cluster_file, device,
                                        lambda: "cpu" if resolve_provider(provider) == CPU else DEFAULT_DEVICE)
+        given = fixed_dims(dims)
+        if training is not None:   # the step is profiled at one microbatch's dims, as it is planned
+            if microbatch_counts:
+                from meshplan.make_plan import training_microbatches
+                from meshplan.training.step_model import TrainSpec
+
+                given, _ = training_microbatches(source, given, microbatch_counts[0], TrainSpec(loss_spec))
+            microbatch_counts = ()
         header = read_model(model, load_external_data=False)
         symbolic_dims(header)
         from meshplan.model.sizes import derive_dims, split_dims
 
         # a range is profiled at its cost size; dims that follow from the given ones are derived
-        dims = derive_dims(header, split_dims(fixed_dims(dims))).resolve({})
+        dims = derive_dims(header, split_dims(given)).resolve({})
         dims_sets = [("model", dict(dims))]
         for count in dict.fromkeys(microbatch_counts):
             batch, program_dims = batch_layout(header, dict(dims), count, tuple(batch_dim))
@@ -166,9 +177,53 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
             bar.close()
         if result is None:          # another rank of an MPI job: rank 0 reports
             return
+        if training is not None:
+            result.profile.model["training"] = training
         write_profile(result.profile, out_path)
         _report(result, out_path, top, human_seconds)
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan profile")
+
+
+class _training_step:
+    """With a ``TrainSpec``: the model's training step, built into a temporary directory
+    (as ``plan --train`` builds it, so that its operators are the plan's), and what the
+    profile records of it (``profile.document.training_record``); else the model itself.
+    ``--microbatches M`` (one count) profiles the step of one microbatch."""
+
+    def __init__(self, model: Path, spec, microbatch_counts):
+        self.model, self.spec, self.counts, self.holder = model, spec, microbatch_counts, None
+
+    def __enter__(self):
+        if self.spec is None:
+            return self.model, None
+        import tempfile
+
+        from meshplan.errors import ModelError
+        from meshplan.files import file_sha256
+        from meshplan.profile.document import training_record
+        from meshplan.training.step_model import build_step_model, save_step_model
+
+        if not Path(self.model).is_file():
+            raise ModelError(f"model file not found: {self.model}")
+        if len(self.counts) > 1:
+            raise click.UsageError("--train takes one --microbatches count (the plan's)")
+        spec = self.spec if not self.counts else _with_microbatches(self.spec, self.counts[0])
+        self.holder = Path(tempfile.mkdtemp(prefix="meshplan-profile-step-"))
+        step = save_step_model(build_step_model(self.model, spec), self.model, self.holder / "step.onnx")
+        return step, training_record(file_sha256(self.model), spec)
+
+    def __exit__(self, *exc):
+        if self.holder is not None:
+            import shutil
+
+            shutil.rmtree(self.holder, ignore_errors=True)
+        return False
+
+
+def _with_microbatches(spec, count: int):
+    from dataclasses import replace
+
+    return replace(spec, microbatches=count)
 
 
 def _report(result, out_path: Path, top: int, human_seconds) -> None:

@@ -559,7 +559,7 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     if not model_path.is_file():
         raise ModelError(f"model file not found: {model_path}")
     if options.microbatches > 1:   # a call per microbatch, the gradients accumulated: planned at one microbatch
-        dims, spec = _training_microbatches(model_path, dims, options.microbatches, spec)
+        dims, spec = training_microbatches(model_path, dims, options.microbatches, spec)
         options = replace(options, microbatches=1)
     if options.max_stages not in (None, 1):
         raise PlanError("a training plan has one stage spanning the mesh for now", hint="drop --max-stages")
@@ -611,7 +611,7 @@ def _training_memory(plan: Plan, graph, shardings) -> None:
             per_device[rank] = stage.memory_bytes
 
 
-def _training_microbatches(model_path: Path, dims: dict, count: int, spec):
+def training_microbatches(model_path: Path, dims: dict, count: int, spec):
     """The dims of one microbatch of a training step of ``count`` (the leading dim of the
     model's first input divided), and the spec that accumulates over them."""
     header = read_model(model_path, load_external_data=False)

@@ -5,6 +5,7 @@ and the one-line errors of bad input."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -368,6 +369,36 @@ def test_export_writes_large_tensors_to_one_data_file(tmp_path, monkeypatch):
     assert not np.array_equal(trained["layer0.weight"], original["layer0.weight"])
     x = np.load(data)["x"][:8]
     ort.InferenceSession(str(tmp_path / "out" / "trained.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+def test_a_profile_of_the_training_step_costs_every_operator_of_its_plan(tmp_path):
+    """``profile --train`` times the step's own operators (forward, backward, update): a
+    plan with the same training options takes every cost from it; another optimizer's plan
+    refuses it in one line; a forward profile is still taken (backward analytic)."""
+    common = ["--mesh", "1x1", "--device", "cpu", "--dim", "batch=8", "--budget-ms", "0.2", "--cache",
+              tmp_path / "cache.sqlite"]
+    train = ["--train", "--loss", "cross_entropy:logits:target", "--optimizer", "sgd"]
+    done = run_cli("profile", MLP, *train, *common, "-o", tmp_path / "step.json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "step.json").read_text())["model"]["training"]["optimizer"] == "sgd"
+    done = run_cli("plan", MLP, *train, "--mesh", "1x1", "--device", "cpu", "--dim", "batch=8", "--profile",
+                   tmp_path / "step.json", "-o", tmp_path / "plan")
+    assert done.returncode == 0, done.stderr
+    measured, analytic = map(int, re.search(r"costs: (\d+) operator\(s\) measured, (\d+) from the analytic",
+                                            done.stdout).groups())
+    assert measured > 0 and analytic == 0
+    done = run_cli("plan", MLP, *train[:-1], "adamw", "--mesh", "1x1", "--device", "cpu", "--dim", "batch=8",
+                   "--profile", tmp_path / "step.json", "-o", tmp_path / "other")
+    assert done.returncode == 1 and "measured for another training step" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "other").exists()
+    done = run_cli("profile", MLP, *common, "-o", tmp_path / "forward.json")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("plan", MLP, *train, "--mesh", "1x1", "--device", "cpu", "--dim", "batch=8", "--profile",
+                   tmp_path / "forward.json", "-o", tmp_path / "forward-plan")
+    assert done.returncode == 0, done.stderr
+    measured, analytic = map(int, re.search(r"costs: (\d+) operator\(s\) measured, (\d+) from the analytic",
+                                            done.stdout).groups())
+    assert measured > 0 and analytic > 0
 
 
 def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):

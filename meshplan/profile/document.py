@@ -163,10 +163,33 @@ def read_profile(path: str | os.PathLike) -> Profile:
     return Profile.from_dict(data, str(path))
 
 
-def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster) -> Profile:
-    """Read a profile for planning ``model_sha256`` on ``cluster``; PlanError if it is for something else."""
+def training_record(source_sha256: str, spec) -> dict:
+    """What a profile of a training step (``meshplan profile --train``) records of it: the
+    source model's digest and the step's loss, optimizer and frozen patterns."""
+    return {"source_sha256": source_sha256, "loss": spec.loss, "optimizer": spec.optimizer,
+            "frozen": list(spec.frozen), "microbatches": int(getattr(spec, "microbatches", 1))}
+
+
+def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster, training=None) -> Profile:
+    """Read a profile for planning ``model_sha256`` on ``cluster``; PlanError if it is for
+    something else. For a training plan (``training``: its ``TrainSpec``) a profile of that
+    very training step of the model is taken (``profile --train``), or one of the model's
+    forward pass (the backward and update then analytic)."""
     profile = read_profile(path)
     theirs = profile.model.get("sha256", "")
+    step = profile.model.get("training")
+    if step is not None:
+        wanted = training_record(model_sha256, training) if training is not None else None
+        if wanted is None or step.get("source_sha256") != model_sha256:
+            raise PlanError(f"profile {path} was measured for a training step"
+                            + ("" if training is None else " of another model"),
+                            hint="plan with the same --train options, or profile the model without --train")
+        if {k: v for k, v in step.items() if k != "microbatches"} != \
+                {k: v for k, v in wanted.items() if k != "microbatches"}:
+            raise PlanError(f"profile {path} was measured for another training step ({step['loss']}, "
+                            f"{step['optimizer']}, frozen {step['frozen'] or 'none'})",
+                            hint="profile with this plan's --loss, --optimizer and --frozen")
+        theirs = model_sha256
     if theirs != model_sha256:
         raise PlanError(
             f"profile {path} was measured for another model (sha256 {theirs[:12]}…, this model {model_sha256[:12]}…)",
