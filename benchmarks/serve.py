@@ -15,8 +15,9 @@ each loaded with the same requests by ``--clients`` concurrent clients (loopback
   ``--system-prompt TOKENS``: every prompt then begins with the same TOKENS tokens, and the
   ratio of the two servers' TTFT p50 is printed (with ``meshplan_prefix_cache_reused_positions_total``).
 
-``--n K`` asks K choices per request of the continuous servers (the one-at-a-time servers
-get K separate requests instead): output tokens/s count every choice's tokens.
+``--n K`` asks K choices per request of the continuous servers, and adds
+**continuous-separate**: the same server sent each request as K separate ones (so do the
+one-at-a-time servers); output tokens/s count every choice's tokens.
 
 The model is a Llama in the builder's format of ``--gigabytes`` in float32
 (``sample_models.genai_large``, written into ``--workdir``), or the builder folder
@@ -36,7 +37,7 @@ answered no request.
     python benchmarks/serve.py --folder sample_models/genai/llama_fp32 --max-length 1024 --system-prompt 512 \
         --only continuous --only continuous-no-prefix --clients 4 --requests 32 --prompt-lengths 8:16 --new-tokens 8:16
     python benchmarks/serve.py --folder sample_models/genai/llama_fp32 --max-length 256 --n 4 \
-        --only continuous --only meshplan-one --clients 2 --requests 16
+        --only continuous --only continuous-separate --clients 2 --requests 16
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("continuous", "continuous-no-prefix", "meshplan-one", "genai-one")
+SERVERS = ("continuous", "continuous-no-prefix", "continuous-separate", "meshplan-one", "genai-one")
 BIN = Path(sys.executable).parent
 START_SECONDS = 300
 
@@ -336,9 +337,10 @@ def main() -> int:
         source = folder / "model.onnx"
     ranks = eval(args.mesh.replace("x", "*"))
     plans = {}
+    optional = {"continuous-no-prefix": args.system_prompt, "continuous-separate": args.n > 1}
     running = [n for n in SERVERS if (not args.only or n in args.only)
-               and (n != "continuous-no-prefix" or args.system_prompt or (args.only and n in args.only))]
-    batches = ({args.batch} if {"continuous", "continuous-no-prefix"} & set(running) else set()) \
+               and (optional.get(n, True) or (args.only and n in args.only))]
+    batches = ({args.batch} if {"continuous", "continuous-no-prefix", "continuous-separate"} & set(running) else set()) \
         | ({1} if "meshplan-one" in running else set())
     for batch in sorted(batches):   # (only those of the servers that run)
         out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
@@ -366,6 +368,7 @@ def main() -> int:
     servers = {
         "continuous": lambda: Server(serve + [str(plans[args.batch])]),
         "continuous-no-prefix": lambda: Server(serve + ["--no-prefix-cache", str(plans[args.batch])]),
+        "continuous-separate": lambda: Server(serve + [str(plans[args.batch])]),
         "meshplan-one": lambda: Server(serve + [str(plans[1])]),
         "genai-one": lambda: Server([sys.executable, str(Path(__file__).resolve()), "--genai-front", str(folder),
                                      "127.0.0.1", "0", str(args.max_length)]),
@@ -384,7 +387,7 @@ def main() -> int:
         try:
             load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), args.max_length, seed=1), 2)   # warm
             before = rss_bytes(server.pid)
-            given = requests if name.startswith("continuous") else separate
+            given = requests if name in ("continuous", "continuous-no-prefix") else separate
             row = {"server": name, **load(server.url, given, args.clients, server.pid)}
             row["prefix_reused_positions"] = metric(server.url, "meshplan_prefix_cache_reused_positions_total")
             row["rss_before_mb"] = before / 2**20
@@ -405,6 +408,9 @@ def main() -> int:
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
     by = {r["server"]: r["tokens_per_s"] for r in rows if r["output_tokens"]}
     ttft = {r["server"]: r["ttft_p50_s"] for r in rows if r["output_tokens"]}
+    if args.n > 1 and "continuous" in by and "continuous-separate" in by:
+        print(f"n = {args.n} / {args.n} separate requests: {by['continuous'] / by['continuous-separate']:.2f}x "
+              "output tokens/s")
     if "continuous" in ttft and "continuous-no-prefix" in ttft:
         print(f"TTFT p50 without prefix caching / with: {ttft['continuous-no-prefix'] / ttft['continuous']:.2f}x")
     if "continuous" in by:
