@@ -6,8 +6,10 @@ on its own (``python -c "from cli.profile_cmd import profile; profile()"``).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -133,18 +135,20 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
     from meshplan.profile.timing import CPU, TimingConfig, resolve_provider
     from meshplan.emit.report import human_seconds
 
-    source = model
-    with guard(debugging(ctx)), _quiet_unless_rank0(), _training_step(model, train_spec(
-            train, loss_spec, optimizer, frozen), microbatch_counts) as (model, training):
+    with guard(debugging(ctx)), _quiet_unless_rank0(), contextlib.ExitStack() as holding:
         cluster = cluster_from_options(mesh, cluster_file, device,
                                        lambda: "cpu" if resolve_provider(provider) == CPU else DEFAULT_DEVICE)
         given = fixed_dims(dims)
-        if training is not None:   # the step is profiled at one microbatch's dims, as it is planned
+        training = train_spec(train, loss_spec, optimizer, frozen)
+        if training is not None:   # the step's operators, at one microbatch's dims, as the plan has them
+            if len(microbatch_counts) > 1:
+                raise click.UsageError("--train takes one --microbatches count (the plan's)")
             if microbatch_counts:
                 from meshplan.make_plan import training_microbatches
-                from meshplan.training.step_model import TrainSpec
 
-                given, _ = training_microbatches(source, given, microbatch_counts[0], TrainSpec(loss_spec))
+                given, training = training_microbatches(model, given, microbatch_counts[0], training)
+            model, training = _training_step(model, training, Path(holding.enter_context(
+                tempfile.TemporaryDirectory(prefix="meshplan-profile-step-"))))
             microbatch_counts = ()
         header = read_model(model, load_external_data=False)
         symbolic_dims(header)
@@ -184,46 +188,19 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan profile")
 
 
-class _training_step:
-    """With a ``TrainSpec``: the model's training step, built into a temporary directory
-    (as ``plan --train`` builds it, so that its operators are the plan's), and what the
-    profile records of it (``profile.document.training_record``); else the model itself.
-    ``--microbatches M`` (one count) profiles the step of one microbatch."""
+def _training_step(model: Path, spec, holder: Path) -> tuple[Path, dict]:
+    """The model's training step built into ``holder`` as ``plan --train`` builds it (so
+    that its operators are the plan's), and what the profile records of it
+    (``profile.document.training_record``)."""
+    from meshplan.errors import ModelError
+    from meshplan.files import file_sha256
+    from meshplan.profile.document import training_record
+    from meshplan.training.step_model import build_step_model, save_step_model
 
-    def __init__(self, model: Path, spec, microbatch_counts):
-        self.model, self.spec, self.counts, self.holder = model, spec, microbatch_counts, None
-
-    def __enter__(self):
-        if self.spec is None:
-            return self.model, None
-        import tempfile
-
-        from meshplan.errors import ModelError
-        from meshplan.files import file_sha256
-        from meshplan.profile.document import training_record
-        from meshplan.training.step_model import build_step_model, save_step_model
-
-        if not Path(self.model).is_file():
-            raise ModelError(f"model file not found: {self.model}")
-        if len(self.counts) > 1:
-            raise click.UsageError("--train takes one --microbatches count (the plan's)")
-        spec = self.spec if not self.counts else _with_microbatches(self.spec, self.counts[0])
-        self.holder = Path(tempfile.mkdtemp(prefix="meshplan-profile-step-"))
-        step = save_step_model(build_step_model(self.model, spec), self.model, self.holder / "step.onnx")
-        return step, training_record(file_sha256(self.model), spec)
-
-    def __exit__(self, *exc):
-        if self.holder is not None:
-            import shutil
-
-            shutil.rmtree(self.holder, ignore_errors=True)
-        return False
-
-
-def _with_microbatches(spec, count: int):
-    from dataclasses import replace
-
-    return replace(spec, microbatches=count)
+    if not Path(model).is_file():
+        raise ModelError(f"model file not found: {model}")
+    step = save_step_model(build_step_model(model, spec), model, holder / "step.onnx")
+    return step, training_record(file_sha256(model), spec)
 
 
 def _report(result, out_path: Path, top: int, human_seconds) -> None:

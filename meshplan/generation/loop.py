@@ -29,6 +29,7 @@ import numpy as np
 from meshplan.errors import RunError
 from meshplan.model.sizes import Sizes
 from meshplan.plan_format import Plan
+from meshplan.runtime.state_layout import cache_position_axis, copy_cache_rows
 
 
 class Stepper(Protocol):
@@ -97,7 +98,7 @@ class GenerationShape:
         entry = plan.state[0]
         past = inputs[entry["input"]].shape
         present = outputs[entry["output"]].shape
-        axis = 2 if len(past) == 4 else len(past) - 2
+        axis = cache_position_axis(len(past))
         # a buffer of fixed capacity that present shares: past's length is a size, and present's
         # the same (a plan sized for generation) or left to the call (the total length)
         fixed = isinstance(past[axis], int) and past[axis] > 0
@@ -328,10 +329,7 @@ class SessionStepper:
         """The first ``positions`` positions of cache row ``source`` into row ``target``
         (``Job.copy_rows``)."""
         for array in self.cache.values():
-            axis = 2 if array.ndim == 4 else array.ndim - 2
-            into = [target] + [slice(None)] * (array.ndim - 1)
-            into[axis] = slice(0, positions)
-            array[tuple(into)] = array[tuple([source] + into[1:])]
+            copy_cache_rows(array, source, target, positions)
 
     def step(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None) -> np.ndarray:
         """``row``: a call of the feeds' batch of sequences on the rows of the cache from

@@ -167,7 +167,7 @@ def training_record(source_sha256: str, spec) -> dict:
     """What a profile of a training step (``meshplan profile --train``) records of it: the
     source model's digest and the step's loss, optimizer and frozen patterns."""
     return {"source_sha256": source_sha256, "loss": spec.loss, "optimizer": spec.optimizer,
-            "frozen": list(spec.frozen), "microbatches": int(getattr(spec, "microbatches", 1))}
+            "frozen": list(spec.frozen), "microbatches": int(spec.microbatches)}
 
 
 def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster, training=None) -> Profile:

@@ -64,7 +64,8 @@ from meshplan.plan_format import OUTPUT_COLLECTOR, TensorSpec, local_name, read_
 from meshplan.runtime.buffers import HOST, DeviceBuffers, DeviceTensor
 from meshplan.runtime.program import SEGMENT_GRAPHS, ProgramRunner
 from meshplan.runtime.sessions import check_program_files, provider_name, providers_for
-from meshplan.runtime.state_layout import assemble, distinct_holders, piece_of, state_mesh, state_spec
+from meshplan.runtime.state_layout import (assemble, copy_cache_rows, distinct_holders, piece_of, state_mesh,
+                                           state_spec)
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 from meshplan.runtime.threads import (ThreadChoice, bind_to, may_bind, one_pool, pin_calling_thread, plan_threads,
                                       with_idle_cores)
@@ -654,12 +655,8 @@ class Job:
         self._copy_rows(source, target, positions)
 
     def _copy_rows(self, source: int, target: int, positions: int) -> None:
-        for name, array in self.state.items():
-            axis = 2 if array.ndim == 4 else array.ndim - 2
-            into = [target] + [slice(None)] * (array.ndim - 1)
-            into[axis] = slice(0, positions)
-            start = [source] + into[1:]
-            array[tuple(into)] = array[tuple(start)]
+        for array in self.state.values():
+            copy_cache_rows(array, source, target, positions)
 
     # --- training plans ------------------------------------------------------------------------
 

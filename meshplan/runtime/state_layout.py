@@ -72,3 +72,16 @@ def assemble(pieces: dict[int, np.ndarray], spec: ShardingSpec, mesh: LogicalMes
     for rank, piece in pieces.items():
         put(whole, spec.local_slices(shape, mesh, mesh.coord(rank)), piece)
     return whole
+
+
+def cache_position_axis(ndim: int) -> int:
+    """The positions' axis of a key/value cache state: 2 of a 4-D one ([batch, heads,
+    positions, head size]), else the second last."""
+    return 2 if ndim == 4 else ndim - 2
+
+
+def copy_cache_rows(array: np.ndarray, source: int, target: int, positions: int) -> None:
+    """In place: the first ``positions`` positions of cache row ``source`` into row ``target``."""
+    into = [target] + [slice(None)] * (array.ndim - 1)
+    into[cache_position_axis(array.ndim)] = slice(0, positions)
+    array[tuple(into)] = array[tuple([source] + into[1:])]

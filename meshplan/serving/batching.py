@@ -167,12 +167,10 @@ class SlotBatch:
         copied = common(source)
         if own >= copied:
             return (own_row, own) if own else (free[0], 0)
-        target = free[0] if free[0] != source else free[1] if len(free) > 1 else source
-        if target == source:   # the only free row holds it: reuse it in place
-            return source, copied
-        self.stepper.copy_rows(source, target, copied)
-        self.cached[target] = self.cached[source][:copied]
-        return target, copied
+        # (a longer beginning than every free row's is a busy row's: free[0] is not it)
+        self.stepper.copy_rows(source, free[0], copied)
+        self.cached[free[0]] = self.cached[source][:copied]
+        return free[0], copied
 
     def release(self, work: Work) -> None:
         """Its row is free; the row's cache keeps its tokens for a later prompt to reuse."""

@@ -49,7 +49,7 @@ class Engine:
         with self._lock:
             if self.stopping:
                 raise Stopping()
-            if self._queued + len(entries) > self.max_queue:
+            if self._queued >= self.max_queue:   # (a request of n choices waits as one)
                 raise QueueFull()
             self._queued += len(entries)
             self._inbox.extend(entries)
