@@ -17,7 +17,14 @@ each loaded with the same requests by ``--clients`` concurrent clients (loopback
 
 ``--n K`` asks K choices per request of the continuous servers, and adds
 **continuous-separate**: the same server sent each request as K separate ones (so do the
-one-at-a-time servers); output tokens/s count every choice's tokens.
+one-at-a-time servers); output tokens/s count every choice's tokens. ``--logprobs K`` adds
+**continuous-logprobs**: the same requests asking ``logprobs`` K, and prints what that
+costs on the time per output token.
+
+The server's overhead: once the continuous server has run, ``meshplan generate`` runs on
+its plan at its batch (``--batch`` prompts of the requests' mean lengths, greedy), and the
+time per output token p50 of the server's ``/metrics`` (its histogram, interpolated) is
+printed against the decode step of ``generate``.
 
 The model is a Llama in the builder's format of ``--gigabytes`` in float32
 (``sample_models.genai_large``, written into ``--workdir``), or the builder folder
@@ -59,7 +66,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parents[1]
-SERVERS = ("continuous", "continuous-no-prefix", "continuous-separate", "meshplan-one", "genai-one")
+SERVERS = ("continuous", "continuous-no-prefix", "continuous-separate", "continuous-logprobs", "meshplan-one",
+           "genai-one")
+CONTINUOUS = ("continuous", "continuous-no-prefix", "continuous-separate", "continuous-logprobs")
 BIN = Path(sys.executable).parent
 START_SECONDS = 300
 
@@ -205,6 +214,47 @@ def metric(url: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def metric_quantile(url: str, name: str, q: float) -> float | None:
+    """The ``q`` quantile of a histogram of the server's /metrics, interpolated within its
+    bucket as Prometheus's ``histogram_quantile`` does (None where it has no samples)."""
+    parts = urlparse(url)
+    try:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return None
+    buckets = sorted((float(le), float(count)) for le, count in
+                     re.findall(rf'^{re.escape(name)}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    rank, below, lower = q * buckets[-1][1], 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        below, lower = count, upper
+    return lower
+
+
+def generate_step(plan: Path, ranks: int, requests: list[dict], rows: int, workdir: Path) -> float | None:
+    """``meshplan generate``'s decode step (seconds) on ``plan`` at ``rows`` prompts of the
+    requests' mean prompt length and mean new tokens."""
+    length = max(1, round(sum(len(r["prompt"]) for r in requests) / len(requests)))
+    new = max(2, round(sum(r["max_tokens"] for r in requests) / len(requests)))
+    prompts = [(r["prompt"] * length)[:length] for r in (requests * rows)[:rows]]
+    ids, out = workdir / "generate_prompts.json", workdir / "generate.json"
+    ids.write_text(json.dumps(prompts))
+    done = subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "generate", str(plan),
+                           "--prompt-ids", str(ids), "--max-new-tokens", str(new), "--output", str(out)],
+                          capture_output=True, text=True, cwd=REPO)
+    if done.returncode:
+        print(f"meshplan generate failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        return None
+    return json.loads(out.read_text())["metrics"]["time_per_output_token_seconds"]
+
+
 def make_requests(count: int, vocab: int, prompt_lengths: tuple[int, int], new_tokens: tuple[int, int],
                   context: int, seed: int = 0, system: int = 0, n: int = 1) -> list[dict]:
     """Random prompts and token counts, each within the context; every prompt begins with
@@ -273,7 +323,7 @@ def genai_front(folder: str, host: str, port: int, capacity: int) -> None:
 
     info = ModelFolder.read(Path(folder) / "model.onnx")
     metrics = ServerMetrics()
-    engine = Engine(OneAtATime(), None, info.eos_ids, metrics, max_queue=10_000)
+    engine = Engine(OneAtATime(), info.eos_ids, metrics, max_queue=10_000)
     app = build_app(engine, Limits("genai", capacity, info.vocab_size), metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            lifespan="off"))
@@ -308,6 +358,8 @@ def main() -> int:
                              "continuous server then also runs without prefix caching (continuous-no-prefix)")
     parser.add_argument("--n", type=int, default=1, help="choices per request (the one-at-a-time servers take "
                                                           "n separate requests instead)")
+    parser.add_argument("--logprobs", type=int, default=0, metavar="K",
+                        help="also run the continuous server's requests asking logprobs K (continuous-logprobs)")
     parser.add_argument("--only", choices=SERVERS, action="append",
                         help="run only these servers (repeatable)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
@@ -337,10 +389,11 @@ def main() -> int:
         source = folder / "model.onnx"
     ranks = eval(args.mesh.replace("x", "*"))
     plans = {}
-    optional = {"continuous-no-prefix": args.system_prompt, "continuous-separate": args.n > 1}
+    optional = {"continuous-no-prefix": args.system_prompt, "continuous-separate": args.n > 1,
+                "continuous-logprobs": args.logprobs > 0}
     running = [n for n in SERVERS if (not args.only or n in args.only)
                and (optional.get(n, True) or (args.only and n in args.only))]
-    batches = ({args.batch} if {"continuous", "continuous-no-prefix", "continuous-separate"} & set(running) else set()) \
+    batches = ({args.batch} if set(CONTINUOUS) & set(running) else set()) \
         | ({1} if "meshplan-one" in running else set())
     for batch in sorted(batches):   # (only those of the servers that run)
         out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
@@ -369,6 +422,7 @@ def main() -> int:
         "continuous": lambda: Server(serve + [str(plans[args.batch])]),
         "continuous-no-prefix": lambda: Server(serve + ["--no-prefix-cache", str(plans[args.batch])]),
         "continuous-separate": lambda: Server(serve + [str(plans[args.batch])]),
+        "continuous-logprobs": lambda: Server(serve + [str(plans[args.batch])]),
         "meshplan-one": lambda: Server(serve + [str(plans[1])]),
         "genai-one": lambda: Server([sys.executable, str(Path(__file__).resolve()), "--genai-front", str(folder),
                                      "127.0.0.1", "0", str(args.max_length)]),
@@ -388,8 +442,11 @@ def main() -> int:
             load(server.url, make_requests(2, vocab, (lo, hi), (4, 4), args.max_length, seed=1), 2)   # warm
             before = rss_bytes(server.pid)
             given = requests if name in ("continuous", "continuous-no-prefix") else separate
+            if name == "continuous-logprobs":
+                given = [{**r, "logprobs": args.logprobs} for r in requests]
             row = {"server": name, **load(server.url, given, args.clients, server.pid)}
             row["prefix_reused_positions"] = metric(server.url, "meshplan_prefix_cache_reused_positions_total")
+            row["tpot_metrics_p50_s"] = metric_quantile(server.url, "meshplan_time_per_output_token_seconds", 0.5)
             row["rss_before_mb"] = before / 2**20
             if server.process.poll() is not None:   # what it said last tells why its requests failed
                 row["server_exit"] = next((line for line in reversed(server.lines) if line.strip()), "")
@@ -404,9 +461,22 @@ def main() -> int:
               f"p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  TPOT p50 {(row['tpot_p50_s'] or nan) * 1e3:6.1f} ms "
               f"p99 {(row['tpot_p99_s'] or nan) * 1e3:6.1f} ms  failed {row['failed']}/{row['requests']}  "
               f"RSS {row['rss_before_mb']:.0f} / {row['rss_quarter_mb']:.0f} / {row['rss_end_mb']:.0f} MB"
+              + (f"  /metrics TPOT p50 {row['tpot_metrics_p50_s'] * 1e3:.2f} ms" if row["tpot_metrics_p50_s"] else "")
               + (f"  prefix reused {row['prefix_reused_positions']:.0f}" if row["prefix_reused_positions"] else "")
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
     by = {r["server"]: r["tokens_per_s"] for r in rows if r["output_tokens"]}
+    served = {r["server"]: r["tpot_metrics_p50_s"] for r in rows if r["output_tokens"] and r["tpot_metrics_p50_s"]}
+    steps = []
+    if "continuous" in served:   # the server's overhead: its step against generate's on the same plan
+        step = generate_step(plans[args.batch], ranks, requests, args.batch, workdir)
+        if step:
+            steps.append({"server": "generate", "decode_step_s": step})
+            print(f"meshplan generate at batch {args.batch}: decode step {step * 1e3:.2f} ms; the server's time per "
+                  f"output token p50 (/metrics) / that step: {served['continuous'] / step:.2f}x")
+    if "continuous" in served and "continuous-logprobs" in served:
+        print(f"logprobs = {args.logprobs} / without: {served['continuous-logprobs'] / served['continuous']:.3f}x "
+              f"time per output token p50 (/metrics), {by['continuous'] / by['continuous-logprobs']:.3f}x the "
+              "time per token of the whole run")
     ttft = {r["server"]: r["ttft_p50_s"] for r in rows if r["output_tokens"]}
     if args.n > 1 and "continuous" in by and "continuous-separate" in by:
         print(f"n = {args.n} / {args.n} separate requests: {by['continuous'] / by['continuous-separate']:.2f}x "
@@ -418,7 +488,7 @@ def main() -> int:
             if other in by:
                 print(f"continuous / {other}: {by['continuous'] / by[other]:.2f}x output tokens/s")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        args.json.write_text(json.dumps(rows + steps, indent=1) + "\n")
     return 1 if any(not r["output_tokens"] for r in rows) else 0
 
 

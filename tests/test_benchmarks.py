@@ -145,8 +145,12 @@ def check_generate(body, out, genai):
 
 
 def check_serve(body, out, genai):
-    assert [r["server"] for r in body] == ["continuous"] + (["genai-one"] if genai else [])
-    assert all(r["failed"] == 0 and positive(r["output_tokens"], r["tokens_per_s"], r["ttft_p50_s"]) for r in body)
+    servers = ["continuous", "continuous-logprobs"] + (["genai-one"] if genai else [])
+    assert [r["server"] for r in body] == servers + ["generate"]
+    served = body[:len(servers)]
+    assert all(r["failed"] == 0 and positive(r["output_tokens"], r["tokens_per_s"], r["ttft_p50_s"]) for r in served)
+    assert positive(served[0]["tpot_metrics_p50_s"], served[1]["tpot_metrics_p50_s"], body[-1]["decode_step_s"])
+    assert "the server's time per output token p50 (/metrics) / that step" in out and "logprobs = 2 / without" in out
     assert genai or "genai-one      skipped: onnxruntime-genai is not installed" in out
 
 
@@ -187,7 +191,7 @@ CASES = {
     "train": (["--smoke"], check_train, (pytest.mark.mpi, pytest.mark.slow)),
     # (meshplan-one is continuous's server on a plan of batch 1)
     "serve": (["--folder", str(SAMPLE), "--workdir", "{work}", "--only", "continuous", "--only", "genai-one",
-               "--max-length", "32", "--batch", "2", "--clients", "2", "--requests", "4", "--prompt-lengths", "4:8",
+               "--only", "continuous-logprobs", "--logprobs", "2", "--max-length", "32", "--batch", "2", "--clients", "2", "--requests", "4", "--prompt-lengths", "4:8",
                "--new-tokens", "2:4"], check_serve, (pytest.mark.mpi,)),
 }
 

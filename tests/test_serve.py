@@ -32,7 +32,7 @@ import pytest
 from meshplan.generation.driver import load_tokenizer
 from sample_models import SAMPLE_DIR
 from tests.conftest import run_cli, run_mpi, run_mpi_script
-from tests.jobs import left_after
+from tests.jobs import left_after, marked
 from tests.serving import Served
 
 pytestmark = pytest.mark.mpi
@@ -600,6 +600,37 @@ def test_a_rank_that_dies_ends_the_job_with_an_error(batch4):
         assert time.monotonic() - began < 60
         assert served.wait(60) != 0
         assert time.monotonic() - began < 20, served.output
+        assert not left_after(served.mark), served.output
+
+
+def front_pids(mark: str) -> list[int]:
+    found = []
+    for pid in marked(mark):
+        try:
+            if b"meshplan.serving.front" in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_the_front_is_a_process_of_its_own_that_ends_with_the_job(batch4):
+    """The HTTP front runs beside rank 0 as a process of its own: a front that dies ends the
+    job with one line; a rank 0 that dies takes its front with it."""
+    with Served(batch4, 2) as served:
+        fronts = front_pids(served.mark)
+        assert len(fronts) == 1 and fronts[0] not in served.pids.values(), (fronts, served.pids)
+        answer = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert answer.choices[0].finish_reason == "length"
+        os.kill(fronts[0], signal.SIGKILL)
+        assert served.wait(30) != 0
+        assert "meshplan: error: the HTTP server stopped on its own" in served.output
+        assert "Traceback" not in served.output
+        assert not left_after(served.mark), served.output
+    with Served(batch4, 2) as served:
+        assert len(front_pids(served.mark)) == 1
+        os.kill(served.pids[0], signal.SIGKILL)
+        served.wait(30)
         assert not left_after(served.mark), served.output
 
 

@@ -5,7 +5,9 @@ answer is a 2xx or an OpenAI-style 4xx on a connection that stays usable.
 In one process: the server's own front (``app.build_app`` on uvicorn, on a loopback
 socket) and its engine (``Engine`` over a ``SlotBatch`` of 4 slots, on a thread of its
 own), with a stepper that gives random logits in place of the job — what a request does
-to the server up to the job's calls is what it does here. A property test (hypothesis)
+to the server up to the job's calls is what it does here. Every test of the front runs
+twice: the app calling the engine itself, and the app calling it over the link that
+``meshplan serve`` puts between its two processes (``link``, on a socket pair). A property test (hypothesis)
 sends bodies of both endpoints made of valid values and hostile ones (wrong JSON types,
 NaN and infinities, huge numbers, lists and strings, lone surrogates, unknown fields),
 streamed or not, and broken JSON, all on one keep-alive connection; then a normal request
@@ -20,6 +22,7 @@ import math
 import socket
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
@@ -34,8 +37,10 @@ from meshplan.serving.app import MAX_BODY_BYTES, build_app
 from meshplan.serving.batching import SlotBatch, Work
 from meshplan.serving.chat import ChatTemplate
 from meshplan.serving.engine import Engine
+from meshplan.serving.link import EngineEnd, EngineLink
 from meshplan.serving.metrics import ServerMetrics
 from meshplan.serving.protocol import BadRequest, Limits, parse_body, read_submission
+from meshplan.serving.text import ChoiceText
 from sample_models import SAMPLE_DIR
 
 LLAMA = SAMPLE_DIR / "genai" / "llama_fp32"
@@ -64,23 +69,32 @@ def limits() -> Limits:
 
 
 class Front:
-    """The app and the engine, serving on a loopback port until ``close``."""
+    """The app and the engine, serving on a loopback port until ``close``; ``linked``: the
+    app calls the engine over a link."""
 
-    def __init__(self):
+    def __init__(self, linked: bool = False, queue: int = 64, pause: float = 0.0):
         import uvicorn
 
         shape = GenerationShape("input_ids", "attention_mask", None, {}, True, (1, SLOTS), 16, CONTEXT, VOCAB, {}, {})
         self.limits = limits()
         self.metrics = ServerMetrics()
-        self.engine = Engine(SlotBatch(shape, RandomLogits(), 1, SLOTS), self.limits.tokenizer, [1], self.metrics, 64)
+        self.engine = Engine(SlotBatch(shape, RandomLogits(pause), 1, SLOTS), [1], self.metrics, queue)
         self.stop = threading.Event()
-        self.engine_thread = threading.Thread(target=self.engine.run, args=(self.stop,), daemon=True)
+        caller, metrics, after = self.engine, self.metrics, None
+        if linked:
+            ours, theirs = socket.socketpair()
+            self.end = EngineEnd(self.engine, Connection(ours.detach()), self.metrics)
+            self.end.start()
+            caller = metrics = self.link = EngineLink(Connection(theirs.detach()))
+            self.link.start()
+            after = self.end.flush
+        self.engine_thread = threading.Thread(target=self.engine.run, args=(self.stop, None, after), daemon=True)
         self.engine_thread.start()
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.socket.listen(16)
         self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.engine, self.limits, self.metrics),
+        self.server = uvicorn.Server(uvicorn.Config(build_app(caller, self.limits, metrics),
                                                     log_level="warning", access_log=False, lifespan="off",
                                                     timeout_keep_alive=600))   # (idle while hypothesis draws)
         self.http_thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
@@ -112,9 +126,9 @@ class Front:
         self.engine_thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def front():
-    served = Front()
+@pytest.fixture(scope="module", params=["in-process", "linked"])
+def front(request):
+    served = Front(linked=request.param == "linked")
     yield served
     served.close()
 
@@ -226,11 +240,72 @@ def test_read_submission_raises_nothing_but_bad_request():
             read_submission(parse_body(json.dumps(body).encode()), limits(), chat="messages" in body)
 
 
+def test_choice_text_cuts_at_the_first_stop_string_and_never_sends_part_of_one():
+    """The front's text of a choice: pieces as tokens come, held back while they may begin a
+    stop string; the first stop string ends it, its text up to the string."""
+    tokenizer = load_tokenizer(LLAMA)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog").ids
+    whole = ChoiceText(tokenizer, [])
+    assert "".join([whole.token(i) for i in ids] + [whole.done("length")]) == tokenizer.decode(ids)
+    assert whole.reason == "length" and whole.ids == ids
+    for stop in (["fox"], ["lazy", "own f"], ["o"]):
+        choice, pieces = ChoiceText(tokenizer, stop), []
+        for token in ids:
+            pieces.append(choice.token(token))
+            assert not any(s in "".join(pieces) for s in stop), (stop, pieces)
+            if choice.reason is not None:
+                break
+        full = tokenizer.decode(ids)
+        assert choice.reason == "stop" and "".join(pieces) == full[:min(full.find(s) for s in stop if s in full)]
+    end = ChoiceText(tokenizer, [])   # an end token has no text
+    assert end.token(ids[0]) + end.token(1, end=True) + end.done("stop") == tokenizer.decode(ids[:1])
+
+
+def test_over_the_link_a_full_queue_is_a_429_and_a_client_gone_frees_its_slot():
+    served = Front(linked=True, queue=1, pause=0.01)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": 40, "stream": True}).encode()
+        answers, lock = [], threading.Lock()
+
+        def one():
+            found = served.post("/v1/completions", body, served.connect())
+            with lock:
+                answers.append(found)
+        clients = [threading.Thread(target=one) for _ in range(SLOTS + 3)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(60)
+        codes = sorted(code for code, _ in answers)
+        assert set(codes) == {200, 429}, codes   # (one may wait: those that come before it is taken get 429)
+        assert all(b.rstrip().endswith(b"data: [DONE]") for code, b in answers if code == 200)
+        connection = served.connect()   # a stream its client leaves after its first token
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        connection.close()
+        deadline = time.monotonic() + 10
+        while served.metrics.running._value.get() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert served.metrics.running._value.get() == 0
+        status, text = http_get(served.port, "/metrics")
+        assert status == 200 and b'meshplan_requests_total{outcome="cancelled"} 1.0' in text, text[-600:]
+    finally:
+        served.close()
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", path)
+    response = connection.getresponse()
+    return response.status, response.read()
+
+
 def test_a_second_stop_ends_what_runs_at_once():
     """The engine stopped with ``hurry`` (a second SIGTERM): a running request gets an error
     at the next step, and the loop returns."""
     shape = GenerationShape("input_ids", "attention_mask", None, {}, True, (1, 2), 16, CONTEXT, VOCAB, {}, {})
-    engine = Engine(SlotBatch(shape, RandomLogits(pause=0.01), 1, 2), None, [], ServerMetrics(), 4)
+    engine = Engine(SlotBatch(shape, RandomLogits(pause=0.01), 1, 2), [], ServerMetrics(), 4)
     events = []
     engine.submit(Work([5, 6], 60, Sampler(), emit=events.append))
     stop, hurry = threading.Event(), threading.Event()

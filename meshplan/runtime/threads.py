@@ -242,14 +242,12 @@ def pin_calling_thread(choice: ThreadChoice) -> bool:
     return True
 
 
-def unpin_calling_thread(choice: ThreadChoice) -> None:
-    """A thread made after ``pin_calling_thread`` (which it inherited) runs on all of the
-    rank's cores again (a server's HTTP thread)."""
+def rank_cores(choice: ThreadChoice | None) -> set[int] | None:
+    """Every core of a rank whose threads are pinned (None where nothing is): where a thread
+    or process made after ``pin_calling_thread``, which inherited its one core, may run."""
     if choice is not None and choice.pinned and choice.pins:
-        try:
-            os.sched_setaffinity(0, {cpu for cpus in choice.pins for cpu in cpus})
-        except OSError:
-            pass
+        return {cpu for cpus in choice.pins for cpu in cpus}
+    return None
 
 
 def with_idle_cores(working: list[set[int]], idle: list[set[int]],

@@ -8,6 +8,11 @@ full, 503 while the server stops, 500 when the job fails. No request body reache
 engine unchecked (``protocol``), and none ends the connection: what reading one raises
 unforeseen is a 500 body too, the server going on. A client that goes away cancels its
 request (its slot is free within one step).
+
+The engine is the ``Engine`` itself (in one process) or its ``link.EngineLink`` (the
+engine in another process: ``submit`` and the metrics' ``text`` are then awaited). The
+text of each choice is made here from the engine's token ids (``text.ChoiceText``): a
+stop string ends a choice here, and the engine is told to stop it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import uuid
 from meshplan.serving.batching import Work
 from meshplan.serving.engine import QueueFull, Stopping
 from meshplan.serving.protocol import BadRequest, parse_body, read_submission
+from meshplan.serving.text import ChoiceText
 
 RETRY_AFTER_SECONDS = 1
 MAX_BODY_BYTES = 4 << 20    # a request body larger than this is refused (413), read to its end
@@ -51,7 +57,7 @@ def build_app(engine, limits, metrics, started: float | None = None):
                                                          "owned_by": "meshplan", "max_model_len": limits.context}]})
 
     async def metrics_text(request):
-        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await _maybe(metrics.text()), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(request):
         return await generate(request, chat=False)
@@ -74,12 +80,12 @@ def build_app(engine, limits, metrics, started: float | None = None):
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         works = [Work(submission.prompt_ids, submission.max_tokens, submission.sampler(i),
-                      emit=_emitter(loop, events, i), stop=submission.stop, ignore_eos=submission.ignore_eos,
+                      emit=_emitter(loop, events, i), ignore_eos=submission.ignore_eos,
                       logprobs=submission.logprobs, echo=submission.echo, adjust=submission.adjust)
                  for i in range(submission.n)]
         works[0].followers = works[1:]
         try:
-            engine.submit(works[0])
+            await _maybe(engine.submit(works[0]))
         except QueueFull:
             return error(BadRequest("too many requests wait: try again later", status=429, kind="rate_limit_error"),
                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
@@ -89,11 +95,11 @@ def build_app(engine, limits, metrics, started: float | None = None):
         shape = _Shape(ident, limits.model, int(time.time()), chat, limits.tokenizer, submission.logprobs)
         if submission.echo:
             shape.echo(body["prompt"], submission.prompt_ids)
+        choices = _Choices(engine, works, limits.tokenizer, submission.stop)
         if submission.stream:
-            return StreamingResponse(_stream(engine, works, events, shape, submission.include_usage),
+            return StreamingResponse(_stream(choices, events, shape, submission.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices = [{"text": [], "ids": [], "scores": [], "reason": None} for _ in works]
-        completion_tokens = 0
+        whole = [{"text": [], "ids": [], "scores": []} for _ in works]
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -101,32 +107,25 @@ def build_app(engine, limits, metrics, started: float | None = None):
                 await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():   # the client went away: its slots are freed at the next step
                     getter.cancel()
-                    for work in works:
-                        engine.cancel(work)
                     return Response(status_code=499)
                 index, event = getter.result()
-                choice = choices[index]
-                if event[0] == "token":
-                    choice["text"].append(event[1])
-                    choice["ids"].append(event[2])
-                    choice["scores"].append(event[3])
-                elif event[0] == "prompt":
+                if event[0] == "prompt":
                     shape.prompt_scores = event[1]
-                elif event[0] == "done":
-                    choice["reason"] = event[1]
-                    completion_tokens += event[2]["completion_tokens"]
-                    if all(c["reason"] is not None for c in choices):
-                        usage = {**event[2], "completion_tokens": completion_tokens,
-                                 "total_tokens": event[2]["prompt_tokens"] + completion_tokens}
-                        return JSONResponse(shape.whole([("".join(c["text"]), c["ids"], c["reason"], c["scores"])
-                                                         for c in choices], usage))
-                else:
+                    continue
+                if event[0] == "error":
+                    choices.failed = True
                     return error(BadRequest(event[1], status=event[2], kind="server_error"))
+                piece = choices.take(index, event)
+                if piece is not None:
+                    whole[index]["text"].append(piece[0])
+                    whole[index]["ids"].extend(piece[1])
+                    whole[index]["scores"].extend(piece[2])
+                if choices.ended:
+                    return JSONResponse(shape.whole([("".join(c["text"]), c["ids"], t.reason, c["scores"])
+                                                     for c, t in zip(whole, choices.texts)], choices.usage()))
         finally:
             gone.cancel()
-            for work in works:
-                if work.finished is None:
-                    engine.cancel(work)
+            choices.cancel()
 
     async def not_found(request, exc: HTTPException):
         return ErrorResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "param": None,
@@ -260,33 +259,78 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream(engine, works, events: asyncio.Queue, shape: _Shape, include_usage: bool):
-    done, completion_tokens = [False] * len(works), 0
+async def _maybe(value):
+    """A value, or what it gives where it is awaitable (the engine in another process)."""
+    return await value if asyncio.iscoroutine(value) else value
+
+
+class _Choices:
+    """The choices of one request as the engine's events come: each one's text and how it
+    ended; a stop string ends a choice here, and the engine is told to stop it."""
+
+    def __init__(self, engine, works: list[Work], tokenizer, stop: list[str]):
+        self.engine, self.works = engine, works
+        self.texts = [ChoiceText(tokenizer, stop) for _ in works]
+        self.failed = False
+
+    def take(self, index: int, event) -> tuple[str, list[int], list, str | None] | None:
+        """A token or done event of choice ``index`` as (text, ids, scores, finish reason);
+        None for what comes after its end."""
+        choice = self.texts[index]
+        if choice.reason is not None:
+            return None
+        if event[0] == "token":
+            _, token, score, end = event
+            text = choice.token(token, end)
+            if choice.reason is not None:   # a stop string: the engine need not go on
+                self.engine.cancel(self.works[index], "stop")
+            return text, [token], [score], choice.reason
+        return choice.done(event[1]), [], [], choice.reason
+
+    @property
+    def ended(self) -> bool:
+        return all(t.reason is not None for t in self.texts)
+
+    def usage(self) -> dict:
+        prompt, completion = len(self.works[0].prompt), sum(len(t.ids) for t in self.texts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def cancel(self) -> None:
+        """What has not ended is cancelled (the client went away, or the response ended)."""
+        for work, text in zip(self.works, self.texts):
+            if text.reason is None and not self.failed:
+                text.reason = "cancelled"
+                self.engine.cancel(work)
+
+
+async def _stream(choices: _Choices, events: asyncio.Queue, shape: _Shape, include_usage: bool):
     try:
         if shape.chat:
-            for index in range(len(works)):
+            for index in range(len(choices.works)):
                 yield _sse(shape.chunk("", [], None, first=True, index=index))
         while True:
             index, event = await events.get()
-            if event[0] == "token":
-                yield _sse(shape.chunk(event[1], [event[2]], None, scores=[event[3]], index=index))
-            elif event[0] == "prompt":   # the echoed prompt, with its scores
+            if event[0] == "prompt":   # the echoed prompt, with its scores
                 shape.prompt_scores = event[1]
                 yield _sse(shape.chunk(shape.prompt_text, [], None, scores=shape._echoed(), index=index))
-            elif event[0] == "done":
-                yield _sse(shape.chunk(None, [], event[1], index=index))
-                done[index] = True
-                completion_tokens += event[2]["completion_tokens"]
-                if all(done):
-                    if include_usage:
-                        yield _sse(shape.usage({**event[2], "completion_tokens": completion_tokens,
-                                                "total_tokens": event[2]["prompt_tokens"] + completion_tokens}))
-                    yield _sse("[DONE]")
-                    return
-            else:
+                continue
+            if event[0] == "error":
+                choices.failed = True
                 yield _sse({"error": {"message": event[1], "type": "server_error", "param": None, "code": None}})
                 return
+            piece = choices.take(index, event)
+            if piece is None:
+                continue
+            text, ids, scores, reason = piece
+            if ids:
+                yield _sse(shape.chunk(text, ids, None, scores=scores, index=index))
+                text = None
+            if reason is not None:
+                yield _sse(shape.chunk(text or None, [], reason, index=index))
+            if choices.ended:
+                if include_usage:
+                    yield _sse(shape.usage(choices.usage()))
+                yield _sse("[DONE]")
+                return
     finally:   # the client went away (the generator is closed) or the stream ended
-        for work in works:
-            if work.finished is None:
-                engine.cancel(work)
+        choices.cancel()

@@ -56,9 +56,8 @@ class Work:
     max_tokens: int
     sampler: Sampler
     emit: Callable = lambda event: None     # the engine's events for this request
-    stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False                # end tokens do not end it (max_tokens does)
-    cancelled: bool = False                 # set by the front (the client went away)
+    cancelled: str | None = None            # set by the front: why it ended it ("cancelled": the client went away)
     arrived: float = field(default_factory=time.perf_counter)
     fed: int = 0                            # prompt tokens in the cache
     ids: list[int] = field(default_factory=list)
@@ -66,9 +65,6 @@ class Work:
     first_at: float | None = None           # its first token chosen
     last_at: float | None = None
     finished: str | None = None             # "stop", "length", "cancelled", "error"
-    stream: object = None                   # the engine's text stream for it
-    text: str = ""                          # its text so far (stop strings cut it)
-    sent: int = 0                           # how much of it was emitted
     logprobs: int | None = None             # alternatives told per token (None: no log-probabilities)
     echo: bool = False                      # the prompt's own tokens scored too (with logprobs)
     adjust: Adjustment | None = None        # penalties, biases, min_tokens
@@ -77,6 +73,7 @@ class Work:
     score: tuple | None = None              # the last chosen token's (id, logprob, top)
     followers: list = field(default_factory=list)   # the other choices of its request (``n``), admitted with it
     held: bool = False                      # a follower waiting for its leader's prompt to be in the cache
+    link: tuple | None = None               # (request, choice) on the front's side of a ``link``
 
     @property
     def needs_logits(self) -> bool:

@@ -1,12 +1,16 @@
-"""The engine on rank 0: requests in, a step of the job per call, tokens out.
+"""The engine on rank 0: requests in, a step of the job per call, token ids out.
 
-It runs on the thread that calls MPI (the main one); the HTTP front submits ``Work`` from
-its own thread (``submit``, which refuses when the queue is full or the server stops) and
-gets events back through ``Work.emit``: with echo ``("prompt", scores)`` first, then
-``("token", text, id, score)`` per token (``score`` None without logprobs), then ``("done",
-finish_reason, usage)``, or ``("error", message, HTTP status)``. Between two calls it takes new
-requests into free slots, drops cancelled ones and frees finished ones, so a slot is free
-again within one step of its request's end.
+It runs on the thread that calls MPI (the main one) and works in token ids alone: the
+text of a request (its tokenizer, stop strings, response bodies) is the front's
+(``app``, ``text``), which runs in a process of its own under ``meshplan serve``
+(``link``). The front submits ``Work`` (``submit``, which refuses when the queue is full
+or the server stops) and gets events back through ``Work.emit``: with echo ``("prompt",
+scores)`` first, then ``("token", id, score, end)`` per token (``score`` None without
+logprobs; ``end`` True for an end token, which has no text), then ``("done",
+finish_reason, usage)``, or ``("error", message, HTTP status)``. A request the front
+cancels (its client went away, or a stop string ended its text) gets no more events.
+Between two calls the engine takes new requests into free slots, drops cancelled ones and
+frees finished ones, so a slot is free again within one step of its request's end.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import threading
 import time
 from collections import deque
 
-from meshplan.generation.driver import TextStream
 from meshplan.serving.batching import Work
 
 
@@ -28,8 +31,8 @@ class Stopping(Exception):
 
 
 class Engine:
-    def __init__(self, batch, tokenizer, eos_ids, metrics, max_queue: int):
-        self.batch, self.tokenizer, self.eos = batch, tokenizer, set(int(e) for e in eos_ids)
+    def __init__(self, batch, eos_ids, metrics, max_queue: int):
+        self.batch, self.eos = batch, set(int(e) for e in eos_ids)
         self.metrics, self.max_queue = metrics, max_queue
         self._lock = threading.Lock()
         self._inbox: deque[Work] = deque()
@@ -37,6 +40,7 @@ class Engine:
         self.waiting: deque[Work] = deque()
         self.wake = threading.Event()
         self.stopping = False
+        self._made = 0     # tokens of the step (the metrics take them once a step)
 
     # --- the front's side (any thread) ------------------------------------------------------------
 
@@ -56,17 +60,21 @@ class Engine:
             self.metrics.waiting.set(self._queued)
         self.wake.set()
 
-    def cancel(self, work: Work) -> None:
-        work.cancelled = True
+    def cancel(self, work: Work, reason: str = "cancelled") -> None:
+        """End a request the front is done with (``reason``: how, as the metrics count it)."""
+        work.cancelled = reason
         self.wake.set()
 
     # --- the engine's side (the MPI thread) -------------------------------------------------------
 
-    def run(self, stop: threading.Event, hurry: threading.Event | None = None) -> None:
+    def run(self, stop: threading.Event, hurry: threading.Event | None = None, after=None) -> None:
         """Serve until ``stop`` is set and what runs has finished (what waits is refused), or
-        as soon as ``hurry`` is set too (what runs gets an error, as what waits does)."""
+        as soon as ``hurry`` is set too (what runs gets an error, as what waits does).
+        ``after()`` is called once a turn (the events of a step go out together)."""
         try:
             while True:
+                if after is not None:
+                    after()
                 self._take_new(stop.is_set(), hurry is not None and hurry.is_set())
                 if not self.batch.busy:   # nothing runs: wait for a request (or the stop)
                     if self.stopping and not self.waiting:
@@ -80,6 +88,8 @@ class Engine:
                 self.batch.made.clear()
                 for work, token in chosen:
                     self._deliver(work, token)
+                self.metrics.tokens(self._made)
+                self._made = 0
         except BaseException as exc:
             self.fail_all(f"the job failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             raise
@@ -103,7 +113,7 @@ class Engine:
             while self._inbox:
                 self.waiting.append(self._inbox.popleft())
         for work in [w for w in self.batch.busy if w.cancelled]:
-            self._finish(work, "cancelled")
+            self._finish(work, work.cancelled)
         for work in self.batch.busy if hurry else []:
             self.batch.release(work)
             work.finished = "error"
@@ -113,7 +123,7 @@ class Engine:
             self.waiting.remove(work)
             self._dequeued()
             if work.cancelled:
-                self.metrics.requests.labels("cancelled").inc()
+                self.metrics.requests.labels(work.cancelled).inc()
             else:
                 work.finished = "error"
                 self.metrics.requests.labels("refused").inc()
@@ -122,8 +132,6 @@ class Engine:
             work = self.waiting.popleft()
             self._dequeued()
             for one in [work, *work.followers]:
-                one.stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
-                one.text, one.sent = "", 0
                 one.eos = frozenset(self.eos)
             reused = getattr(self.batch, "reused", 0)
             self.batch.admit(work)
@@ -150,35 +158,20 @@ class Engine:
             self._finish(work, "length")
             return
         work.ids.append(token)
-        self.metrics.tokens(1)
-        finish = None
+        self._made += 1
         end = token in self.eos and not work.ignore_eos
-        if end:
-            finish = "stop"
-        elif len(work.ids) >= work.max_tokens or self.batch.room(work) <= 0:
-            finish = "length"
-        if work.stream is not None and not end:
-            work.text += work.stream.add([token])
-        if finish is not None and work.stream is not None:
-            work.text += work.stream.finish()
-        if work.stop:   # text up to the first stop string; hold back what may begin one
-            hits = [i for i in (work.text.find(s) for s in work.stop) if i >= 0]
-            if hits:
-                work.text, finish = work.text[:min(hits)], "stop"
-            safe = len(work.text) if finish else max(work.sent, len(work.text) - max(map(len, work.stop)) + 1)
-        else:
-            safe = len(work.text)
-        text, work.sent = work.text[work.sent:safe], safe
         score, work.score = work.score, None
-        work.emit(("token", text, token, score))
-        if finish is not None:
-            self._finish(work, finish)
+        work.emit(("token", token, score, end))
+        if end:
+            self._finish(work, "stop")
+        elif len(work.ids) >= work.max_tokens or self.batch.room(work) <= 0:
+            self._finish(work, "length")
 
     def _finish(self, work: Work, reason: str) -> None:
         self.batch.release(work)
         work.finished = reason
         self.metrics.requests.labels(reason).inc()
         self.metrics.running.set(len(self.batch.busy))
-        if reason != "cancelled":
+        if not work.cancelled:   # (the front ended it: it waits for nothing more)
             work.emit(("done", reason, {"prompt_tokens": len(work.prompt), "completion_tokens": len(work.ids),
                                         "total_tokens": len(work.prompt) + len(work.ids)}))

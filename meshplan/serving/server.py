@@ -3,13 +3,15 @@
 Every rank loads its program once (``Job``); the other ranks follow rank 0's calls
 (``Job.serve``). Rank 0 checks the plan (a model that generates), binds the port before
 any rank goes on (a port in use is one line, like any start-up error), makes a warm-up
-call, then runs the engine on its main thread (the one that calls MPI) and uvicorn on
-another. SIGTERM or SIGINT: no new request is taken, what runs finishes, what waits is
+call, then runs the engine on its main thread (the one that calls MPI) and starts the
+HTTP front as a process of its own (``front``, over a ``link``), handing it the socket.
+SIGTERM or SIGINT: no new request is taken, what runs finishes, what waits is
 refused, and the job closes with exit 0; a second signal ends what runs at once (an
 error for each). A failure of the engine, whatever raised it (a call of the job, a draw,
 a bug), gives every request in flight and waiting an error, lets those answers go out,
 and aborts the job (``JobFailure``: exit 1, every rank ended by the launcher); a rank
-that dies has the launcher end the others.
+that dies has the launcher end the others, and the front ends with rank 0 (its link
+closes).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import asdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +31,9 @@ from meshplan.errors import RunError
 from meshplan.generation.driver import JobStepper, Request, prepare, warm_up_steps
 from meshplan.generation.sampling import Sampler
 from meshplan.model.llm import ModelFolder
-from meshplan.runtime.threads import ThreadChoice, unpin_calling_thread
+from meshplan.runtime.threads import ThreadChoice, rank_cores
 from meshplan.serving.batching import SlotBatch, Work, batch_for
 from meshplan.serving.chat import ChatTemplate
-from meshplan.serving.protocol import Limits
 
 START_SECONDS = 30      # the HTTP server must be up within this
 
@@ -103,7 +107,7 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
                            f"got {options.prefill_chunk}")
         folder = ModelFolder.read(plan.model["path"])
         held["prepared"], held["folder"] = prepared, folder
-        held["chat"] = ChatTemplate.of_folder(folder.path)
+        ChatTemplate.of_folder(folder.path)   # (one that cannot be read stops the start, on every rank)
         held["socket"] = _listen(options.host, options.port)
 
     job = Job(plan_dir, options.provider, options.transfer, check=check, cache_in_place=True,
@@ -126,12 +130,10 @@ def serve_rank(plan_dir: str | Path, options: Options, on_started=None) -> int |
 
 
 def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids: list[int], on_started) -> int:
-    """Rank 0 after start-up: warm up, serve HTTP on another thread, run the engine here."""
-    import uvicorn
-
+    """Rank 0 after start-up: warm up, start the HTTP front's process, run the engine here."""
     from meshplan.runtime.job import as_failure, driving
-    from meshplan.serving.app import build_app
     from meshplan.serving.engine import Engine
+    from meshplan.serving.front import Front
     from meshplan.serving.metrics import ServerMetrics
 
     prepared, folder = held["prepared"], held["folder"]
@@ -144,27 +146,17 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
         cache = [int(b) for b in job.stats().state_bytes]
     model_file = Path(job.plan.model["path"])
     name = options.model_name or (folder.path.name if model_file.name == "model.onnx" else model_file.stem)
-    limits = Limits(name, shape.context, shape.vocab, prepared.tokenizer, held["chat"], batch.rows)
     metrics = ServerMetrics()
     metrics.slots.set(batch.rows)
     for rank, row in enumerate(memory):
         metrics.weight_bytes.labels(str(rank)).set(int(row[1]))
         metrics.cache_bytes.labels(str(rank)).set(cache[rank] if rank < len(cache) else 0)
-    engine = Engine(batch, prepared.tokenizer, prepared.eos, metrics, options.max_queue)
-    app = build_app(engine, limits, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=5))
-    def http() -> None:   # on every core of the rank, not the one its engine's thread is pinned to
-        unpin_calling_thread(job.threads)
-        server.run(sockets=[sock])
-    thread = threading.Thread(target=http, name="http", daemon=True)
-    thread.start()
-    began = time.monotonic()
-    while not server.started and thread.is_alive() and time.monotonic() - began < START_SECONDS:
-        time.sleep(0.01)
-    if not server.started:
-        job.close()
-        raise RunError("the HTTP server did not start")
+    engine = Engine(batch, prepared.eos, metrics, options.max_queue)
+    cores = rank_cores(job.threads)
+    front = Front(name, shape.context, shape.vocab, batch.rows,
+                  str(folder.tokenizer) if folder.tokenizer is not None else None, str(folder.path),
+                  sorted(cores) if cores else None)
+    process, end = _start_front(front, sock, engine, metrics)
     stop, hurry, signals = threading.Event(), threading.Event(), []
 
     def on_signal(*_) -> None:   # the first: what runs finishes; a second: it ends now
@@ -175,39 +167,80 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
         engine.wake.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    http_ended = threading.Event()
 
-    def watch() -> None:   # an HTTP server that ends on its own stops the engine too
-        thread.join()
-        if not stop.is_set():
-            http_ended.set()
-            stop.set()
-            engine.wake.set()
-    threading.Thread(target=watch, name="http-watch", daemon=True).start()
+    def watch() -> None:   # a front that ends on its own stops the engine too
+        end.gone.wait()
+        stop.set()
+        engine.wake.set()
+    threading.Thread(target=watch, name="front-watch", daemon=True).start()
     host, port = sock.getsockname()[:2]
     if on_started is not None:
         on_started(Started(f"http://{host}:{port}", name, job.size, batch.rows, isinstance(batch, SlotBatch),
                            shape.context, time.perf_counter() - loading, [int(r[1]) for r in memory], cache,
                            list(pids), [ThreadChoice.from_row(r[2:]) if r[2] else None for r in memory]))
     try:
-        engine.run(stop, hurry)
+        engine.run(stop, hurry, after=end.flush)
     except Exception as exc:   # every request has its error (``Engine.fail_all``): they go out, the job ends
-        _stop_http(server, thread)
+        _stop_front(process, end)
         raise as_failure(exc) from exc
     except BaseException:
-        _stop_http(server, thread)
+        _stop_front(process, end)
         raise
-    _stop_http(server, thread)
+    front_ended = end.gone.is_set()
+    _stop_front(process, end)
     job.close()
-    if http_ended.is_set():
+    if front_ended:
         raise RunError("the HTTP server stopped on its own")
     return 0
 
 
-def _stop_http(server, thread) -> None:
-    time.sleep(0.05)    # the last events reach their responses
-    server.should_exit = True
-    thread.join(10)
+def _start_front(front, sock, engine, metrics):
+    """The front's process, serving on ``sock``; once it says it has started, the engine's
+    end of the link, reading."""
+    from multiprocessing.connection import Connection
+
+    import meshplan
+    from meshplan.serving.link import EngineEnd
+
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)   # (meshplan importable where it was imported from, installed or not)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(meshplan.__file__).resolve().parents[1]),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    process = subprocess.Popen([sys.executable, "-m", "meshplan.serving.front", str(sock.fileno()),
+                                str(theirs.fileno())], pass_fds=(sock.fileno(), theirs.fileno()), env=env,
+                               stdin=subprocess.DEVNULL)
+    theirs.close()
+    connection = Connection(ours.detach())
+    try:
+        connection.send(asdict(front))
+        if not connection.poll(START_SECONDS):
+            raise RunError(f"the HTTP server did not start within {START_SECONDS} s")
+        said = connection.recv()
+    except (EOFError, OSError):
+        said = ("failed", f"its process ended (exit status {process.wait(10)})")
+    except RunError:
+        _end(process)
+        raise
+    if said[0] != "started":
+        _end(process)
+        raise RunError(f"the HTTP server did not start: {said[1]}")
+    end = EngineEnd(engine, connection, metrics)
+    end.start()
+    return process, end
+
+
+def _stop_front(process, end) -> None:
+    """The last events out, the front told to end; it has a few seconds to answer them."""
+    end.close()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        _end(process)
+
+
+def _end(process) -> None:
+    process.kill()
+    process.wait()
 
 
 def _warm_up(batch, pad_id: int, steps: int = 1) -> None:
