@@ -184,7 +184,9 @@ def reference():
     import numpy as np
     import onnxruntime
 
-    from meshplan.generation.sampling import log_softmax
+    def log_softmax(row):
+        values = row.astype(np.float64) - row.max()
+        return values - np.log(np.exp(values).sum())
 
     session = onnxruntime.InferenceSession(str(LLAMA / "model.onnx"), providers=["CPUExecutionProvider"])
     past = {i.name: np.zeros((1, 2, 0, 16), dtype=np.float32) for i in session.get_inputs()
@@ -345,7 +347,8 @@ def test_penalties_and_biases_replayed_on_onnxruntimes_logits(server, reference)
 def test_adjustment_numerics():
     import numpy as np
 
-    from meshplan.generation.sampling import Adjustment, log_softmax, top_logprobs
+    from meshplan.generation.sampling import Adjustment
+    from meshplan.generation.scoring import Scores
 
     logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0], dtype=np.float32)
     values = Adjustment(presence=0.5, frequency=0.25, repetition=2.0, bias={4: 10.0}, min_tokens=3)(
@@ -353,9 +356,11 @@ def test_adjustment_numerics():
     assert values.tolist() == [1.0, -2.0 - 0.75, 0.5, 1.5 - 1.0, 8.0]   # the end id masked only under min_tokens
     assert Adjustment(min_tokens=4)(logits, [0], [3, 3, 1], {2})[2] == -np.inf
     assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]
-    big = np.array([1000.0, 999.0, -1000.0])
-    assert np.isfinite(log_softmax(big)).all() and abs(np.exp(log_softmax(big)).sum() - 1) < 1e-12
-    assert [i for i, _ in top_logprobs(log_softmax(np.array([1.0, 3.0, 3.0, 0.0])), 3)] == [1, 2, 0]
+    big = Scores(np.array([[1000.0, 999.0, -1000.0]]), 3)   # (no exponential overflows)
+    assert np.isfinite(big.logprobs).all() and abs(np.exp(big.logprobs.astype(np.float64)).sum() - 1) < 1e-6
+    token, logprob, top = Scores(np.array([[1.0, 3.0, 3.0, 0.0]], dtype=np.float16), 3).of(0, 0, 3)
+    assert (token, [i for i, _ in top]) == (0, [1, 2, 0])   # the lower id first on a tie
+    assert abs(logprob - (1 - (3 + np.log(2 + np.exp(-2) + np.exp(-3))))) < 1e-6
 
 
 BAD = [

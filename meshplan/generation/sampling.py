@@ -99,25 +99,6 @@ def _float16_argmax(logits: np.ndarray) -> np.ndarray:
     return keys.argmax(axis=-1).astype(np.int64)
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """The log-probabilities of one position's logits, in float64 whatever their dtype: the
-    highest logit taken off first, so that no exponential overflows."""
-    values = np.asarray(logits).astype(np.float64)
-    shifted = values - values.max()
-    return shifted - np.log(np.exp(shifted).sum())
-
-
-def top_logprobs(logprobs: np.ndarray, count: int) -> list[tuple[int, float]]:
-    """The ``count`` most likely ids with their log-probabilities, the most likely first (the
-    lower id first on a tie)."""
-    if count <= 0:
-        return []
-    count = min(count, len(logprobs))
-    part = np.argpartition(-logprobs, count - 1)[:count]
-    order = part[np.lexsort((part, -logprobs[part]))]
-    return [(int(i), float(logprobs[i])) for i in order]
-
-
 @dataclass
 class Adjustment:
     """What a request changes in the logits before its draw (the log-probabilities it is told

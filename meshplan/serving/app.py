@@ -39,6 +39,7 @@ def build_app(engine, limits, metrics, started: float | None = None):
     from starlette.routing import Route
 
     created = int(started or time.time())
+    names: dict[int, str] = {}   # each token's text as logprobs show it, decoded once
 
     class ErrorResponse(JSONResponse):   # escaped to ASCII: whatever text a message quotes, it renders
         def render(self, content) -> bytes:
@@ -92,7 +93,7 @@ def build_app(engine, limits, metrics, started: float | None = None):
         except Stopping:
             return error(BadRequest("the server is stopping", status=503, kind="server_error"))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = _Shape(ident, limits.model, int(time.time()), chat, limits.tokenizer, submission.logprobs)
+        shape = _Shape(ident, limits.model, int(time.time()), chat, limits.tokenizer, submission.logprobs, names)
         if submission.echo:
             shape.echo(body["prompt"], submission.prompt_ids)
         choices = _Choices(engine, works, limits.tokenizer, submission.stop)
@@ -142,9 +143,10 @@ class _Shape:
     per token), each token's log-probability in OpenAI's format of the endpoint."""
 
     def __init__(self, ident: str, model: str, created: int, chat: bool, tokenizer=None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, names: dict | None = None):
         self.ident, self.model, self.created, self.chat = ident, model, created, chat
         self.tokenizer, self.logprobs = tokenizer, logprobs
+        self.names = names if names is not None else {}
         self.prompt_text: str | None = None    # echoed before the completion's text
         self.prompt_ids: list[int] = []
         self.prompt_scores: list | None = None
@@ -163,9 +165,11 @@ class _Shape:
         return {"id": self.ident, "object": kind, "created": self.created, "model": self.model}
 
     def _name(self, token: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token}"
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        name = self.names.get(token)
+        if name is None:
+            name = self.names[token] = (f"token_id:{token}" if self.tokenizer is None
+                                        else self.tokenizer.decode([token], skip_special_tokens=False))
+        return name
 
     def _echoed(self) -> list:
         """The prompt's entries: its first token's logprob null (nothing predicts it)."""

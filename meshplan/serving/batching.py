@@ -45,7 +45,8 @@ from typing import Callable
 import numpy as np
 
 from meshplan.generation.loop import GenerationShape
-from meshplan.generation.sampling import Adjustment, Sampler, log_softmax, top_logprobs
+from meshplan.generation.sampling import Adjustment, Sampler
+from meshplan.generation.scoring import Scores
 
 
 @dataclass(eq=False)
@@ -218,10 +219,11 @@ class SlotBatch:
                 self.cached[row] = []
         return window
 
-    def _chosen(self, row: int, work: Work, logits) -> list[tuple[Work, int]]:
-        """Its next token from ``logits``; once its prompt is in, its followers' too, after
-        its row's cache is copied into theirs."""
-        chosen = [(work, self._choose(work, logits))]
+    def _chosen(self, row: int, work: Work, logits, scored: tuple | None = None) -> list[tuple[Work, int]]:
+        """Its next token from ``logits`` (``scored``: (``Scores``, its row) of them, made for
+        the call's rows together); once its prompt is in, its followers' too, after its row's
+        cache is copied into theirs."""
+        chosen = [(work, self._choose(work, logits, scored))]
         for follower in work.followers:
             if not follower.held or follower.cancelled:
                 continue
@@ -232,7 +234,7 @@ class SlotBatch:
             self.cached[other] = list(self.cached[row])
             follower.fed, follower.held = len(follower.prompt), False
             follower.prompt_scores = list(work.prompt_scores)
-            chosen.append((follower, self._choose(follower, logits)))
+            chosen.append((follower, self._choose(follower, logits, scored)))
         return chosen
 
     def _first_prompt(self, busy, width: int) -> list[tuple[Work, int]]:
@@ -293,6 +295,7 @@ class SlotBatch:
         self.made.append("decode")
         window = self._call(self._feeds(ids, self.mask[:span], self.lengths[:span].copy()), 1, span,
                             [w for _, w in busy])
+        scored = _scored(window[:, 0], [(row, work) for row, work in busy if not work.prefilling])
         chosen = []
         for row, work in busy:
             self.cached[row] = self.cached[row][:int(self.lengths[row])] + [int(ids[row, 0])]
@@ -304,7 +307,7 @@ class SlotBatch:
             if self.lengths[row] < self.shape.context:
                 self.mask[row, self.lengths[row]] = 1
             if not work.prefilling:
-                chosen += self._chosen(row, work, window[row, 0])
+                chosen += self._chosen(row, work, window[row, 0], scored.get(row))
         return chosen
 
     def _feeds(self, ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
@@ -317,9 +320,10 @@ class SlotBatch:
         return feeds
 
     @staticmethod
-    def _choose(work: Work, logits: np.ndarray) -> int:
+    def _choose(work: Work, logits: np.ndarray, scored: tuple | None = None) -> int:
         """The next id from a position's logits (adjusted as the request asks), or the id itself
-        where the stepper chose it; with ``logprobs``, its score in ``work.score``."""
+        where the stepper chose it; with ``logprobs``, its score in ``work.score`` (from
+        ``scored``, (``Scores``, row), where the call's rows were scored together)."""
         if np.ndim(logits) == 0:
             return int(logits)
         values = logits
@@ -327,9 +331,21 @@ class SlotBatch:
             values = work.adjust(logits, work.prompt, work.ids, work.eos)
         token = int(work.sampler(values[None, :])[0])
         if work.logprobs is not None:
-            logprobs = log_softmax(logits)
-            work.score = (token, float(logprobs[token]), top_logprobs(logprobs, work.logprobs))
+            scores, row = scored if scored is not None else (Scores(logits[None, :], work.logprobs), 0)
+            work.score = scores.of(row, token, work.logprobs)
         return token
+
+
+def _scored(logits: np.ndarray, rows: list[tuple[int, Work]]) -> dict[int, tuple]:
+    """The rows of a call whose requests (or their followers) ask for log-probabilities, scored
+    in one call: row → (``Scores``, its index there)."""
+    asking = [(row, max(w.logprobs for w in (work, *work.followers) if w.logprobs is not None))
+              for row, work in rows if np.ndim(logits) == 2
+              and any(w.logprobs is not None for w in (work, *work.followers))]
+    if not asking:
+        return {}
+    scores = Scores(logits[[row for row, _ in asking]], max(count for _, count in asking))
+    return {row: (scores, index) for index, (row, _) in enumerate(asking)}
 
 
 def _score_prompt(work: Work, rows: np.ndarray) -> None:
@@ -337,13 +353,12 @@ def _score_prompt(work: Work, rows: np.ndarray) -> None:
     ``work.fed`` on) predict: the logits at position p give the log-probability of token p + 1."""
     if np.ndim(rows) < 2:
         raise RuntimeError("the plan's call gave no logits to score the prompt with")
-    for offset, logits in enumerate(rows):
-        target = work.fed + offset + 1
-        if target >= len(work.prompt):
-            break
-        logprobs = log_softmax(logits)
-        token = work.prompt[target]
-        work.prompt_scores.append((token, float(logprobs[token]), top_logprobs(logprobs, work.logprobs)))
+    count = min(len(rows), len(work.prompt) - 1 - work.fed)
+    if count <= 0:
+        return
+    scores = Scores(rows[:count], work.logprobs)
+    for offset in range(count):
+        work.prompt_scores.append(scores.of(offset, work.prompt[work.fed + offset + 1], work.logprobs))
 
 
 def _window(stepper, works, feeds: dict, last: int, row: int | None):
