@@ -22,7 +22,7 @@ harness and meshplan's own requirements, and point ``--bin`` at meshplan's envir
 
 Printed: per task the requests the server answered, the largest difference of a
 log-likelihood from onnxruntime's, and the answers that differ; the exit status is 1 when
-any check fails.
+any check fails, 2 where the harness is not installed.
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def main() -> int:
         from lm_eval.models.openai_completions import LocalCompletionsAPI
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise SystemExit("lm-evaluation-harness is not installed here: pip install lm-eval (see --help)")
+        print("lm-evaluation-harness is not installed here: pip install 'lm-eval[api]' (see --help)", file=sys.stderr)
+        return 2
     import subprocess
 
     import serve as bench   # its Server (a process whose first lines say its address)

@@ -23,6 +23,7 @@ from conftest import BIN, REPO, run_cli
 BENCHMARKS = REPO / "benchmarks"
 SAMPLE = REPO / "sample_models" / "genai" / "llama_fp32"     # the 1 MB builder Llama
 GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+HARNESS = importlib.util.find_spec("lm_eval") is not None   # lm-evaluation-harness (lm_eval_check.py)
 TIMEOUT = 300
 
 
@@ -154,6 +155,12 @@ def check_serve(body, out, genai):
     assert genai or "genai-one      skipped: onnxruntime-genai is not installed" in out
 
 
+def check_lm_eval(body, out, genai):
+    assert body["meshplan_choice"]["requests"] == 8 and body["meshplan_choice"]["largest_difference"] < 1e-4
+    assert body["meshplan_until"]["requests"] == 2 and body["meshplan_until"]["texts_differ"] == 0
+    assert "every answer equals onnxruntime's" in out
+
+
 # script: (arguments, the check of its --json body and output, marks); {work} (a folder) and
 # {plan} (a 1x1 generation plan of the builder sample) are filled in; --json PATH is added
 CASES = {
@@ -193,6 +200,9 @@ CASES = {
     "serve": (["--folder", str(SAMPLE), "--workdir", "{work}", "--only", "continuous", "--only", "genai-one",
                "--only", "continuous-logprobs", "--logprobs", "2", "--max-length", "32", "--batch", "2", "--clients", "2", "--requests", "4", "--prompt-lengths", "4:8",
                "--new-tokens", "2:4"], check_serve, (pytest.mark.mpi,)),
+    # where lm-evaluation-harness is not installed (it is no dependency): one line, exit 2
+    "lm_eval_check": (["--workdir", "{work}", "--documents", "2", "--mesh", "1x1", "--bin", str(BIN)],
+                      check_lm_eval, (pytest.mark.mpi,)),
 }
 
 
@@ -251,6 +261,13 @@ def test_smallest_configuration(script, tmp_path, request):
         reason = unavailable_reason()
         if reason:
             pytest.skip(f"no emulated cluster here: {reason}")
+    if script == "lm_eval_check" and not HARNESS:
+        done = subprocess.run([sys.executable, str(BENCHMARKS / "lm_eval_check.py"), "--json", str(tmp_path / "o")],
+                              capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            "lm-evaluation-harness is not installed here: pip install 'lm-eval[api]' (see --help)"], done.stderr
+        assert not (tmp_path / "o").exists()
+        return
     run_case(script, tmp_path, request)
 
 
