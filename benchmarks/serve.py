@@ -24,7 +24,7 @@ costs on the time per output token.
 The server's overhead: once the continuous server has run, ``meshplan generate`` runs on
 its plan at its batch (``--batch`` prompts of the requests' mean lengths, greedy), and the
 time per output token p50 of the server's ``/metrics`` (its histogram, interpolated) is
-printed against the decode step of ``generate``.
+printed against the decode step of ``generate`` (the median of ``--generate-rounds`` runs).
 
 The model is a Llama in the builder's format of ``--gigabytes`` in float32
 (``sample_models.genai_large``, written into ``--workdir``), or the builder folder
@@ -238,21 +238,25 @@ def metric_quantile(url: str, name: str, q: float) -> float | None:
     return lower
 
 
-def generate_step(plan: Path, ranks: int, requests: list[dict], rows: int, workdir: Path) -> float | None:
+def generate_step(plan: Path, ranks: int, requests: list[dict], rows: int, workdir: Path,
+                  rounds: int = 3) -> float | None:
     """``meshplan generate``'s decode step (seconds) on ``plan`` at ``rows`` prompts of the
-    requests' mean prompt length and mean new tokens."""
+    requests' mean prompt length and mean new tokens: the median of ``rounds`` runs."""
     length = max(1, round(sum(len(r["prompt"]) for r in requests) / len(requests)))
     new = max(2, round(sum(r["max_tokens"] for r in requests) / len(requests)))
     prompts = [(r["prompt"] * length)[:length] for r in (requests * rows)[:rows]]
     ids, out = workdir / "generate_prompts.json", workdir / "generate.json"
     ids.write_text(json.dumps(prompts))
-    done = subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "generate", str(plan),
-                           "--prompt-ids", str(ids), "--max-new-tokens", str(new), "--output", str(out)],
-                          capture_output=True, text=True, cwd=REPO)
-    if done.returncode:
-        print(f"meshplan generate failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-        return None
-    return json.loads(out.read_text())["metrics"]["time_per_output_token_seconds"]
+    steps = []
+    for _ in range(rounds):
+        done = subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "generate", str(plan),
+                               "--prompt-ids", str(ids), "--max-new-tokens", str(new), "--output", str(out)],
+                              capture_output=True, text=True, cwd=REPO)
+        if done.returncode:
+            print(f"meshplan generate failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+            return None
+        steps.append(json.loads(out.read_text())["metrics"]["time_per_output_token_seconds"])
+    return percentile(steps, 50)
 
 
 def make_requests(count: int, vocab: int, prompt_lengths: tuple[int, int], new_tokens: tuple[int, int],
@@ -360,6 +364,8 @@ def main() -> int:
                                                           "n separate requests instead)")
     parser.add_argument("--logprobs", type=int, default=0, metavar="K",
                         help="also run the continuous server's requests asking logprobs K (continuous-logprobs)")
+    parser.add_argument("--generate-rounds", type=int, default=3,
+                        help="runs of meshplan generate whose median decode step the server is set against")
     parser.add_argument("--only", choices=SERVERS, action="append",
                         help="run only these servers (repeatable)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
@@ -468,7 +474,7 @@ def main() -> int:
     served = {r["server"]: r["tpot_metrics_p50_s"] for r in rows if r["output_tokens"] and r["tpot_metrics_p50_s"]}
     steps = []
     if "continuous" in served:   # the server's overhead: its step against generate's on the same plan
-        step = generate_step(plans[args.batch], ranks, requests, args.batch, workdir)
+        step = generate_step(plans[args.batch], ranks, requests, args.batch, workdir, args.generate_rounds)
         if step:
             steps.append({"server": "generate", "decode_step_s": step})
             print(f"meshplan generate at batch {args.batch}: decode step {step * 1e3:.2f} ms; the server's time per "

@@ -198,7 +198,7 @@ CASES = {
     "train": (["--smoke"], check_train, (pytest.mark.mpi, pytest.mark.slow)),
     # (meshplan-one is continuous's server on a plan of batch 1)
     "serve": (["--folder", str(SAMPLE), "--workdir", "{work}", "--only", "continuous", "--only", "genai-one",
-               "--only", "continuous-logprobs", "--logprobs", "2", "--max-length", "32", "--batch", "2", "--clients", "2", "--requests", "4", "--prompt-lengths", "4:8",
+               "--only", "continuous-logprobs", "--logprobs", "2", "--generate-rounds", "1", "--max-length", "32", "--batch", "2", "--clients", "2", "--requests", "4", "--prompt-lengths", "4:8",
                "--new-tokens", "2:4"], check_serve, (pytest.mark.mpi,)),
     # where lm-evaluation-harness is not installed (it is no dependency): one line, exit 2
     "lm_eval_check": (["--workdir", "{work}", "--documents", "2", "--mesh", "1x1", "--bin", str(BIN)],

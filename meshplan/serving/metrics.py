@@ -6,9 +6,10 @@ import time
 from collections import deque
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
-# fine below 10 ms: a decode step takes 0.1-1 ms on a GPU or a small model, and the p50 is read from these
-TPOT_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
-                0.05, 0.1, 0.25, 0.5, 1)
+# about 1.25-1.5x apart from 0.1 ms to 0.1 s: a decode step takes 0.1-1 ms on a GPU or a small model, tens of
+# milliseconds for a larger one on a CPU, and the p50 is read from these
+TPOT_BUCKETS = (0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004,
+                0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
 WINDOW_SECONDS = 10.0    # tokens/s is measured over this much of the recent past
 
 
