@@ -60,7 +60,8 @@ class EngineEnd(_Sender):
         self.works: dict[int, list[Work]] = {}
         self.outbox: list = []
         self.told_stopping = False
-        self.gone = threading.Event()    # the front closed the connection
+        self.gone = threading.Event()    # the front closed the connection, or the link failed
+        self.failure: str | None = None  # what failed, where it did
 
     def start(self) -> None:
         threading.Thread(target=self._read, name="front-link", daemon=True).start()
@@ -80,6 +81,8 @@ class EngineEnd(_Sender):
                     self.send(("metrics", message[1], self.metrics.text()))
         except (EOFError, OSError):
             pass
+        except Exception as exc:   # (a message it cannot read: the server cannot go on as it should)
+            self.failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         self.gone.set()
         self.engine.wake.set()
 
@@ -174,7 +177,10 @@ class EngineLink(_Sender):
             found = self._answers.pop(ident, None)
         if found is not None:
             loop, future = found
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
+            except RuntimeError:   # (its loop has closed)
+                pass
 
     def _read(self) -> None:
         try:
@@ -205,7 +211,10 @@ class EngineLink(_Sender):
             answers, self._answers = list(self._answers.values()), {}
             works, self._works = [w for ws in self._works.values() for w in ws if w.finished is None], {}
         for loop, future in answers:
-            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(Stopping()))
+            try:
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(Stopping()))
+            except RuntimeError:   # (its loop has closed)
+                pass
         for work in works:
             work.emit(("error", "the job ended", 500))
         self.closed.set()

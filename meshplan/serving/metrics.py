@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -44,19 +45,22 @@ class ServerMetrics:
                                  registry=r)
         self._recent: deque = deque()   # (time, tokens) of the window's steps
         self._in_window = 0             # their tokens
+        self._lock = threading.Lock()   # (the engine adds, whoever reads the text drops)
 
     def tokens(self, count: int) -> None:
         """``count`` tokens generated now (once a step: the window's sum is kept as it goes)."""
         self.output_tokens.inc(count)
         now = time.monotonic()
-        self._recent.append((now, count))
-        self._in_window += count
+        with self._lock:
+            self._recent.append((now, count))
+            self._in_window += count
         self._update(now)
 
     def _update(self, now: float) -> None:
-        while self._recent and self._recent[0][0] < now - WINDOW_SECONDS:
-            self._in_window -= self._recent.popleft()[1]
-        self.rate.set(self._in_window / WINDOW_SECONDS)
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - WINDOW_SECONDS:
+                self._in_window -= self._recent.popleft()[1]
+            self.rate.set(self._in_window / WINDOW_SECONDS)
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest

@@ -189,6 +189,8 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     front_ended = end.gone.is_set()
     _stop_front(process, end)
     job.close()
+    if end.failure is not None:
+        raise RunError(f"the link to the HTTP server failed: {end.failure}")
     if front_ended:
         raise RunError("the HTTP server stopped on its own")
     return 0
