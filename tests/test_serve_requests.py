@@ -290,6 +290,7 @@ def test_over_the_link_a_full_queue_is_a_429_and_a_client_gone_frees_its_slot():
         assert served.metrics.running._value.get() == 0
         status, text = http_get(served.port, "/metrics")
         assert status == 200 and b'meshplan_requests_total{outcome="cancelled"} 1.0' in text, text[-600:]
+        assert not served.link._works and not served.end.works   # nothing held for requests that ended
     finally:
         served.close()
 

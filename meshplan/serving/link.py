@@ -60,6 +60,7 @@ class EngineEnd(_Sender):
         self.works: dict[int, list[Work]] = {}
         self.outbox: list = []
         self.told_stopping = False
+        self.sweep = False               # some request may have ended since the last turn
         self.gone = threading.Event()    # the front closed the connection, or the link failed
         self.failure: str | None = None  # what failed, where it did
 
@@ -77,6 +78,7 @@ class EngineEnd(_Sender):
                     works = self.works.get(message[1])
                     if works is not None and message[2] < len(works):
                         self.engine.cancel(works[message[2]], message[3])
+                        self.sweep = True
                 elif kind == "metrics":
                     self.send(("metrics", message[1], self.metrics.text()))
         except (EOFError, OSError):
@@ -111,13 +113,15 @@ class EngineEnd(_Sender):
         if self.engine.stopping and not self.told_stopping:
             self.send(("stopping",))
             self.told_stopping = True
-        if not self.outbox:
-            return
-        events, self.outbox[:] = list(self.outbox), []
-        self.send(("events", events))
-        for ident, works in list(self.works.items()):   # (the reader adds requests meanwhile)
-            if all(w.finished is not None or w.cancelled for w in works):
-                self.works.pop(ident, None)
+        if self.outbox:
+            events, self.outbox[:] = list(self.outbox), []
+            self.send(("events", events))
+            self.sweep = True
+        if self.sweep:   # requests that ended (or that the front ended) are no more the link's
+            self.sweep = False
+            for ident, works in list(self.works.items()):   # (the reader adds requests meanwhile)
+                if all(w.finished is not None or w.cancelled for w in works):
+                    self.works.pop(ident, None)
 
     def close(self) -> None:
         self.flush()
@@ -155,8 +159,19 @@ class EngineLink(_Sender):
             raise QueueFull() if outcome == "full" else Stopping()
 
     def cancel(self, work: Work, reason: str = "cancelled") -> None:
+        """The engine stops the choice; no event of it is awaited any more (the engine sends
+        none for what the front ended)."""
         ident, index = work.link
         self.send(("cancel", ident, index, reason))
+        work.finished = work.finished or reason
+        self._forget(ident)
+
+    def _forget(self, ident: int) -> None:
+        """A request whose every choice has ended."""
+        with self._lock:
+            works = self._works.get(ident)
+            if works is not None and all(w.finished is not None for w in works):
+                del self._works[ident]
 
     async def text(self) -> bytes:
         """The engine's metrics, as Prometheus text."""
@@ -195,9 +210,7 @@ class EngineLink(_Sender):
                         works[index].emit(event)
                         if event[0] in ("done", "error"):
                             works[index].finished = event[1] if event[0] == "done" else "error"
-                            if all(w.finished is not None for w in works):
-                                with self._lock:
-                                    self._works.pop(ident, None)
+                            self._forget(ident)
                 elif kind in ("submitted", "metrics"):
                     self._answer(message[1], message[2])
                 elif kind == "stopping":
