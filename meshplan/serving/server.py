@@ -23,8 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from meshplan.errors import RunError
@@ -34,8 +33,9 @@ from meshplan.model.llm import ModelFolder
 from meshplan.runtime.threads import ThreadChoice, rank_cores
 from meshplan.serving.batching import SlotBatch, Work, batch_for
 from meshplan.serving.chat import ChatTemplate
+from meshplan.serving.front import START_SECONDS as HTTP_START_SECONDS
 
-START_SECONDS = 30      # the HTTP server must be up within this
+START_SECONDS = HTTP_START_SECONDS + 30   # the front must say it serves within this (its imports, its tokenizer)
 
 
 @dataclass
