@@ -57,6 +57,8 @@ def serve(ctx, plan_dir, host, port, max_queue, prefill_chunk, prefix_cache, mod
             threads = info.threads[rank] if rank < len(info.threads) else None
             click.echo(f"rank {rank}: pid {pid}, weights {_size(weights)}, key/value cache {_size(cache)}"
                        + (f"; {threads.describe()}" if threads is not None else ""))
+        if info.front_pid is not None:
+            click.echo(f"HTTP front: pid {info.front_pid} (requests, text and streams; rank 0's engine steps the job)")
         sys.stdout.flush()
 
     with rank_guard(debugging(ctx)):

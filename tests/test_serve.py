@@ -625,6 +625,7 @@ def test_the_front_is_a_process_of_its_own_that_ends_with_the_job(batch4):
     with Served(batch4, 2) as served:
         fronts = front_pids(served.mark)
         assert len(fronts) == 1 and fronts[0] not in served.pids.values(), (fronts, served.pids)
+        assert f"HTTP front: pid {fronts[0]} " in served.output
         answer = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
         assert answer.choices[0].finish_reason == "length"
         os.kill(fronts[0], signal.SIGKILL)

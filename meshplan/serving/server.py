@@ -66,6 +66,7 @@ class Started:
     cache_bytes: list[int] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
     threads: list = field(default_factory=list)
+    front_pid: int | None = None     # the HTTP front's process
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -177,7 +178,8 @@ def _drive(job, held: dict, options: Options, sock, loading: float, memory, pids
     if on_started is not None:
         on_started(Started(f"http://{host}:{port}", name, job.size, batch.rows, isinstance(batch, SlotBatch),
                            shape.context, time.perf_counter() - loading, [int(r[1]) for r in memory], cache,
-                           list(pids), [ThreadChoice.from_row(r[2:]) if r[2] else None for r in memory]))
+                           list(pids), [ThreadChoice.from_row(r[2:]) if r[2] else None for r in memory],
+                           process.pid))
     try:
         engine.run(stop, hurry, after=end.flush)
     except Exception as exc:   # every request has its error (``Engine.fail_all``): they go out, the job ends
