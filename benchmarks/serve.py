@@ -201,15 +201,20 @@ def load(url: str, requests: list[dict], clients: int, pid: int | None = None) -
             "rss_end_mb": samples[-1][1] / 2**20 if samples else 0.0}
 
 
-def metric(url: str, name: str) -> float:
-    """A counter of the server's /metrics (0 where it has none: another server)."""
+def metrics_text(url: str) -> str:
+    """The server's /metrics ("" where it answers none)."""
     parts = urlparse(url)
     try:
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
         connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
+        return connection.getresponse().read().decode()
     except (OSError, http.client.HTTPException):
-        return 0.0
+        return ""
+
+
+def metric(url: str, name: str) -> float:
+    """A counter of the server's /metrics (0 where it has none: another server)."""
+    text = metrics_text(url)
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -217,13 +222,7 @@ def metric(url: str, name: str) -> float:
 def metric_quantile(url: str, name: str, q: float) -> float | None:
     """The ``q`` quantile of a histogram of the server's /metrics, interpolated within its
     bucket as Prometheus's ``histogram_quantile`` does (None where it has no samples)."""
-    parts = urlparse(url)
-    try:
-        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
-    except (OSError, http.client.HTTPException):
-        return None
+    text = metrics_text(url)
     buckets = sorted((float(le), float(count)) for le, count in
                      re.findall(rf'^{re.escape(name)}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M))
     if not buckets or buckets[-1][1] == 0:

@@ -191,11 +191,7 @@ class EngineLink(_Sender):
         with self._lock:
             found = self._answers.pop(ident, None)
         if found is not None:
-            loop, future = found
-            try:
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
-            except RuntimeError:   # (its loop has closed)
-                pass
+            _settle(*found, value)
 
     def _read(self) -> None:
         try:
@@ -224,10 +220,19 @@ class EngineLink(_Sender):
             answers, self._answers = list(self._answers.values()), {}
             works, self._works = [w for ws in self._works.values() for w in ws if w.finished is None], {}
         for loop, future in answers:
-            try:
-                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(Stopping()))
-            except RuntimeError:   # (its loop has closed)
-                pass
+            _settle(loop, future, Stopping())
         for work in works:
             work.emit(("error", "the job ended", 500))
         self.closed.set()
+
+
+def _settle(loop, future, value) -> None:
+    """An awaited answer, on its loop's thread (an exception is raised there); dropped once
+    that loop has closed."""
+    def settle() -> None:
+        if not future.done():
+            (future.set_exception if isinstance(value, BaseException) else future.set_result)(value)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
