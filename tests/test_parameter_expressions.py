@@ -290,3 +290,41 @@ def test_tied_gpt2_on_devices_holding_30_percent(tmp_path):
     rng = np.random.default_rng(2)
     inputs = {"input_ids": rng.integers(0, VOCAB, size=(4, 16), dtype=np.int64)}
     check_against_onnxruntime(plan, plan_dir, inputs, tmp_path)
+
+
+@pytest.mark.parametrize("memory", [80e9, None], ids=["roomy", "tight"])
+def test_chain_tables_of_every_start_equal_each_stages_own_chain(memory):
+    """The stage DP's tables come from one chain pass over the layers with every start
+    layer as a row (``chain_tables``); each entry equals the chain of that one stage
+    (``IntraOpPass.stage``), the tied table's slices counted once along each path, and
+    on devices too small for the fastest layouts the memory-lean ones (tight: a memory
+    between the smallest and the largest stage's fastest weights)."""
+    from dataclasses import replace
+
+    from meshplan.cost.analytic import CostModel
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.intra.intra_op import IntraOpPass
+    from meshplan.model.layers import cluster_layers
+
+    model = infer_shapes(fix_dims(tied_gpt2(layers=3), {"batch": 4}))
+    graph, constants = build_graph(model), small_constants(model)
+    cluster = make_cluster((1, 4), "cpu")
+    cost_model = CostModel(cluster)
+    layering = cluster_layers(graph, cost_model.graph_seconds(graph), 8)
+    L = layering.num_layers
+    roomy = IntraOpPass(graph, layering, cost_model, cluster, constants)
+    seconds, weights = roomy.stage_tables((1, 4), (1, 4), 80e9)
+    assert any(roomy._solutions((1, 4), (1, 4), False)(layer, "R", "R").slices for layer in range(L))   # the tie
+    if memory is None:
+        memory = float(np.median(weights[np.isfinite(weights)]))
+    intra = IntraOpPass(graph, layering, cost_model, replace(cluster, device=replace(cluster.device, memory_bytes=memory)),
+                        constants)
+    seconds, weights = intra.stage_tables((1, 4), (1, 4))
+    lean = 0
+    for i in range(L):
+        assert np.all(np.isinf(seconds[i, :i])) and np.all(np.isinf(weights[i, :i]))
+        for j in range(i, L):
+            want = intra.stage(i, j + 1, (1, 4), (1, 4))
+            assert (seconds[i, j], weights[i, j]) == (want.seconds, want.param_bytes), (i, j)
+            lean += want.lean
+    assert bool(lean) == (memory < 80e9)

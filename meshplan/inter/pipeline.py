@@ -164,8 +164,10 @@ def plan_pipeline(
 
     The stage DP runs with idle devices allowed (``policy_settings``) and the small-stage
     rule, once for each region of the mesh (``regions``), each with the sends it would
-    have there; every solution is placed, connected and estimated, and the fastest kept
-    (the smallest region on a tie). Devices it leaves out are idle, and the plan says why:
+    have there (a region cut into the whole mesh's layers, with its sends, is searched by
+    the whole mesh's DP already: only its one-stage plan is added); every solution is
+    placed, connected and estimated, and the fastest kept (the smallest region on a tie).
+    The cost tables of a region cover its own submeshes only. Devices it leaves out are idle, and the plan says why:
     the best plan that uses every device, and its estimate.
 
     ``hints`` pin operators' strategies and force stage cuts (``inter.hints``); a hinted
@@ -180,6 +182,7 @@ def plan_pipeline(
     cost_model = cost_model or CostModel(cluster)
     node_seconds = cost_model.graph_seconds(graph)
     bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts, StageWindows]] = {}
+    cuts: dict[int, Layering] = {}   # device count → its layering (``choose_layering`` depends on no more)
 
     def sharding_pass(cut: Layering) -> IntraOpPass:
         return IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy,
@@ -190,10 +193,10 @@ def plan_pipeline(
         cluster of its own) is cut into, with their sharding pass, stage costs and the
         windows its chosen stages are solved again in: a region keeps the layers it would
         have alone, so that its plan is the submesh's plan."""
-        if options.num_layers:
-            cut = cluster_layers(graph, node_seconds, options.num_layers)
-        else:
-            cut = choose_layering(graph, node_seconds, area, constants)
+        if area.num_devices not in cuts:
+            cuts[area.num_devices] = cluster_layers(graph, node_seconds, options.num_layers) if options.num_layers \
+                else choose_layering(graph, node_seconds, area, constants)
+        cut = cuts[area.num_devices]
         if hints is not None:
             cut = hints.layering(cut)
         if cut.bounds not in bundles:
@@ -223,16 +226,19 @@ def plan_pipeline(
         submeshes (indices into ``submeshes``), on the region's own layers, in at most
         ``stages`` stages."""
         nonlocal dp_seconds, solves
-        chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]]
+        chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]
+                  and (idle_devices or stages != 1 or n * m == region[0] * region[1])]
+        if not chosen:
+            return None
+        kept = [submeshes[k] for k in chosen]
         _, _, area_costs, _ = region_bundle(region)
-        seconds, params, acts = area_costs.tables(submeshes, across_hosts=cluster.hosts > 1 and region[0] > 1)
+        seconds, params, acts = area_costs.tables(kept, across_hosts=cluster.hosts > 1 and region[0] > 1)
         if hints is not None:
-            seconds = hints.mask(seconds, submeshes, region_bundle(region)[0])
-        pick = np.array(chosen)
+            seconds = hints.mask(seconds, kept, region_bundle(region)[0])
         began = time.perf_counter()
         try:
             solution = solve_stages(
-                seconds[:, :, pick], params[:, :, pick], acts[:, :, pick], memory,
+                seconds, params, acts, memory,
                 np.array([submeshes[k][0] * submeshes[k][1] for k in chosen]), region[0] * region[1],
                 options.microbatches, max_stages=stages, idle_devices=idle_devices,
                 min_stage_fraction=MIN_STAGE_FRACTION)
@@ -250,6 +256,13 @@ def plan_pipeline(
         return built
 
     whole = cluster.mesh
+
+    def covered(region: tuple[int, int]) -> bool:
+        """Whether the whole mesh's DP (idle devices allowed) already searched every plan of
+        ``region``: the same layers, the same sends (both across hosts, or both inside one)."""
+        return (idle and region_bundle(region)[0].bounds == layering.bounds
+                and (region[0] > 1) == (cluster.hosts > 1))
+
     areas = regions(cluster, submeshes, idle) if hints is None else [whole]
     first = solve(whole, idle)
     if first is None:
@@ -260,12 +273,15 @@ def plan_pipeline(
     found: dict[tuple, _Built] = {}
     best = None
     for region in areas:
-        solution = first if region == whole else solve(region, True)
-        if solution is None:
-            continue
+        if region == whole:
+            solution = first
+        elif covered(region):
+            solution = None
+        else:
+            solution = solve(region, True)
         candidates = [solution]
-        if len(solution.stages) > 1 or sum(submeshes[c.submesh][0] * submeshes[c.submesh][1]
-                                           for c in solution.stages) < region[0] * region[1]:
+        if solution is None or len(solution.stages) > 1 or sum(
+                submeshes[c.submesh][0] * submeshes[c.submesh][1] for c in solution.stages) < region[0] * region[1]:
             # one stage over the whole region as well: the DP costs stages by their layers'
             # chain, and a stage solved again in windows (``_build``) can beat its choice
             candidates.append(solve(region, False, 1))

@@ -62,6 +62,7 @@ class StageCosts:
         self.layering = layering
         self.cost_model = cost_model
         self._work_cache: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._facts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         bounds = np.asarray(layering.bounds)
         self.num_layers = layering.num_layers
         seconds = np.asarray(node_seconds, dtype=np.float64)
@@ -162,11 +163,11 @@ class StageCosts:
         Entry [i, j, s, k] is the stage of layers i..j inclusive on submesh s under its
         k-th logical mesh; K is the largest number of views of any submesh (missing views
         are infeasible). The same numbers as ``stage_cost``, built row by row: one pass
-        over the layers per start layer and view (``IntraOpPass.stage_row``). ``memory``
+        over the layers per view, every start layer at once (``IntraOpPass.stage_tables``). ``memory``
         is the device memory that decides between a stage's fastest and memory-lean
         layouts (default the cluster's); ``across_hosts`` as in ``send_seconds``. The work
-        of each entry is kept per memory, so tables that differ only in their sends cost
-        one pass.
+        of each submesh is kept per memory, so tables that differ only in their sends or
+        in which submeshes they list cost one pass per submesh.
         """
         work, params, acts = self._work_tables(tuple(submeshes), memory)
         L = self.num_layers
@@ -174,47 +175,63 @@ class StageCosts:
         return work + send[None, :, None, None], params, acts
 
     def _work_tables(self, submeshes: tuple[tuple[int, int], ...], memory: float | None):
-        """``tables`` without the sends (seconds of each stage's own work)."""
-        key = (submeshes, memory)
+        """``tables`` without the sends (seconds of each stage's own work), assembled from
+        one table per submesh: a region asks for its own submeshes only, and never pays for
+        the larger ones it cannot hold."""
+        parts = [self._submesh_work(submesh, memory) for submesh in submeshes]
+        L = self.num_layers
+        shape = (L, L, len(submeshes), max(part[0].shape[2] for part in parts))
+        tables = tuple(np.full(shape, np.inf) for _ in range(3))
+        for s, part in enumerate(parts):
+            for table, values in zip(tables, part):
+                table[:, :, s, :values.shape[2]] = values
+        return tables
+
+    def _submesh_work(self, submesh: tuple[int, int], memory: float | None):
+        """(L, L, K) seconds, parameter bytes and activation bytes of every stage on
+        ``submesh`` under each of its K logical meshes, kept per memory."""
+        key = (submesh, memory)
         cache = self._work_cache
         if key in cache:
             return cache[key]
         L = self.num_layers
-        views = [logical_meshes(s) for s in submeshes]
-        shape = (L, L, len(submeshes), max(len(v) for v in views))
-        seconds = np.full(shape, np.inf)
-        params = np.full(shape, np.inf)
-        acts = np.full(shape, np.inf)
-        peak = np.full((L, L), -np.inf)                     # [i, j]: largest layer peak of i..j
-        for i in range(L):
-            peak[i, i:] = np.maximum.accumulate(self._layer_peak[i:])
-        activations = peak + self._cut_peak[:L, None]       # + what enters the stage
-        state = self._state_prefix[None, 1:] - self._state_prefix[:L, None]   # [i, j]: state made in i..j
-        feasible = np.triu(np.ones((L, L), dtype=bool))
-        first, last = np.arange(L)[:, None], np.arange(L)[None, :]
-        for lo, hi in self._state_spans:   # a stage holds all of a state's readers and makers or none
-            feasible &= ~((first <= hi) & (last >= lo) & ~((first <= lo) & (last >= hi)))
-        for s, submesh in enumerate(submeshes):
-            devices = submesh[0] * submesh[1]
-            for k, logical in enumerate(views[s]):
-                if submesh == (1, 1):
-                    work = self._seconds_prefix[None, 1:] - self._seconds_prefix[:L, None]
-                    seconds[:, :, s, k] = np.where(feasible, work, np.inf)
-                    params[:, :, s, k] = np.where(feasible, self._range_param_bytes() + state, np.inf)
-                    acts[:, :, s, k] = np.where(feasible, activations, np.inf)
-                    continue
-                if self.intra_op is None:
-                    continue
-                for i in range(L):
-                    if not feasible[i].any():   # inside a state's span: no stage starts here
-                        continue
-                    for j, (secs, weights) in enumerate(self.intra_op.stage_row(i, submesh, logical, memory), start=i):
-                        if feasible[i, j]:
-                            seconds[i, j, s, k] = secs
-                            params[i, j, s, k] = weights   # state counted in the layout it is made in
-                            acts[i, j, s, k] = activations[i, j] / devices
+        views = logical_meshes(submesh)
+        seconds, params, acts = (np.full((L, L, len(views)), np.inf) for _ in range(3))
+        activations, state, feasible = self._range_facts()
+        devices = submesh[0] * submesh[1]
+        for k, logical in enumerate(views):
+            if submesh == (1, 1):
+                work = self._seconds_prefix[None, 1:] - self._seconds_prefix[:L, None]
+                seconds[:, :, k] = np.where(feasible, work, np.inf)
+                params[:, :, k] = np.where(feasible, self._range_param_bytes() + state, np.inf)
+                acts[:, :, k] = np.where(feasible, activations, np.inf)
+                continue
+            if self.intra_op is None:
+                continue
+            secs, weights = self.intra_op.stage_tables(submesh, logical, memory)
+            seconds[:, :, k] = np.where(feasible, secs, np.inf)
+            params[:, :, k] = np.where(feasible, weights, np.inf)   # state counted in the layout it is made in
+            acts[:, :, k] = np.where(feasible, activations / devices, np.inf)
         cache[key] = (seconds, params, acts)
         return cache[key]
+
+    def _range_facts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[i, j] over the ranges of layers i..j: activation bytes on one device (the
+        largest layer peak and what enters), state made, and whether a stage may hold the
+        range (all of a state's readers and makers or none)."""
+        if self._facts is None:
+            L = self.num_layers
+            peak = np.full((L, L), -np.inf)                     # [i, j]: largest layer peak of i..j
+            for i in range(L):
+                peak[i, i:] = np.maximum.accumulate(self._layer_peak[i:])
+            activations = peak + self._cut_peak[:L, None]       # + what enters the stage
+            state = self._state_prefix[None, 1:] - self._state_prefix[:L, None]
+            feasible = np.triu(np.ones((L, L), dtype=bool))
+            first, last = np.arange(L)[:, None], np.arange(L)[None, :]
+            for lo, hi in self._state_spans:
+                feasible &= ~((first <= hi) & (last >= lo) & ~((first <= lo) & (last >= hi)))
+            self._facts = (activations, state, feasible)
+        return self._facts
 
     def _range_param_bytes(self) -> np.ndarray:
         """[i, j]: ``param_bytes(i, j + 1)`` for every range (each weight counted once)."""

@@ -1,13 +1,17 @@
 """A stage's cost as a chain DP over its layers' boundary layouts.
 
-``Chain`` extends the DP one layer at a time, so that the costs of every stage starting at
-one layer (``start..start``, ``start..start+1``, …) come from one pass over the layers
-instead of one pass per stage: the cost tables of the stage DP need all of them."""
+``Chain`` extends the DP one layer at a time for one stage (``best_chain``).
+``chain_tables`` runs the same DP for every start layer at once, as arrays: the cost
+tables of the stage DP need every stage ``i..j``, and one pass over the layers with the
+starts as rows gives all of them (the same sums in the same order, so the same numbers
+as ``Chain``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerSolution
 from meshplan.intra.operator_cost import held_bytes
@@ -23,10 +27,11 @@ class StageSharding:
     lean: bool = False
 
 
-def _tied(seconds: float) -> float:
+def _tied(seconds):
     """Seconds to the picosecond: layouts whose sums differ by rounding alone tie, and the
-    first boundary kind (replicated) is kept, whichever order the sums were made in."""
-    return round(seconds, 12)
+    first boundary kind (replicated) is kept, whichever order the sums were made in.
+    (numpy's rounding, for scalars and the arrays of ``chain_tables`` alike.)"""
+    return np.round(seconds, 12)
 
 
 class Chain:
@@ -78,3 +83,63 @@ def best_chain(layers: range, solution: Callable[[int, str, str], LayerSolution]
     for layer in layers:
         chain.extend(layer)
     return chain.result()
+
+
+def chain_tables(num_layers: int, solution: Callable[[int, str, str], LayerSolution], lean: bool,
+                 first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(L, L) arrays: [i, j] is ``best_chain(range(i, j + 1), …)``'s seconds and weight bytes
+    per device, for every start ``i >= first`` (other entries inf).
+
+    The state of every start is a row: extending by a layer updates the rows of the starts
+    at or before it in a few array operations, where ``Chain`` would take one Python pass
+    per start. Weights read by several layers (``slices``) count once per layout along a
+    row's path: each row keeps the id of its set of slices, and a new set is made only where
+    a layer adds slices the set lacks."""
+    L, kinds = num_layers, len(BOUNDARY_KINDS)
+    seconds = np.full((L, L), np.inf)
+    weights = np.full((L, L), np.inf)
+    best_seconds = np.zeros((L, kinds))    # [start, kind the layers so far leave in]
+    best_bytes = np.zeros((L, kinds))
+    best_set = np.zeros((L, kinds), dtype=np.int64)
+    sets: list[dict] = [{}]                # id → slices; id 0 holds none
+    ids = {frozenset(): 0}                 # each distinct set once
+    held = [0.0]
+    grown: dict[tuple[int, int], int] = {}   # (set id, id of a layer's solution) → the set with its slices
+    for layer in range(first, L):
+        rows = slice(first, layer + 1)
+        found = [[solution(layer, b_in, b_out) for b_out in BOUNDARY_KINDS] for b_in in BOUNDARY_KINDS]
+        step_seconds = np.array([[f.seconds for f in row] for row in found])       # [b_in, b_out]
+        step_bytes = np.array([[f.param_bytes for f in row] for row in found])
+        totals = best_seconds[rows, :, None] + step_seconds[None]                 # [start, b_in, b_out]
+        pick = np.argmin(_tied(totals), axis=1)                                    # [start, b_out]: b_in
+        new_seconds = np.take_along_axis(totals, pick[:, None, :], axis=1)[:, 0, :]
+        new_bytes = np.take_along_axis(best_bytes[rows, :, None] + step_bytes[None], pick[:, None, :], axis=1)[:, 0, :]
+        new_set = np.take_along_axis(best_set[rows], pick, axis=1)
+        for a in range(kinds):
+            for b in range(kinds):
+                step = found[a][b]
+                if not step.slices:
+                    continue
+                chosen = np.flatnonzero(pick[:, b] == a)
+                olds, inverse = np.unique(new_set[chosen, b], return_inverse=True)
+                for n, old in enumerate(olds):
+                    key = (int(old), id(step))
+                    if key not in grown:
+                        if step.slices.keys() <= sets[old].keys():   # (a slice's bytes never vary)
+                            grown[key] = int(old)
+                        else:
+                            union = {**sets[old], **step.slices}
+                            frozen = frozenset(union)
+                            if frozen not in ids:
+                                ids[frozen] = len(sets)
+                                sets.append(union)
+                                held.append(held_bytes(union))
+                            grown[key] = ids[frozen]
+                    olds[n] = grown[key]
+                new_set[chosen, b] = olds[inverse]
+        best_seconds[rows], best_bytes[rows], best_set[rows] = new_seconds, new_bytes, new_set
+        end = np.argmin(_tied(new_seconds), axis=1)[:, None]
+        seconds[rows, layer] = np.take_along_axis(new_seconds, end, axis=1)[:, 0]
+        weights[rows, layer] = (np.take_along_axis(new_bytes, end, axis=1)[:, 0]
+                                + np.asarray(held)[np.take_along_axis(new_set, end, axis=1)[:, 0]])
+    return seconds, weights

@@ -192,34 +192,45 @@ def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NO
     model.threads = 1
     if solver == "cbc":
         model.seed = 0
+    # Expressions are built from (variables, coefficients) lists: the same rows, columns
+    # and order as summing terms, without an expression object per term.
+    linexpr = mip.LinExpr
     s = {}
-    objective = []
+    variables, coefficients = [], []          # the objective
     for i in range(len(nodes)):
         if i in fixed:
             continue
-        for k in np.flatnonzero(allowed[i]):
+        choices = np.flatnonzero(allowed[i]).tolist()
+        for k in choices:
             s[i, k] = model.add_var(var_type=mip.BINARY, name=f"s_{i}_{k}")
             if linear[i][k]:
-                objective.append(float(linear[i][k]) * s[i, k])
-        model.add_constr(mip.xsum(s[i, k] for k in np.flatnonzero(allowed[i])) == 1, name=f"one_{i}")
+                variables.append(s[i, k])
+                coefficients.append(float(linear[i][k]))
+        model.add_constr(linexpr([s[i, k] for k in choices], [1] * len(choices), const=-1, sense="="), name=f"one_{i}")
     for (a, b), costs in merged.items():
-        pairs = [(p, q) for p in np.flatnonzero(allowed[a]) for q in np.flatnonzero(allowed[b])]
-        finite = [(p, q) for p, q in pairs if np.isfinite(costs[p, q])]
+        rows, cols = np.flatnonzero(allowed[a]).tolist(), np.flatnonzero(allowed[b]).tolist()
+        finite = [(p, q) for p in rows for q in cols if np.isfinite(costs[p, q])]
         if not finite:
             raise PlanError(f"no compatible strategies between '{nodes[a].name}' and '{nodes[b].name}'")
         e = {(p, q): model.add_var(lb=0.0, ub=1.0, name=f"e_{a}_{b}_{p}_{q}") for p, q in finite}
         # Marginals: the pair variables of row p sum to s_v(p), of column q to s_u(q). With
         # one-hot s this makes e the product; a choice with no finite partner gets 0.
-        for p in np.flatnonzero(allowed[a]):
-            model.add_constr(mip.xsum(e[p, q] for q in np.flatnonzero(allowed[b]) if (p, q) in e) == s[a, p])
-        for q in np.flatnonzero(allowed[b]):
-            model.add_constr(mip.xsum(e[p, q] for p in np.flatnonzero(allowed[a]) if (p, q) in e) == s[b, q])
-        objective.extend(float(costs[p, q]) * e[p, q] for p, q in finite if costs[p, q])
+        for p in rows:
+            row = [e[p, q] for q in cols if (p, q) in e]
+            model.add_constr(linexpr(row + [s[a, p]], [1] * len(row) + [-1], sense="="))
+        for q in cols:
+            col = [e[p, q] for p in rows if (p, q) in e]
+            model.add_constr(linexpr(col + [s[b, q]], [1] * len(col) + [-1], sense="="))
+        for p, q in finite:
+            if costs[p, q]:
+                variables.append(e[p, q])
+                coefficients.append(float(costs[p, q]))
     if problem.memory_limit is not None:
         fixed_memory = sum(float(nodes[i].memory[k]) for i, k in fixed.items() if nodes[i].memory is not None)
-        terms = [float(nodes[i].memory[k]) * var for (i, k), var in s.items() if nodes[i].memory is not None]
-        model.add_constr(mip.xsum(terms) <= problem.memory_limit - fixed_memory, name="memory")
-    model.objective = mip.xsum(objective) if objective else mip.LinExpr()
+        held = [(var, float(nodes[i].memory[k])) for (i, k), var in s.items() if nodes[i].memory is not None]
+        model.add_constr(linexpr([v for v, _ in held], [c for _, c in held],
+                                 const=-(problem.memory_limit - fixed_memory), sense="<"), name="memory")
+    model.objective = linexpr(variables, coefficients)
     status = model.optimize(max_seconds=time_limit, max_nodes=max_nodes)
     warning = None
     if status == mip.OptimizationStatus.FEASIBLE:

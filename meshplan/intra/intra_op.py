@@ -25,7 +25,7 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.errors import PlanError
 from meshplan.model.layers import Layering
 from meshplan.intra import ilp
-from meshplan.intra.chain import Chain, StageSharding, best_chain
+from meshplan.intra.chain import StageSharding, best_chain, chain_tables
 from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
@@ -82,6 +82,7 @@ class IntraOpPass:
         self._layer_dims: dict[int, tuple] = {}
         self._views: dict[tuple, tuple] = {}
         self._by_view: dict[tuple, dict] = {}
+        self._fast_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     # --- one layer ------------------------------------------------------------------
 
@@ -243,24 +244,30 @@ class IntraOpPass:
 
         return solution
 
-    def stage_row(self, start: int, submesh: tuple[int, int], logical: tuple[int, int], memory: float | None = None):
-        """``(seconds, param_bytes)`` of ``stage(start, stop, …, memory)`` for stop = start + 1 … L,
-        in order, from one pass over the layers (the same numbers ``stage`` gives)."""
-        fast = Chain(self._solutions(submesh, logical, False), False)
-        lean = None
+    def stage_tables(self, submesh: tuple[int, int], logical: tuple[int, int],
+                     memory: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(L, L) seconds and weight bytes per device: [i, j] is ``stage(i, j + 1, …, memory)``
+        for every stage of the layering (inf for j < i), from one pass over the layers
+        (``chain_tables``). Where a stage's fastest layouts do not fit ``memory``, its
+        memory-lean ones are taken, solved only from the first start that needs them."""
         memory = self.cluster.device.memory_bytes if memory is None else memory
-        for layer in range(start, self.layering.num_layers):
-            fast.extend(layer)
-            if lean is not None:
-                lean.extend(layer)
-            totals = fast.totals()
-            if totals[1] > memory:
-                if lean is None:
-                    lean = Chain(self._solutions(submesh, logical, True), True)
-                    for earlier in range(start, layer + 1):
-                        lean.extend(earlier)
-                totals = lean.totals()
-            yield totals
+        L = self.layering.num_layers
+        # the fastest layouts' chain depends on each layer's ILP alone (``_split_weights``'s
+        # key): views whose layers all see the same ILPs (a host count that splits nothing)
+        # share one pass
+        same = tuple((self._effective_view(layer, submesh, logical),
+                      self._effective_kind(layer, "B", logical, entering=True),
+                      self._effective_kind(layer, "B", logical, entering=False)) for layer in range(L))
+        if same not in self._fast_tables:
+            self._fast_tables[same] = chain_tables(L, self._solutions(submesh, logical, False), False)
+        seconds, weights = self._fast_tables[same]
+        over = np.triu(weights > memory)   # (entries below the diagonal are no stage)
+        if over.any():
+            first = int(np.argmax(over.any(axis=1)))
+            lean_seconds, lean_weights = chain_tables(L, self._solutions(submesh, logical, True), True, first)
+            seconds = np.where(over, lean_seconds, seconds)
+            weights = np.where(over, lean_weights, weights)
+        return seconds, weights
 
     def _split_weights(self, layer, submesh, logical, b_in, b_out, lean) -> LayerSolution:
         """The layer's solution with ``param_bytes`` the weights only this layer reads and

@@ -16,6 +16,7 @@ axis 1 (giving S0) and then axis 0; R → S01 slices axis 0 and then axis 1.
 
 from __future__ import annotations
 
+
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -304,7 +305,18 @@ def axis_links(cluster: Cluster, submesh: tuple[int, int], logical: tuple[int, i
     n, m = logical
     if n * m != hosts * per_host:
         raise ValueError(f"logical mesh {n}x{m} does not have the {hosts * per_host} devices of submesh {hosts}x{per_host}")
-    return _links(cluster, LogicalMesh(logical, tuple(range(n * m))), lambda rank: rank // per_host)
+    return {axis: cluster.inter_host if crosses else cluster.intra_host
+            for axis, crosses in enumerate(_submesh_crossings(per_host, n, m))}
+
+
+@lru_cache(maxsize=None)
+def _submesh_crossings(per_host: int, n: int, m: int) -> tuple[bool, bool]:
+    """Whether each axis of an n×m logical mesh, numbered row-major over hosts of
+    ``per_host`` devices, has a group spanning hosts (asked for every layer of every view
+    of the planner's tables: worked out once)."""
+    mesh = LogicalMesh((n, m), tuple(range(n * m)))
+    return tuple(any(len({rank // per_host for rank in group}) > 1 for group in mesh.axis_groups(axis))
+                 for axis in (0, 1))
 
 
 def mesh_links(cluster: Cluster, mesh: LogicalMesh) -> dict[int, LinkSpec]:
