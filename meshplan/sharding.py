@@ -15,6 +15,8 @@ A placement is the tuple of mesh axes that split a dimension, major first (R: ()
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import re
 from dataclasses import dataclass, field
 from math import prod
@@ -262,7 +264,7 @@ class ShardingSpec:
         return sum(s // segment_count(h, shards) for s, h in segments)
 
     def local_shape(self, shape: tuple[int, ...], mesh: LogicalMesh) -> tuple[int, ...]:
-        return tuple(self.local_size(d, size, mesh) for d, size in enumerate(shape))
+        return _local_shape(self, tuple(shape), tuple(mesh.shape))
 
     def local_indices(self, dim: int, size: int, mesh: LogicalMesh, coord: tuple[int, int]) -> np.ndarray:
         """The positions along ``dim`` that the device at ``coord`` holds, in its order."""
@@ -308,3 +310,11 @@ def put(array, slices: tuple, value) -> None:
         return
     index = tuple(np.arange(n)[s] for n, s in zip(array.shape, slices))
     array[np.ix_(*index)] = value
+
+
+@lru_cache(maxsize=1 << 16)
+def _local_shape(spec: ShardingSpec, shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> tuple[int, ...]:
+    """``ShardingSpec.local_shape``, which depends on the mesh's shape alone: the planner
+    asks for the same few hundred thousand times."""
+    mesh = LogicalMesh(mesh_shape, tuple(range(mesh_shape[0] * mesh_shape[1])))
+    return tuple(spec.local_size(d, size, mesh) for d, size in enumerate(shape))

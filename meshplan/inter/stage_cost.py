@@ -162,8 +162,8 @@ class StageCosts:
 
         Entry [i, j, s, k] is the stage of layers i..j inclusive on submesh s under its
         k-th logical mesh; K is the largest number of views of any submesh (missing views
-        are infeasible). The same numbers as ``stage_cost``, built row by row: one pass
-        over the layers per view, every start layer at once (``IntraOpPass.stage_tables``). ``memory``
+        are infeasible). The same numbers as ``stage_cost``, from one pass over the layers
+        per view with every start layer at once (``IntraOpPass.stage_tables``). ``memory``
         is the device memory that decides between a stage's fastest and memory-lean
         layouts (default the cluster's); ``across_hosts`` as in ``send_seconds``. The work
         of each submesh is kept per memory, so tables that differ only in their sends or

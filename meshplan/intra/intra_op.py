@@ -83,6 +83,7 @@ class IntraOpPass:
         self._views: dict[tuple, tuple] = {}
         self._by_view: dict[tuple, dict] = {}
         self._fast_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._lean_failed: dict[tuple, float] = {}   # ILP → the loosest memory row it had no solution under
 
     # --- one layer ------------------------------------------------------------------
 
@@ -106,11 +107,18 @@ class IntraOpPass:
                 full = sum(self.graph.tensors[p].nbytes for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
                 full += sum(self.graph.tensors[name].peak_nbytes for i in range(start, stop) for name in self._caches(i))
                 limit = LEAN_FACTOR * full / (logical[0] * logical[1])
+            # a lean ILP with no solution under a memory row has none under a tighter one
+            # either: views whose layers see the same ILP (``_effective_view``) and divide
+            # the weights over more devices skip the solve
+            same = (key[0], self._effective_view(layer, submesh, logical), b_in, b_out)
             try:
+                if lean and self._lean_failed.get(same, -1.0) >= limit:
+                    raise PlanError("no lean layout (known from a looser memory row)")
                 self._cache[key] = self._solve_layer(layer, submesh, logical, b_in, b_out, limit)
             except PlanError:
                 if not lean:
                     raise
+                self._lean_failed[same] = max(self._lean_failed.get(same, -1.0), limit)
                 self._cache[key] = self.layer_solution(layer, submesh, logical, b_in, b_out)
         return self._cache[key]
 
