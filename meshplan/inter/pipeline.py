@@ -167,8 +167,8 @@ def plan_pipeline(
     have there (a region cut into the whole mesh's layers, with its sends, is searched by
     the whole mesh's DP already: only its one-stage plan is added); every solution is
     placed, connected and estimated, and the fastest kept (the smallest region on a tie).
-    The cost tables of a region cover its own submeshes only. Devices it leaves out are idle, and the plan says why:
-    the best plan that uses every device, and its estimate.
+    The cost tables of a region cover its own submeshes only. Devices it leaves out are
+    idle, and the plan says why: the best plan that uses every device, and its estimate.
 
     ``hints`` pin operators' strategies and force stage cuts (``inter.hints``); a hinted
     plan is searched on the whole mesh alone (the hints name its devices)."""

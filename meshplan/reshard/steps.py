@@ -16,7 +16,6 @@ axis 1 (giving S0) and then axis 0; R → S01 slices axis 0 and then axis 1.
 
 from __future__ import annotations
 
-
 import math
 from dataclasses import dataclass
 from functools import lru_cache
