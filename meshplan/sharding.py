@@ -264,7 +264,7 @@ class ShardingSpec:
         return sum(s // segment_count(h, shards) for s, h in segments)
 
     def local_shape(self, shape: tuple[int, ...], mesh: LogicalMesh) -> tuple[int, ...]:
-        return _local_shape(self, tuple(shape), tuple(mesh.shape))
+        return _local_shape(self, self.segments, tuple(shape), tuple(mesh.shape))
 
     def local_indices(self, dim: int, size: int, mesh: LogicalMesh, coord: tuple[int, int]) -> np.ndarray:
         """The positions along ``dim`` that the device at ``coord`` holds, in its order."""
@@ -313,8 +313,10 @@ def put(array, slices: tuple, value) -> None:
 
 
 @lru_cache(maxsize=1 << 16)
-def _local_shape(spec: ShardingSpec, shape: tuple[int, ...], mesh_shape: tuple[int, int]) -> tuple[int, ...]:
+def _local_shape(spec: ShardingSpec, segments: tuple, shape: tuple[int, ...],
+                 mesh_shape: tuple[int, int]) -> tuple[int, ...]:
     """``ShardingSpec.local_shape``, which depends on the mesh's shape alone: the planner
-    asks for the same few hundred thousand times."""
+    asks for the same few hundred thousand times. (``segments`` is in the key: specs that
+    differ in it alone are equal.)"""
     mesh = LogicalMesh(mesh_shape, tuple(range(mesh_shape[0] * mesh_shape[1])))
     return tuple(spec.local_size(d, size, mesh) for d, size in enumerate(shape))

@@ -771,3 +771,17 @@ def test_strategy_printing_and_omitted_operands():
     assert found[0] == "RR,_,()->RR"
     assert "S0S1,_,()->S0S1" in found and "S01R,_,()->S01R" in found
     assert all(s.inputs[1] is None for s in node_strategies(graph.nodes[0], graph, mesh_of((2, 2))))
+
+
+def test_local_shapes_follow_the_segments_of_specs_that_compare_equal():
+    """Specs differing in their segments alone are equal (the segments describe the tensor),
+    yet hold different shares: the remembered local shapes keep them apart, in either order."""
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    mesh = LogicalMesh((1, 2), (0, 1))
+    plain = ShardingSpec(("S1",))
+    packed = ShardingSpec(("S1",), segments=((0, ((32, 4), (8, 1), (8, 1))),))   # 4 query heads, 1 key, 1 value
+    assert plain == packed
+    for first, second in ((plain, packed), (packed, plain)):
+        assert [spec.local_shape((48,), mesh) for spec in (first, second)] == \
+            [(32,) if spec.segments else (24,) for spec in (first, second)]
