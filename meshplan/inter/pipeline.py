@@ -164,11 +164,12 @@ def plan_pipeline(
 
     The stage DP runs with idle devices allowed (``policy_settings``) and the small-stage
     rule, once for each region of the mesh (``regions``), each with the sends it would
-    have there (a region cut into the whole mesh's layers, with its sends, is searched by
-    the whole mesh's DP already: only its one-stage plan is added); every solution is
-    placed, connected and estimated, and the fastest kept (the smallest region on a tie).
-    The cost tables of a region cover its own submeshes only. Devices it leaves out are
-    idle, and the plan says why: the best plan that uses every device, and its estimate.
+    have there (a region cut into the whole mesh's layers is solved again all the same:
+    the DP's estimate is not the built plan's, and a region's own optimum can build
+    faster than the whole mesh's); every solution is placed, connected and estimated, and
+    the fastest kept (the smallest region on a tie). The cost tables of a region cover its
+    own submeshes only. Devices it leaves out are idle, and the plan says why: the best
+    plan that uses every device, and its estimate.
 
     ``hints`` pin operators' strategies and force stage cuts (``inter.hints``); a hinted
     plan is searched on the whole mesh alone (the hints name its devices)."""
@@ -257,12 +258,6 @@ def plan_pipeline(
 
     whole = cluster.mesh
 
-    def covered(region: tuple[int, int]) -> bool:
-        """Whether the whole mesh's DP (idle devices allowed) already searched every plan of
-        ``region``: the same layers, the same sends (both across hosts, or both inside one)."""
-        return (idle and region_bundle(region)[0].bounds == layering.bounds
-                and (region[0] > 1) == (cluster.hosts > 1))
-
     areas = regions(cluster, submeshes, idle) if hints is None else [whole]
     first = solve(whole, idle)
     if first is None:
@@ -273,15 +268,12 @@ def plan_pipeline(
     found: dict[tuple, _Built] = {}
     best = None
     for region in areas:
-        if region == whole:
-            solution = first
-        elif covered(region):
-            solution = None
-        else:
-            solution = solve(region, True)
+        solution = first if region == whole else solve(region, True)
+        if solution is None:
+            continue
         candidates = [solution]
-        if solution is None or len(solution.stages) > 1 or sum(
-                submeshes[c.submesh][0] * submeshes[c.submesh][1] for c in solution.stages) < region[0] * region[1]:
+        if len(solution.stages) > 1 or sum(submeshes[c.submesh][0] * submeshes[c.submesh][1]
+                                           for c in solution.stages) < region[0] * region[1]:
             # one stage over the whole region as well: the DP costs stages by their layers'
             # chain, and a stage solved again in windows (``_build``) can beat its choice
             candidates.append(solve(region, False, 1))

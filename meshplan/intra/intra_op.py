@@ -110,7 +110,7 @@ class IntraOpPass:
             # a lean ILP with no solution under a memory row has none under a tighter one
             # either: views whose layers see the same ILP (``_effective_view``) and divide
             # the weights over more devices skip the solve
-            same = (key[0], self._effective_view(layer, submesh, logical), b_in, b_out)
+            same = (key[0], self._effective_view(layer, submesh, logical), b_in, b_out) if lean else None
             try:
                 if lean and self._lean_failed.get(same, -1.0) >= limit:
                     raise PlanError("no lean layout (known from a looser memory row)")

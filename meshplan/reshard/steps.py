@@ -309,13 +309,10 @@ def axis_links(cluster: Cluster, submesh: tuple[int, int], logical: tuple[int, i
 
 
 @lru_cache(maxsize=None)
-def _submesh_crossings(per_host: int, n: int, m: int) -> tuple[bool, bool]:
-    """Whether each axis of an n×m logical mesh, numbered row-major over hosts of
-    ``per_host`` devices, has a group spanning hosts (asked for every layer of every view
-    of the planner's tables: worked out once)."""
-    mesh = LogicalMesh((n, m), tuple(range(n * m)))
-    return tuple(any(len({rank // per_host for rank in group}) > 1 for group in mesh.axis_groups(axis))
-                 for axis in (0, 1))
+def _submesh_crossings(per_host: int, n: int, m: int) -> tuple[bool, ...]:
+    """``_crossings`` of an n×m logical mesh numbered row-major over hosts of ``per_host``
+    devices (asked for every layer of every view of the planner's tables: worked out once)."""
+    return _crossings(LogicalMesh((n, m), tuple(range(n * m))), lambda rank: rank // per_host)
 
 
 def mesh_links(cluster: Cluster, mesh: LogicalMesh) -> dict[int, LinkSpec]:
@@ -326,8 +323,11 @@ def mesh_links(cluster: Cluster, mesh: LogicalMesh) -> dict[int, LinkSpec]:
 def _links(cluster: Cluster, mesh: LogicalMesh, host_of: Callable[[int], int]) -> dict[int, LinkSpec]:
     """An axis whose groups span more than one host uses ``cluster.inter_host``, else
     ``cluster.intra_host``."""
-    links = {}
-    for axis in (0, 1):
-        crosses = any(len({host_of(rank) for rank in group}) > 1 for group in mesh.axis_groups(axis))
-        links[axis] = cluster.inter_host if crosses else cluster.intra_host
-    return links
+    return {axis: cluster.inter_host if crosses else cluster.intra_host
+            for axis, crosses in enumerate(_crossings(mesh, host_of))}
+
+
+def _crossings(mesh: LogicalMesh, host_of: Callable[[int], int]) -> tuple[bool, ...]:
+    """Whether each axis of ``mesh`` has a group of ranks on more than one host."""
+    return tuple(any(len({host_of(rank) for rank in group}) > 1 for group in mesh.axis_groups(axis))
+                 for axis in (0, 1))
