@@ -517,3 +517,61 @@ def test_min_stage_fraction_merges_a_trivial_stage():
     assert [s.seconds for s in apart.stages] == [10.0, 0.2]
     with pytest.raises(ValueError):
         solve_stages(cost, smem, amem, 10.0, sizes, 2, 4, min_stage_fraction=1.5)
+
+
+# --- the prefix bounds: the batched, early-stopping recurrence against a direct one ------
+
+def direct_prefix_table(prob, t_max, value):
+    """``out[s, k]``: the least sum of ``value(entry, choice)`` over prefixes of layers
+    ``0..k-1`` whose last stage fits with ``s + 1`` in flight, the one before ``s + 2``, …
+    (each choice up to the deepest count it fits at), written as plainly as possible."""
+    from functools import lru_cache
+
+    S, L = prob.n_max, prob.L
+    ends = {}
+    for e in range(prob.k.size):
+        for c in range(prob.cost.shape[1]):
+            if prob.cost[e, c] <= t_max:
+                ends.setdefault(int(prob.j[e]) + 1, []).append((int(prob.k[e]), min(int(prob.hi[e, c]), S),
+                                                                value(e, c)))
+
+    @lru_cache(maxsize=None)
+    def best(s, k):
+        if k == 0:
+            return 0.0
+        if s + 1 > S:
+            return np.inf
+        return min((v + best(s + 1, start) for start, hi, v in ends.get(k, []) if hi >= s + 1), default=np.inf)
+
+    return np.array([[best(s, k) for k in range(L + 1)] for s in range(S + 2)])
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("idle", [False, True])
+def test_prefix_bounds_match_a_direct_recurrence(seed, idle):
+    """Every price row of the prefix bounds, and the least and greatest device counts,
+    equal a plain recursion over layer cuts, on tables where memory binds (groups join
+    level by level) and where it does not (rows settle early and are copied up). Device
+    counts are compared up to D + 1 and D: beyond, only "more than D" matters."""
+    from meshplan.inter.stage_dp import _Bounds, _Problem, check_stage_inputs
+
+    rng = np.random.default_rng(500 + seed)
+    L, sizes = int(rng.integers(3, 9)), np.array([1, 2, 4])
+    cost, smem, amem, limit = make_instance(rng, L, sizes, 2, False, 0.2, tight=seed % 2 == 0)
+    args = check_stage_inputs(cost, smem, amem, limit, sizes, 8, 4)
+    prob = _Problem(*args[:6])
+    assert prob.k.size
+    t_max = float(np.quantile(prob.flat_cost, 0.7))
+    bounds = _Bounds(prob, t_max, idle)
+    bounds._price()
+    for row, lam in enumerate(bounds.lams):
+        expected = direct_prefix_table(prob, t_max, lambda e, c: prob.cost[e, c] + lam * float(prob.z[e]))
+        np.testing.assert_allclose(bounds.Q[row], expected, rtol=1e-12)
+    D = prob.D
+    least = direct_prefix_table(prob, t_max, lambda e, c: float(prob.z[e]))
+    np.testing.assert_array_equal(np.minimum(bounds.Dmin, D + 1), np.minimum(least, D + 1))
+    if idle:
+        assert bounds.Dmax is None
+    else:
+        most = -direct_prefix_table(prob, t_max, lambda e, c: -float(prob.z[e]))
+        np.testing.assert_array_equal(np.minimum(bounds.Dmax, D), np.minimum(most, D))

@@ -55,18 +55,18 @@ def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, c
     the model's repeated block (see ``repeat_period``) gives fewer distinct layer structures:
     identical layers share their sharding ILPs, which is what keeps planning fast.
 
-    Block-aligned counts (one to four blocks a layer) are tried from the device count or a
-    quarter of the default up. (Coarser ones plan faster on large meshes but can give
-    worse plans: a 24-block GPT-2 on 16x8 in 48 block-aligned layers is estimated 8% slower
-    than in 128; ``--layers`` chooses.)"""
+    Block-aligned counts (one to four blocks a layer, or each block in two halves) are
+    tried from the device count or a quarter of the default up. (Coarser ones plan faster
+    on large meshes but can give worse plans: a 24-block GPT-2 on 16x8 in 48 block-aligned
+    layers is estimated 8% slower than in 128; ``--layers`` chooses. On 4x8 its default of
+    64 layers has 16 distinct ones, its 48 halves of blocks 4.)"""
     most = default_num_layers(graph, cluster)
     candidates = [most]
     period = repeat_period(graph)
     if period:
         blocks = len(graph.nodes) // period
-        for per_layer in (1, 2, 3, 4):
-            if blocks % per_layer == 0 and max(cluster.num_devices, most // 4) <= blocks // per_layer <= most:
-                candidates.append(blocks // per_layer)
+        counts = [blocks // per_layer for per_layer in (1, 2, 3, 4) if blocks % per_layer == 0] + [2 * blocks]
+        candidates += [c for c in counts if max(cluster.num_devices, most // 4) <= c <= most]
     best = None
     for count in dict.fromkeys(candidates):
         layering = cluster_layers(graph, node_seconds, count)

@@ -304,6 +304,7 @@ class _Problem:
         self.k, self.j, self.m = k[usable], j[usable], m[usable]
         self.cost, self.lo, self.hi = choice_cost[usable], lo[usable], hi[usable]
         self.z = sizes[self.m].astype(np.int64)
+        self.least = self.cost.min(axis=1)
         # Memory bounds the stage count: no stage fits as the first of a deeper suffix.
         self.n_max = min(n, int(self.hi.max(initial=0)))
         # Fewer stages after a prefix never make it worse only when no choice needs more
@@ -341,7 +342,8 @@ class _Bounds:
     ``Q[l, s, k]``: the least ``sum (t + lam_l z)`` over prefixes of layers ``0..k-1``
     whose last stage keeps ``s + 1`` microbatches in flight (the one before ``s + 2``, ...),
     each choice allowed at any count up to the deepest it fits at.  ``Dmin``/``Dmax``:
-    the least and greatest device counts of such prefixes.
+    the least and greatest device counts of such prefixes, kept at most ``D + 1`` and ``D``
+    (the greatest only for an exact device count; None with idle devices).
     """
 
     def __init__(self, prob: _Problem, t_max: float, idle: bool, coarse: bool = False):
@@ -373,38 +375,56 @@ class _Bounds:
         self.group_order = np.argsort(-self.group_hi, kind="stable")
         self.group_hi_sorted = self.group_hi[self.group_order]
         self.group_rank_sorted = self.rank[self.group_pair][self.group_order]
-        # the greatest count as the least of its negation: one recurrence for both
-        counts = self._levels(np.stack([np.minimum.reduceat(self.z, self.starts),
-                                        -np.maximum.reduceat(self.z, self.starts)]), np.minimum)
-        self.Dmin, self.Dmax = counts[0], -counts[1]
+        # The greatest count as the least of its negation: one recurrence for both (the
+        # greatest is needed only for an exact device count). Only whether a count reaches
+        # D matters, so the least is kept at most D + 1 and the greatest at most D, exactly
+        # (min(D, z + min(D, x)) = min(D, z + x) for z >= 0): rows settle within a few levels.
+        least, most = np.minimum.reduceat(self.z, self.starts), -np.maximum.reduceat(self.z, self.starts)
+        counts = self._levels(least[None] if idle else np.stack([least, most]), np.minimum,
+                              clip=[(-np.inf, self.D + 1.0), (-float(self.D), np.inf)][:1 if idle else 2])
+        self.Dmin = counts[0]
+        self.Dmax = None if idle else -counts[1]
         self.Q = None
+
+    def _prices(self, coarse: bool) -> np.ndarray:
+        base = float(np.median(self.c)) / float(np.median(self.z)) or 1.0
+        lams = [0.0, *(base * (NEGATIVE_PRICE_STEPS if coarse else PRICE_STEPS))]
+        if not self.idle:
+            lams += list(-base * NEGATIVE_PRICE_STEPS)
+        return np.array(lams)
+
+    def _priced(self, lams: np.ndarray) -> np.ndarray:
+        values = self.c[None, :] + lams[:, None] * self.z[None, :]
+        return self._levels(np.minimum.reduceat(values, self.starts, axis=1), np.minimum)
 
     def _price(self):
         """The priced recurrence ``Q`` (built on first use: infeasible intervals and the
         floor's probes need only the device counts)."""
         if self.Q is None:
-            base = float(np.median(self.c)) / float(np.median(self.z)) or 1.0
-            steps = NEGATIVE_PRICE_STEPS if self.coarse else PRICE_STEPS
-            lams = [0.0, *(base * steps)]
-            if not self.idle:
-                lams += list(-base * NEGATIVE_PRICE_STEPS)
-            self.lams = np.array(lams)
-            values = self.c[None, :] + self.lams[:, None] * self.z[None, :]
-            self.Q = self._levels(np.minimum.reduceat(values, self.starts, axis=1), np.minimum)
-            self.rising = self.lams <= 0
-            self.falling = self.lams >= 0
+            self.lams = self._prices(self.coarse)
+            self.Q = self._priced(self.lams)
+            rising, falling = self.lams <= 0, self.lams >= 0
+            # each half as its own array, taken once (not copied out of Q at every probe)
+            self.lam_r, self.Q_r = self.lams[rising], np.ascontiguousarray(self.Q[rising])
+            self.lam_f, self.Q_f = self.lams[falling], np.ascontiguousarray(self.Q[falling])
         return self.Q
 
-    def _levels(self, group_values, better):
+    def _levels(self, group_values, better, clip=None):
         """The prefix recurrence for a batch of group values (rows): ``out[row, s, k]``.
         Levels go from the deepest in-flight count up, so each pair's best group grows
-        as groups that fit at fewer microbatches join it."""
+        as groups that fit at fewer microbatches join it.  Once every group has joined, a
+        row that a level leaves unchanged stays so at every level above (the same step
+        from the same values): it is copied up and no longer computed.  ``clip``: per row,
+        the (least, greatest) value kept at each level."""
         L, S = self.L, self.S
         rows = group_values.shape[0]
         worst = np.inf if better is np.minimum else -np.inf
         best = np.full((rows, self.pairs.size), worst)
         out = np.full((rows, S + 2, L + 1), worst)
         out[:, :, 0] = 0.0
+        live = np.arange(rows)
+        if clip is not None:
+            low, high = (np.array(side, dtype=np.float64) for side in zip(*clip))
         joins = np.searchsorted(-self.group_hi_sorted, -np.arange(S + 3), side="right")   # [h]: groups with hi >= h
         for s in range(S, -1, -1):
             # groups fitting with s + 1 in flight: hi >= s + 1
@@ -412,14 +432,35 @@ class _Bounds:
             cols = self.group_rank_sorted[new]
             if cols.size:
                 best[:, cols] = better(best[:, cols], group_values[:, self.group_order[new]])
-            vals = best + out[:, s + 1, self.pair_start]
-            vals[~np.isfinite(vals)] = worst
-            out[:, s, self.stops] = better.reduceat(vals, self.stop_bounds, axis=1)
+            vals = best + out[live, s + 1][:, self.pair_start]
+            level = out[live, s]
+            level[:, self.stops] = better.reduceat(vals, self.stop_bounds, axis=1)
+            if clip is not None:
+                np.clip(level, low[:, None], high[:, None], out=level)
+            out[live, s] = level
+            if joins[s + 1] == joins[0]:
+                still = (level == out[live, s + 1]).all(axis=1)
+                if still.any():
+                    out[live[still], :s] = level[still, None]
+                    live, best, group_values = live[~still], best[~still], group_values[~still]
+                    if clip is not None:
+                        low, high = low[~still], high[~still]
+                    if not live.size:
+                        break
         return out
 
-    def total(self) -> float:
-        """The bound on a whole plan (the empty suffix at layer L on no devices)."""
-        return float(self.at(0, np.array([self.L]), np.array([self.D]))[0])
+    def total(self, cap: float = np.inf) -> float:
+        """The bound on a whole plan (the empty suffix at layer L on no devices). Where it
+        is compared with a finite ``cap``, the coarse price grid (a quarter of the rows) is
+        tried first: when it already reaches the cap, the fine one is not built."""
+        L, D = np.array([self.L]), np.array([self.D])
+        if np.isfinite(cap) and self.Q is None and not self.coarse and not self.empty \
+                and self.devices_ok(0, L, D, D)[0]:
+            lams = self._prices(coarse=True)
+            rough = float((self._priced(lams)[:, 0, self.L] - lams * self.D).max())
+            if rough >= cap:
+                return rough
+        return float(self.at(0, L, D)[0])
 
     def devices_ok(self, s, k, u_lo, u_hi):
         """Whether some prefix before a suffix of ``s`` stages at ``k`` can have a device
@@ -447,9 +488,8 @@ class _Bounds:
             self._price()
             kg = k[ok]
             hi_u, lo_u = u_hi[ok].astype(np.float64), u_lo[ok].astype(np.float64)
-            lam_f, lam_r = self.lams[self.falling], self.lams[self.rising]
-            falling = (self.Q[self.falling][:, s, kg] - lam_f[:, None] * hi_u[None, :]).max(axis=0)
-            rising = (self.Q[self.rising][:, s, kg] - lam_r[:, None] * lo_u[None, :]).max(axis=0)
+            falling = (self.Q_f[:, s, kg] - self.lam_f[:, None] * hi_u[None, :]).max(axis=0)
+            rising = (self.Q_r[:, s, kg] - self.lam_r[:, None] * lo_u[None, :]).max(axis=0)
             out[ok] = np.maximum(falling, rising)
         return out
 
@@ -472,7 +512,7 @@ def _solve_at(prob: _Problem, t_max: float, theta: float, bounds: _Bounds, idle:
     empty = np.zeros(0, dtype=np.int64)
     levels = [dict(k=np.array([L]), d=np.array([0]), f=np.array([0.0]))]
     lower = np.full((L + 1, D + 1), np.inf)     # least value at (k, d) over the levels so far
-    base = np.nonzero(prob.cost.min(axis=1) <= t_max)[0]
+    base = np.nonzero(prob.least <= t_max)[0]
     finals = []
     for s in range(1, prob.n_max + 1):
         prev = levels[-1]
@@ -519,12 +559,13 @@ def _solve_at(prob: _Problem, t_max: float, theta: float, bounds: _Bounds, idle:
         which, src, d, f, kk = which[first], src[first], d[first], f[first], kk[first]
         # dominated by a point of a lower level (fewer stages) or, with idle devices, of
         # fewer devices
-        if idle:
-            seen = np.minimum.accumulate(lower, axis=1)
-            here = np.full((L + 1, D + 1), np.inf)
-            here[kk, d] = f
+        if idle:   # (over the layers these points start at only)
+            rows, at = np.unique(kk, return_inverse=True)
+            seen = np.minimum.accumulate(lower[rows], axis=1)
+            here = np.full((rows.size, D + 1), np.inf)
+            here[at, d] = f
             ahead = np.minimum.accumulate(np.minimum(here, seen), axis=1)
-            beaten = np.minimum(seen[kk, d], np.where(d > 0, ahead[kk, np.maximum(d - 1, 0)], np.inf))
+            beaten = np.minimum(seen[at, d], np.where(d > 0, ahead[at, np.maximum(d - 1, 0)], np.inf))
         elif prob.monotone:
             beaten = lower[kk, d]
         else:
@@ -576,7 +617,7 @@ class _Search:
     def deepen(self, t_max, bounds, cap, known=0.0):
         """``G(t_max)`` and its plan if below ``cap``: thresholds rising from the bound (or
         from ``known``, a value ``G(t_max)`` is already known not to be below)."""
-        floor = max(bounds.total(), known)
+        floor = max(bounds.total(cap), known)
         if not floor < cap:
             return np.inf, None
         gap = 1e-3 * abs(floor) + (1e-6 * t_max if np.isfinite(t_max) else 0.0) + 1e-12
