@@ -50,7 +50,8 @@ def default_num_layers(graph: Graph, cluster: Cluster) -> int:
     return min(len(graph.nodes), max(32, 2 * cluster.num_devices), MAX_DEFAULT_LAYERS)
 
 
-def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, constants) -> Layering:
+def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, constants,
+                    measured: dict[int, tuple[int, Layering]] | None = None) -> Layering:
     """Cluster into the default number of layers, unless a count that lines the cuts up with
     the model's repeated block (see ``repeat_period``) gives fewer distinct layer structures:
     identical layers share their sharding ILPs, which is what keeps planning fast.
@@ -59,7 +60,8 @@ def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, c
     tried from the device count or a quarter of the default up. (Coarser ones plan faster
     on large meshes but can give worse plans: a 24-block GPT-2 on 16x8 in 48 block-aligned
     layers is estimated 8% slower than in 128; ``--layers`` chooses. On 4x8 its default of
-    64 layers has 16 distinct ones, its 48 halves of blocks 4.)"""
+    64 layers has 16 distinct ones, its 48 halves of blocks 4.) ``measured`` keeps each
+    count's layering and distinct count between calls on one graph."""
     most = default_num_layers(graph, cluster)
     candidates = [most]
     period = repeat_period(graph)
@@ -67,12 +69,14 @@ def choose_layering(graph: Graph, node_seconds: list[float], cluster: Cluster, c
         blocks = len(graph.nodes) // period
         counts = [blocks // per_layer for per_layer in (1, 2, 3, 4) if blocks % per_layer == 0] + [2 * blocks]
         candidates += [c for c in counts if max(cluster.num_devices, most // 4) <= c <= most]
+    measured = {} if measured is None else measured
     best = None
     for count in dict.fromkeys(candidates):
-        layering = cluster_layers(graph, node_seconds, count)
-        distinct = len(set(layer_fingerprints(graph, layering, constants)))
-        if best is None or distinct < best[0]:
-            best = (distinct, layering)
+        if count not in measured:
+            layering = cluster_layers(graph, node_seconds, count)
+            measured[count] = (len(set(layer_fingerprints(graph, layering, constants))), layering)
+        if best is None or measured[count][0] < best[0]:
+            best = measured[count]
     return best[1]
 
 
@@ -184,6 +188,7 @@ def plan_pipeline(
     node_seconds = cost_model.graph_seconds(graph)
     bundles: dict[tuple[int, ...], tuple[Layering, IntraOpPass, StageCosts, StageWindows]] = {}
     cuts: dict[int, Layering] = {}   # device count → its layering (``choose_layering`` depends on no more)
+    measured: dict[int, tuple[int, Layering]] = {}   # layer count → (distinct layers, layering)
 
     def sharding_pass(cut: Layering) -> IntraOpPass:
         return IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy,
@@ -196,7 +201,7 @@ def plan_pipeline(
         have alone, so that its plan is the submesh's plan."""
         if area.num_devices not in cuts:
             cuts[area.num_devices] = cluster_layers(graph, node_seconds, options.num_layers) if options.num_layers \
-                else choose_layering(graph, node_seconds, area, constants)
+                else choose_layering(graph, node_seconds, area, constants, measured)
         cut = cuts[area.num_devices]
         if hints is not None:
             cut = hints.layering(cut)
