@@ -62,15 +62,19 @@ How it is solved (each step keeps the exact optimum)
    Maximised over a grid of prices (both signs for an exact device count, ``lam >= 0``
    with idle devices) this bounds the prefix within a fraction of a percent on the
    benchmark tables; the least and greatest device counts of such prefixes
-   (``Dmin``/``Dmax``, the same recurrence) rule out states no prefix can complete.
+   (``Dmin``/``Dmax``, the same recurrence) rule out states no prefix can complete.  The
+   recurrence runs from the deepest count up for every price at once; a price whose row a
+   level leaves unchanged, once every stage has joined, keeps that row at every level
+   above and drops out.
 4. *Thresholded solves* (``_solve_at``).  A solve at ``t_max`` looks for ``G(t_max)``
    only below a threshold ``theta``: an entry whose cheapest continuation plus prefix
    bound reaches ``theta`` is not extended, and a point whose value plus prefix bound
    reaches it is dropped.  Every plan below ``theta`` survives, so the answer is exact
    below it, and "no plan" proves ``G(t_max) >= theta``.  Near-tight thresholds keep the
    states few: a solve starts just above its prefix bound and raises the threshold until
-   a plan shows or the cap is reached (``_deepen``).
-5. *The walk over t_max* (``_search``).  Candidates are the distinct usable latencies,
+   a plan shows or the cap is reached (``_Search.deepen``); a bound that the coarse price grid
+   alone lifts to the cap ends it before the fine grid is built.
+5. *The walk over t_max* (``_Search.run``).  Candidates are the distinct usable latencies,
    from the least at which a memory- and device-aware relaxation admits a plan, upwards,
    in intervals of about 1 %.  An interval ``(a, b]`` is settled by solves at its top with
    cap ``T_best - (B - 1) a``: a plan found with slowest stage ``m`` settles ``[m, b]``
