@@ -25,6 +25,9 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @batch_dim_option
 @click.option("--layers", type=click.IntRange(min=1), help="Number of layers to cluster operators into.")
 @click.option("--max-stages", type=click.IntRange(min=1), help="At most this many pipeline stages.")
+@click.option("--stages", type=click.IntRange(min=1),
+              help="Exactly this many pipeline stages (the planner still chooses their layers, submeshes and "
+                   "sharding); --max-stages lets it choose the count up to a cap.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -70,7 +73,8 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @train_options
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, all_devices, shared_host, policy,
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, stages, all_devices,
+         shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
          max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
@@ -94,6 +98,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             cluster = replace(cluster, host_shares=cluster.devices_per_host)
         started = time.perf_counter()
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
+                              stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
                               all_devices=all_devices)
         cost_model, links = None, {}

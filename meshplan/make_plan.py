@@ -561,8 +561,9 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     if options.microbatches > 1:   # a call per microbatch, the gradients accumulated: planned at one microbatch
         dims, spec = training_microbatches(model_path, dims, options.microbatches, spec)
         options = replace(options, microbatches=1)
-    if options.max_stages not in (None, 1):
-        raise PlanError("a training plan has one stage spanning the mesh for now", hint="drop --max-stages")
+    if options.max_stages not in (None, 1) or options.stages not in (None, 1):
+        raise PlanError("a training plan has one stage spanning the mesh for now",
+                        hint="drop --stages" if options.stages not in (None, 1) else "drop --max-stages")
     step = build_step_model(model_path, spec)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     holder = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.step.", dir=out_dir.parent))
@@ -577,7 +578,8 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
             plan.training = {**step.manifest, "source": source}
             _training_memory(plan, graph, shardings)
 
-        plan = make_plan(step_path, cluster, dims, plan_dir, replace(options, max_stages=1), external_threshold,
+        plan = make_plan(step_path, cluster, dims, plan_dir, replace(options, max_stages=1, stages=None),
+                         external_threshold,
                          cost_model, step.state, programs, shapes_only, _record=record)
         try:
             target = plan_dir / TRAINING_STEP

@@ -575,3 +575,65 @@ def test_prefix_bounds_match_a_direct_recurrence(seed, idle):
     else:
         most = -direct_prefix_table(prob, t_max, lambda e, c: -float(prob.z[e]))
         np.testing.assert_array_equal(np.minimum(bounds.Dmax, D), np.minimum(most, D))
+
+
+# --- an exact stage count ---------------------------------------------------------------
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    L=st.integers(1, 6),
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3, unique=True),
+    D=st.integers(1, 6),
+    B=st.integers(1, 8),
+    stages=st.integers(1, 4),
+    idle=st.booleans(),
+    tight=st.booleans(),
+)
+def test_exact_stage_count_matches_brute_force(seed, L, sizes, D, B, stages, idle, tight):
+    """With ``stages`` = N the best plan of exactly N stages, as enumeration and the
+    reference find it (a plan of fewer stages that is better must not be returned), or no
+    plan from all three."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sizes)
+    cost, smem, amem, limit = make_instance(rng, L, sizes, 2, False, 0.2, tight)
+    kw = dict(stages=stages, idle_devices=idle)
+    try:
+        expected = brute_force_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+    except PlanError:
+        with pytest.raises(PlanError):
+            solve_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+        with pytest.raises(PlanError):
+            reference_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+        return
+    got = solve_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+    assert len(got.stages) == stages
+    assert got.total_seconds == pytest.approx(expected.total_seconds, rel=1e-9)
+    (check_idle_plan if idle else check_plan)(got, cost, smem, amem, limit, sizes, D, B)
+    ref = reference_stages(cost, smem, amem, limit, sizes, D, B, **kw)
+    assert len(ref.stages) == stages
+    assert ref.total_seconds == pytest.approx(expected.total_seconds, rel=1e-9)
+
+
+def test_exact_stage_count_is_not_the_unconstrained_optimum():
+    """A table whose best plan has one stage: asked for two, the DP returns the best of
+    two stages (with idle devices and without), and both oracles agree."""
+    L, sizes = 4, np.array([1, 2])
+    cost = np.full((L, L, 2, 1), np.inf)
+    cost[0, 3, 1, 0] = 1.0                        # all layers on 2 devices: the best alone
+    cost[0, 1, 0, 0], cost[2, 3, 0, 0] = 1.5, 2.0  # two stages of one device each
+    cost[0, 0, 0, 0], cost[1, 3, 0, 0] = 0.4, 3.0
+    zeros = np.zeros_like(cost)
+    for idle in (False, True):
+        alone = solve_stages(cost, zeros, zeros, 1.0, sizes, 2, 4, idle_devices=idle)
+        assert len(alone.stages) == 1
+        two = solve_stages(cost, zeros, zeros, 1.0, sizes, 2, 4, stages=2, idle_devices=idle)
+        assert [(s.start, s.stop) for s in two.stages] == [(0, 2), (2, 4)]
+        assert two.total_seconds == pytest.approx(1.5 + 2.0 + 3 * 2.0)
+        for oracle in (brute_force_stages, reference_stages):
+            assert oracle(cost, zeros, zeros, 1.0, sizes, 2, 4, stages=2, idle_devices=idle).total_seconds == \
+                pytest.approx(two.total_seconds)
+    with pytest.raises(PlanError):
+        solve_stages(cost, zeros, zeros, 1.0, sizes, 2, 4, stages=3)
+    with pytest.raises(ValueError, match="not both"):
+        solve_stages(cost, zeros, zeros, 1.0, sizes, 2, 4, stages=2, max_stages=2)

@@ -36,6 +36,7 @@ class PlanOptions:
     num_layers: int | None = None      # default: max(32, 2 × devices), at most 128 and the node count
     solver: str = "cbc"                # the intra-operator ILP's solver: cbc or highs
     max_stages: int | None = None      # at most this many pipeline stages
+    stages: int | None = None          # exactly this many pipeline stages (--stages; excludes max_stages)
     policy: str = "auto"               # strategy policy inside stages (see policies.py)
     submeshes: tuple[tuple[int, int], ...] | None = None   # submesh shapes stages may use (default: all)
     reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see schedulers.ALGORITHMS)
@@ -116,6 +117,11 @@ def policy_settings(options: PlanOptions, cluster: Cluster, submeshes: list[tupl
     divide the microbatch (the others idle). ``auto``: every submesh, devices may idle."""
     max_stages = options.max_stages
     per_host = cluster.devices_per_host
+    if options.stages is not None:
+        if max_stages is not None:
+            raise PlanError("--stages fixes the stage count and --max-stages caps it: give one of them")
+        if options.policy != "auto":
+            raise PlanError(f"--policy {options.policy} chooses its own stages", hint="drop --stages")
     if options.policy == "megatron":
         wide = [(1, per_host)] if max_stages is None or max_stages >= cluster.hosts else \
             [(h, per_host) for h in range(1, cluster.hosts + 1)]
@@ -230,7 +236,7 @@ def plan_pipeline(
     def solve(region: tuple[int, int], idle_devices: bool, stages: int | None = max_stages):
         """The DP's solution kept to ``region`` (None where nothing fits), with the region's
         submeshes (indices into ``submeshes``), on the region's own layers, in at most
-        ``stages`` stages."""
+        ``stages`` stages (in exactly ``options.stages`` where it is given)."""
         nonlocal dp_seconds, solves
         chosen = [k for k, (n, m) in enumerate(submeshes) if n <= region[0] and m <= region[1]
                   and (idle_devices or stages != 1 or n * m == region[0] * region[1])]
@@ -246,8 +252,8 @@ def plan_pipeline(
             solution = solve_stages(
                 seconds, params, acts, memory,
                 np.array([submeshes[k][0] * submeshes[k][1] for k in chosen]), region[0] * region[1],
-                options.microbatches, max_stages=stages, idle_devices=idle_devices,
-                min_stage_fraction=MIN_STAGE_FRACTION)
+                options.microbatches, max_stages=stages if options.stages is None else None,
+                stages=options.stages, idle_devices=idle_devices, min_stage_fraction=MIN_STAGE_FRACTION)
         except PlanError:
             return None
         finally:
@@ -265,6 +271,10 @@ def plan_pipeline(
 
     areas = regions(cluster, submeshes, idle) if hints is None else [whole]
     first = solve(whole, idle)
+    if first is None and options.stages is not None:
+        raise PlanError(f"no plan of exactly {options.stages} stage(s) fits: {layering.num_layers} layers on "
+                        f"{cluster.num_devices} devices of {memory / 2**30:.1f} GiB",
+                        hint="try fewer stages, or --max-stages N to let the planner choose up to N")
     if first is None:
         need = memory_need(costs, submeshes, cluster.num_devices, memory, max_stages, idle)
         if need is None:
@@ -277,8 +287,8 @@ def plan_pipeline(
         if solution is None:
             continue
         candidates = [solution]
-        if len(solution.stages) > 1 or sum(submeshes[c.submesh][0] * submeshes[c.submesh][1]
-                                           for c in solution.stages) < region[0] * region[1]:
+        if options.stages is None and (len(solution.stages) > 1 or sum(
+                submeshes[c.submesh][0] * submeshes[c.submesh][1] for c in solution.stages) < region[0] * region[1]):
             # one stage over the whole region as well: the DP costs stages by their layers'
             # chain, and a stage solved again in windows (``_build``) can beat its choice
             candidates.append(solve(region, False, 1))
@@ -292,7 +302,9 @@ def plan_pipeline(
     idle_info = {}
     if used < cluster.num_devices:
         everyone = None if settings.reason else solve(whole, False)
-        idle_info = _idle(best, everyone, build, cluster, max_stages, settings.reason)
+        limit = f" in exactly {options.stages} stage(s)" if options.stages else \
+            f" in at most {max_stages} stage(s)" if max_stages else ""
+        idle_info = _idle(best, everyone, build, cluster, limit, settings.reason)
         if "better" in idle_info:
             best = idle_info.pop("better")
     stages, reshardings = best.stages, best.reshardings
@@ -334,7 +346,7 @@ def plan_pipeline(
     return plan, best.shardings
 
 
-def _idle(best: _Built, everyone, build, cluster: Cluster, max_stages: int | None, reason: str | None) -> dict:
+def _idle(best: _Built, everyone, build, cluster: Cluster, limit: str, reason: str | None) -> dict:
     """Which ranks the plan leaves idle and why: the policy says so (``reason``), or the
     best plan on every device (the DP without idle devices) is slower, or none fits. Where
     that plan, placed and connected, turns out faster after all, it is returned under
@@ -348,7 +360,6 @@ def _idle(best: _Built, everyone, build, cluster: Cluster, max_stages: int | Non
     if reason:
         return {"ranks": ranks, "reason": reason, "all_devices_latency_seconds": None}
     if everyone is None:
-        limit = f" in at most {max_stages} stage(s)" if max_stages else ""
         why = f"no plan that uses all {cluster.num_devices} devices{limit} fits in their memory"
     else:
         why = (f"the best plan that uses all {cluster.num_devices} devices is estimated at "

@@ -102,6 +102,9 @@ Extending it
 ------------
 * A constraint on which stages may exist (forced cuts from user hints, forbidden
   submeshes): make those entries ``inf`` in ``stage_cost`` (every step only sees entries).
+* An exact stage count (``stages``): plans end at that level only, and no point is dropped
+  for one of fewer stages (point 2's dominance would keep plans of the wrong count); the
+  prefix bounds and the relaxation stay valid as they are.
 * Any new pruning must keep every plan below the threshold: the tests compare with the
   reference and the brute force on random tables (``tests/test_stage_dp.py``), in both
   device modes.
@@ -294,9 +297,12 @@ class _Problem:
     at which it fits in memory; entries are sorted by start layer.
     """
 
-    def __init__(self, cost, smem, amem, mem_limit, sizes, num_devices, max_stages=None):
+    def __init__(self, cost, smem, amem, mem_limit, sizes, num_devices, max_stages=None, exact=False):
         L = cost.shape[0]
         self.L, self.D = L, num_devices
+        # exactly ``max_stages`` stages: plans end at that level only, and a point is never
+        # dropped for one with fewer stages (its plans would have fewer)
+        self.exact = int(max_stages) if exact else None
         self.sizes = sizes
         n = max_stage_count(L, sizes, num_devices, max_stages)
         finite = np.isfinite(cost).any(axis=-1)
@@ -565,12 +571,13 @@ def _solve_at(prob: _Problem, t_max: float, theta: float, bounds: _Bounds, idle:
         # fewer devices
         if idle:   # (over the layers these points start at only)
             rows, at = np.unique(kk, return_inverse=True)
-            seen = np.minimum.accumulate(lower[rows], axis=1)
+            seen = np.minimum.accumulate(lower[rows], axis=1) if prob.exact is None \
+                else np.full((rows.size, D + 1), np.inf)
             here = np.full((rows.size, D + 1), np.inf)
             here[at, d] = f
             ahead = np.minimum.accumulate(np.minimum(here, seen), axis=1)
             beaten = np.minimum(seen[at, d], np.where(d > 0, ahead[at, np.maximum(d - 1, 0)], np.inf))
-        elif prob.monotone:
+        elif prob.monotone and prob.exact is None:
             beaten = lower[kk, d]
         else:
             beaten = np.full(f.shape, np.inf)
@@ -582,7 +589,7 @@ def _solve_at(prob: _Problem, t_max: float, theta: float, bounds: _Bounds, idle:
                      entry=e[which[order]], choice=arg[which[order]], lat=lat[which[order]])
         levels.append(level)
         done = np.nonzero((level["k"] == 0) & ((level["d"] <= D) if idle else (level["d"] == D)))[0]
-        if done.size:
+        if done.size and prob.exact in (None, s):
             i = done[np.argmin(level["f"][done])]
             finals.append((float(level["f"][i]), s, int(i)))
     if not finals:
@@ -725,23 +732,28 @@ def solve_stages(
     microbatches,
     *,
     max_stages: int | None = None,
+    stages: int | None = None,
     idle_devices: bool = False,
     min_stage_fraction: float = 0.0,
 ) -> StageSolution:
     """Optimal pipeline slicing (see the module docstring for the recurrence and how it is
-    solved).  ``max_stages`` optionally caps the number of stages; ``idle_devices`` lets the
+    solved).  ``max_stages`` optionally caps the number of stages, ``stages`` fixes it
+    exactly (the two exclude each other); ``idle_devices`` lets the
     stages use fewer than ``num_devices``; ``min_stage_fraction`` keeps every stage at or
     above that fraction of the slowest one (see "Small stages").  Raises ``PlanError`` when
     no valid plan exists, ``ValueError`` for malformed arguments."""
+    if stages is not None and max_stages is not None:
+        raise ValueError("give max_stages or stages, not both")
     if min_stage_fraction:
         def solve(cost):
             return solve_stages(cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches,
-                                max_stages=max_stages, idle_devices=idle_devices)
+                                max_stages=max_stages, stages=stages, idle_devices=idle_devices)
         return balanced(solve, stage_cost, min_stage_fraction)
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
-    prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages)
-    if prob.n_max < 1 or not prob.k.size:
+    prob = _Problem(cost, smem, amem, mem_limit, sizes, D, max_stages if stages is None else stages,
+                    exact=stages is not None)
+    if prob.n_max < 1 or not prob.k.size or (stages is not None and prob.n_max < stages):
         raise no_plan_error(prob.L, D, idle_devices)
     search = _Search(prob, B, idle_devices)
     search.run()

@@ -16,8 +16,8 @@ from meshplan.inter.stage_dp import (StageChoice, StageSolution, balanced, check
 
 
 def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches, *,
-                     max_stages: int | None = None, full: bool = False, idle_devices: bool = False,
-                     min_stage_fraction: float = 0.0) -> StageSolution:
+                     max_stages: int | None = None, stages: int | None = None, full: bool = False,
+                     idle_devices: bool = False, min_stage_fraction: float = 0.0) -> StageSolution:
     """The recurrence without the prunings of ``solve_stages``: a slow independent check.
     ``min_stage_fraction`` applies the small-stage rule around it as ``solve_stages`` does
     (``stage_dp.balanced``), so the two agree round by round.
@@ -37,13 +37,15 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
     """
     if min_stage_fraction:
         return balanced(lambda cost: reference_stages(cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices,
-                                                      microbatches, max_stages=max_stages, full=full,
+                                                      microbatches, max_stages=max_stages, stages=stages, full=full,
                                                       idle_devices=idle_devices),
                         stage_cost, min_stage_fraction)
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
-    n_max = max_stage_count(L, sizes, D, max_stages)
+    n_max = max_stage_count(L, sizes, D, max_stages if stages is None else stages)
+    if stages is not None and n_max < stages:
+        raise no_plan_error(L, D, idle_devices)
     fits = [None] + [smem + s * amem <= mem_limit for s in range(1, n_max + 1)]  # (i, j, m, c) each
     solves = 0
 
@@ -73,6 +75,8 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
         else:
             ends = F[:, 0, D]
             ends_d = np.full(ends.shape, D)
+        if stages is not None:   # plans of exactly that many stages only
+            ends = np.where(np.arange(ends.size) == stages, ends, np.inf)
         n = int(np.argmin(ends))
         if not np.isfinite(ends[n]):
             return np.inf, None
@@ -133,11 +137,12 @@ def reference_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, n
 
 
 def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches, *,
-                       max_stages: int | None = None, idle_devices: bool = False,
+                       max_stages: int | None = None, stages: int | None = None, idle_devices: bool = False,
                        min_stage_fraction: float = 0.0) -> StageSolution:
     """Enumerate every valid plan and return the best (for tests; exponential).
     ``min_stage_fraction``: the best among the plans whose every stage takes at least that
-    fraction of their slowest one, exactly (no such plan: no plan).
+    fraction of their slowest one, exactly (no such plan: no plan). ``stages``: plans of
+    exactly that many stages only.
 
     Recursively chooses each stage's end layer, submesh and logical choice, abandoning a
     branch only when its devices already exceed ``num_devices``; a complete plan is kept
@@ -147,32 +152,34 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
     args = check_stage_inputs(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes, num_devices, microbatches)
     cost, smem, amem, mem_limit, sizes, D, B = args
     L, _, S, K = cost.shape
-    if max_stages is not None:
-        max_stage_count(L, sizes, D, max_stages)  # validates it
-    cap = L if max_stages is None else int(max_stages)
+    if max_stages is not None or stages is not None:
+        max_stage_count(L, sizes, D, max_stages or stages)  # validates it
+    cap = L if max_stages is None and stages is None else int(max_stages or stages)
     best = [np.inf, None]
     count = [0]
 
-    def finish(stages):
-        n = len(stages)
-        for p, (i, j, m, c) in enumerate(stages):
+    def finish(chosen):
+        n = len(chosen)
+        if stages is not None and n != stages:
+            return
+        for p, (i, j, m, c) in enumerate(chosen):
             if not smem[i, j, m, c] + (n - p) * amem[i, j, m, c] <= mem_limit:
                 return
         if min_stage_fraction:
-            seconds = [cost[i, j, m, c] for i, j, m, c in stages]
+            seconds = [cost[i, j, m, c] for i, j, m, c in chosen]
             if min(seconds) < min_stage_fraction * max(seconds):
                 return
         count[0] += 1
-        T = plan_objective([cost[i, j, m, c] for i, j, m, c in stages], B)
+        T = plan_objective([cost[i, j, m, c] for i, j, m, c in chosen], B)
         if T < best[0]:
-            best[0], best[1] = T, list(stages)
+            best[0], best[1] = T, list(chosen)
 
-    def extend(i, used, stages):
+    def extend(i, used, chosen):
         if i == L:
             if used == D or (idle_devices and used <= D):
-                finish(stages)
+                finish(chosen)
             return
-        if len(stages) == cap:
+        if len(chosen) == cap:
             return
         for j in range(i, L):
             for m in range(S):
@@ -180,9 +187,9 @@ def brute_force_stages(stage_cost, stage_mem, act_mem, mem_limit, submesh_sizes,
                     continue
                 for c in range(K):
                     if np.isfinite(cost[i, j, m, c]):
-                        stages.append((i, j, m, c))
-                        extend(j + 1, used + int(sizes[m]), stages)
-                        stages.pop()
+                        chosen.append((i, j, m, c))
+                        extend(j + 1, used + int(sizes[m]), chosen)
+                        chosen.pop()
 
     extend(0, 0, [])
     if best[1] is None:
