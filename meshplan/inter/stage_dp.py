@@ -76,7 +76,7 @@ How it is solved (each step keeps the exact optimum)
    alone lifts to the cap ends it before the fine grid is built.
 5. *The walk over t_max* (``_Search.run``).  Candidates are the distinct usable latencies,
    from the least at which a memory- and device-aware relaxation admits a plan, upwards,
-   in intervals of about 10 %.  An interval ``(a, b]`` is settled by solves at its top with
+   in intervals of about 5 %.  An interval ``(a, b]`` is settled by solves at its top with
    cap ``T_best - (B - 1) a``: a plan found with slowest stage ``m`` settles ``[m, b]``
    (nothing there has a smaller sum or a smaller max), and the walk descends below ``m``;
    no plan settles all of it.  The walk ends where ``LB + (B - 1) a >= T_best``, with
@@ -130,9 +130,10 @@ __all__ = [
 ]
 
 # Width of the walk's intervals over t_max, relative to their top: wider ones build fewer
-# prefix bounds and need a few more threshold solves (10 % was the fastest of 1–40 % on the
-# GPT-2 and 70B-shape tables of docs/benchmarks.md, 1.3–2.3× faster than 1 %).
-WALK_STEP = 0.1
+# prefix bounds and need more threshold solves. 5 % was the fastest in all of 1–40 % on the
+# GPT-2 and 70B-shape tables of docs/benchmarks.md (1.2–2× faster than 1 %; at 10 % the
+# 70B's solve on every device took twice as long as at 1 %).
+WALK_STEP = 0.05
 # Device prices of the prefix bounds: multiples of (median latency / median submesh size).
 PRICE_STEPS = 2.0 ** np.arange(-3.0, 8.0, 0.25)
 NEGATIVE_PRICE_STEPS = 2.0 ** np.arange(-3.0, 8.0, 1.0)
