@@ -33,6 +33,7 @@ import numpy as np
 from meshplan.errors import PlanError
 
 SOLVERS = ("cbc", "highs")
+OBJECTIVE_SCALE = 1e6   # the ILP's objective in microseconds (costs are seconds)
 SOLVER_NAMES = {"cbc": "CBC", "highs": "HiGHS"}
 # What to do when a solver does not load: the other one, or the package that brings it.
 REMEDIES = {
@@ -230,7 +231,10 @@ def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NO
         held = [(var, float(nodes[i].memory[k])) for (i, k), var in s.items() if nodes[i].memory is not None]
         model.add_constr(linexpr([v for v, _ in held], [c for _, c in held],
                                  const=-(problem.memory_limit - fixed_memory), sense="<"), name="memory")
-    model.objective = linexpr(variables, coefficients)
+    # in microseconds: the solvers' absolute tolerances (1e-6 and below) are a sizeable part
+    # of costs in seconds (a layer's ILP objective is often under 1e-3), and CBC stopped up
+    # to 1 % above the optimum HiGHS found on the same problem
+    model.objective = linexpr(variables, [c * OBJECTIVE_SCALE for c in coefficients])
     status = model.optimize(max_seconds=time_limit, max_nodes=max_nodes)
     warning = None
     if status == mip.OptimizationStatus.FEASIBLE:
