@@ -81,6 +81,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.emit.annotate import ANNOTATED_FILE
     from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, text_report
+    from meshplan.emit.schedule import SCHEDULE_FILE
     from meshplan.errors import ModelError
     from meshplan.inter.pipeline import PlanOptions
     from meshplan.make_plan import make_plan
@@ -153,6 +154,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                 click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
                            f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")
         programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"
-        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{REPORT_FILE}, {programs}, {out_dir}/{TIMELINE_FILE}, "
+        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{SCHEDULE_FILE}, {out_dir}/{REPORT_FILE}, {programs}, "
+                   f"{out_dir}/{TIMELINE_FILE}, "
                    f"{out_dir}/{ANNOTATED_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

@@ -34,6 +34,7 @@ from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
 from meshplan.emit.annotate import ANNOTATED_FILE, write_annotated
 from meshplan.intra.explain import explain_plan
+from meshplan.emit.schedule import write_schedule
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 
 
@@ -536,6 +537,7 @@ def make_plan(
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
         (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
         write_plan(plan, staging)
+        write_schedule(plan, staging)
         _replace_dir(staging, out_dir)
         return plan
     except BaseException:

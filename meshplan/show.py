@@ -118,6 +118,33 @@ def show_plan(directory: str | Path, operators: int = OPERATORS_SHOWN, weights: 
     return "\n".join(lines)
 
 
+def show_schedule(directory: str | Path, stage: int | None = None) -> str:
+    """The text ``meshplan show --schedule`` prints: each working rank's instruction list (or
+    those of ``stage``'s ranks), one instruction a line (``emit.schedule``)."""
+    from meshplan.emit.schedule import SCHEDULE_FILE, read_schedule
+
+    directory = Path(directory)
+    plan = read_plan(directory)
+    if stage is not None and not 0 <= stage < len(plan.stages):
+        raise PlanError(f"the plan has no stage {stage} (it has {len(plan.stages)})")
+    schedule = read_schedule(plan, directory)
+    source = SCHEDULE_FILE if (directory / SCHEDULE_FILE).is_file() else \
+        f"built from plan.json (the directory has no {SCHEDULE_FILE})"
+    lines = [f"schedule: {schedule.kind}, {schedule.microbatches} microbatch(es), {plan.num_ranks} rank(s) "
+             f"({source})"]
+    for rank, instructions in enumerate(schedule.ranks):
+        if plan.is_idle(rank):
+            continue
+        here = plan.stage_of_rank(rank)
+        if stage is not None and here.index != stage:
+            continue
+        lines.append(f"rank {rank} (stage {here.index}): {len(instructions)} instruction(s)")
+        lines.extend(f"  {i:3d}  {item.text(plan)}" for i, item in enumerate(instructions))
+    if plan.idle_ranks and stage is None:
+        lines.append(f"idle ranks (no instructions): {device_ranges(plan.idle_ranks)}")
+    return "\n".join(lines)
+
+
 def _rank_lines(plan: Plan, stage: Stage, directory: Path) -> list[str]:
     """What each rank of the stage holds: the estimate, and its program's bytes on disk."""
     lines = ["  ranks:"]

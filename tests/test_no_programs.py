@@ -90,7 +90,7 @@ def test_plan_without_programs_reads_no_weight(models, tmp_path, monkeypatch):
     assert not any(path.endswith(".data") for path in opened), opened
     # annotated.onnx needs no weight byte: it refers to the model's own data file
     assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == ["annotated.onnx", "plan.json", "report.txt",
-                                                                    "timeline.svg"]
+                                                                    "schedule.json", "timeline.svg"]
     assert plan.programs == [] and read_plan(tmp_path / "plan").programs == []
     _same_annotations(tmp_path / "plan", tmp_path / "full", Path(sparse["path"]).parent)
     # the same plan as with programs (the emitter's collective lists aside)
