@@ -325,6 +325,6 @@ def test_chain_tables_of_every_start_equal_each_stages_own_chain(memory):
         assert np.all(np.isinf(seconds[i, :i])) and np.all(np.isinf(weights[i, :i]))
         for j in range(i, L):
             want = intra.stage(i, j + 1, (1, 4), (1, 4))
-            assert (seconds[i, j], weights[i, j]) == (want.seconds, want.param_bytes), (i, j)
+            assert (seconds[i, j], weights[i, j]) == (want.seconds + want.arrival, want.param_bytes), (i, j)
             lean += want.lean
     assert bool(lean) == (memory < 80e9)

@@ -390,9 +390,10 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
         cost = costs.stage_cost(choice.start, choice.stop, submesh, logical)
         strategies: dict[str, Strategy] = {}
         layouts[index] = ("R", "R")
-        saved, weights = 0.0, cost.param_bytes
+        saved, weights, arrival = 0.0, cost.param_bytes, 0.0
         if len(devices) > 1:
             sharded = intra_op.stage(choice.start, choice.stop, submesh, logical)
+            arrival = sharded.arrival   # (in the DP's seconds; the resharding into the stage is counted below)
             chosen = intra_op.stage_strategies(choice.start, choice.stop, submesh, logical, sharded)
             room = cluster.device.memory_bytes - cost.act_bytes * options.microbatches
             wider = windows.improve(intra_op, choice.start, choice.stop, cuts, submesh, logical, sharded, room)
@@ -406,7 +407,7 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
             index=index, operators=[graph.nodes[i].name for i in range(start, stop)],
             layers=[choice.start, choice.stop], devices=devices,
             submesh=list(submesh), logical_mesh=list(logical),
-            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop, across) - saved),
+            inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop, across) - saved - arrival),
             memory_bytes=float(weights + cost.act_bytes),
             strategies={name: str(s) for name, s in strategies.items() if not _replicated(s)},
         ))

@@ -154,7 +154,7 @@ class StageCosts:
         sharded = self.intra_op.stage(start, stop, submesh, logical, memory)
         devices = submesh[0] * submesh[1]
         # the sharded stage's held bytes count its state in the layout it is made in
-        return StageCost(sharded.seconds + send, sharded.param_bytes, activations / devices)
+        return StageCost(sharded.seconds + sharded.arrival + send, sharded.param_bytes, activations / devices)
 
     def tables(self, submeshes: list[tuple[int, int]], memory: float | None = None,
                across_hosts: bool | None = None):

@@ -33,7 +33,7 @@ from meshplan.intra.segments import tensor_segments
 from meshplan.intra.operator_cost import OperatorCosts, held_bytes, held_outputs
 from meshplan.intra.pins import Pins
 from meshplan.intra.strategies import Strategy
-from meshplan.reshard.steps import axis_links
+from meshplan.reshard.steps import axis_links, reshard_seconds
 from meshplan.sharding import LogicalMesh, ShardingSpec, segments_fit
 
 __all__ = ["BOUNDARY_KINDS", "IntraOpPass", "IntraOpStats", "LayerSolution", "StageSharding",
@@ -71,6 +71,7 @@ class IntraOpPass:
         self._graph_inputs = set(graph.inputs)
         self._cache: dict[tuple, LayerSolution] = {}
         self._splittable: dict[tuple, bool] = {}
+        self._arrivals: dict[tuple, dict[str, float]] = {}
         self._layer_keys = layer_fingerprints(graph, layering, constants)
         owner = layering.layer_of_node()
         readers: dict[str, set[int]] = {}
@@ -187,15 +188,45 @@ class IntraOpPass:
             mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
             start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
             if entering:
-                names = {n for i in range(start, stop) for n in self.graph.nodes[i].inputs
-                         if n and not self.graph.tensors[n].is_param and n not in self._graph_inputs
-                         and not (start <= self._producers.get(n, -1) < stop)}
+                names = self._entering(layer)
             else:
                 names = {n for i in range(start, stop) for n in self.graph.nodes[i].outputs
                          if n and any(not (start <= c < stop) for c in self._consumers.get(n, []))}
             self._splittable[key] = any(
                 not boundary_spec("B", self.graph.tensors[n].split_sizes, mesh).is_replicated for n in names)
         return kind if self._splittable[key] else "R"
+
+    def _entering(self, layer: int) -> set[str]:
+        """The tensors a layer reads from earlier layers (not weights, not model inputs)."""
+        start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
+        return {n for i in range(start, stop) for n in self.graph.nodes[i].inputs
+                if n and not self.graph.tensors[n].is_param and n not in self._graph_inputs
+                and not (start <= self._producers.get(n, -1) < stop)}
+
+    def arrival(self, layer: int, submesh: tuple[int, int], logical: tuple[int, int]) -> dict[str, float]:
+        """What each boundary layout adds to bringing a stage that starts at ``layer`` its
+        inputs from the stage before: arriving replicated needs the all-gather, in this mesh,
+        of what arriving batch-split does not (the cross-mesh resharding sends each device
+        its slice either way). Nothing for the first layer (model inputs come from rank 0)."""
+        key = (layer, submesh, logical)
+        if key not in self._arrivals:
+            seconds = 0.0
+            if layer > 0 and self._effective_kind(layer, "B", logical, entering=True) == "B":
+                mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+                collectives = self.ilp.costs.collectives(submesh, logical)
+                for name in sorted(self._entering(layer)):
+                    info = self.graph.tensors[name]
+                    split = boundary_spec("B", info.split_sizes, mesh)
+                    if not split.is_replicated:
+                        seconds += reshard_seconds(split, boundary_spec("R", info.split_sizes, mesh), info.shape,
+                                                   info.dtype.itemsize, mesh, collectives)
+            self._arrivals[key] = {"R": seconds, "B": 0.0}
+        return self._arrivals[key]
+
+    def _arrival_table(self, submesh, logical) -> np.ndarray:
+        """(L, kinds): ``arrival`` of every start layer (``chain_tables``)."""
+        return np.array([[self.arrival(layer, submesh, logical)[kind] for kind in BOUNDARY_KINDS]
+                         for layer in range(self.layering.num_layers)])
 
     def _pin_key(self, layer: int, logical: tuple[int, int]) -> str:
         """What the pins that apply on ``logical`` add to the layer's fingerprint: a layer
@@ -237,7 +268,8 @@ class IntraOpPass:
         return self._chain(start, stop, submesh, logical, lean=True)
 
     def _chain(self, start, stop, submesh, logical, lean: bool) -> StageSharding:
-        return best_chain(range(start, stop), self._solutions(submesh, logical, lean), lean)
+        return best_chain(range(start, stop), self._solutions(submesh, logical, lean), lean,
+                          self.arrival(start, submesh, logical))
 
     def _solutions(self, submesh, logical, lean: bool):
         """``solution(layer, b_in, b_out)`` on one view, remembered per view (a chain asks
@@ -263,16 +295,19 @@ class IntraOpPass:
         # the fastest layouts' chain depends on each layer's ILP alone (``_split_weights``'s
         # key): views whose layers all see the same ILPs (a host count that splits nothing)
         # share one pass
+        arrival = self._arrival_table(submesh, logical)
         same = tuple((self._effective_view(layer, submesh, logical),
                       self._effective_kind(layer, "B", logical, entering=True),
-                      self._effective_kind(layer, "B", logical, entering=False)) for layer in range(L))
+                      self._effective_kind(layer, "B", logical, entering=False)) for layer in range(L)) \
+            + (arrival.tobytes(),)
         if same not in self._fast_tables:
-            self._fast_tables[same] = chain_tables(L, self._solutions(submesh, logical, False), False)
+            self._fast_tables[same] = chain_tables(L, self._solutions(submesh, logical, False), False,
+                                                   arrival=arrival)
         seconds, weights = self._fast_tables[same]
         over = np.triu(weights > memory)   # (entries below the diagonal are no stage)
         if over.any():
             first = int(np.argmax(over.any(axis=1)))
-            lean_seconds, lean_weights = chain_tables(L, self._solutions(submesh, logical, True), True, first)
+            lean_seconds, lean_weights = chain_tables(L, self._solutions(submesh, logical, True), True, first, arrival)
             seconds = np.where(over, lean_seconds, seconds)
             weights = np.where(over, lean_weights, weights)
         return seconds, weights
