@@ -51,6 +51,7 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
     Each float output passes within its dtype's tolerance; where the model quantizes its
     activations (MatMulNBits at accuracy_level 4 on the CPU) the tolerance also carries the
     output's quantization bound, measured on the same inputs and printed as "+ bound"."""
+    from meshplan.emit.schedule import read_schedule
     from meshplan.plan_format import read_plan, require_programs
     from meshplan.runtime.inprocess import compare_outputs, reference_with_bounds, run_in_process
     from meshplan.runtime.sessions import set_deterministic
@@ -62,6 +63,7 @@ def verify(ctx, plan_dir, inputs_path, outputs_path, model_path, rtol, atol, by_
         started = time.perf_counter()
         the_plan = read_plan(plan_dir)
         require_programs(the_plan, plan_dir)
+        read_schedule(the_plan, plan_dir)   # what a job of the plan would carry out: one line if it cannot
         if generate:
             _verify_generation(the_plan, plan_dir, prompts, prompt_ids, max_new_tokens, tokenizer, model_path, rtol,
                                atol, provider, started)

@@ -19,7 +19,7 @@ from meshplan.plan_format import OUTPUT_COLLECTOR
 from meshplan.runtime.buffers import HOST
 from meshplan.runtime.interpreter import CallRecord, Interpreter
 from sample_models import SAMPLES, make_inputs
-from tests.conftest import check_against_onnxruntime, run_cli
+from tests.conftest import check_against_onnxruntime, run_cli, save_npz
 from tests.test_cli_errors import _one_error_line
 
 
@@ -102,6 +102,9 @@ def test_bad_schedule_is_one_error_line(two_stages, tmp_path, change, message):
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read_schedule(plan, copy)
     _one_error_line(run_cli("show", copy, "--schedule"), message)
+    # verify checks what a job of the plan would carry out
+    inputs = save_npz(tmp_path / "in.npz", make_inputs("mlp", SAMPLES["mlp"].dims, seed=4))
+    _one_error_line(run_cli("verify", copy, "--inputs", inputs), message)
 
 
 def test_schedule_of_another_plan_is_refused(two_stages, tmp_path):

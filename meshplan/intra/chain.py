@@ -73,11 +73,6 @@ class Chain:
     def _end(self) -> str:
         return min(BOUNDARY_KINDS, key=lambda kind: _tied(self.best[kind][0] + self.best[kind][5]))
 
-    def totals(self) -> tuple[float, float]:
-        """(seconds, weight bytes per device) of the layers so far."""
-        seconds, memory, _, held, _, _ = self.best[self._end()]
-        return seconds, memory + held
-
     def result(self) -> StageSharding:
         end = self._end()
         seconds, memory, shared, _, path, arrival = self.best[end]
