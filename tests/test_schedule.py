@@ -213,7 +213,7 @@ def test_interpreter_carries_out_the_list_in_its_order(two_stages, rank):
         assert [sorted(r) for r in results] == [sorted(wanted)] * plan.microbatches
 
 
-def test_instruction_text_names_the_tensor():
+def test_instruction_round_trips_and_refuses_unknown_fields():
     item = Instruction("run", 3, part="forward")
     assert item.to_dict() == {"op": "run", "mb": 3, "part": "forward"}
     assert Instruction.from_dict(item.to_dict()) == item
