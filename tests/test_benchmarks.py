@@ -115,6 +115,14 @@ def check_small_batch_split(body, out, genai):
     assert row["mesh"] == "1x2" and positive(row["measured_ms"], row["alone_ms"]) and row["threads"]
 
 
+def check_pipeline_memory(body: dict, out: str, genai: bool) -> None:
+    schedules = body["schedules"]
+    assert [s["in_flight"] for s in schedules["1f1b"]["stages"]] == [2, 1]
+    assert [s["in_flight"] for s in schedules["gpipe"]["stages"]] == [2, 2]
+    assert schedules["1f1b"]["loss"] == pytest.approx(schedules["gpipe"]["loss"], rel=1e-6)
+    assert "1F1B over GPipe" in out
+
+
 def check_step_overhead(body, out, genai):
     assert positive(body["onnxruntime_us"], body["job_us"], body["loop_us"])
     assert positive(body["genai_us"]) if genai else "onnxruntime-genai" in out and "not installed" in out
@@ -183,6 +191,7 @@ CASES = {
     "segment_pools": (["--blocks", "1", "--steps", "2", "--pause", "0"], check_segment_pools, ()),
     "small_batch_split": (["--meshes", "1x2", "--rounds", "1", "--repeat", "2", "--cores"], check_small_batch_split,
                           (pytest.mark.mpi,)),
+    "pipeline_memory": (["--stages", "2", "--microbatches", "2", "--batch", "4"], check_pipeline_memory, ()),
     "step_overhead": (["--steps", "3", "--rounds", "1", "--capacity", "32"], check_step_overhead, ()),
     "request_sequence": (["{plan}", "--requests", "2", "--new-tokens", "2", "--prompt-length", "4"],
                          check_request_sequence, ()),

@@ -11,13 +11,7 @@ import pytest
 from meshplan.testing.train_reference import run_step_model
 from meshplan.training.step_model import TrainSpec, build_step_model
 from sample_models.training import CASES, load_case
-
-
-def _hyper(settings: dict) -> dict:
-    betas = settings.get("betas") or (0.9, 0.999)
-    return {"train.momentum": settings.get("momentum") or 0.0, "train.weight_decay": settings.get("weight_decay") or 0.0,
-            "train.clip_norm": settings.get("clip_norm") or 0.0, "train.beta1": betas[0], "train.beta2": betas[1],
-            "train.eps": settings.get("eps") or 1e-8}
+from tests.training_cases import assert_final_like_torch, batches, hyper
 
 
 @pytest.mark.parametrize("name,microbatches", [(name, 1) for name in CASES] + [("gpt_adamw", 4), ("mlp_sgd", 2)])
@@ -29,26 +23,6 @@ def test_training_equals_torch(name, microbatches):
     step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
                                                           microbatches=microbatches))
     assert set(step.manifest["weights"]) | set(step.manifest["tied"]) == set(settings["trainable"])
-    count, batch = len(next(iter(case["data"].values()))), settings["batch"]
-    batches = []
-    for k in range(settings["steps"]):
-        index = (k * batch + np.arange(batch)) % count
-        batches.append({n: a[index] for n, a in case["data"].items()})
-    losses, state = run_step_model(step, case["initial"], batches, _hyper(settings), list(case["lrs"]))
+    losses, state = run_step_model(step, case["initial"], batches(case), hyper(settings), list(case["lrs"]))
     np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
-    adam = settings["optimizer"] == "adamw"
-    lr = max(case["lrs"])
-    loudest = max(float(np.abs(g).max()) for g in case["grads"].values())
-    for initializer, expected in case["final"].items():
-        tie = step.manifest["tied"].get(initializer)
-        actual = state[initializer] if tie is None else \
-            (state[tie["of"]].T if tie["transposed"] else state[tie["of"]])
-        scale = float(np.abs(expected).max()) or 1.0
-        off = np.abs(actual - expected)
-        # docs/numerics.md: every element within 1e-4 of the tensor's scale (SGD); AdamW moves an
-        # element whose gradient is at rounding level by up to lr a step, whichever sign the
-        # rounding gave it: there each element within that, the median within 1e-5 of the scale,
-        # and a tensor with no gradient at all (a key bias: softmax ignores it) only the bound
-        assert float(off.max()) <= 1e-4 * scale + (lr * settings["steps"] if adam else 0.0), initializer
-        silent = float(np.abs(case["grads"][initializer]).max()) <= 1e-6 * loudest
-        assert silent or float(np.median(off)) <= 1e-5 * scale, initializer
+    assert_final_like_torch(case, step.manifest["tied"], state)

@@ -53,7 +53,8 @@ class Instruction:
     resharding: int | None = None    # receive/send: index in plan.reshardings
     transfer: int | None = None      # receive/send/output/collect: index in plan.transfers
     state: str | None = None         # keep: the state input the output becomes
-    part: str | None = None          # run: the program's part (forward)
+    part: str | None = None          # run: the program's part (forward; a training step's phases)
+    crossing: int | None = None      # receive/send in a pipelined training step (``emit.train_schedule``)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -71,6 +72,8 @@ class Instruction:
         """One line for a person (``meshplan show --schedule``)."""
         if self.op == "run":
             return f"run {self.part} mb {self.mb}"
+        if self.crossing is not None:
+            return f"{self.op} crossing {self.crossing} mb {self.mb}"
         if self.resharding is not None:
             r = plan.reshardings[self.resharding]
             where = f"from stage {r.src_stage}" if self.op == "receive" else f"to stage {r.dst_stage}"

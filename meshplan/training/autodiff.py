@@ -26,6 +26,7 @@ from meshplan.ops import registry
 from meshplan.ops.grad_words import Dim, GradientError, GradNode
 
 PREFIX = "grad"
+WEIGHT = "weight:"     # Gradients.origin of the nodes that sum an asked-for tensor's addends
 
 
 def is_float(dtype) -> bool:
@@ -43,6 +44,8 @@ class _Tape:
     nodes: list = field(default_factory=list)
     constants: list = field(default_factory=list)
     where: str = ""                         # the forward node being differentiated
+    owner: str = ""                         # what the nodes written now belong to (``origin``)
+    origin: dict = field(default_factory=dict)
     count: int = 0
     opset: int = 18                         # the model's default-domain opset
 
@@ -56,6 +59,7 @@ class _Tape:
         attrs = {k: numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v for k, v in attrs.items()}
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=self.fresh(op_type + "_node"),
                                            domain=domain or None, **attrs))
+        self.origin[self.nodes[-1].name] = self.owner
         for index, name in enumerate(names):
             found = _OUTPUT_DTYPES.get((op_type, index), dtype)
             if found is not None:
@@ -106,6 +110,9 @@ class Gradients:
     nodes: list
     constants: list
     of: dict[str, str | None]
+    # each backward node's forward node (by name), or WEIGHT + the name of the asked-for
+    # tensor whose gradient addends it sums: where a pipeline stage puts it
+    origin: dict[str, str] = field(default_factory=dict)
 
 
 def graph_types(model: onnx.ModelProto) -> tuple[dict, dict]:
@@ -117,6 +124,19 @@ def graph_types(model: onnx.ModelProto) -> tuple[dict, dict]:
     for tensor in graph.initializer:
         dtypes[tensor.name] = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
         shapes[tensor.name] = tuple(tensor.dims)
+    return shapes, dtypes
+
+
+def tensor_types(model: onnx.ModelProto) -> tuple[dict, dict]:
+    """``graph_types`` of ``model`` after onnx's shape inference, completed where it leaves
+    tensors untyped (``_complete_types``)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:   # noqa: BLE001 (best effort: the model's own value_info then)
+        inferred = model
+    shapes, dtypes = graph_types(inferred)
+    if any(o and o not in dtypes for n in model.graph.node for o in n.output):
+        _complete_types(model, shapes, dtypes)
     return shapes, dtypes
 
 
@@ -200,6 +220,7 @@ def gradients(model: onnx.ModelProto, scalar: str, wrt: list[str]) -> Gradients:
                                 hint="freeze the weights before it (--frozen), or report the operator")
         if not any(needs):
             continue
+        tape.owner = node.name
         output_grads = [_take(tape, parts, o) for o in node.output]
         rule = registry.grad_of(node.op_type, node.domain)
         if rule is None:
@@ -221,8 +242,11 @@ def gradients(model: onnx.ModelProto, scalar: str, wrt: list[str]) -> Gradients:
             if need and grad is not None:
                 parts.setdefault(name, []).append(grad)
     tape.where = "sum"
-    result = {name: _take(tape, parts, name) for name in wrt}
-    return Gradients(tape.nodes, tape.constants, result)
+    result = {}
+    for name in wrt:
+        tape.owner = WEIGHT + name
+        result[name] = _take(tape, parts, name)
+    return Gradients(tape.nodes, tape.constants, result, tape.origin)
 
 
 def _take(tape: _Tape, parts: dict[str, list[str]], name: str) -> str | None:

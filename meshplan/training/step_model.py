@@ -49,6 +49,11 @@ class TrainSpec:
     optimizer: str = "adamw"
     frozen: tuple[str, ...] = ()
     microbatches: int = 1        # calls a step's batch is split into (gradients accumulated)
+    stages: int = 1              # pipeline stages (> 1: accumulated even over one microbatch)
+
+    @property
+    def accumulate(self) -> bool:
+        return self.microbatches > 1 or self.stages > 1
 
 
 @dataclass
@@ -56,6 +61,30 @@ class StepModel:
     model: onnx.ModelProto
     state: dict[str, str]                 # output → the state input it becomes
     manifest: dict = field(default_factory=dict)
+    # each node's part of the step (by node name): FORWARD (the model, its loss, tied
+    # copies), BACKWARD (the gradients) or UPDATE (accumulation, clipping, the optimizer);
+    # and each backward node's forward node (``autodiff.Gradients.origin``)
+    roles: dict[str, str] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
+    gradients: dict[str, str] = field(default_factory=dict)   # trained weight → its gradient's tensor
+
+
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    """Give every node a name of its own (an exporter may leave some empty or repeat one):
+    a pipeline's stages refer to nodes by name."""
+    seen: set[str] = set()
+    for index, node in enumerate(graph.node):
+        if not node.name or node.name in seen:
+            base = node.name or f"{node.op_type}_{index}"
+            name, k = base, 0
+            while name in seen:
+                k += 1
+                name = f"{base}#{k}"
+            node.name = name
+        seen.add(node.name)
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -119,7 +148,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
             raise TrainError(f"{source}: opset {_opset(model)} could not be brought to {OPSET} for training "
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     loss_spec = LossSpec.parse(spec.loss)
-    accumulate = spec.microbatches > 1
+    accumulate = spec.accumulate
     seed = LOSS + "/microbatch" if accumulate else LOSS
     loss = build_loss(model, loss_spec, seed)
     graph = model.graph
@@ -130,6 +159,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     statistics = {t.name: t for t in model.graph.initializer if t.name in stats.values()}
     graph.node.extend(loss.nodes)
     graph.initializer.extend(loss.constants)
+    _name_nodes(graph)
     if loss.target is not None:
         graph.input.append(loss.target)
     controls = list(HYPER[spec.optimizer]) + ([APPLY] if accumulate else [])
@@ -163,6 +193,9 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     dtypes = {n: np.dtype(helper.tensor_dtype_to_np_dtype(by_name[n].data_type)) for n in reached}
     update = build_update(spec.optimizer, {n: (reached[n], dtypes[n]) for n in reached},
                           (seed, TOTAL, COUNT) if accumulate else None)
+    roles = {node.name: FORWARD for node in graph.node}
+    roles.update({node.name: BACKWARD for node in found.nodes})
+    roles.update({node.name: UPDATE for node in update.nodes})
     graph.node.extend(found.nodes)
     graph.initializer.extend(found.constants)
     graph.node.extend(update.nodes)
@@ -201,7 +234,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
                               "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name}
                        for name, t in statistics.items()},
     }
-    return StepModel(model, state, manifest)
+    return StepModel(model, state, manifest, roles, found.origin, dict(reached))
 
 
 def save_step_model(step: StepModel, source: str | Path, path: str | Path) -> Path:

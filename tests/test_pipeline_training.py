@@ -1,0 +1,161 @@
+"""Pipelined training equal to one device's and to torch's: the training step cut into stages
+(``training.pipeline_step``), scheduled 1F1B or GPipe (``emit.train_schedule``) and run stage
+by stage in one process (``runtime.pipeline_inprocess``), against the torch references of
+sample_models/training and the whole step on onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from meshplan.emit.schedule import Instruction
+from meshplan.emit.train_schedule import GPIPE, ONE_F_ONE_B, play, run_order, training_schedule
+from meshplan.errors import PlanError, TrainError
+from meshplan.runtime.pipeline_inprocess import PipelineRunner
+from meshplan.testing.train_reference import run_step_model
+from meshplan.training.optimizers import DEFAULTS
+from meshplan.training.pipeline_step import STATE, split_step
+from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model
+from sample_models.training import load_case
+from tests.training_cases import assert_final_like_torch, batches, hyper
+
+
+def _even_stages(step, model_path, stages: int) -> dict[str, int]:
+    """The forward model's nodes in ``stages`` contiguous runs of (nearly) equal length."""
+    forward = {n.name for n in onnx.load(str(model_path), load_external_data=False).graph.node}
+    names = [n.name for n in step.model.graph.node if n.name in forward]
+    per = -(-len(names) // stages)
+    return {name: i // per for i, name in enumerate(names)}
+
+
+def _pipeline(name: str, stages: int, microbatches: int):
+    case = load_case(name)
+    settings = case["settings"]
+    step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
+                                                          microbatches=microbatches, stages=stages))
+    return case, step, split_step(step, _even_stages(step, case["model_path"], stages), stages)
+
+
+def _train(case, runner: PipelineRunner) -> list[float]:
+    settings = case["settings"]
+    losses = []
+    for k, batch in enumerate(batches(case)):
+        controls = {**DEFAULTS, **hyper(settings), "train.lr": case["lrs"][k], "train.step": k + 1}
+        losses.append(runner.step(batch, controls)["train.loss"])
+    return losses
+
+
+@pytest.mark.parametrize("name,stages,kind", [
+    ("gpt_adamw", 2, ONE_F_ONE_B), ("gpt_adamw", 4, ONE_F_ONE_B), ("gpt_adamw", 4, GPIPE),
+    ("gpt2_tied", 3, ONE_F_ONE_B), ("gpt2_tied", 2, GPIPE), ("mlp_sgd", 2, ONE_F_ONE_B),
+    ("mlp_sgd_dynamo", 3, GPIPE), ("cnn_sgd", 2, ONE_F_ONE_B)])
+def test_pipeline_trains_as_torch_and_one_device(name, stages, kind):
+    """Four microbatches a step through two to four stages: each step's loss within 1e-3 of
+    torch's and 1e-5 of the whole step's on one device, the final weights as torch's."""
+    case, step, pipeline = _pipeline(name, stages, 4)
+    assert len({stage for stage, _ in pipeline.parts}) == stages
+    runner = PipelineRunner(pipeline, 4, case["initial"], kind)
+    losses = _train(case, runner)
+    np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
+    whole = build_step_model(case["model_path"], TrainSpec(case["settings"]["loss"], case["settings"]["optimizer"],
+                                                           microbatches=4))
+    one_device, _ = run_step_model(whole, case["initial"], batches(case), hyper(case["settings"]), list(case["lrs"]))
+    np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+    assert_final_like_torch(case, step.manifest["tied"], runner.state_values())
+
+
+def test_tied_embedding_spans_stages():
+    """Hugging Face GPT-2's embedding, tied to its head: the table lives on the first stage,
+    the last receives it each step and sends the head's gradient of it back, where the two
+    gradients meet."""
+    case, step, pipeline = _pipeline("gpt2_tied", 3, 4)
+    (copy, tie), = step.manifest["tied"].items()
+    table = tie["of"]
+    assert pipeline.home[table] == 0
+    assert any(c.tensor == table and c.made_in == STATE and c.src == 0 and c.dst == 2 for c in pipeline.crossings)
+    tie_node = f"train.tie/{copy}"
+    assert pipeline.placement[tie_node] == (2, FORWARD)
+    back = [c for c in pipeline.crossings if c.made_in == BACKWARD and c.src == 2 and c.dst == 0]
+    assert back, "the head's gradient of the table goes back to its stage"
+    made = {o: n for n in step.model.graph.node for o in n.output}
+    assert any(step.origin.get(made[c.tensor].name) == tie_node for c in back)
+
+
+@pytest.mark.parametrize("kind", [ONE_F_ONE_B, GPIPE])
+def test_in_flight_microbatches(kind):
+    """Four stages, eight microbatches: under 1F1B stage i holds the activations of at most
+    S − i microbatches, under GPipe all eight; measured on the runs, and fewer bytes kept."""
+    case, _, pipeline = _pipeline("gpt_adamw", 4, 8)
+    for stage in range(4):
+        runs = run_order(stage, 4, 8, kind)
+        depth = np.cumsum([1 if p == FORWARD else -1 if p == BACKWARD else 0 for p, _ in runs])
+        assert int(depth.max()) == (4 - stage if kind == ONE_F_ONE_B else 8)
+        assert [m for p, m in runs if p == BACKWARD] == list(range(8))
+    runner = PipelineRunner(pipeline, 8, case["initial"], kind)
+    _train({**case, "settings": {**case["settings"], "steps": 1}}, runner)
+    expected = [4, 3, 2, 1] if kind == ONE_F_ONE_B else [8, 8, 8, 8]
+    assert runner.peak_in_flight == expected
+
+
+def test_one_f_one_b_keeps_less_than_gpipe():
+    case, _, pipeline = _pipeline("gpt_adamw", 4, 8)
+    kept = {}
+    for kind in (ONE_F_ONE_B, GPIPE):
+        runner = PipelineRunner(pipeline, 8, case["initial"], kind)
+        _train({**case, "settings": {**case["settings"], "steps": 1}}, runner)
+        kept[kind] = runner.peak_kept
+    assert all(a < b for a, b in zip(kept[ONE_F_ONE_B], kept[GPIPE]))
+
+
+def test_schedule_sends_before_receives_and_plays():
+    _, _, pipeline = _pipeline("gpt_adamw", 3, 4)
+    lists = training_schedule(pipeline, 4, ONE_F_ONE_B)
+    done = play(lists)
+    assert len(done) == sum(len(x) for x in lists)
+    sends = {(i.crossing, i.mb) for x in lists for i in x if i.op == "send"}
+    receives = [(i.crossing, i.mb) for x in lists for i in x if i.op == "receive"]
+    assert sorted(receives) == sorted(sends) and len(set(receives)) == len(receives)
+    runs = [(i.part, i.mb) for i in lists[0] if i.op == "run"]
+    assert runs[-2:] == [("norm", 3), ("update", 3)]
+    assert ("clip", 3) in [(i.part, i.mb) for i in lists[2] if i.op == "run"]
+
+
+def test_deadlocked_schedule_is_refused():
+    """A first stage that waits for a gradient before it sends the activation the later
+    stages need to make it."""
+    _, _, pipeline = _pipeline("gpt_adamw", 2, 4)
+    lists = training_schedule(pipeline, 4, GPIPE)
+    grad = next(i for i in lists[0] if i.op == "receive"
+                and pipeline.crossings[i.crossing].made_in == BACKWARD)
+    lists[0] = [grad] + [i for i in lists[0] if i != grad]
+    with pytest.raises(PlanError, match="would deadlock"):
+        play(lists)
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(PlanError, match="unknown pipeline schedule 'zigzag'"):
+        run_order(0, 2, 4, "zigzag")
+
+
+def test_bad_cuts_are_refused():
+    case = load_case("mlp_sgd")
+    settings = case["settings"]
+    spec = TrainSpec(settings["loss"], settings["optimizer"], microbatches=2, stages=2)
+    step = build_step_model(case["model_path"], spec)
+    stages = _even_stages(step, case["model_path"], 2)
+    backwards = {name: 1 - s for name, s in stages.items()}
+    with pytest.raises(TrainError, match="follow the forward graph's order"):
+        split_step(build_step_model(case["model_path"], spec), backwards, 2)
+    with pytest.raises(TrainError, match="two or more stages"):
+        split_step(build_step_model(case["model_path"], spec), stages, 1)
+    with pytest.raises(TrainError, match="stage 5 is not one of the 2"):
+        split_step(build_step_model(case["model_path"], spec), {**stages, next(iter(stages)): 5}, 2)
+    plain = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"]))
+    with pytest.raises(TrainError, match="accumulates its gradients"):
+        split_step(plain, stages, 2)
+
+
+def test_instruction_round_trips_with_a_crossing():
+    ins = Instruction("send", 3, crossing=7)
+    assert Instruction.from_dict(ins.to_dict()) == ins

@@ -1,0 +1,45 @@
+"""The checked-in torch references (sample_models/training) as tests read them: a case's
+hyperparameters and batches, and the rule its final weights are held to (docs/numerics.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def hyper(settings: dict) -> dict:
+    betas = settings.get("betas") or (0.9, 0.999)
+    return {"train.momentum": settings.get("momentum") or 0.0, "train.weight_decay": settings.get("weight_decay") or 0.0,
+            "train.clip_norm": settings.get("clip_norm") or 0.0, "train.beta1": betas[0], "train.beta2": betas[1],
+            "train.eps": settings.get("eps") or 1e-8}
+
+
+def batches(case: dict) -> list[dict]:
+    """Step k's batch, as the reference took it."""
+    settings = case["settings"]
+    count, batch = len(next(iter(case["data"].values()))), settings["batch"]
+    found = []
+    for k in range(settings["steps"]):
+        index = (k * batch + np.arange(batch)) % count
+        found.append({n: a[index] for n, a in case["data"].items()})
+    return found
+
+
+def assert_final_like_torch(case: dict, tied: dict, state: dict) -> None:
+    """The state after the case's steps against torch's final weights: every element within
+    1e-4 of the tensor's scale (SGD); AdamW moves an element whose gradient is at rounding
+    level by up to lr a step, whichever sign the rounding gave it: there each element within
+    that, the median within 1e-5 of the scale, and a tensor with no gradient at all (a key
+    bias: softmax ignores it) only the bound. ``tied``: the step's tied copies."""
+    settings = case["settings"]
+    adam = settings["optimizer"] == "adamw"
+    lr = max(case["lrs"])
+    loudest = max(float(np.abs(g).max()) for g in case["grads"].values())
+    for initializer, expected in case["final"].items():
+        tie = tied.get(initializer)
+        actual = state[initializer] if tie is None else \
+            (state[tie["of"]].T if tie["transposed"] else state[tie["of"]])
+        scale = float(np.abs(expected).max()) or 1.0
+        off = np.abs(actual - expected)
+        assert float(off.max()) <= 1e-4 * scale + (lr * settings["steps"] if adam else 0.0), initializer
+        silent = float(np.abs(case["grads"][initializer]).max()) <= 1e-6 * loudest
+        assert silent or float(np.median(off)) <= 1e-5 * scale, initializer
