@@ -23,30 +23,23 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshplan.emit.train_schedule import GPIPE, ONE_F_ONE_B  # noqa: E402
 from meshplan.runtime.pipeline_inprocess import PipelineRunner  # noqa: E402
+from meshplan.testing.train_reference import even_stages  # noqa: E402
 from meshplan.training.optimizers import DEFAULTS  # noqa: E402
 from meshplan.training.pipeline_step import split_step  # noqa: E402
 from meshplan.training.step_model import TrainSpec, build_step_model  # noqa: E402
 from sample_models.training import CASES, load_case  # noqa: E402
 
 
-def cut(case: dict, step, stages: int) -> dict[str, int]:
-    forward = {n.name for n in onnx.load(str(case["model_path"]), load_external_data=False).graph.node}
-    names = [n.name for n in step.model.graph.node if n.name in forward]
-    per = -(-len(names) // stages)
-    return {name: i // per for i, name in enumerate(names)}
-
-
 def one_step(case: dict, stages: int, microbatches: int, batch: int, kind: str):
     settings = case["settings"]
     step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
                                                           microbatches=microbatches, stages=stages))
-    pipeline = split_step(step, cut(case, step, stages), stages)
+    pipeline = split_step(step, even_stages(step, case["model_path"], stages), stages)
     runner = PipelineRunner(pipeline, microbatches, case["initial"], kind)
     count = len(next(iter(case["data"].values())))
     index = np.arange(batch) % count

@@ -6,14 +6,13 @@ sample_models/training and the whole step on onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 
 from meshplan.emit.schedule import Instruction
 from meshplan.emit.train_schedule import GPIPE, ONE_F_ONE_B, play, run_order, training_schedule
 from meshplan.errors import PlanError, TrainError
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
-from meshplan.testing.train_reference import run_step_model
+from meshplan.testing.train_reference import even_stages, run_step_model
 from meshplan.training.optimizers import DEFAULTS
 from meshplan.training.pipeline_step import STATE, split_step
 from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model
@@ -21,20 +20,12 @@ from sample_models.training import load_case
 from tests.training_cases import assert_final_like_torch, batches, hyper
 
 
-def _even_stages(step, model_path, stages: int) -> dict[str, int]:
-    """The forward model's nodes in ``stages`` contiguous runs of (nearly) equal length."""
-    forward = {n.name for n in onnx.load(str(model_path), load_external_data=False).graph.node}
-    names = [n.name for n in step.model.graph.node if n.name in forward]
-    per = -(-len(names) // stages)
-    return {name: i // per for i, name in enumerate(names)}
-
-
 def _pipeline(name: str, stages: int, microbatches: int):
     case = load_case(name)
     settings = case["settings"]
     step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
                                                           microbatches=microbatches, stages=stages))
-    return case, step, split_step(step, _even_stages(step, case["model_path"], stages), stages)
+    return case, step, split_step(step, even_stages(step, case["model_path"], stages), stages)
 
 
 def _train(case, runner: PipelineRunner) -> list[float]:
@@ -143,7 +134,7 @@ def test_bad_cuts_are_refused():
     settings = case["settings"]
     spec = TrainSpec(settings["loss"], settings["optimizer"], microbatches=2, stages=2)
     step = build_step_model(case["model_path"], spec)
-    stages = _even_stages(step, case["model_path"], 2)
+    stages = even_stages(step, case["model_path"], 2)
     backwards = {name: 1 - s for name, s in stages.items()}
     with pytest.raises(TrainError, match="follow the forward graph's order"):
         split_step(build_step_model(case["model_path"], spec), backwards, 2)

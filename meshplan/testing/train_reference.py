@@ -102,3 +102,15 @@ def run_step_model(step, weights: dict[str, np.ndarray], batches: list[dict], hy
             state = {i: result[o] for o, i in step.state.items()}
         losses.append(float(result["train.loss"]))
     return losses, state
+
+
+def even_stages(step, model_path: str | Path, stages: int) -> dict[str, int]:
+    """The stage of each node of the forward model at ``model_path`` (by name, as the step
+    ``step`` names it) when its nodes are cut into ``stages`` contiguous runs of (nearly)
+    equal length: a pipeline's cut for tests and benchmarks, where no plan chose one."""
+    import onnx
+
+    forward = {n.name for n in onnx.load(str(model_path), load_external_data=False).graph.node}
+    names = [n.name for n in step.model.graph.node if n.name in forward]
+    per = -(-len(names) // stages)
+    return {name: i // per for i, name in enumerate(names)}
