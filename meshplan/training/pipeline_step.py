@@ -90,157 +90,186 @@ class PipelineStep:
 
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int) -> PipelineStep:
     """``step`` in ``stages`` pipeline stages; ``forward_stage``: the stage of each node of the
-    forward model (by name; stages in the forward graph's order). Raises ``TrainError`` where
-    the step cannot be cut so."""
-    manifest = step.manifest
-    if not manifest.get("accumulators"):
+    forward model (by name; stages in the forward graph's order). A global ``Sum`` of the
+    step's graph is rewritten in place into one partial per stage (``_partial_sums``).
+    Raises ``TrainError`` where the step cannot be cut so."""
+    if not step.manifest.get("accumulators"):
         raise TrainError("a pipelined training step accumulates its gradients: build it with stages > 1")
     if stages < 2:
         raise TrainError(f"a pipeline has two or more stages, not {stages}")
-    graph = step.model.graph
-    nodes = list(graph.node)
-    names = [n.name for n in nodes]
+    names = [n.name for n in step.model.graph.node]
     if len(set(names)) != len(names) or not all(names):
         raise TrainError("the step's nodes need names of their own")
     bad = sorted({s for s in forward_stage.values() if not 0 <= s < stages})
     if bad:
         raise TrainError(f"stage {bad[0]} is not one of the {stages} stages")
-    last = stages - 1
-    weights = list(manifest["weights"])
-    state_inputs = set(step.state.values())
-    controls = list(manifest["hyperparameters"])
-    constants = {t.name for t in graph.initializer}
-    data_inputs = [v.name for v in graph.input if v.name not in state_inputs and v.name not in controls
-                   and v.name not in constants]
-    producer = {o: n for n in nodes for o in n.output if o}
-    readers = defaultdict(list)
-    for node in nodes:
-        for name in node.input:
-            if name:
-                readers[name].append(node)
+    places = _Placing(step, stages)
+    places.forward(forward_stage)
+    places.backward()
+    places.update()
+    phase_of = places.phases()
+    nodes = _partial_sums(step.model, places.nodes, places.stage_of, phase_of, places.producer)
+    placement = {n.name: (places.stage_of[n.name], phase_of[n.name]) for n in nodes if n.name in phase_of}
+    return _parts(step, nodes, placement, places.home, stages, places.data_inputs, places.controls)
 
-    # the state's owners: a weight, its slots and accumulated gradient belong to the weight
-    owner: dict[str, str] = {}
-    for w in weights:
-        owner[w] = w
-        for kind in manifest["slots"]:
-            owner[slot(w, kind)] = w
 
-    stage_of: dict[str, int] = {}
-    free: set[str] = set()          # nodes computed from controls and constants alone
+class _Placing:
+    """The stage of every node of the step (``stage_of``), the nodes every part that reads
+    them computes (``free``), the stage of every state input (``home``), and the weight each
+    tensor of a weight's own belongs to (``owner``)."""
 
-    def located(node) -> list[int]:
+    def __init__(self, step: StepModel, stages: int):
+        self.step, self.last = step, stages - 1
+        graph = step.model.graph
+        manifest = step.manifest
+        self.nodes = list(graph.node)
+        self.weights = list(manifest["weights"])
+        self.state_inputs = set(step.state.values())
+        self.controls = list(manifest["hyperparameters"])
+        self.constants = {t.name for t in graph.initializer}
+        self.data_inputs = [v.name for v in graph.input if v.name not in self.state_inputs
+                            and v.name not in self.controls and v.name not in self.constants]
+        self.producer = {o: n for n in self.nodes for o in n.output if o}
+        self.readers = defaultdict(list)
+        for node in self.nodes:
+            for name in node.input:
+                if name:
+                    self.readers[name].append(node)
+        # a weight, its slots and its accumulated gradient belong to the weight
+        self.owner: dict[str, str] = {}
+        for w in self.weights:
+            self.owner[w] = w
+            for kind in manifest["slots"]:
+                self.owner[slot(w, kind)] = w
+        self.stage_of: dict[str, int] = {}
+        self.free: set[str] = set()
+        self.home: dict[str, int] = {}
+        self.shared: set[str] = set()      # update nodes that read several weights' values
+
+    def role(self, node) -> str | None:
+        return self.step.roles.get(node.name)
+
+    def located(self, node) -> list[int]:
+        """The stages of the placed nodes that make what ``node`` reads."""
         found = []
         for name in node.input:
-            made = producer.get(name)
-            if made is not None and made.name in stage_of:
-                found.append(stage_of[made.name])
+            made = self.producer.get(name)
+            if made is not None and made.name in self.stage_of:
+                found.append(self.stage_of[made.name])
         return found
 
-    def is_free(node) -> bool:
-        return all(not i or i in controls or i in constants or (i in producer and producer[i].name in free)
-                   for i in node.input)
+    def is_free(self, node) -> bool:
+        return all(not i or i in self.controls or i in self.constants
+                   or (i in self.producer and self.producer[i].name in self.free) for i in node.input)
 
-    # forward: given, else after what it reads, else before what reads it
-    role = step.roles
-    forward = [n for n in nodes if role.get(n.name) == FORWARD]
-    deferred = []
-    for node in forward:
-        if node.name in forward_stage:
-            stage_of[node.name] = forward_stage[node.name]
-        elif located(node):
-            stage_of[node.name] = max(located(node))
-        elif is_free(node):
-            free.add(node.name)
-        else:
-            deferred.append(node)
-    for node in reversed(deferred):
-        later = [stage_of[r.name] for out in node.output for r in readers.get(out, []) if r.name in stage_of]
-        stage_of[node.name] = min(later) if later else 0
-    for node in forward:   # in the forward graph's order: a stage never reads a later one's
-        for name in node.input:
-            made = producer.get(name)
-            if made is not None and made.name in stage_of and node.name in stage_of \
-                    and stage_of[made.name] > stage_of[node.name]:
-                raise TrainError(f"node '{node.name}' on stage {stage_of[node.name]} reads '{name}' from the "
-                                 f"later stage {stage_of[made.name]}: stages must follow the forward graph's order")
-    home: dict[str, int] = {}
-    for w in weights + [s for s in state_inputs if s not in owner]:
-        found = [stage_of[r.name] for r in readers.get(w, []) if r.name in stage_of]
-        home[w] = min(found) if found else last
-    for name, w in owner.items():
-        home[name] = home[w]
-    for name in (ACC_TOTAL, ACC_COUNT):
-        home[name] = last
+    def forward(self, forward_stage: dict[str, int]) -> None:
+        """Given, else after what it reads, else before what reads it; then the homes."""
+        forward = [n for n in self.nodes if self.role(n) == FORWARD]
+        deferred = []
+        for node in forward:
+            if node.name in forward_stage:
+                self.stage_of[node.name] = forward_stage[node.name]
+            elif self.located(node):
+                self.stage_of[node.name] = max(self.located(node))
+            elif self.is_free(node):
+                self.free.add(node.name)
+            else:
+                deferred.append(node)
+        for node in reversed(deferred):
+            later = [self.stage_of[r.name] for out in node.output for r in self.readers.get(out, [])
+                     if r.name in self.stage_of]
+            self.stage_of[node.name] = min(later) if later else 0
+        for node in forward:   # in the forward graph's order: a stage never reads a later one's
+            for name in node.input:
+                made = self.producer.get(name)
+                if made is not None and made.name in self.stage_of and node.name in self.stage_of \
+                        and self.stage_of[made.name] > self.stage_of[node.name]:
+                    raise TrainError(f"node '{node.name}' on stage {self.stage_of[node.name]} reads '{name}' from "
+                                     f"the later stage {self.stage_of[made.name]}: stages must follow the forward "
+                                     "graph's order")
+        for w in self.weights + [s for s in self.state_inputs if s not in self.owner]:
+            found = [self.stage_of[r.name] for r in self.readers.get(w, []) if r.name in self.stage_of]
+            self.home[w] = min(found) if found else self.last
+        for name, w in self.owner.items():
+            self.home[name] = self.home[w]
+        for name in (ACC_TOTAL, ACC_COUNT):
+            self.home[name] = self.last
 
-    # backward: with the forward node it differentiates, a weight's sum with the weight
-    gradient_of = {}
-    for node in nodes:
-        if role.get(node.name) != BACKWARD:
-            continue
-        origin = step.origin.get(node.name, "")
-        if origin.startswith(WEIGHT):
-            w = origin[len(WEIGHT):]
-            stage_of[node.name] = home.get(w, last)
-            for out in node.output:
-                gradient_of[out] = w
-        elif origin in stage_of:
-            stage_of[node.name] = stage_of[origin]
-        elif located(node):
-            stage_of[node.name] = max(located(node))
-        else:
-            free.add(node.name)
-    for node in nodes:   # addends all from one later stage: summed there, one tensor crosses
-        if role.get(node.name) == BACKWARD and node.op_type == "Sum" and node.name in stage_of:
-            found = set(located(node))
-            if len(found) == 1 and len(located(node)) == len(node.input) and found != {stage_of[node.name]}:
-                stage_of[node.name] = found.pop()
-    for name, w in gradient_of.items():
-        owner[name] = w
-    for w, name in step.gradients.items():
-        owner[name] = w
+    def backward(self) -> None:
+        """With the forward node it differentiates, a weight's sum with the weight; addends
+        that all come from one later stage summed there (one tensor crosses, not each)."""
+        backward = [n for n in self.nodes if self.role(n) == BACKWARD]
+        for node in backward:
+            origin = self.step.origin.get(node.name, "")
+            if origin.startswith(WEIGHT):
+                w = origin[len(WEIGHT):]
+                self.stage_of[node.name] = self.home.get(w, self.last)
+                for out in node.output:
+                    self.owner[out] = w
+            elif origin in self.stage_of:
+                self.stage_of[node.name] = self.stage_of[origin]
+            elif self.located(node):
+                self.stage_of[node.name] = max(self.located(node))
+            else:
+                self.free.add(node.name)
+        for node in backward:
+            if node.op_type == "Sum" and node.name in self.stage_of:
+                found = set(self.located(node))
+                if len(found) == 1 and len(self.located(node)) == len(node.input) \
+                        and found != {self.stage_of[node.name]}:
+                    self.stage_of[node.name] = found.pop()
+        for w, name in self.step.gradients.items():
+            self.owner[name] = w
 
-    # update: with its weight; several weights' on the last stage
-    per_mb_outputs = {updated(slot(w, GRAD_ACC)) for w in weights} | {updated(ACC_TOTAL), updated(ACC_COUNT), LOSS}
-    update_nodes = [n for n in nodes if role.get(n.name) not in (FORWARD, BACKWARD)]
-    shared: set[str] = set()        # read several weights' values
-    for node in update_nodes:
-        owners = {owner[i] for i in node.input if i in owner}
-        if len(owners) == 1:
-            w = owners.pop()
-            stage_of[node.name] = home[w]
-            for out in node.output:
-                owner[out] = w
-        elif owners:
-            stage_of[node.name] = last
-            shared.add(node.name)
-        elif is_free(node):
-            free.add(node.name)
-        else:
-            found = located(node) + [home[i] for i in node.input if i in home]
-            stage_of[node.name] = max(found) if found else last
-    per_mb = _ancestors(per_mb_outputs, producer, {n.name for n in update_nodes})
-    before_norm = _ancestors({GRAD_NORM}, producer, {n.name for n in update_nodes})
-    after_shared = _descendants(shared, nodes, {n.name for n in update_nodes})
-    phase_of: dict[str, str] = {}
-    for node in nodes:
-        if node.name in free:
-            continue
-        kind = role.get(node.name)
-        if kind in (FORWARD, BACKWARD):
-            phase_of[node.name] = kind
-        elif node.name in per_mb:
-            phase_of[node.name] = BACKWARD
-        elif node.name in shared or (node.name in after_shared and not any(i in owner for i in node.input)):
-            phase_of[node.name] = CLIP
-            stage_of[node.name] = last
-        elif node.name in before_norm:
-            phase_of[node.name] = NORM
-        else:
-            phase_of[node.name] = UPDATE_PHASE
-    nodes = _partial_sums(step.model, nodes, stage_of, phase_of, producer)
-    placement = {n.name: (stage_of[n.name], phase_of[n.name]) for n in nodes if n.name in phase_of}
-    return _parts(step, nodes, placement, home, stages, data_inputs, controls)
+    def update(self) -> None:
+        """With the one weight whose values it reads; several weights' on the last stage."""
+        for node in self.nodes:
+            if self.role(node) in (FORWARD, BACKWARD):
+                continue
+            owners = {self.owner[i] for i in node.input if i in self.owner}
+            if len(owners) == 1:
+                w = owners.pop()
+                self.stage_of[node.name] = self.home[w]
+                for out in node.output:
+                    self.owner[out] = w
+            elif owners:
+                self.stage_of[node.name] = self.last
+                self.shared.add(node.name)
+            elif self.is_free(node):
+                self.free.add(node.name)
+            else:
+                found = self.located(node) + [self.home[i] for i in node.input if i in self.home]
+                self.stage_of[node.name] = max(found) if found else self.last
+
+    def phases(self) -> dict[str, str]:
+        """Each placed node's phase: the update's accumulation runs with the backward, what
+        the global norm is made of in ``norm``, the norm and the clipping factor in ``clip``
+        (last stage), the rest in ``update``."""
+        weights = self.weights
+        update_nodes = {n.name for n in self.nodes if self.role(n) not in (FORWARD, BACKWARD)}
+        per_mb_outputs = {updated(slot(w, GRAD_ACC)) for w in weights} | \
+            {updated(ACC_TOTAL), updated(ACC_COUNT), LOSS}
+        per_mb = _ancestors(per_mb_outputs, self.producer, update_nodes)
+        before_norm = _ancestors({GRAD_NORM}, self.producer, update_nodes)
+        after_shared = _descendants(self.shared, self.nodes, update_nodes)
+        phase_of: dict[str, str] = {}
+        for node in self.nodes:
+            if node.name in self.free:
+                continue
+            kind = self.role(node)
+            if kind in (FORWARD, BACKWARD):
+                phase_of[node.name] = kind
+            elif node.name in per_mb:
+                phase_of[node.name] = BACKWARD
+            elif node.name in self.shared or \
+                    (node.name in after_shared and not any(i in self.owner for i in node.input)):
+                phase_of[node.name] = CLIP
+                self.stage_of[node.name] = self.last
+            elif node.name in before_norm:
+                phase_of[node.name] = NORM
+            else:
+                phase_of[node.name] = UPDATE_PHASE
+        return phase_of
 
 
 def _ancestors(outputs: set[str], producer: dict, among: set[str]) -> set[str]:
