@@ -1,0 +1,146 @@
+"""One stage of a pipelined training step: the runs of its parts, what it holds between them.
+
+A ``StageRunner`` carries out its stage's instructions (``emit.train_schedule``): ``run`` a
+part (forward or backward for a microbatch, then norm, clip and update) on onnxruntime,
+``take`` what a ``send`` sends (a tensor a run made, or a state another stage reads) and
+``give`` what a ``receive`` brought. It holds the stage's state (updated by the runs that
+make ``NAME.updated``) and, between runs, the tensors a later run or send of this stage
+still needs, dropping each when the last one has used it. The in-process runner
+(``runtime.pipeline_inprocess``) drives every stage's runner in one process; a pipelined
+training job (``trainer.pipeline_driver``) drives one per rank, the sends and receives over
+MPI.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from meshplan.emit.train_schedule import per_microbatch
+from meshplan.errors import TrainError
+from meshplan.training.losses import LOSS
+from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_NORM, UPDATED
+from meshplan.training.pipeline_step import PER_MICROBATCH, STATE, Crossing, Part
+
+RESULTS = (LOSS, GRAD_NORM)
+
+
+def starting_state(names, weights: dict[str, np.ndarray], slots) -> dict[str, np.ndarray]:
+    """The state ``names`` at the first step: each trained weight and training statistic from
+    ``weights``, the optimizer's slots and the accumulated gradients zero like their weight,
+    the loss's accumulators zero."""
+    state = {}
+    for name in names:
+        if name in weights:
+            state[name] = weights[name]
+        elif name in (ACC_TOTAL, ACC_COUNT):
+            state[name] = np.zeros((), np.float32)
+        else:
+            weight, _, kind = name.rpartition(".")
+            if weight not in weights or kind not in slots:
+                raise TrainError(f"no starting value for the state {name!r}")
+            state[name] = np.zeros_like(weights[weight])
+    return state
+
+
+class StageRunner:
+    """Stage ``stage``'s runs: ``parts`` by phase, each with its onnxruntime session in
+    ``sessions``; ``state``: the state the stage holds (by name)."""
+
+    def __init__(self, stage: int, parts: dict[str, Part], sessions: dict, crossings: list[Crossing],
+                 microbatches: int, state: dict[str, np.ndarray]):
+        self.stage, self.parts, self.sessions = stage, parts, sessions
+        self.crossings, self.microbatches, self.state = crossings, microbatches, state
+        self.readers: dict[str, set[str]] = defaultdict(set)     # tensor → the phases that read it here
+        for phase, part in parts.items():
+            for name in part.inputs:
+                self.readers[name].add(phase)
+        self.sends_of: dict[str, list[int]] = defaultdict(list)  # tensor → the crossings that send it
+        for index, c in enumerate(crossings):
+            if c.src == stage and c.made_in != STATE:
+                self.sends_of[c.tensor].append(index)
+        self.peak_kept = 0          # bytes held between runs, at most
+        self.peak_in_flight = 0     # microbatches with tensors held, at most
+        self.begin_step([], {})
+
+    def begin_step(self, slices: list[dict[str, np.ndarray]], controls: dict[str, float]) -> None:
+        """A new step: ``slices``, each microbatch's data inputs; ``controls``, each
+        hyperparameter's value (``train.apply`` is set here, per run)."""
+        self.slices, self.controls = slices, controls
+        self.held: dict[tuple[str, int], np.ndarray] = {}
+        self.borrowed: dict[str, np.ndarray] = {}   # another stage's state, for this step
+        self.ran: set[tuple[str, int]] = set()
+        self.sent: set[tuple[int, int]] = set()
+        self.results: dict[str, float] = {}
+
+    def end_step(self) -> dict[str, float]:
+        """The step's results this stage made (the loss, the gradients' norm)."""
+        if self.held:
+            raise TrainError(f"stage {self.stage} ended a step still holding {sorted(self.held)[:3]}")
+        return dict(self.results)
+
+    def run(self, phase: str, mb: int) -> None:
+        part = self.parts[phase]
+        last_mb = self.microbatches - 1
+        feeds = {}
+        for name in part.inputs:
+            if name in self.state:
+                feeds[name] = self.state[name]
+            elif name in self.borrowed:
+                feeds[name] = self.borrowed[name]
+            elif self.slices and name in self.slices[mb]:
+                feeds[name] = self.slices[mb][name]
+            elif name == APPLY:
+                feeds[name] = np.asarray(float(mb == last_mb or phase not in PER_MICROBATCH), np.float32)
+            elif name in self.controls:
+                feeds[name] = np.asarray(self.controls[name], np.float32)
+            else:
+                feeds[name] = self.held[(name, mb)]
+        values = self.sessions[phase].run(part.outputs, feeds)
+        self.ran.add((phase, mb))
+        for name, value in zip(part.outputs, values):
+            if name in RESULTS:
+                self.results[name] = float(value)
+            elif name.endswith(UPDATED) and name[:-len(UPDATED)] in self.state:
+                self.state[name[:-len(UPDATED)]] = value
+            else:
+                self.held[(name, mb)] = value
+        for name in list(part.inputs) + list(part.outputs):
+            if (name, mb) in self.held:
+                self._release(name, mb)
+        self.peak_kept = max(self.peak_kept, sum(v.nbytes for v in self.held.values()))
+        self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
+
+    def take(self, index: int, mb: int) -> np.ndarray:
+        """What crossing ``index`` sends for microbatch ``mb``."""
+        c = self.crossings[index]
+        if c.made_in == STATE:
+            return self.state[c.tensor]
+        value = self.held[(c.tensor, mb)]
+        self.sent.add((index, mb))
+        self._release(c.tensor, mb)
+        return value
+
+    def give(self, index: int, mb: int, value: np.ndarray) -> None:
+        """What crossing ``index`` brought for microbatch ``mb``."""
+        c = self.crossings[index]
+        if c.made_in == STATE:
+            self.borrowed[c.tensor] = value
+        else:
+            self.held[(c.tensor, mb)] = value
+
+    def _release(self, name: str, mb: int) -> None:
+        """Drop ``name`` of microbatch ``mb`` once no run left reads it here and no send of it
+        is still to come."""
+        last_mb = self.microbatches - 1
+        for index in self.sends_of.get(name, ()):
+            if (per_microbatch(self.crossings[index]) or mb == last_mb) and (index, mb) not in self.sent:
+                return
+        for phase in self.readers.get(name, ()):
+            if phase in PER_MICROBATCH:
+                if (phase, mb) not in self.ran:
+                    return
+            elif mb == last_mb and (phase, last_mb) not in self.ran:
+                return
+        self.held.pop((name, mb), None)
