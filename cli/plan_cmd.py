@@ -28,6 +28,10 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @click.option("--stages", type=click.IntRange(min=1),
               help="Exactly this many pipeline stages (the planner still chooses their layers, submeshes and "
                    "sharding); --max-stages lets it choose the count up to a cap.")
+@click.option("--schedule", "pipeline_schedule", default="1f1b", show_default=True,
+              type=click.Choice(["1f1b", "gpipe"]),
+              help="A pipelined training plan's schedule (--train --stages N): 1F1B keeps stage i of S at S - i "
+                   "microbatches in flight, GPipe all of them.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -73,7 +77,8 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @train_options
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
-def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, stages, all_devices,
+def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, stages, pipeline_schedule,
+         all_devices,
          shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
          max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
@@ -101,7 +106,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
-                              all_devices=all_devices)
+                              all_devices=all_devices, schedule=pipeline_schedule)
         cost_model, links = None, {}
         if profile_path:
             from meshplan.files import file_sha256
@@ -153,6 +158,12 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             for name, link in links.items():
                 click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
                            f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")
+        if result.training.get("pipeline"):
+            parts = len(result.training["pipeline"]["parts"])
+            click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{SCHEDULE_FILE}, {out_dir}/{REPORT_FILE}, "
+                       f"{parts} program part(s) and the step model in {out_dir}/training")
+            click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")
+            return
         programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"
         click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{SCHEDULE_FILE}, {out_dir}/{REPORT_FILE}, {programs}, "
                    f"{out_dir}/{TIMELINE_FILE}, "

@@ -563,9 +563,16 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     if options.microbatches > 1:   # a call per microbatch, the gradients accumulated: planned at one microbatch
         dims, spec = training_microbatches(model_path, dims, options.microbatches, spec)
         options = replace(options, microbatches=1)
-    if options.max_stages not in (None, 1) or options.stages not in (None, 1):
-        raise PlanError("a training plan has one stage spanning the mesh for now",
-                        hint="drop --stages" if options.stages not in (None, 1) else "drop --max-stages")
+    if options.max_stages not in (None, 1):
+        raise PlanError("a training plan takes --stages N (pipeline stages), not --max-stages",
+                        hint="--stages N, or drop --max-stages")
+    if options.stages not in (None, 1):
+        from meshplan.make_pipeline_plan import plan_pipeline_training
+
+        if not programs:
+            raise PlanError("a pipelined training plan is written with its programs", hint="drop --no-programs")
+        return plan_pipeline_training(model_path, cluster, dims, out_dir, options, spec,
+                                      max(spec.microbatches, 1), cost_model, _replace_dir)
     step = build_step_model(model_path, spec)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     holder = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.step.", dir=out_dir.parent))

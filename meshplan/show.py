@@ -127,6 +127,8 @@ def show_schedule(directory: str | Path, stage: int | None = None) -> str:
     plan = read_plan(directory)
     if stage is not None and not 0 <= stage < len(plan.stages):
         raise PlanError(f"the plan has no stage {stage} (it has {len(plan.stages)})")
+    if plan.training.get("pipeline"):
+        return _training_schedule_text(plan, directory, stage)
     schedule = read_schedule(plan, directory)
     source = SCHEDULE_FILE if (directory / SCHEDULE_FILE).is_file() else \
         f"built from plan.json (the directory has no {SCHEDULE_FILE})"
@@ -143,6 +145,39 @@ def show_schedule(directory: str | Path, stage: int | None = None) -> str:
     if plan.idle_ranks and stage is None:
         lines.append(f"idle ranks (no instructions): {device_ranges(plan.idle_ranks)}")
     return "\n".join(lines)
+
+
+def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> str:
+    """A pipelined training plan's lists: each stage's runs, sends and receives of a step."""
+    from meshplan.emit.pipeline_parts import read_pipeline
+    from meshplan.emit.train_schedule import read_training_schedule
+
+    record = plan.training["pipeline"]
+    pipeline = read_pipeline(directory, plan.training, check=False)
+    lists = read_training_schedule(plan.to_dict()["checksum"], directory, pipeline, plan.microbatches,
+                                   record["schedule"])
+    lines = [f"schedule: {record['schedule']}, {plan.microbatches} microbatch(es), {len(lists)} stage(s) of one "
+             "rank, a step (schedule.json)"]
+    for s, items in enumerate(lists):
+        if stage is not None and s != stage:
+            continue
+        lines.append(f"rank {s} (stage {s}): {len(items)} instruction(s)")
+        for i, item in enumerate(items):
+            if item.op == "run":
+                text = f"run {item.part}" + (f" mb {item.mb}" if item.part in ("forward", "backward") else "")
+            else:
+                c = pipeline.crossings[item.crossing]
+                peer = f"to stage {c.dst}" if item.op == "send" else f"from stage {c.src}"
+                when = f"mb {item.mb}" if _per_mb(c) else "once a step"
+                text = f"{item.op} {c.tensor} {when} {peer} ({c.made_in} -> {'/'.join(c.read_in)})"
+            lines.append(f"  {i:3d}  {text}")
+    return "\n".join(lines)
+
+
+def _per_mb(crossing) -> bool:
+    from meshplan.emit.train_schedule import per_microbatch
+
+    return per_microbatch(crossing)
 
 
 def _rank_lines(plan: Plan, stage: Stage, directory: Path) -> list[str]:

@@ -71,6 +71,8 @@ def model_compute_dtypes(plan: Plan) -> list[str]:
 
 
 def text_report(plan: Plan) -> str:
+    if plan.training.get("pipeline"):
+        return pipeline_training_report(plan)
     mesh = plan.cluster["mesh"]
     est = plan.estimate
     lines = [
@@ -115,6 +117,40 @@ def text_report(plan: Plan) -> str:
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"
         + (f"; planned in {plan.timings['seconds']:.2f} s" if "seconds" in plan.timings else "")
     )
+    return "\n".join(lines)
+
+
+def pipeline_training_report(plan: Plan) -> str:
+    """A pipelined training plan's report: each stage's device, layers, forward and backward
+    time per microbatch, microbatches in flight and memory by kind; the crossings; the step."""
+    mesh, t = plan.cluster["mesh"], plan.training
+    record = t["pipeline"]
+    kind, B, S = record["schedule"], plan.microbatches, len(plan.stages)
+    lines = [f"plan: pipelined training, {S} stages on a {mesh[0]}x{mesh[1]} mesh of "
+             f"{plan.cluster['device']['name']}, one device a stage, {kind.upper() if kind == '1f1b' else 'GPipe'}, "
+             f"{B} microbatch(es) of {plan.batch['microbatch_size']}",
+             f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained",
+             f"{'stage':>5}  {'device':<6} {'layers':<9} {'ops':>5}  {'fwd+bwd/mb':>11}  {'in flight':>9}  "
+             f"{'memory':>11}  (weights, gradients, optimizer, activations, process)"]
+    for stage, held in zip(plan.stages, t.get("memory", [])):
+        flight = B if kind == "gpipe" else min(S - stage.index, B)
+        parts = ", ".join(human_bytes(held[k]) for k in ("weights", "gradients", "optimizer", "activations", "process"))
+        layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
+        lines.append(f"{stage.index:>5}  {stage.devices[0]:<6} {layers:<9} "
+                     f"{len(stage.operators):>5}  {human_seconds(stage.seconds):>11}  {flight:>9}  "
+                     f"{human_bytes(stage.memory_bytes):>11}  ({parts})")
+    crossings = record["crossings"]
+    forward = sum(1 for c in crossings if c["made_in"] == "forward" and "forward" in c["read_in"])
+    back = sum(1 for c in crossings if c["made_in"] == "backward" and "backward" in c["read_in"])
+    state = [c["tensor"] for c in crossings if c["made_in"] == "state"]
+    lines.append(f"between stages: {forward} activation(s) forward and {back} gradient(s) back a microbatch, "
+                 f"{len(crossings) - forward - back - len(state)} scalar(s) of the update a step"
+                 + (f"; {', '.join(sorted(set(state)))} (a weight a later stage reads too) sent once a step and its "
+                    "gradient sent back" if state else ""))
+    est = plan.estimate
+    lines.append(f"estimate: step {human_seconds(est['step_seconds'])} (sum of the stages + (B - 1) x the slowest), "
+                 f"{plan.batch['size'] * B / est['step_seconds']:.1f} samples/s "
+                 f"({est.get('cost_model', 'analytic')} costs)")
     return "\n".join(lines)
 
 

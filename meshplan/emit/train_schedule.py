@@ -21,14 +21,18 @@ other (sends never wait, a receive waits for its send) and says where they would
 
 from __future__ import annotations
 
-from meshplan.emit.schedule import Instruction
+import json
+from pathlib import Path
+
+from meshplan.emit.schedule import SCHEDULE_FILE, SCHEDULE_FORMAT, Instruction, Schedule
 from meshplan.errors import PlanError
-from meshplan.training.pipeline_step import (CLIP, NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, Crossing,
-                                             PipelineStep)
+from meshplan.files import atomic_write_bytes, read_json
+from meshplan.plan_format import PLAN_FILE
+from meshplan.training.pipeline_step import (CLIP, GPIPE, NORM, ONE_F_ONE_B, PER_MICROBATCH, SCHEDULES, STATE,
+                                             UPDATE_PHASE, Crossing, PipelineStep)
 from meshplan.training.step_model import BACKWARD, FORWARD
 
-ONE_F_ONE_B, GPIPE = "1f1b", "gpipe"
-TRAINING_KINDS = (ONE_F_ONE_B, GPIPE)
+TRAINING_KINDS = SCHEDULES
 
 
 def run_order(stage: int, stages: int, microbatches: int, kind: str) -> list[tuple[str, int]]:
@@ -115,3 +119,74 @@ def play(lists: list[list[Instruction]]) -> list[tuple[int, Instruction]]:
         where = "; ".join(f"stage {s}: {i.op} crossing {i.crossing} mb {i.mb}" for s, i in stuck)
         raise PlanError(f"the training schedule would deadlock ({where})")
     return done
+
+
+def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction]], microbatches: int,
+                            kind: str) -> None:
+    """Lists a job can carry out for ``pipeline``: each stage's holds what
+    ``training_schedule`` gives it, no more and no less; a stage receives what a run reads
+    before the run and sends what a run made after it; and the lists, played against each
+    other, come to their end. Raises ``PlanError`` (one line) where they do not."""
+    if len(lists) != pipeline.stages:
+        raise PlanError(f"{SCHEDULE_FILE} does not fit the plan (it has {len(lists)} lists for {pipeline.stages} "
+                        "stages)", hint="re-run meshplan plan")
+    whole = training_schedule(pipeline, microbatches, kind)
+    key = lambda i: (i.op, i.mb, i.part or "", -1 if i.crossing is None else i.crossing)   # noqa: E731
+    for stage, (given, wanted) in enumerate(zip(lists, whole)):
+        if sorted(given, key=key) != sorted(wanted, key=key):
+            raise PlanError(f"{SCHEDULE_FILE}: stage {stage}'s list leaves out or repeats what the plan does",
+                            hint="re-run meshplan plan")
+        if [i for i in given if i.op == "run"] != [i for i in wanted if i.op == "run"]:
+            raise PlanError(f"{SCHEDULE_FILE}: stage {stage} does not run its parts in the {kind} order",
+                            hint="re-run meshplan plan")
+        received, ran = set(), set()
+        for item in given:
+            if item.op == "receive":
+                received.add((item.crossing, item.mb))
+            elif item.op == "run":
+                needed = next((i.crossing for i in wanted if i.op == "receive"
+                               and _before(wanted, i, item) and (i.crossing, i.mb) not in received), None)
+                if needed is not None:
+                    raise PlanError(f"{SCHEDULE_FILE}: stage {stage} runs {item.part} mb {item.mb} before it "
+                                    f"receives crossing {needed}", hint="re-run meshplan plan")
+                ran.add((item.part, item.mb))
+            elif item.op == "send" and pipeline.crossings[item.crossing].made_in != STATE \
+                    and (pipeline.crossings[item.crossing].made_in, item.mb) not in ran:
+                raise PlanError(f"{SCHEDULE_FILE}: stage {stage} sends crossing {item.crossing} mb {item.mb} before "
+                                "the run that makes it", hint="re-run meshplan plan")
+    play(lists)
+
+
+def _before(wanted: list[Instruction], receive: Instruction, run: Instruction) -> bool:
+    """Whether ``receive`` comes before ``run`` in the list ``training_schedule`` writes."""
+    return wanted.index(receive) < wanted.index(run)
+
+
+def write_training_schedule(plan_checksum: str, lists: list[list[Instruction]], kind: str, microbatches: int,
+                            directory: Path) -> Path:
+    path = Path(directory) / SCHEDULE_FILE
+    body = Schedule(kind, microbatches, lists).to_dict(plan_checksum)
+    atomic_write_bytes(path, (json.dumps(body) + "\n").encode())
+    return path
+
+
+def read_training_schedule(plan_checksum: str, directory: Path, pipeline: PipelineStep, microbatches: int,
+                           kind: str) -> list[list[Instruction]]:
+    """The stages' lists in ``directory``'s ``schedule.json``, checked
+    (``check_training_schedule``) and belonging to the plan.json of ``plan_checksum``."""
+    path = Path(directory) / SCHEDULE_FILE
+    if not path.is_file():
+        raise PlanError(f"{path} is missing", hint="re-run meshplan plan")
+    data = read_json(path, str(path), PlanError)
+    if not isinstance(data, dict) or data.get("format") != SCHEDULE_FORMAT or data.get("kind") != kind \
+            or not isinstance(data.get("ranks"), list) or data.get("microbatches") != microbatches:
+        raise PlanError(f"{path} is not the {kind} schedule of this plan", hint="re-run meshplan plan")
+    if data.get("plan_checksum") != plan_checksum:
+        raise PlanError(f"{path} belongs to another {PLAN_FILE}", hint="re-run meshplan plan")
+    lists = []
+    for items in data["ranks"]:
+        if not isinstance(items, list):
+            raise PlanError(f"{path} is not the {kind} schedule of this plan", hint="re-run meshplan plan")
+        lists.append([Instruction.from_dict(item) for item in items])
+    check_training_schedule(pipeline, lists, microbatches, kind)
+    return lists

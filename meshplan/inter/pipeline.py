@@ -42,6 +42,7 @@ class PlanOptions:
     reshard_scheduler: str = "randomized_greedy"   # cross-mesh resharding scheduler (see schedulers.ALGORITHMS)
     batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
     all_devices: bool = False          # --all-devices: every device holds a stage (none left idle)
+    schedule: str = "1f1b"             # a pipelined training plan's schedule: 1f1b or gpipe
 
 
 MAX_DEFAULT_LAYERS = 128   # the stage DP's work grows with the cube of the layer count

@@ -166,6 +166,11 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
     from meshplan.runtime.transport import world
 
     plan_dir = Path(plan_dir)
+    plan = read_plan(plan_dir)
+    if plan.training.get("pipeline"):
+        from meshplan.trainer.pipeline_driver import train_pipeline_rank
+
+        return train_pipeline_rank(plan_dir, plan, options, provider, progress)
     held: dict = {}
 
     def check(plan: Plan) -> None:

@@ -50,6 +50,8 @@ from meshplan.training.step_model import BACKWARD, FORWARD, StepModel
 NORM, CLIP, UPDATE_PHASE = "norm", "clip", "update"
 PHASES = (FORWARD, BACKWARD, NORM, CLIP, UPDATE_PHASE)
 STATE = "state"    # Crossing.made_in of a state input another stage reads (sent once a step)
+ONE_F_ONE_B, GPIPE = "1f1b", "gpipe"     # the pipeline schedules (``emit.train_schedule``)
+SCHEDULES = (ONE_F_ONE_B, GPIPE)
 PER_MICROBATCH = (FORWARD, BACKWARD)
 
 
@@ -59,7 +61,7 @@ class Part:
 
     stage: int
     phase: str
-    model: onnx.ModelProto
+    model: onnx.ModelProto | str       # the program, or its file's path (a plan's part)
     inputs: list[str]
     outputs: list[str]
 

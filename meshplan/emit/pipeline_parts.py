@@ -1,0 +1,68 @@
+"""A pipelined training plan's programs: each stage's parts as ONNX files in the plan
+directory, and the record plan.json keeps of them (``training["pipeline"]``).
+
+The parts lie beside the step model in ``training/`` (``stage{S}.{phase}.onnx``); a frozen
+weight a part reads stays in the step model's data file, which the part points to. The
+record holds each part's file, digest, inputs and outputs, the crossings (tensors one stage
+makes and another reads), the stage that holds each state input, and the schedule's kind.
+``read_pipeline`` gives back the ``PipelineStep`` a runner needs, the parts as paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import onnx
+
+from meshplan.errors import PlanError
+from meshplan.files import file_sha256
+from meshplan.training.pipeline_step import PHASES, SCHEDULES, Crossing, Part, PipelineStep
+from meshplan.training.step_model import StepModel
+
+
+def part_file(stage: int, phase: str) -> str:
+    return f"stage{stage}.{phase}.onnx"
+
+
+def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: int) -> dict:
+    """Each part of ``pipeline`` into ``folder`` (a plan directory's ``training/``, being
+    written); returns plan.json's record of them."""
+    parts = []
+    for (stage, phase), part in sorted(pipeline.parts.items()):
+        path = Path(folder) / part_file(stage, phase)
+        onnx.save(part.model, str(path))
+        parts.append({"stage": stage, "phase": phase, "file": f"{Path(folder).name}/{path.name}",
+                      "sha256": file_sha256(path), "inputs": part.inputs, "outputs": part.outputs})
+    return {"stages": pipeline.stages, "schedule": kind, "microbatches": microbatches, "parts": parts,
+            "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
+            "data_inputs": pipeline.data_inputs, "controls": pipeline.controls}
+
+
+def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> PipelineStep:
+    """The pipeline a plan's record describes, each part's model the path of its file
+    (checked against its digest, unless ``check`` is False)."""
+    record = training.get("pipeline")
+    try:
+        parts = {}
+        for entry in record["parts"]:
+            if entry["phase"] not in PHASES:
+                raise PlanError(f"plan.json names an unknown part {entry['phase']!r}", hint="re-run meshplan plan")
+            path = Path(plan_dir) / entry["file"]
+            if not path.is_file():
+                raise PlanError(f"the plan's program {path} is missing", hint="re-run meshplan plan")
+            if check and file_sha256(path) != entry["sha256"]:
+                raise PlanError(f"the plan's program {path} changed since planning", hint="re-run meshplan plan")
+            parts[(int(entry["stage"]), entry["phase"])] = Part(int(entry["stage"]), entry["phase"], str(path),
+                                                                list(entry["inputs"]), list(entry["outputs"]))
+        crossings = [Crossing(c["tensor"], int(c["src"]), c["made_in"], int(c["dst"]), tuple(c["read_in"]))
+                     for c in record["crossings"]]
+        if record["schedule"] not in SCHEDULES:
+            raise PlanError(f"plan.json names an unknown pipeline schedule {record['schedule']!r}",
+                            hint="re-run meshplan plan")
+        step = StepModel(None, {}, {k: v for k, v in training.items() if k != "pipeline"})
+        return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
+                            {}, step, list(record["data_inputs"]), list(record["controls"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
+                        hint="re-run meshplan plan") from None

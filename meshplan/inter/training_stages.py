@@ -1,0 +1,148 @@
+"""Pipeline stages of a training plan: where the forward graph is cut, what each stage costs
+and holds.
+
+For now each stage runs on one device. The forward model's operators are clustered into
+layers (``model.layers.cluster_layers``: balanced cost, little traffic across their
+boundaries) and the layers cut into S contiguous stages. A stage's time t_i is its layers'
+forward and backward for one microbatch, the backward taken as twice the forward (the rule
+Alpa's and Megatron-LM's cost models use). B microbatches take Alpa's
+
+    T = Σ t_i + (B − 1) · max t_j
+
+and with one device a stage Σ t_i is the whole step's work wherever the cuts fall, so the
+best cut is the one whose slowest stage is fastest; among the cuts within 1 % of it, the
+one with the fewest bytes crossing.
+
+A stage holds its weights, their accumulated gradients and the optimizer's slots, the
+activations of the microbatches it keeps in flight (1F1B: stage i of S keeps S − i; GPipe:
+all B) and its process; ``stage_memory`` adds them up, and a stage that does not fit its
+device is refused with what it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.errors import PlanError
+from meshplan.inter.step_memory import PROCESS_BYTES
+from meshplan.model.graph import Graph
+from meshplan.model.layers import cluster_layers
+from meshplan.training.optimizers import GRAD_ACC
+from meshplan.training.pipeline_step import GPIPE, PipelineStep
+from meshplan.training.step_model import BACKWARD, FORWARD
+
+BACKWARD_FACTOR = 2.0      # a layer's backward, in forwards
+NEAR_BEST = 1.01           # cuts this close to the fastest slowest stage count as equal
+
+
+@dataclass
+class TrainingCut:
+    forward_stage: dict[str, int]      # forward node → its stage
+    layers: list[list[int]]            # each stage's [first layer, last + 1]
+    seconds: list[float]               # each stage's forward and backward of one microbatch
+    cut_bytes: list[int]               # bytes the forward sends across each cut
+
+    def step_seconds(self, microbatches: int) -> float:
+        """Alpa's T for ``microbatches`` microbatches."""
+        return sum(self.seconds) + (microbatches - 1) * max(self.seconds)
+
+
+def cut_stages(graph: Graph, node_seconds: list[float], stages: int, num_layers: int | None = None) -> TrainingCut:
+    """The cut of ``graph`` (the forward model at one microbatch's dims) into ``stages``;
+    ``node_seconds``: each node's forward seconds."""
+    n = len(graph.nodes)
+    layering = cluster_layers(graph, node_seconds, num_layers or max(4 * stages, min(32, n)))
+    L = layering.num_layers
+    if L < stages:
+        raise PlanError(f"the model clusters into {L} layer(s): it cannot be cut into {stages} stages",
+                        hint=f"ask for at most {L} stages")
+    bounds = layering.bounds
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(node_seconds, dtype=np.float64))]) * (1 + BACKWARD_FACTOR)
+    layer_seconds = [float(prefix[b] - prefix[a]) for a, b in zip(bounds[:-1], bounds[1:])]
+    crossing = [int(layering.cut_bytes[b]) for b in bounds]     # before layer k (k = 0..L)
+    edges = _cut(layer_seconds, crossing, stages)
+    owner = layering.layer_of_node()
+    layer_stage = np.empty(L, dtype=np.int64)
+    for stage, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        layer_stage[a:b] = stage
+    forward_stage = {node.name: int(layer_stage[owner[i]]) for i, node in enumerate(graph.nodes)}
+    return TrainingCut(forward_stage, [[a, b] for a, b in zip(edges[:-1], edges[1:])],
+                       [sum(layer_seconds[a:b]) for a, b in zip(edges[:-1], edges[1:])],
+                       [crossing[e] for e in edges[1:-1]])
+
+
+def _cut(seconds: list[float], crossing: list[int], stages: int) -> list[int]:
+    """Layer indices [0, c1, ..., L]: the fastest slowest stage, then the fewest bytes."""
+    L = len(seconds)
+    prefix = np.concatenate([[0.0], np.cumsum(seconds)])
+    inf = float("inf")
+    # slowest[s][l]: the least slowest stage of the first l layers in s stages
+    slowest = [[inf] * (L + 1) for _ in range(stages + 1)]
+    slowest[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for l in range(s, L + 1):
+            slowest[s][l] = min(max(slowest[s - 1][k], prefix[l] - prefix[k]) for k in range(s - 1, l))
+    cap = slowest[stages][L] * NEAR_BEST + 1e-15
+    # fewest bytes across the cuts with every stage within cap
+    cost = [[inf] * (L + 1) for _ in range(stages + 1)]
+    back = [[-1] * (L + 1) for _ in range(stages + 1)]
+    cost[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for l in range(s, L + 1):
+            for k in range(s - 1, l):
+                if cost[s - 1][k] == inf or prefix[l] - prefix[k] > cap:
+                    continue
+                found = cost[s - 1][k] + (crossing[k] if k else 0)
+                if found < cost[s][l]:
+                    cost[s][l], back[s][l] = found, k
+    edges, l = [L], L
+    for s in range(stages, 0, -1):
+        l = back[s][l]
+        edges.append(l)
+    return edges[::-1]
+
+
+def in_flight(stage: int, stages: int, microbatches: int, kind: str) -> int:
+    """The microbatches stage ``stage`` holds activations of at once."""
+    return microbatches if kind == GPIPE else min(stages - stage, microbatches)
+
+
+def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: str) -> list[dict[str, float]]:
+    """Each stage's bytes by kind: ``weights``, ``gradients`` (accumulated), ``optimizer``
+    (the slots), ``activations`` (what its backward reads of one microbatch's forward, times
+    the microbatches in flight; sizes from ``graph``, the forward model at one microbatch's
+    dims) and ``process``."""
+    manifest = pipeline.step.manifest
+    slots = [s for s in manifest["slots"] if s != GRAD_ACC]
+    found = []
+    for stage in range(pipeline.stages):
+        held = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0,
+                "process": float(PROCESS_BYTES)}
+        for name, info in manifest["weights"].items():
+            if pipeline.home.get(name) != stage:
+                continue
+            size = float(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
+            held["weights"] += size
+            held["gradients"] += size
+            held["optimizer"] += size * len(slots)
+        backward = pipeline.parts.get((stage, BACKWARD))
+        forward = pipeline.parts.get((stage, FORWARD))
+        if backward is not None and forward is not None:
+            kept = set(backward.inputs) & (set(forward.outputs) | set(forward.inputs))
+            one = sum(graph.tensors[n].nbytes for n in kept if n in graph.tensors and not graph.tensors[n].is_param)
+            held["activations"] = float(one * in_flight(stage, pipeline.stages, microbatches, kind))
+        found.append(held)
+    return found
+
+
+def check_fits(memory: list[dict[str, float]], device_bytes: float) -> None:
+    """Refuse a stage that does not fit its device, with what it needs."""
+    for stage, held in enumerate(memory):
+        total = sum(held.values())
+        if total > device_bytes:
+            parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in held.items())
+            raise PlanError(f"stage {stage} needs {total / 2**30:.2f} GiB ({parts}), more than its device's "
+                            f"{device_bytes / 2**30:.2f} GiB",
+                            hint="more stages, more microbatches, or --schedule 1f1b")

@@ -1,0 +1,175 @@
+"""``meshplan train`` on a pipelined training plan: one rank a stage, each carrying out its
+own instruction list (``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``.
+
+Every rank reads the plan, the schedule and the data (the same batches in the same order,
+each taking the inputs its parts read), works out each step's learning rate itself, and
+starts from the source model's weights that its stage holds (the slots at zero). A send is
+posted without waiting (``isend``), a receive waits for its tensor; tensors travel through
+host memory, pickled by mpi4py. After each step the last stage sends the loss and the
+gradients' norm to rank 0, which reports. A failure on a rank ends the job (the command's
+guard aborts it); what every rank checks before the first step (the plan, the schedule,
+the data, the rank count, a checkpoint to resume from) fails on every rank alike, one line.
+
+Checkpoints (``--checkpoint``) are written as a single-stage plan's are
+(``trainer.checkpoint``): each rank writes its own stage's state whole, rank 0 the manifest,
+and the folder is renamed into place once all have; ``--resume`` reads each state back by
+the layouts of the plan that wrote it, so a checkpoint moves between plans of the same
+model, and ``meshplan export`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from meshplan.emit.pipeline_parts import read_pipeline
+from meshplan.emit.train_schedule import read_training_schedule
+from meshplan.errors import TrainError
+from meshplan.plan_format import Plan
+from meshplan.runtime.pipeline_stage import StageRunner, starting_state
+from meshplan.runtime.state_files import rank_file, write_pieces
+from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
+from meshplan.trainer.data import Batches
+from meshplan.trainer.schedule import learning_rate
+from meshplan.training.optimizers import DEFAULTS
+
+RESULT_TAG = 0     # the loss and the norm, last stage → rank 0; crossing i travels with tag i + 1
+
+
+def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, progress=None):
+    """Every rank of a pipelined training plan's job; rank 0 returns the ``TrainReport``."""
+    from meshplan.process_memory import peak_rss_bytes
+    from meshplan.runtime.transport import world
+    from meshplan.trainer.driver import TrainReport, _gather_rss, source_weights
+
+    MPI, comm = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    record = plan.training["pipeline"]
+    stages = int(record["stages"])
+    if size != stages:
+        raise TrainError(f"the plan has {stages} pipeline stages, one a rank: start it with mpiexec -n {stages} "
+                         f"(this job has {size} rank(s))")
+    if provider not in ("auto", "cpu"):
+        raise TrainError(f"a pipelined training plan runs on the CPU for now, not --provider {provider}")
+    if options.steps < 1:
+        raise TrainError(f"--steps must be at least 1, got {options.steps}")
+    pipeline = read_pipeline(plan_dir, plan.training)
+    lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, plan.microbatches,
+                                   record["schedule"])
+    batches = Batches(options.data, plan, options.shuffle, options.seed)
+    parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == rank}
+    held = [n for n, s in pipeline.home.items() if s == rank]
+    starting = [n for n in held if n in plan.training["weights"] or n in plan.training.get("statistics", {})]
+    checkpoint = Checkpoint(options.resume) if options.resume is not None else None
+    first = 0
+    if checkpoint is None:
+        state = starting_state(held, dict(source_weights(plan, starting)), plan.training["slots"])
+    else:
+        if checkpoint.manifest.get("weights") != _trained_record(plan.training):
+            raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
+                             "slots differ from the plan's)")
+        state = {name: checkpoint.tensor(name) for name in held}
+        first = checkpoint.step
+        if checkpoint.manifest.get("data"):
+            batches.set_state(checkpoint.manifest["data"])
+    threads = max(1, (os.cpu_count() or 1) // size)
+    runner = StageRunner(rank, parts, {p: _session(part.model, threads) for p, part in parts.items()},
+                         pipeline.crossings, plan.microbatches, state)
+    mine = lists[rank]
+    reads = {n for part in parts.values() for n in part.inputs}
+    B = plan.microbatches
+    end = first + options.steps
+    report = TrainReport(batch=batches.batch, ranks=size, provider="cpu", transfer_path="host (MPI)",
+                         estimate_seconds=float(plan.estimate.get("step_seconds", 0.0))) if rank == 0 else None
+    hyper = {**DEFAULTS, **{"train." + k: float(v) for k, v in options.hyper.items()}}
+    if report is not None:
+        report.first_step = first
+    for k in range(first, end):
+        lr = learning_rate(options.schedule, options.lr, k, options.total_steps or end, options.warmup)
+        batch = batches.next()
+        per = len(next(iter(batch.values()))) // B
+        slices = [{n: v[m * per:(m + 1) * per] for n, v in batch.items() if n in reads} for m in range(B)]
+        started = time.perf_counter()
+        runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(k + 1)})
+        posted = []
+        for ins in mine:
+            if ins.op == "send":
+                c = pipeline.crossings[ins.crossing]
+                posted.append(comm.isend(runner.take(ins.crossing, ins.mb), dest=c.dst, tag=ins.crossing + 1))
+            elif ins.op == "receive":
+                c = pipeline.crossings[ins.crossing]
+                runner.give(ins.crossing, ins.mb, comm.recv(source=c.src, tag=ins.crossing + 1))
+            else:
+                runner.run(ins.part, ins.mb)
+        MPI.Request.waitall(posted)
+        results = runner.end_step()
+        if rank == stages - 1 and rank != 0:
+            comm.send((results["train.loss"], results["train.grad_norm"]), dest=0, tag=RESULT_TAG)
+        if rank == 0:
+            loss, norm = (results["train.loss"], results["train.grad_norm"]) if stages == 1 else \
+                comm.recv(source=stages - 1, tag=RESULT_TAG)
+            seconds = time.perf_counter() - started
+            report.losses.append(loss)
+            report.lrs.append(lr)
+            report.grad_norms.append(norm)
+            report.step_seconds.append(seconds)
+            if progress is not None:
+                progress(k + 1, end, loss, lr, norm, batches.batch / seconds)
+        every = options.checkpoint_every
+        if options.checkpoint is not None and (k + 1 == end or (every and (k + 1) % every == 0)):
+            written = _save(comm, plan_dir, plan, runner.state, options.checkpoint, k + 1, batches)
+            if report is not None:
+                report.checkpoints.append(str(written))
+    rss = _gather_rss(comm, peak_rss_bytes())
+    if rank != 0:
+        return None
+    report.peak_rss_bytes = rss
+    report.memory_estimates = [float(s.memory_bytes) for s in plan.stages]
+    return report
+
+
+def state_names(training: dict) -> list[str]:
+    """Every state a training plan holds: weights, slots, statistics, accumulators."""
+    return [n for w in training["weights"] for n in [w] + [f"{w}.{s}" for s in training["slots"]]] \
+        + list(training.get("statistics", {})) + list(training.get("accumulators", []))
+
+
+def _trained_record(training: dict) -> dict:
+    return {"weights": training["weights"], "slots": training["slots"], "optimizer": training["optimizer"],
+            "statistics": training.get("statistics", {})}
+
+
+def _layouts(plan: Plan) -> dict[str, dict]:
+    """Each state whole on the rank of the stage that holds it (``runtime.state_files``)."""
+    training, home = plan.training, plan.training["pipeline"]["home"]
+    shapes = {**{w: info["shape"] for w, info in training["weights"].items()},
+              **{n: info["shape"] for n, info in training.get("statistics", {}).items()}}
+    found = {}
+    for name in state_names(training):
+        weight = name if name in shapes else name.rpartition(".")[0]
+        rank = int(home[name])
+        found[name] = {"spec": "R" * len(shapes.get(weight, [])), "segments": None, "logical_mesh": [1, 1],
+                       "devices": [rank], "holders": [rank]}
+    return found
+
+
+def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: int, batches: Batches) -> Path | None:
+    """A checkpoint of every rank's state (each rank writes its own file); rank 0 returns its path."""
+    staging = comm.bcast(str(staging_folder(directory, step)) if comm.Get_rank() == 0 else None, root=0)
+    names = set(state_names(plan.training))
+    write_pieces(rank_file(staging, comm.Get_rank()), ((n, v) for n, v in state.items() if n in names))
+    comm.Barrier()
+    if comm.Get_rank() != 0:
+        return None
+    manifest = {"plan_sha256": plan_digest(plan_dir), "weights": _trained_record(plan.training),
+                "data": batches.get_state(), "layouts": _layouts(plan)}
+    return finish_checkpoint(Path(staging), directory, step, manifest)
+
+
+def _session(path: str, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
