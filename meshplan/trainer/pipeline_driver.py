@@ -25,7 +25,7 @@ from pathlib import Path
 
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.train_schedule import read_training_schedule
-from meshplan.errors import TrainError
+from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
 from meshplan.runtime.pipeline_stage import StageRunner, starting_state
 from meshplan.runtime.state_files import rank_file, write_pieces
@@ -41,41 +41,23 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     """Every rank of a pipelined training plan's job; rank 0 returns the ``TrainReport``."""
     from meshplan.process_memory import peak_rss_bytes
     from meshplan.runtime.transport import world
-    from meshplan.trainer.driver import TrainReport, _gather_rss, source_weights
+    from meshplan.trainer.driver import TrainReport, _gather_rss
 
     MPI, comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
-    record = plan.training["pipeline"]
-    stages = int(record["stages"])
-    if size != stages:
-        raise TrainError(f"the plan has {stages} pipeline stages, one a rank: start it with mpiexec -n {stages} "
-                         f"(this job has {size} rank(s))")
-    if provider not in ("auto", "cpu"):
-        raise TrainError(f"a pipelined training plan runs on the CPU for now, not --provider {provider}")
-    if options.steps < 1:
-        raise TrainError(f"--steps must be at least 1, got {options.steps}")
-    pipeline = read_pipeline(plan_dir, plan.training)
-    lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, plan.microbatches,
-                                   record["schedule"])
-    batches = Batches(options.data, plan, options.shuffle, options.seed)
-    parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == rank}
-    held = [n for n, s in pipeline.home.items() if s == rank]
-    starting = [n for n in held if n in plan.training["weights"] or n in plan.training.get("statistics", {})]
-    checkpoint = Checkpoint(options.resume) if options.resume is not None else None
-    first = 0
-    if checkpoint is None:
-        state = starting_state(held, dict(source_weights(plan, starting)), plan.training["slots"])
-    else:
-        if checkpoint.manifest.get("weights") != _trained_record(plan.training):
-            raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
-                             "slots differ from the plan's)")
-        state = {name: checkpoint.tensor(name) for name in held}
-        first = checkpoint.step
-        if checkpoint.manifest.get("data"):
-            batches.set_state(checkpoint.manifest["data"])
-    threads = max(1, (os.cpu_count() or 1) // size)
-    runner = StageRunner(rank, parts, {p: _session(part.model, threads) for p, part in parts.items()},
-                         pipeline.crossings, plan.microbatches, state)
+    try:
+        pipeline, lists, batches, runner, first = _start(plan_dir, plan, options, provider, rank, size)
+        failure = None
+    except MeshplanError as exc:
+        failure = exc
+    said = comm.allgather(None if failure is None else str(failure))
+    if any(said):
+        # one line for the job: the first failing rank's, from rank 0
+        if rank == 0:
+            raise failure if failure is not None else TrainError(next(s for s in said if s))
+        raise ReportedElsewhere(str(failure or ""))
+    stages = len(lists)
+    parts = runner.parts
     mine = lists[rank]
     reads = {n for part in parts.values() for n in part.inputs}
     B = plan.microbatches
@@ -127,6 +109,46 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     report.peak_rss_bytes = rss
     report.memory_estimates = [float(s.memory_bytes) for s in plan.stages]
     return report
+
+
+def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: int):
+    """What every rank reads and checks before the first step: the pipeline, the lists, the
+    data, its stage's runner (weights from the source model or the checkpoint) and the step
+    it starts at."""
+    from meshplan.trainer.driver import source_weights
+
+    record = plan.training["pipeline"]
+    stages = int(record["stages"])
+    if size != stages:
+        raise TrainError(f"the plan has {stages} pipeline stages, one a rank: start it with mpiexec -n {stages} "
+                         f"(this job has {size} rank(s))")
+    if provider not in ("auto", "cpu"):
+        raise TrainError(f"a pipelined training plan runs on the CPU for now, not --provider {provider}")
+    if options.steps < 1:
+        raise TrainError(f"--steps must be at least 1, got {options.steps}")
+    pipeline = read_pipeline(plan_dir, plan.training)
+    lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, plan.microbatches,
+                                   record["schedule"])
+    batches = Batches(options.data, plan, options.shuffle, options.seed)
+    parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == rank}
+    held = [n for n, s in pipeline.home.items() if s == rank]
+    starting = [n for n in held if n in plan.training["weights"] or n in plan.training.get("statistics", {})]
+    checkpoint = Checkpoint(options.resume) if options.resume is not None else None
+    first = 0
+    if checkpoint is None:
+        state = starting_state(held, dict(source_weights(plan, starting)), plan.training["slots"])
+    else:
+        if checkpoint.manifest.get("weights") != _trained_record(plan.training):
+            raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
+                             "slots differ from the plan's)")
+        state = {name: checkpoint.tensor(name) for name in held}
+        first = checkpoint.step
+        if checkpoint.manifest.get("data"):
+            batches.set_state(checkpoint.manifest["data"])
+    threads = max(1, (os.cpu_count() or 1) // size)
+    runner = StageRunner(rank, parts, {p: _session(part.model, threads) for p, part in parts.items()},
+                         pipeline.crossings, plan.microbatches, state)
+    return pipeline, lists, batches, runner, first
 
 
 def state_names(training: dict) -> list[str]:

@@ -1,0 +1,156 @@
+"""Pipelined training plans end to end: ``meshplan plan --train --stages S`` writes the cut,
+the parts and the 1F1B/GPipe lists; the parts run in process and under ``mpiexec -n S
+meshplan train`` equal to torch (the references of sample_models/training); checkpoints,
+resume and export; what such a plan refuses, in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli, run_mpi
+from meshplan.emit.pipeline_parts import read_pipeline
+from meshplan.emit.train_schedule import read_training_schedule, training_schedule
+from meshplan.plan_format import read_plan
+from meshplan.runtime.pipeline_inprocess import PipelineRunner
+from meshplan.trainer.checkpoint import Checkpoint
+from meshplan.training.optimizers import DEFAULTS
+from sample_models.training import load_case
+from test_cli_errors import _one_error_line
+from tests.training_cases import assert_final_like_torch, batches, hyper
+
+SAMPLES = REPO / "sample_models" / "training"
+
+
+def _plan(tmp_path, name: str, mesh: str, stages: int, *more, out: str = "plan"):
+    case = load_case(name)
+    settings = case["settings"]
+    done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer",
+                   settings["optimizer"], "--mesh", mesh, "--stages", stages, "--microbatches", 4, "--dim",
+                   f"batch={settings['batch']}", "--device", "cpu", *more, "-o", tmp_path / out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return case, tmp_path / out, done.stdout
+
+
+def _train_options(settings: dict) -> list:
+    options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
+               "--weight-decay", settings.get("weight_decay") or 0.0]
+    if settings.get("clip_norm"):
+        options += ["--clip-norm", settings["clip_norm"]]
+    if settings["optimizer"] == "adamw":
+        options += ["--betas", ",".join(str(b) for b in settings["betas"]), "--eps", settings["eps"]]
+    else:
+        options += ["--momentum", settings.get("momentum") or 0.0]
+    return options
+
+
+def test_plan_writes_the_cut_parts_and_lists(tmp_path):
+    case, plan_dir, out = _plan(tmp_path, "gpt_adamw", "1x2", 2)
+    plan = read_plan(plan_dir)
+    record = plan.training["pipeline"]
+    assert record["schedule"] == "1f1b" and record["stages"] == 2 and plan.microbatches == 4
+    assert [s.devices for s in plan.stages] == [[0], [1]]
+    assert plan.stages[0].layers[1] == plan.stages[1].layers[0]
+    assert {(p["stage"], p["phase"]) for p in record["parts"]} == {
+        (0, "forward"), (0, "backward"), (0, "norm"), (0, "update"),
+        (1, "forward"), (1, "backward"), (1, "norm"), (1, "clip"), (1, "update")}
+    assert all((plan_dir / p["file"]).is_file() for p in record["parts"])
+    pipeline = read_pipeline(plan_dir, plan.training)
+    lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, 4, "1f1b")
+    assert lists == training_schedule(pipeline, 4, "1f1b")
+    assert "pipelined training, 2 stages" in out and "in flight" in out
+    shown = run_cli("show", plan_dir, "--schedule", "--stage", 1)
+    assert shown.returncode == 0, shown.stderr
+    assert "run backward mb 3" in shown.stdout and "run clip" in shown.stdout
+
+
+def test_plan_parts_in_process_equal_torch(tmp_path):
+    """The written parts (files), run stage by stage in this process, train as torch."""
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x2", 2)
+    plan = read_plan(plan_dir)
+    pipeline = read_pipeline(plan_dir, plan.training)
+    runner = PipelineRunner(pipeline, 4, case["initial"], plan.training["pipeline"]["schedule"])
+    settings = case["settings"]
+    losses = []
+    for k, batch in enumerate(batches(case)):
+        controls = {**DEFAULTS, **hyper(settings), "train.lr": case["lrs"][k], "train.step": k + 1}
+        losses.append(runner.step(batch, controls)["train.loss"])
+    np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
+    assert_final_like_torch(case, plan.training["tied"], runner.state_values())
+
+
+@pytest.mark.parametrize("name,mesh,stages,schedule", [("gpt_adamw", "1x2", 2, "1f1b"),
+                                                       ("gpt2_tied", "2x2", 4, "gpipe")])
+def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule):
+    """One rank a stage under mpiexec: each step's loss as torch's, the final weights (read
+    back from the checkpoint) as torch's, and ``meshplan export`` writes them."""
+    case, plan_dir, _ = _plan(tmp_path, name, mesh, stages, "--schedule", schedule)
+    settings = case["settings"]
+    done = run_mpi(stages, "train", plan_dir, "--data", SAMPLES / f"{name}.data.npz", "--steps", settings["steps"],
+                   *_train_options(settings), "--checkpoint", tmp_path / "ck", "--log", tmp_path / "log.json",
+                   timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = json.loads((tmp_path / "log.json").read_text())
+    np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
+    state = dict(Checkpoint(tmp_path / "ck").tensors())
+    plan = read_plan(plan_dir)
+    assert_final_like_torch(case, plan.training["tied"], state)
+    exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "trained.onnx").is_file()
+
+
+def test_resume_continues_the_same_steps(tmp_path):
+    case, plan_dir, _ = _plan(tmp_path, "mlp_sgd", "1x2", 2)
+    settings = case["settings"]
+    common = ["--data", SAMPLES / "mlp_sgd.data.npz", *_train_options(settings), "--total-steps", 6]
+    first = run_mpi(2, "train", plan_dir, "--steps", 3, "--checkpoint", tmp_path / "ck", "-q", *common)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = run_mpi(2, "train", plan_dir, "--steps", 3, "--resume", tmp_path / "ck", "--log", tmp_path / "log.json",
+                     "-q", *common)
+    assert second.returncode == 0, second.stdout + second.stderr
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["first_step"] == 3
+    whole = run_mpi(2, "train", plan_dir, "--steps", 6, "--log", tmp_path / "whole.json", "-q", *common)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    np.testing.assert_allclose(log["losses"], json.loads((tmp_path / "whole.json").read_text())["losses"][3:],
+                               rtol=1e-6)
+
+
+def test_pipelined_plans_refuse_in_one_line(tmp_path):
+    case = load_case("mlp_sgd")
+    settings = case["settings"]
+    base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
+            f"batch={settings['batch']}", "--device", "cpu", "--microbatches", 2]
+    _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 3, "-o", tmp_path / "a"),
+                    "one device a stage", "--stages 3 on 2 devices")
+    _one_error_line(run_cli(*base, "--mesh", "1x2", "--max-stages", 2, "-o", tmp_path / "b"), "--max-stages")
+    _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 2, "--no-programs", "-o", tmp_path / "c"),
+                    "--no-programs")
+    for name in "abc":
+        assert not (tmp_path / name).exists()
+    _, plan_dir, _ = _plan(tmp_path, "mlp_sgd", "1x2", 2)
+    data = SAMPLES / "mlp_sgd.data.npz"
+    _one_error_line(run_mpi(1, "train", plan_dir, "--data", data, "--steps", 1), "mpiexec -n 2")
+    _one_error_line(run_cli("run", plan_dir, "--inputs", data), "pipelined training plan", "meshplan train")
+    schedule = json.loads((plan_dir / "schedule.json").read_text())
+    first = schedule["ranks"][0]
+    run_at = next(i for i, item in enumerate(first) if item["op"] == "run")
+    receive_at = next((i for i, item in enumerate(first) if item["op"] == "receive"), None)
+    assert receive_at is not None and receive_at > run_at
+    first.insert(0, first.pop(receive_at))           # stage 0 waits for a gradient before its first forward
+    (plan_dir / "schedule.json").write_text(json.dumps(schedule))
+    _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1), "schedule")
+
+
+def test_a_stage_that_does_not_fit_is_refused(tmp_path):
+    case = load_case("gpt_adamw")
+    settings = case["settings"]
+    cluster = tmp_path / "tiny.toml"
+    cluster.write_text('hosts = 1\ndevices_per_host = 2\n[device]\npreset = "cpu"\nmemory_gb = 0.05\n')
+    done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "adamw",
+                   "--cluster", cluster, "--stages", 2, "--microbatches", 4, "--dim", "batch=8", "-o", tmp_path / "p")
+    _one_error_line(done, "stage 0 needs", "GiB", "more than its device's")
+    assert not (tmp_path / "p").exists()
