@@ -1,30 +1,40 @@
-"""Activations in flight under 1F1B and GPipe: a pipelined training step run stage by stage
-in one process (``runtime.pipeline_inprocess``), each stage's most bytes kept between runs.
+"""Activations in flight under 1F1B and GPipe, measured two ways.
 
 Usage (from the repository root)::
 
     python benchmarks/pipeline_memory.py [--case gpt_adamw] [--stages 4] [--microbatches 8]
         [--batch 32] [--json PATH]
+    python benchmarks/pipeline_memory.py --mpi [--stages 4] [--microbatches 8] [--batch 32]
+        [--layers 8] [--hidden 256] [--heads 4] [--vocab 2048] [--seq 128] [--steps 2] [--workdir DIR]
+        [--json PATH]
 
-The case is one of sample_models/training's (a GPT with AdamW by default), its forward graph
-cut into ``--stages`` runs of nodes of equal length; one step of ``--batch`` samples in
-``--microbatches`` microbatches. For each schedule and stage: the microbatches whose
-tensors the stage held at once (1F1B: S − i; GPipe: all), the most bytes it held, and the
-estimate: that many microbatches times what one microbatch leaves between its forward and
-its backward (measured on a step of one microbatch). The loss of the step is printed for
-both schedules (the same step, so the same loss).
+In process (the default): the case is one of sample_models/training's (a GPT with AdamW by
+default), its forward graph cut into ``--stages`` runs of nodes of equal length, one step of
+``--batch`` samples in ``--microbatches`` microbatches run stage by stage
+(``runtime.pipeline_inprocess``). For each schedule and stage: the microbatches whose
+tensors the stage held at once (1F1B: S − i; GPipe: all), the most bytes it held between
+runs, and the estimate: that many microbatches times what a step of one microbatch left
+held. Both schedules' loss is printed (the same step, so the same loss).
+
+``--mpi``: a GPT written with onnx.helper (``benchmarks/train.py``'s, at the sizes given) is
+planned with ``meshplan plan --train --stages S --schedule 1f1b|gpipe`` on a 1xS mesh of
+CPU devices and trained for ``--steps`` steps by ``mpiexec -n S meshplan train``; each
+rank's peak RSS as the command reports it, next to the plan's estimate of its stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
 from meshplan.emit.train_schedule import GPIPE, ONE_F_ONE_B  # noqa: E402
 from meshplan.runtime.pipeline_inprocess import PipelineRunner  # noqa: E402
@@ -33,6 +43,8 @@ from meshplan.training.optimizers import DEFAULTS  # noqa: E402
 from meshplan.training.pipeline_step import split_step  # noqa: E402
 from meshplan.training.step_model import TrainSpec, build_step_model  # noqa: E402
 from sample_models.training import CASES, load_case  # noqa: E402
+
+MiB = 2 ** 20
 
 
 def one_step(case: dict, stages: int, microbatches: int, batch: int, kind: str):
@@ -48,22 +60,13 @@ def one_step(case: dict, stages: int, microbatches: int, batch: int, kind: str):
     return found["train.loss"], runner
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="gpt_adamw", choices=CASES)
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    if args.batch % args.microbatches:
-        parser.error(f"--batch {args.batch} is not a multiple of --microbatches {args.microbatches}")
+def in_process(args) -> dict:
     case = load_case(args.case)
     per_mb = args.batch // args.microbatches
     _, single = one_step(case, args.stages, 1, per_mb, ONE_F_ONE_B)
     one = single.peak_kept
     rows = {}
-    print(f"{args.case}: {args.stages} stages, {args.microbatches} microbatches of {per_mb} samples")
+    print(f"{args.case}: {args.stages} stages, {args.microbatches} microbatches of {per_mb} samples, in process")
     print(f"{'schedule':8} {'stage':>5} {'in flight':>9} {'kept KiB':>9} {'estimate KiB':>12}")
     for kind in (ONE_F_ONE_B, GPIPE):
         loss, runner = one_step(case, args.stages, args.microbatches, args.batch, kind)
@@ -78,10 +81,82 @@ def main(argv=None) -> int:
         print(f"{kind:8} loss {loss:.6f}")
     ratio = [a["kept_bytes"] / b["kept_bytes"] for a, b in zip(rows[ONE_F_ONE_B]["stages"], rows[GPIPE]["stages"])]
     print("1F1B over GPipe, bytes kept per stage: " + ", ".join(f"{r:.2f}" for r in ratio))
+    return {"case": args.case, "one_microbatch_bytes": one, "schedules": rows, "ratio_1f1b_over_gpipe": ratio}
+
+
+def under_mpi(args) -> dict:
+    sys.path.insert(0, str(HERE))
+    from train import build_onnx_gpt   # the benchmark GPT, written with onnx.helper
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
+             "seq": args.seq, "batch": args.batch}
+    model = work / "gpt.onnx"
+    built = build_onnx_gpt(sizes, model)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, args.vocab, (args.batch * 2, args.seq + 1))
+    data = work / "data.npz"
+    np.savez(data, input_ids=ids[:, :-1], targets=ids[:, 1:])
+    script = Path(sys.executable).parent / "meshplan"
+    meshplan = [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    print(f"GPT of {built['parameters'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}, "
+          f"sequence {args.seq}); {args.stages} stages, {args.microbatches} microbatches of "
+          f"{args.batch // args.microbatches} samples, under mpiexec")
+    print(f"{'schedule':8} {'rank':>4} {'peak RSS MiB':>12} {'estimate MiB':>12}")
+    rows = {}
+    for kind in (ONE_F_ONE_B, GPIPE):
+        plan_dir = work / f"plan-{kind}"
+        _run([*meshplan, "plan", model, "--train", "--loss", "cross_entropy:logits:targets", "--optimizer", "adamw",
+              "--mesh", f"1x{args.stages}", "--stages", args.stages, "--schedule", kind, "--microbatches",
+              args.microbatches, "--dim", f"batch={args.batch}", "--device", "cpu", "-o", plan_dir])
+        log = work / f"log-{kind}.json"
+        done = _run([mpiexec, "-n", args.stages, *meshplan, "train", plan_dir, "--data", data, "--steps", args.steps,
+                     "--lr", 3e-4, "--log", log, "-q"])
+        ranks = []
+        for match in re.finditer(r"rank (\d+): peak RSS ([\d.]+) MiB, the plan's estimate ([\d.]+) MiB", done.stdout):
+            ranks.append({"rank": int(match.group(1)), "peak_rss_mib": float(match.group(2)),
+                          "estimate_mib": float(match.group(3))})
+            print(f"{kind:8} {ranks[-1]['rank']:>4} {ranks[-1]['peak_rss_mib']:>12.1f} {ranks[-1]['estimate_mib']:>12.1f}")
+        record = json.loads(log.read_text())
+        rows[kind] = {"ranks": ranks, "losses": record["losses"], "step_seconds": record["step_seconds"]}
+        print(f"{kind:8} losses {', '.join(f'{v:.5f}' for v in record['losses'])}")
+    ratio = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(rows[ONE_F_ONE_B]["ranks"], rows[GPIPE]["ranks"])]
+    print("1F1B over GPipe, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in ratio))
+    return {"sizes": sizes, "parameters": built["parameters"], "schedules": rows, "ratio_1f1b_over_gpipe": ratio}
+
+
+def _run(command) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=HERE.parent)
+    if done.returncode != 0:
+        sys.exit(f"failed: {' '.join(map(str, command))}\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="gpt_adamw", choices=CASES)
+    parser.add_argument("--mpi", action="store_true", help="plan and train a GPT under mpiexec; measure RSS")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--workdir", default="pipeline-memory-work")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} is not a multiple of --microbatches {args.microbatches}")
+    body = under_mpi(args) if args.mpi else in_process(args)
+    body.update({"stages": args.stages, "microbatches": args.microbatches, "batch": args.batch,
+                 "mode": "mpi" if args.mpi else "in process"})
     if args.json:
-        args.json.write_text(json.dumps({"case": args.case, "stages": args.stages, "microbatches": args.microbatches,
-                                         "batch": args.batch, "one_microbatch_bytes": one, "schedules": rows,
-                                         "ratio_1f1b_over_gpipe": ratio}, indent=1))
+        args.json.write_text(json.dumps(body, indent=1))
     return 0
 
 

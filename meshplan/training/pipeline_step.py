@@ -42,6 +42,7 @@ from onnx import helper
 from onnx.utils import Extractor
 
 from meshplan.errors import TrainError
+from meshplan.model.opsets import set_ir_version
 from meshplan.training.autodiff import WEIGHT, tensor_types
 from meshplan.training.losses import LOSS
 from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, GRAD_ACC, GRAD_NORM, slot, updated
@@ -389,7 +390,7 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
         missing = [n for n in inputs + outputs if n not in extractor.value_infos]
         if missing:
             raise TrainError(f"tensor '{missing[0]}' of the training step has no known type")
-        part_model = extractor.extract_model(inputs, outputs)
+        part_model = set_ir_version(extractor.extract_model(inputs, outputs))   # one onnxruntime loads
         parts[where] = Part(where[0], where[1], part_model, inputs, outputs)
     return PipelineStep(stages, parts, crossings, home, placement, step, data_inputs, controls)
 
