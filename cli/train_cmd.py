@@ -99,6 +99,11 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
         estimate = report.memory_estimates[rank] if rank < len(report.memory_estimates) else 0
         click.echo(f"rank {rank}: peak RSS {rss / 2**20:.1f} MiB"
                    + (f", the plan's estimate {estimate / 2**20:.1f} MiB" if estimate else ""))
+    if report.busy_fractions:
+        idle = 1 - sum(report.busy_fractions) / len(report.busy_fractions)
+        click.echo(f"pipeline: ranks busy {', '.join(f'{b:.2f}' for b in report.busy_fractions)} of their steps "
+                   f"(idle {idle:.2f} on average; a pipeline of equal stages idles (S - 1)/(M + S - 1) = "
+                   f"{report.bubble:.2f})")
     for path in report.checkpoints[-1:]:
         click.echo(f"wrote checkpoint {path}")
     if log_path is not None:

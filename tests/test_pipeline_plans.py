@@ -94,6 +94,9 @@ def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule):
     assert done.returncode == 0, done.stdout + done.stderr
     log = json.loads((tmp_path / "log.json").read_text())
     np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
+    assert len(log["busy_fractions"]) == stages and all(0 < b <= 1 for b in log["busy_fractions"])
+    assert log["bubble"] == pytest.approx((stages - 1) / (4 + stages - 1))
+    assert "pipeline: ranks busy" in done.stdout
     state = dict(Checkpoint(tmp_path / "ck").tensors())
     plan = read_plan(plan_dir)
     assert_final_like_torch(case, plan.training["tied"], state)

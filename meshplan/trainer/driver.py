@@ -149,11 +149,16 @@ class TrainReport:
     checkpoints: list = field(default_factory=list)
     peak_rss_bytes: list = field(default_factory=list)
     memory_estimates: list = field(default_factory=list)
+    # a pipelined plan: each rank's share of its steps spent running its parts, and the idle
+    # share a pipeline of equal stages has, (S - 1) / (M + S - 1)
+    busy_fractions: list = field(default_factory=list)
+    bubble: float | None = None
 
     def log(self) -> dict:
         return {"first_step": self.first_step, "losses": self.losses, "lr": self.lrs, "grad_norm": self.grad_norms,
                 "step_seconds": self.step_seconds, "batch": self.batch, "ranks": self.ranks,
-                "estimate_seconds": self.estimate_seconds}
+                "estimate_seconds": self.estimate_seconds,
+                **({"busy_fractions": self.busy_fractions, "bubble": self.bubble} if self.busy_fractions else {})}
 
 
 def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer: str = "auto",

@@ -67,6 +67,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     hyper = {**DEFAULTS, **{"train." + k: float(v) for k, v in options.hyper.items()}}
     if report is not None:
         report.first_step = first
+    timing = [0.0, 0.0]     # seconds running parts, seconds of the steps (this rank's own lists)
     for k in range(first, end):
         lr = learning_rate(options.schedule, options.lr, k, options.total_steps or end, options.warmup)
         batch = batches.next()
@@ -75,6 +76,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         started = time.perf_counter()
         runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(k + 1)})
         posted = []
+        busy = 0.0
         for ins in mine:
             if ins.op == "send":
                 c = pipeline.crossings[ins.crossing]
@@ -83,9 +85,14 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
                 c = pipeline.crossings[ins.crossing]
                 runner.give(ins.crossing, ins.mb, comm.recv(source=c.src, tag=ins.crossing + 1))
             else:
+                ran = time.perf_counter()
                 runner.run(ins.part, ins.mb)
+                busy += time.perf_counter() - ran
         MPI.Request.waitall(posted)
         results = runner.end_step()
+        if k > first or end - first == 1:    # the first of several steps warms up
+            timing[0] += busy
+            timing[1] += time.perf_counter() - started
         if rank == stages - 1 and rank != 0:
             comm.send((results["train.loss"], results["train.grad_norm"]), dest=0, tag=RESULT_TAG)
         if rank == 0:
@@ -104,9 +111,12 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
             if report is not None:
                 report.checkpoints.append(str(written))
     rss = _gather_rss(comm, peak_rss_bytes())
+    timings = comm.gather(timing, root=0)
     if rank != 0:
         return None
     report.peak_rss_bytes = rss
+    report.busy_fractions = [b / t if t else 0.0 for b, t in timings]
+    report.bubble = (stages - 1) / (B + stages - 1)
     report.memory_estimates = [float(s.memory_bytes) for s in plan.stages]
     return report
 
