@@ -161,7 +161,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         if result.training.get("pipeline"):
             parts = len(result.training["pipeline"]["parts"])
             click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{SCHEDULE_FILE}, {out_dir}/{REPORT_FILE}, "
-                       f"{parts} program part(s) and the step model in {out_dir}/training")
+                       f"{out_dir}/{TIMELINE_FILE}, {parts} program part(s) and the step model in {out_dir}/training")
             click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")
             return
         programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"

@@ -22,7 +22,7 @@ import onnx
 from meshplan.cost.analytic import CostModel
 from meshplan.cost.cluster import Cluster
 from meshplan.emit.pipeline_parts import write_parts
-from meshplan.emit.report import REPORT_FILE, text_report
+from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 from meshplan.emit.train_schedule import training_schedule, write_training_schedule
 from meshplan.errors import ModelError, PlanError
 from meshplan.files import file_sha256
@@ -70,6 +70,7 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
                                                                               options.schedule),
                                 options.schedule, microbatches, staging)
         (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
+        (staging / TIMELINE_FILE).write_text(render_timeline(plan))
         replace_dir(staging, out_dir)
         return plan
     except BaseException:

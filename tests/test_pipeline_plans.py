@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REPO, run_cli, run_mpi
 from meshplan.emit.pipeline_parts import read_pipeline
+from meshplan.emit.report import training_timeline
 from meshplan.emit.train_schedule import read_training_schedule, training_schedule
 from meshplan.plan_format import read_plan
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
@@ -61,9 +62,30 @@ def test_plan_writes_the_cut_parts_and_lists(tmp_path):
     lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, 4, "1f1b")
     assert lists == training_schedule(pipeline, 4, "1f1b")
     assert "pipelined training, 2 stages" in out and "in flight" in out
+    svg = (plan_dir / "timeline.svg").read_text()
+    assert svg.count("<title>stage 1, backward of microbatch") == 4 and svg.count("norm, clip and update") == 2
     shown = run_cli("show", plan_dir, "--schedule", "--stage", 1)
     assert shown.returncode == 0, shown.stderr
     assert "run backward mb 3" in shown.stdout and "run clip" in shown.stdout
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_timeline_plays_the_schedule(tmp_path, schedule):
+    """The drawn step: a stage runs one part at a time, a forward after the stage before has
+    made its input, a backward after the stage after has sent its gradient; it ends near
+    Alpa's T (equal at equal stages)."""
+    _, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 4, "--schedule", schedule)
+    plan = read_plan(plan_dir)
+    rows, total = training_timeline(plan)
+    when = {(phase, s, mb): (start, end) for s, row in enumerate(rows) for phase, mb, start, end in row}
+    assert len(when) == 2 * 4 * 4
+    for s, row in enumerate(rows):
+        assert all(a[3] <= b[2] + 1e-12 for a, b in zip(row, row[1:]))
+        for phase, mb, start, _ in row:
+            before = ("forward", s - 1, mb) if phase == "forward" else ("backward", s + 1, mb)
+            if before in when:
+                assert start >= when[before][1] - 1e-12
+    assert total == pytest.approx(plan.estimate["step_seconds"], rel=0.25)
 
 
 def test_plan_parts_in_process_equal_torch(tmp_path):

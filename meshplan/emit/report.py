@@ -268,7 +268,87 @@ def _resharding_line(r) -> str:
             f"{'; '.join(steps)}; {human_seconds(r.seconds)}")
 
 
+def training_timeline(plan: Plan) -> tuple[list[list[tuple[str, int, float, float]]], float]:
+    """A pipelined training plan's step as its schedule plays it with the plan's stage times:
+    per stage, (phase, microbatch, start, end) of each forward and backward (a stage's time
+    per microbatch split one third forward, two thirds backward), and the step's end. A run
+    starts when its stage is free and what it reads has arrived (the forward of the stage
+    before, the backward of the stage after); transfers are not drawn."""
+    from meshplan.emit.train_schedule import run_order
+
+    S, B = len(plan.stages), plan.microbatches
+    kind = plan.training["pipeline"]["schedule"]
+    orders = [[r for r in run_order(s, S, B, kind) if r[0] in ("forward", "backward")] for s in range(S)]
+    took = {("forward", s): plan.stages[s].seconds / 3 for s in range(S)}
+    took.update({("backward", s): plan.stages[s].seconds * 2 / 3 for s in range(S)})
+    done: dict[tuple[str, int, int], float] = {}
+    rows: list[list[tuple[str, int, float, float]]] = [[] for _ in range(S)]
+    at, free = [0] * S, [0.0] * S
+    while any(at[s] < len(orders[s]) for s in range(S)):
+        moved = False
+        for s in range(S):
+            while at[s] < len(orders[s]):
+                phase, mb = orders[s][at[s]]
+                needs = [("forward", s - 1, mb)] if phase == "forward" and s else \
+                    [("backward", s + 1, mb)] if phase == "backward" and s < S - 1 else []
+                if any(n not in done for n in needs):
+                    break
+                start = max([free[s]] + [done[n] for n in needs])
+                end = start + took[(phase, s)]
+                done[(phase, s, mb)] = free[s] = end
+                rows[s].append((phase, mb, start, end))
+                at[s] += 1
+                moved = True
+        if not moved:
+            break
+    return rows, max(free) if free else 0.0
+
+
+def render_training_timeline(plan: Plan) -> str:
+    rows, total = training_timeline(plan)
+    total = total or 1.0
+    kind = plan.training["pipeline"]["schedule"]
+    left, top, row_h, width = 120, 40, 34, 900
+    height = top + row_h * len(rows) + 50
+    scale = width / total
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<text x="{left}" y="20" font-size="14">estimated training step: {len(rows)} stage(s), '
+        f'{kind.upper() if kind == "1f1b" else "GPipe"}, {plan.microbatches} microbatch(es), forward (solid) and '
+        f'backward (pale), then the update; {escape(human_seconds(total))}</text>',
+    ]
+    for s, row in enumerate(rows):
+        y = top + s * row_h
+        parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{s}]</text>')
+        parts.append(f'<rect x="{left}" y="{y + 3}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
+        for phase, mb, start, end in row:
+            x, w = left + start * scale, max((end - start) * scale, 0.5)
+            colour = _COLOURS[mb % len(_COLOURS)]
+            opacity = "1" if phase == "forward" else "0.55"
+            parts.append(
+                f'<rect x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" fill="{colour}" '
+                f'fill-opacity="{opacity}" stroke="white"><title>stage {s}, {phase} of microbatch {mb}: '
+                f'{escape(human_seconds(start))} – {escape(human_seconds(end))}</title></rect>')
+            if w > 18:
+                label = f"{mb}" if phase == "forward" else f"b{mb}"
+                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h * 0.6:.1f}" text-anchor="middle" '
+                             f'fill="white">{label}</text>')
+        end = row[-1][3] if row else 0.0
+        parts.append(f'<rect x="{left + end * scale:.2f}" y="{y + 3}" width="3" height="{row_h - 6}" fill="black">'
+                     f'<title>stage {s}: norm, clip and update</title></rect>')
+    axis_y = top + row_h * len(rows) + 15
+    parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + width}" y2="{axis_y}" stroke="black"/>')
+    for tick in range(6):
+        x = left + width * tick / 5
+        parts.append(f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle">{escape(human_seconds(total * tick / 5))}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
 def render_timeline(plan: Plan) -> str:
+    if plan.training.get("pipeline"):
+        return render_training_timeline(plan)
     rows = fill_drain_schedule([s.seconds for s in plan.stages], plan.microbatches)
     total = max((row[-1][1] for row in rows), default=0.0) or 1.0
     left, top, row_h, width = 120, 40, 34, 900
