@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO, run_cli, run_mpi
 from meshplan.emit.pipeline_parts import read_pipeline
@@ -104,19 +106,22 @@ def test_plan_parts_in_process_equal_torch(tmp_path):
 
 
 @pytest.mark.parametrize("name,mesh,stages,schedule", [("gpt_adamw", "1x2", 2, "1f1b"),
-                                                       ("gpt2_tied", "2x2", 4, "gpipe")])
+                                                       ("gpt2_tied", "2x2", 4, "gpipe"),
+                                                       ("gpt_adamw", "1x4", 2, "1f1b")])
 def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule):
-    """One rank a stage under mpiexec: each step's loss as torch's, the final weights (read
-    back from the checkpoint) as torch's, and ``meshplan export`` writes them."""
+    """One rank a device under mpiexec (1x4 in 2 stages: each stage two data-parallel
+    replicas): each step's loss as torch's, the final weights (read back from the
+    checkpoint) as torch's, and ``meshplan export`` writes them."""
     case, plan_dir, _ = _plan(tmp_path, name, mesh, stages, "--schedule", schedule)
     settings = case["settings"]
-    done = run_mpi(stages, "train", plan_dir, "--data", SAMPLES / f"{name}.data.npz", "--steps", settings["steps"],
+    ranks = int(mesh[0]) * int(mesh[2])
+    done = run_mpi(ranks, "train", plan_dir, "--data", SAMPLES / f"{name}.data.npz", "--steps", settings["steps"],
                    *_train_options(settings), "--checkpoint", tmp_path / "ck", "--log", tmp_path / "log.json",
                    timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     log = json.loads((tmp_path / "log.json").read_text())
     np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
-    assert len(log["busy_fractions"]) == stages and all(0 < b <= 1 for b in log["busy_fractions"])
+    assert len(log["busy_fractions"]) == ranks and all(0 < b <= 1 for b in log["busy_fractions"])
     assert log["bubble"] == pytest.approx((stages - 1) / (4 + stages - 1))
     assert "pipeline: ranks busy" in done.stdout
     state = dict(Checkpoint(tmp_path / "ck").tensors())
@@ -150,7 +155,23 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
             f"batch={settings['batch']}", "--device", "cpu", "--microbatches", 2]
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 3, "-o", tmp_path / "a"),
-                    "one device a stage", "--stages 3 on 2 devices")
+                    "--stages 3 does not divide the mesh's 2 devices")
+    _one_error_line(run_cli(*base[:-1], 8, "--mesh", "1x4", "--stages", 2, "-o", tmp_path / "a"),
+                    "a microbatch of 1 sample(s) does not split over the 2 replicas")
+    c = 3   # batch normalization in training mode: its running statistics would differ between replicas
+    graph = helper.make_graph(
+        [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y", "rm", "rv"],
+                          training_mode=1, momentum=0.9)],
+        "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", c, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", c, 4, 4])],
+        [numpy_helper.from_array(v, k) for k, v in {"scale": np.ones(c, np.float32), "bias": np.zeros(c, np.float32),
+                                                    "mean": np.zeros(c, np.float32),
+                                                    "var": np.ones(c, np.float32)}.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8),
+              str(tmp_path / "bn.onnx"))
+    _one_error_line(run_cli("plan", tmp_path / "bn.onnx", "--train", "--loss", "mse:y:t", "--optimizer", "sgd",
+                            "--dim", "batch=8", "--device", "cpu", "--microbatches", 2, "--mesh", "1x4", "--stages", 2,
+                            "-o", tmp_path / "a"), "running statistics")
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--max-stages", 2, "-o", tmp_path / "b"), "--max-stages")
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 2, "--no-programs", "-o", tmp_path / "c"),
                     "--no-programs")
@@ -159,6 +180,8 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     _, plan_dir, _ = _plan(tmp_path, "mlp_sgd", "1x2", 2)
     data = SAMPLES / "mlp_sgd.data.npz"
     _one_error_line(run_mpi(1, "train", plan_dir, "--data", data, "--steps", 1), "mpiexec -n 2")
+    _one_error_line(run_mpi(3, "train", plan_dir, "--data", data, "--steps", 1), "mpiexec -n 2",
+                    "this job has 3 rank(s)")
     _one_error_line(run_cli("run", plan_dir, "--inputs", data), "pipelined training plan", "meshplan train")
     schedule = json.loads((plan_dir / "schedule.json").read_text())
     first = schedule["ranks"][0]

@@ -112,6 +112,29 @@ def test_schedule_sends_before_receives_and_plays():
     assert ("clip", 3) in [(i.part, i.mb) for i in lists[2] if i.op == "run"]
 
 
+def test_replicas_sum_once_after_the_last_backward():
+    """Stages of two data-parallel replicas: one ``reduce`` a stage, right after its last
+    microbatch's backward and before it sends what the update reads; a list that sends a
+    step's sum before summing it is refused."""
+    from meshplan.emit.train_schedule import check_training_schedule, per_microbatch
+
+    _, _, pipeline = _pipeline("gpt_adamw", 2, 4)
+    lists = training_schedule(pipeline, 4, ONE_F_ONE_B, replicas=2)
+    for items in lists:
+        reduces = [i for i, item in enumerate(items) if item.op == "reduce"]
+        assert len(reduces) == 1
+        assert items[reduces[0] - 1] == Instruction("run", 3, part=BACKWARD)
+    check_training_schedule(pipeline, lists, 4, ONE_F_ONE_B, replicas=2)
+    last = lists[1]
+    at = next(i for i, item in enumerate(last) if item.op == "send" and item.mb == 3
+              and not per_microbatch(pipeline.crossings[item.crossing])
+              and pipeline.crossings[item.crossing].made_in == BACKWARD)
+    reduce = next(i for i, item in enumerate(last) if item.op == "reduce")
+    last.insert(reduce, last.pop(at))
+    with pytest.raises(PlanError, match="before its replicas' sum"):
+        check_training_schedule(pipeline, lists, 4, ONE_F_ONE_B, replicas=2)
+
+
 def test_deadlocked_schedule_is_refused():
     """A first stage that waits for a gradient before it sends the activation the later
     stages need to make it."""

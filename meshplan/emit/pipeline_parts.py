@@ -4,7 +4,8 @@ directory, and the record plan.json keeps of them (``training["pipeline"]``).
 The parts lie beside the step model in ``training/`` (``stage{S}.{phase}.onnx``); a frozen
 weight a part reads stays in the step model's data file, which the part points to. The
 record holds each part's file, digest, inputs and outputs, the crossings (tensors one stage
-makes and another reads), the stage that holds each state input, and the schedule's kind.
+makes and another reads), the stage that holds each state input, the schedule's kind and
+the replicas of each stage (each stage data-parallel over that many devices).
 ``read_pipeline`` gives back the ``PipelineStep`` a runner needs, the parts as paths.
 """
 
@@ -25,7 +26,7 @@ def part_file(stage: int, phase: str) -> str:
     return f"stage{stage}.{phase}.onnx"
 
 
-def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: int) -> dict:
+def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: int, replicas: int = 1) -> dict:
     """Each part of ``pipeline`` into ``folder`` (a plan directory's ``training/``, being
     written); returns plan.json's record of them."""
     parts = []
@@ -34,9 +35,9 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
         onnx.save(part.model, str(path))
         parts.append({"stage": stage, "phase": phase, "file": f"{Path(folder).name}/{path.name}",
                       "sha256": file_sha256(path), "inputs": part.inputs, "outputs": part.outputs})
-    return {"stages": pipeline.stages, "schedule": kind, "microbatches": microbatches, "parts": parts,
-            "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
-            "data_inputs": pipeline.data_inputs, "controls": pipeline.controls}
+    return {"stages": pipeline.stages, "replicas": replicas, "schedule": kind, "microbatches": microbatches,
+            "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
+            "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count}
 
 
 def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> PipelineStep:
@@ -62,7 +63,7 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
                             hint="re-run meshplan plan")
         step = StepModel(None, {}, {k: v for k, v in training.items() if k != "pipeline"})
         return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
-                            {}, step, list(record["data_inputs"]), list(record["controls"]))
+                            {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"))
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None

@@ -125,18 +125,20 @@ def pipeline_training_report(plan: Plan) -> str:
     time per microbatch, microbatches in flight and memory by kind; the crossings; the step."""
     mesh, t = plan.cluster["mesh"], plan.training
     record = t["pipeline"]
-    kind, B, S = record["schedule"], plan.microbatches, len(plan.stages)
+    kind, B, S, R = record["schedule"], plan.microbatches, len(plan.stages), int(record.get("replicas", 1))
+    each = "one device a stage" if R == 1 else f"{R} devices a stage (data-parallel replicas, each 1/{R} of every " \
+        "microbatch, their gradients summed once a step)"
     lines = [f"plan: pipelined training, {S} stages on a {mesh[0]}x{mesh[1]} mesh of "
-             f"{plan.cluster['device']['name']}, one device a stage, {kind.upper() if kind == '1f1b' else 'GPipe'}, "
+             f"{plan.cluster['device']['name']}, {each}, {kind.upper() if kind == '1f1b' else 'GPipe'}, "
              f"{B} microbatch(es) of {plan.batch['microbatch_size']}",
              f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained",
-             f"{'stage':>5}  {'device':<6} {'layers':<9} {'ops':>5}  {'fwd+bwd/mb':>11}  {'in flight':>9}  "
+             f"{'stage':>5}  {'devices':<8} {'layers':<9} {'ops':>5}  {'fwd+bwd/mb':>11}  {'in flight':>9}  "
              f"{'memory':>11}  (weights, gradients, optimizer, activations, process)"]
     for stage, held in zip(plan.stages, t.get("memory", [])):
         flight = B if kind == "gpipe" else min(S - stage.index, B)
         parts = ", ".join(human_bytes(held[k]) for k in ("weights", "gradients", "optimizer", "activations", "process"))
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
-        lines.append(f"{stage.index:>5}  {stage.devices[0]:<6} {layers:<9} "
+        lines.append(f"{stage.index:>5}  {device_ranges(stage.devices):<8} {layers:<9} "
                      f"{len(stage.operators):>5}  {human_seconds(stage.seconds):>11}  {flight:>9}  "
                      f"{human_bytes(stage.memory_bytes):>11}  ({parts})")
     crossings = record["crossings"]
@@ -148,7 +150,9 @@ def pipeline_training_report(plan: Plan) -> str:
                  + (f"; {', '.join(sorted(set(state)))} (a weight a later stage reads too) sent once a step and its "
                     "gradient sent back" if state else ""))
     est = plan.estimate
-    lines.append(f"estimate: step {human_seconds(est['step_seconds'])} (sum of the stages + (B - 1) x the slowest), "
+    reduce = max(est.get("reduce_seconds") or [0.0])
+    lines.append(f"estimate: step {human_seconds(est['step_seconds'])} (sum of the stages + (B - 1) x the slowest"
+                 + (f" + the replicas' gradient all-reduce, {human_seconds(reduce)}" if R > 1 else "") + "), "
                  f"{plan.batch['size'] * B / est['step_seconds']:.1f} samples/s "
                  f"({est.get('cost_model', 'analytic')} costs)")
     return "\n".join(lines)
@@ -320,7 +324,7 @@ def render_training_timeline(plan: Plan) -> str:
     ]
     for s, row in enumerate(rows):
         y = top + s * row_h
-        parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{s}]</text>')
+        parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{escape(device_ranges(plan.stages[s].devices))}]</text>')
         parts.append(f'<rect x="{left}" y="{y + 3}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
         for phase, mb, start, end in row:
             x, w = left + start * scale, max((end - start) * scale, 0.5)

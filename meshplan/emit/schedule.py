@@ -42,7 +42,7 @@ from meshplan.plan_format import OUTPUT_COLLECTOR, PLAN_FILE, Plan
 SCHEDULE_FILE = "schedule.json"
 SCHEDULE_FORMAT = 1
 KINDS = ("forward",)   # the schedules written: the forward-only pipeline of inference
-OPS = ("receive", "run", "send", "keep", "output", "collect")
+OPS = ("receive", "run", "send", "keep", "output", "collect", "reduce")   # reduce: a pipelined training step's
 FORWARD = "forward"
 
 

@@ -61,8 +61,11 @@ def per_microbatch(crossing: Crossing) -> bool:
     return crossing.made_in in PER_MICROBATCH and any(p in PER_MICROBATCH for p in crossing.read_in)
 
 
-def training_schedule(pipeline: PipelineStep, microbatches: int, kind: str = ONE_F_ONE_B) -> list[list[Instruction]]:
-    """Each stage's instruction list for one step (see the module)."""
+def training_schedule(pipeline: PipelineStep, microbatches: int, kind: str = ONE_F_ONE_B,
+                      replicas: int = 1) -> list[list[Instruction]]:
+    """Each stage's instruction list for one step (see the module); with ``replicas`` > 1
+    (each stage data-parallel over that many devices) a ``reduce`` after the last
+    microbatch's backward sums the stage's accumulated gradients over its replicas."""
     if microbatches < 1:
         raise PlanError(f"--microbatches must be 1 or more, not {microbatches}")
     S, last_mb = pipeline.stages, microbatches - 1
@@ -84,6 +87,8 @@ def training_schedule(pipeline: PipelineStep, microbatches: int, kind: str = ONE
                 received.add(key)
                 out.append(Instruction("receive", key[1], crossing=i))
             out.append(Instruction("run", mb, part=phase))
+            if replicas > 1 and phase == BACKWARD and mb == last_mb:
+                out.append(Instruction("reduce", mb))
             for i, c in enumerate(pipeline.crossings):
                 if c.src != stage or c.made_in != phase:
                     continue
@@ -122,7 +127,7 @@ def play(lists: list[list[Instruction]]) -> list[tuple[int, Instruction]]:
 
 
 def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction]], microbatches: int,
-                            kind: str) -> None:
+                            kind: str, replicas: int = 1) -> None:
     """Lists a job can carry out for ``pipeline``: each stage's holds what
     ``training_schedule`` gives it, no more and no less; a stage receives what a run reads
     before the run and sends what a run made after it; and the lists, played against each
@@ -130,7 +135,7 @@ def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction
     if len(lists) != pipeline.stages:
         raise PlanError(f"{SCHEDULE_FILE} does not fit the plan (it has {len(lists)} lists for {pipeline.stages} "
                         "stages)", hint="re-run meshplan plan")
-    whole = training_schedule(pipeline, microbatches, kind)
+    whole = training_schedule(pipeline, microbatches, kind, replicas)
     key = lambda i: (i.op, i.mb, i.part or "", -1 if i.crossing is None else i.crossing)   # noqa: E731
     for stage, (given, wanted) in enumerate(zip(lists, whole)):
         if sorted(given, key=key) != sorted(wanted, key=key):
@@ -151,10 +156,24 @@ def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction
                                     f"receives crossing {needed}", hint="re-run meshplan plan")
                 ran.add((item.part, item.mb))
             elif item.op == "send" and pipeline.crossings[item.crossing].made_in != STATE \
-                    and (pipeline.crossings[item.crossing].made_in, item.mb) not in ran:
+                    and ((pipeline.crossings[item.crossing].made_in, item.mb) not in ran
+                         or _reduced_first(pipeline.crossings[item.crossing], item, given, microbatches, replicas)):
                 raise PlanError(f"{SCHEDULE_FILE}: stage {stage} sends crossing {item.crossing} mb {item.mb} before "
-                                "the run that makes it", hint="re-run meshplan plan")
+                                "the run that makes it, or before its replicas' sum", hint="re-run meshplan plan")
+            elif item.op == "reduce" and (BACKWARD, microbatches - 1) not in ran:
+                raise PlanError(f"{SCHEDULE_FILE}: stage {stage} sums its replicas' gradients before its last "
+                                "backward", hint="re-run meshplan plan")
     play(lists)
+
+
+def _reduced_first(c: Crossing, send: Instruction, given: list[Instruction], microbatches: int,
+                   replicas: int) -> bool:
+    """Whether ``send`` of a step's sum (a backward's tensor of the last microbatch read once a
+    step) comes before the ``reduce`` that completes it: it must come after."""
+    if replicas == 1 or c.made_in != BACKWARD or per_microbatch(c) or send.mb != microbatches - 1:
+        return False
+    reduce = next((i for i, item in enumerate(given) if item.op == "reduce"), None)
+    return reduce is None or given.index(send) < reduce
 
 
 def _before(wanted: list[Instruction], receive: Instruction, run: Instruction) -> bool:
@@ -171,7 +190,7 @@ def write_training_schedule(plan_checksum: str, lists: list[list[Instruction]], 
 
 
 def read_training_schedule(plan_checksum: str, directory: Path, pipeline: PipelineStep, microbatches: int,
-                           kind: str) -> list[list[Instruction]]:
+                           kind: str, replicas: int = 1) -> list[list[Instruction]]:
     """The stages' lists in ``directory``'s ``schedule.json``, checked
     (``check_training_schedule``) and belonging to the plan.json of ``plan_checksum``."""
     path = Path(directory) / SCHEDULE_FILE
@@ -188,5 +207,5 @@ def read_training_schedule(plan_checksum: str, directory: Path, pipeline: Pipeli
         if not isinstance(items, list):
             raise PlanError(f"{path} is not the {kind} schedule of this plan", hint="re-run meshplan plan")
         lists.append([Instruction.from_dict(item) for item in items])
-    check_training_schedule(pipeline, lists, microbatches, kind)
+    check_training_schedule(pipeline, lists, microbatches, kind, replicas)
     return lists

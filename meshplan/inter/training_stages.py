@@ -109,11 +109,12 @@ def in_flight(stage: int, stages: int, microbatches: int, kind: str) -> int:
     return microbatches if kind == GPIPE else min(stages - stage, microbatches)
 
 
-def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: str) -> list[dict[str, float]]:
+def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: str,
+                 replicas: int = 1) -> list[dict[str, float]]:
     """Each stage's bytes by kind: ``weights``, ``gradients`` (accumulated), ``optimizer``
     (the slots), ``activations`` (what its backward reads of one microbatch's forward, times
     the microbatches in flight; sizes from ``graph``, the forward model at one microbatch's
-    dims) and ``process``."""
+    dims; a replica holds its 1/``replicas`` of each) and ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
@@ -132,7 +133,7 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
         if backward is not None and forward is not None:
             kept = set(backward.inputs) & (set(forward.outputs) | set(forward.inputs))
             one = sum(graph.tensors[n].nbytes for n in kept if n in graph.tensors and not graph.tensors[n].is_param)
-            held["activations"] = float(one * in_flight(stage, pipeline.stages, microbatches, kind))
+            held["activations"] = float(one * in_flight(stage, pipeline.stages, microbatches, kind)) / replicas
         found.append(held)
     return found
 

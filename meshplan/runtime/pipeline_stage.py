@@ -22,6 +22,7 @@ from meshplan.errors import TrainError
 from meshplan.training.losses import LOSS
 from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_NORM, UPDATED
 from meshplan.training.pipeline_step import PER_MICROBATCH, STATE, Crossing, Part
+from meshplan.training.step_model import BACKWARD
 
 RESULTS = (LOSS, GRAD_NORM)
 
@@ -44,13 +45,17 @@ def starting_state(names, weights: dict[str, np.ndarray], slots) -> dict[str, np
     return state
 
 
+def _scalar(value) -> float:
+    return float(np.asarray(value).reshape(-1)[0])
+
+
 class StageRunner:
     """Stage ``stage``'s runs: ``parts`` by phase, each with its onnxruntime session in
     ``sessions``; ``state``: the state the stage holds (by name)."""
 
     def __init__(self, stage: int, parts: dict[str, Part], sessions: dict, crossings: list[Crossing],
-                 microbatches: int, state: dict[str, np.ndarray]):
-        self.stage, self.parts, self.sessions = stage, parts, sessions
+                 microbatches: int, state: dict[str, np.ndarray], loss_count: str | None = None):
+        self.stage, self.parts, self.sessions, self.loss_count = stage, parts, sessions, loss_count
         self.crossings, self.microbatches, self.state = crossings, microbatches, state
         self.readers: dict[str, set[str]] = defaultdict(set)     # tensor → the phases that read it here
         for phase, part in parts.items():
@@ -101,7 +106,7 @@ class StageRunner:
         self.ran.add((phase, mb))
         for name, value in zip(part.outputs, values):
             if name in RESULTS:
-                self.results[name] = float(value)
+                self.results[name] = _scalar(value)
             elif name.endswith(UPDATED) and name[:-len(UPDATED)] in self.state:
                 self.state[name[:-len(UPDATED)]] = value
             else:
@@ -111,6 +116,27 @@ class StageRunner:
                 self._release(name, mb)
         self.peak_kept = max(self.peak_kept, sum(v.nbytes for v in self.held.values()))
         self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
+
+    def reduce(self, allreduce) -> None:
+        """Sum over the stage's replicas (``allreduce``: an array → the sum of every replica's)
+        what the last microbatch's backward made for the step's own parts — the accumulated
+        gradients, the loss's count — each replica having seen its share of every microbatch;
+        and the loss, as its replicas' losses weighted by their counts."""
+        last = self.microbatches - 1
+        made = set(self.parts[BACKWARD].outputs) if BACKWARD in self.parts else set()
+        count = self.held.get((self.loss_count, last)) if LOSS in self.results else None
+        for name, mb in sorted(self.held):
+            if mb == last and name in made and self._once_a_step(name):
+                self.held[(name, mb)] = allreduce(self.held[(name, mb)])
+        if count is not None:
+            total = allreduce(np.asarray(self.results[LOSS] * _scalar(count), np.float64))
+            self.results[LOSS] = _scalar(total) / _scalar(self.held[(self.loss_count, last)])
+
+    def _once_a_step(self, name: str) -> bool:
+        """Whether a step's own parts read ``name`` (here, or sent once a step)."""
+        if any(p not in PER_MICROBATCH for p in self.readers.get(name, ())):
+            return True
+        return any(not per_microbatch(self.crossings[i]) for i in self.sends_of.get(name, ()))
 
     def take(self, index: int, mb: int) -> np.ndarray:
         """What crossing ``index`` sends for microbatch ``mb``."""

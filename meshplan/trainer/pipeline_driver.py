@@ -1,5 +1,8 @@
-"""``meshplan train`` on a pipelined training plan: one rank a stage, each carrying out its
-own instruction list (``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``.
+"""``meshplan train`` on a pipelined training plan: one rank a device, each carrying out its
+stage's instruction list (``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``.
+Rank s·R + r is replica r of stage s (R replicas a stage): it takes the r-th 1/R of every
+microbatch, exchanges with replica r of the other stages, and sums its accumulated
+gradients with its stage's other replicas once a step (``reduce``, an MPI all-reduce).
 
 Every rank reads the plan, the schedule and the data (the same batches in the same order,
 each taking the inputs its parts read), works out each step's learning rate itself, and
@@ -22,6 +25,8 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+import numpy as np
 
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.train_schedule import read_training_schedule
@@ -57,8 +62,18 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
             raise failure if failure is not None else TrainError(next(s for s in said if s))
         raise ReportedElsewhere(str(failure or ""))
     stages = len(lists)
+    R = int(plan.training["pipeline"].get("replicas", 1))
+    stage, replica = divmod(rank, R)
+    group = comm.Split(stage, replica)    # the stage's replicas
+
+    def summed(array):
+        array = np.ascontiguousarray(array)
+        out = np.empty_like(array)
+        group.Allreduce(array, out, op=MPI.SUM)
+        return out
+
     parts = runner.parts
-    mine = lists[rank]
+    mine = lists[stage]
     reads = {n for part in parts.values() for n in part.inputs}
     B = plan.microbatches
     end = first + options.steps
@@ -72,7 +87,9 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         lr = learning_rate(options.schedule, options.lr, k, options.total_steps or end, options.warmup)
         batch = batches.next()
         per = len(next(iter(batch.values()))) // B
-        slices = [{n: v[m * per:(m + 1) * per] for n, v in batch.items() if n in reads} for m in range(B)]
+        share = per // R       # this replica's part of every microbatch
+        slices = [{n: v[m * per + replica * share:m * per + (replica + 1) * share] for n, v in batch.items()
+                   if n in reads} for m in range(B)]
         started = time.perf_counter()
         runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(k + 1)})
         posted = []
@@ -80,10 +97,15 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         for ins in mine:
             if ins.op == "send":
                 c = pipeline.crossings[ins.crossing]
-                posted.append(comm.isend(runner.take(ins.crossing, ins.mb), dest=c.dst, tag=ins.crossing + 1))
+                posted.append(comm.isend(runner.take(ins.crossing, ins.mb), dest=c.dst * R + replica,
+                                         tag=ins.crossing + 1))
             elif ins.op == "receive":
                 c = pipeline.crossings[ins.crossing]
-                runner.give(ins.crossing, ins.mb, comm.recv(source=c.src, tag=ins.crossing + 1))
+                runner.give(ins.crossing, ins.mb, comm.recv(source=c.src * R + replica, tag=ins.crossing + 1))
+            elif ins.op == "reduce":
+                ran = time.perf_counter()
+                runner.reduce(summed)
+                busy += time.perf_counter() - ran
             else:
                 ran = time.perf_counter()
                 runner.run(ins.part, ins.mb)
@@ -93,11 +115,12 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         if k > first or end - first == 1:    # the first of several steps warms up
             timing[0] += busy
             timing[1] += time.perf_counter() - started
-        if rank == stages - 1 and rank != 0:
+        reporter = (stages - 1) * R      # the last stage's first replica
+        if rank == reporter and rank != 0:
             comm.send((results["train.loss"], results["train.grad_norm"]), dest=0, tag=RESULT_TAG)
         if rank == 0:
-            loss, norm = (results["train.loss"], results["train.grad_norm"]) if stages == 1 else \
-                comm.recv(source=stages - 1, tag=RESULT_TAG)
+            loss, norm = (results["train.loss"], results["train.grad_norm"]) if reporter == 0 else \
+                comm.recv(source=reporter, tag=RESULT_TAG)
             seconds = time.perf_counter() - started
             report.losses.append(loss)
             report.lrs.append(lr)
@@ -117,7 +140,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     report.peak_rss_bytes = rss
     report.busy_fractions = [b / t if t else 0.0 for b, t in timings]
     report.bubble = (stages - 1) / (B + stages - 1)
-    report.memory_estimates = [float(s.memory_bytes) for s in plan.stages]
+    report.memory_estimates = [float(s.memory_bytes) for s in plan.stages for _ in s.devices]
     return report
 
 
@@ -128,20 +151,21 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     from meshplan.trainer.driver import source_weights
 
     record = plan.training["pipeline"]
-    stages = int(record["stages"])
-    if size != stages:
-        raise TrainError(f"the plan has {stages} pipeline stages, one a rank: start it with mpiexec -n {stages} "
-                         f"(this job has {size} rank(s))")
+    stages, R = int(record["stages"]), int(record.get("replicas", 1))
+    if size != stages * R:
+        raise TrainError(f"the plan has {stages} pipeline stages of {R} device(s): start it with mpiexec -n "
+                         f"{stages * R} (this job has {size} rank(s))")
     if provider not in ("auto", "cpu"):
         raise TrainError(f"a pipelined training plan runs on the CPU for now, not --provider {provider}")
     if options.steps < 1:
         raise TrainError(f"--steps must be at least 1, got {options.steps}")
     pipeline = read_pipeline(plan_dir, plan.training)
     lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, plan.microbatches,
-                                   record["schedule"])
+                                   record["schedule"], R)
     batches = Batches(options.data, plan, options.shuffle, options.seed)
-    parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == rank}
-    held = [n for n, s in pipeline.home.items() if s == rank]
+    stage = rank // R
+    parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
+    held = [n for n, s in pipeline.home.items() if s == stage]
     starting = [n for n in held if n in plan.training["weights"] or n in plan.training.get("statistics", {})]
     checkpoint = Checkpoint(options.resume) if options.resume is not None else None
     first = 0
@@ -156,8 +180,8 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
         if checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])
     threads = max(1, (os.cpu_count() or 1) // size)
-    runner = StageRunner(rank, parts, {p: _session(part.model, threads) for p, part in parts.items()},
-                         pipeline.crossings, plan.microbatches, state)
+    runner = StageRunner(stage, parts, {p: _session(part.model, threads) for p, part in parts.items()},
+                         pipeline.crossings, plan.microbatches, state, pipeline.loss_count)
     return pipeline, lists, batches, runner, first
 
 
@@ -175,22 +199,25 @@ def _trained_record(training: dict) -> dict:
 def _layouts(plan: Plan) -> dict[str, dict]:
     """Each state whole on the rank of the stage that holds it (``runtime.state_files``)."""
     training, home = plan.training, plan.training["pipeline"]["home"]
+    R = int(plan.training["pipeline"].get("replicas", 1))
     shapes = {**{w: info["shape"] for w, info in training["weights"].items()},
               **{n: info["shape"] for n, info in training.get("statistics", {}).items()}}
     found = {}
     for name in state_names(training):
         weight = name if name in shapes else name.rpartition(".")[0]
-        rank = int(home[name])
+        rank = int(home[name]) * R      # the stage's first replica writes it
         found[name] = {"spec": "R" * len(shapes.get(weight, [])), "segments": None, "logical_mesh": [1, 1],
                        "devices": [rank], "holders": [rank]}
     return found
 
 
 def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: int, batches: Batches) -> Path | None:
-    """A checkpoint of every rank's state (each rank writes its own file); rank 0 returns its path."""
+    """A checkpoint of every stage's state (each stage's first replica writes its own file);
+    rank 0 returns its path."""
     staging = comm.bcast(str(staging_folder(directory, step)) if comm.Get_rank() == 0 else None, root=0)
     names = set(state_names(plan.training))
-    write_pieces(rank_file(staging, comm.Get_rank()), ((n, v) for n, v in state.items() if n in names))
+    if comm.Get_rank() % int(plan.training["pipeline"].get("replicas", 1)) == 0:
+        write_pieces(rank_file(staging, comm.Get_rank()), ((n, v) for n, v in state.items() if n in names))
     comm.Barrier()
     if comm.Get_rank() != 0:
         return None

@@ -89,6 +89,7 @@ class PipelineStep:
     step: StepModel
     data_inputs: list[str] = field(default_factory=list)
     controls: list[str] = field(default_factory=list)
+    loss_count: str | None = None          # what the last stage divides the loss's sum by (a step's count)
 
 
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int) -> PipelineStep:
@@ -113,7 +114,11 @@ def split_step(step: StepModel, forward_stage: dict[str, int], stages: int) -> P
     phase_of = places.phases()
     nodes = _partial_sums(step.model, places.nodes, places.stage_of, phase_of, places.producer)
     placement = {n.name: (places.stage_of[n.name], phase_of[n.name]) for n in nodes if n.name in phase_of}
-    return _parts(step, nodes, placement, places.home, stages, places.data_inputs, places.controls)
+    found = _parts(step, nodes, placement, places.home, stages, places.data_inputs, places.controls)
+    loss = places.producer.get(LOSS)
+    if loss is not None and loss.op_type == "Div":
+        found.loss_count = loss.input[1]
+    return found
 
 
 class _Placing:
