@@ -132,7 +132,7 @@ def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict,
     seconds = [st.seconds for st in stages]
     step_seconds = sum(seconds) + (microbatches - 1) * max(seconds) + max(reduce_seconds)
     estimate = {"latency_seconds": step_seconds, "step_seconds": step_seconds,
-                "throughput_per_second": 1.0 / step_seconds if step_seconds else 0.0,
+                "throughput_per_second": size * microbatches / step_seconds if step_seconds else 0.0,
                 "memory_bytes_per_device": [st.memory_bytes for st in stages for _ in st.devices],
                 "stage_seconds": seconds, "cut_bytes": cut.cut_bytes, "reduce_seconds": reduce_seconds}
     training = {**step.manifest, "source": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},

@@ -183,6 +183,9 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     _one_error_line(run_mpi(3, "train", plan_dir, "--data", data, "--steps", 1), "mpiexec -n 2",
                     "this job has 3 rank(s)")
     _one_error_line(run_cli("run", plan_dir, "--inputs", data), "pipelined training plan", "meshplan train")
+    _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1, "--provider", "cuda"), "on the CPU")
+    _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1, "--transfer", "device"),
+                    "host memory")
     schedule = json.loads((plan_dir / "schedule.json").read_text())
     first = schedule["ranks"][0]
     run_at = next(i for i, item in enumerate(first) if item["op"] == "run")

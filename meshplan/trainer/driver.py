@@ -175,7 +175,7 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
     if plan.training.get("pipeline"):
         from meshplan.trainer.pipeline_driver import train_pipeline_rank
 
-        return train_pipeline_rank(plan_dir, plan, options, provider, progress)
+        return train_pipeline_rank(plan_dir, plan, options, provider, progress, transfer)
     held: dict = {}
 
     def check(plan: Plan) -> None:

@@ -42,7 +42,7 @@ from meshplan.training.optimizers import DEFAULTS
 RESULT_TAG = 0     # the loss and the norm, last stage → rank 0; crossing i travels with tag i + 1
 
 
-def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, progress=None):
+def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, progress=None, transfer: str = "auto"):
     """Every rank of a pipelined training plan's job; rank 0 returns the ``TrainReport``."""
     from meshplan.process_memory import peak_rss_bytes
     from meshplan.runtime.transport import world
@@ -51,7 +51,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     MPI, comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
-        pipeline, lists, batches, runner, first = _start(plan_dir, plan, options, provider, rank, size)
+        pipeline, lists, batches, runner, first = _start(plan_dir, plan, options, provider, rank, size, transfer)
         failure = None
     except MeshplanError as exc:
         failure = exc
@@ -144,7 +144,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     return report
 
 
-def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: int):
+def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: int, transfer: str = "auto"):
     """What every rank reads and checks before the first step: the pipeline, the lists, the
     data, its stage's runner (weights from the source model or the checkpoint) and the step
     it starts at."""
@@ -157,6 +157,9 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
                          f"{stages * R} (this job has {size} rank(s))")
     if provider not in ("auto", "cpu"):
         raise TrainError(f"a pipelined training plan runs on the CPU for now, not --provider {provider}")
+    if transfer not in ("auto", "host"):
+        raise TrainError(f"a pipelined training plan's tensors travel through host memory for now, not --transfer "
+                         f"{transfer}")
     if options.steps < 1:
         raise TrainError(f"--steps must be at least 1, got {options.steps}")
     pipeline = read_pipeline(plan_dir, plan.training)
