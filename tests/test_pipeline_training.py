@@ -6,6 +6,7 @@ sample_models/training and the whole step on onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 from meshplan.emit.schedule import Instruction
@@ -54,6 +55,41 @@ def test_pipeline_trains_as_torch_and_one_device(name, stages, kind):
     one_device, _ = run_step_model(whole, case["initial"], batches(case), hyper(case["settings"]), list(case["lrs"]))
     np.testing.assert_allclose(losses, one_device, rtol=1e-5)
     assert_final_like_torch(case, step.manifest["tied"], runner.state_values())
+
+
+def test_float16_model_trains_as_on_one_device(tmp_path):
+    """A float16 model (its weights, activations and gradients in float16) in two stages,
+    with SGD: each step's loss and the final weights as the whole step's within float16's
+    rounding (a cut stops onnxruntime fusing across it, so an element may round once
+    differently). AdamW without float32 master weights amplifies such a rounding where a
+    gradient is near float16's smallest values: not compared here (docs/training.md)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": (rng.standard_normal((16, 16)) * 0.3).astype(np.float16) for i in range(4)}
+    nodes, x = [], "x"
+    for i in range(4):
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Tanh", [f"m{i}"], [f"h{i}"], name=f"tanh{i}")]
+        x = f"h{i}"
+    graph = helper.make_graph(nodes, "mlp16", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 16])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT16, ["batch", 16])],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    path = tmp_path / "mlp16.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8), str(path))
+    step = build_step_model(path, TrainSpec(f"mse:{x}:t", "sgd", microbatches=4, stages=2))
+    runner = PipelineRunner(split_step(step, even_stages(step, path, 2), 2), 4, weights)
+    data = [{"x": rng.standard_normal((8, 16)).astype(np.float16), "t": rng.standard_normal((8, 16)).astype(np.float32)}
+            for _ in range(5)]
+    losses = [runner.step(b, {**DEFAULTS, "train.lr": 0.05, "train.step": k + 1})["train.loss"]
+              for k, b in enumerate(data)]
+    whole = build_step_model(path, TrainSpec(f"mse:{x}:t", "sgd", microbatches=4))
+    expected, state = run_step_model(whole, weights, data, {"train.lr": 0.05})
+    np.testing.assert_allclose(losses, expected, rtol=1e-3)
+    found = runner.state_values()
+    for name in weights:
+        assert found[name].dtype == np.float16
+        np.testing.assert_allclose(found[name].astype(np.float32), state[name].astype(np.float32), atol=1e-3)
 
 
 def test_tied_embedding_spans_stages():
