@@ -133,10 +133,11 @@ def pipeline_training_report(plan: Plan) -> str:
              f"{B} microbatch(es) of {plan.batch['microbatch_size']}",
              f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained",
              f"{'stage':>5}  {'devices':<8} {'layers':<9} {'ops':>5}  {'fwd+bwd/mb':>11}  {'in flight':>9}  "
-             f"{'memory':>11}  (weights, gradients, optimizer, activations, process)"]
+             f"{'memory':>11}  (weights, gradients, optimizer, activations, working, process)"]
     for stage, held in zip(plan.stages, t.get("memory", [])):
         flight = B if kind == "gpipe" else min(S - stage.index, B)
-        parts = ", ".join(human_bytes(held[k]) for k in ("weights", "gradients", "optimizer", "activations", "process"))
+        parts = ", ".join(human_bytes(held.get(k, 0.0))
+                          for k in ("weights", "gradients", "optimizer", "activations", "working", "process"))
         layers = f"{stage.layers[0]}-{stage.layers[1] - 1}"
         lines.append(f"{stage.index:>5}  {device_ranges(stage.devices):<8} {layers:<9} "
                      f"{len(stage.operators):>5}  {human_seconds(stage.seconds):>11}  {flight:>9}  "

@@ -114,12 +114,13 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
     """Each stage's bytes by kind: ``weights``, ``gradients`` (accumulated), ``optimizer``
     (the slots), ``activations`` (what its backward reads of one microbatch's forward, times
     the microbatches in flight; sizes from ``graph``, the forward model at one microbatch's
-    dims; a replica holds its 1/``replicas`` of each) and ``process``, on each of its devices."""
+    dims; a replica holds its 1/``replicas`` of each), ``working`` (while a backward runs, the
+    gradients of one microbatch's activations) and ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
     for stage in range(pipeline.stages):
-        held = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0,
+        held = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "working": 0.0,
                 "process": float(PROCESS_BYTES)}
         for name, info in manifest["weights"].items():
             if pipeline.home.get(name) != stage:
@@ -134,6 +135,7 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             kept = set(backward.inputs) & (set(forward.outputs) | set(forward.inputs))
             one = sum(graph.tensors[n].nbytes for n in kept if n in graph.tensors and not graph.tensors[n].is_param)
             held["activations"] = float(one * in_flight(stage, pipeline.stages, microbatches, kind)) / replicas
+            held["working"] = float(one) / replicas    # a backward's gradients of one microbatch's activations
         found.append(held)
     return found
 
