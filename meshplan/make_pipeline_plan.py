@@ -25,7 +25,7 @@ from meshplan.cost.analytic import CostModel
 from meshplan.cost.cluster import Cluster
 from meshplan.emit.pipeline_parts import write_parts
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
-from meshplan.emit.train_schedule import training_schedule, write_training_schedule
+from meshplan.emit.train_schedule import per_microbatch, training_schedule, write_training_schedule
 from meshplan.errors import ModelError, PlanError
 from meshplan.files import file_sha256
 from meshplan.inter.pipeline import PlanOptions
@@ -33,17 +33,65 @@ from meshplan.inter.training_stages import check_fits, cut_stages, stage_memory
 from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize
 from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
-from meshplan.training.pipeline_step import SCHEDULES, split_step
-from meshplan.training.step_model import TrainSpec, build_step_model, save_step_model
+from meshplan.training.pipeline_step import CLIP, NORM, SCHEDULES, UPDATE_PHASE, split_step
+from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model, save_step_model
 
 TRAINING_DIR = "training"
 
 
 def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_dir: Path, options: PlanOptions,
-                           spec: TrainSpec, microbatches: int, cost_model: CostModel | None, replace_dir) -> Plan:
+                           spec: TrainSpec, microbatches: int, cost_model: CostModel | None, replace_dir,
+                           notes: list[str] = ()) -> Plan:
     """``dims``: one microbatch's; ``spec`` accumulates over ``microbatches``. ``replace_dir``
-    moves the finished directory into place."""
+    moves the finished directory into place; ``notes``: lines for the report."""
     stages = options.stages
+    step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
+    try:
+        folder = staging / TRAINING_DIR
+        folder.mkdir()
+        step_path = save_step_model(step, model_path, folder / "step.onnx")
+        graph = _forward_graph(model_path, dims, staging / ".work")
+        pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
+        costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
+        check_fits(memory, cluster.device.memory_bytes)
+        record = write_parts(pipeline, folder, options.schedule, microbatches, replicas)
+        plan = _plan(model_path, step, step_path, cluster, dims, microbatches, pipeline, cut, memory, record,
+                     replicas, costs)
+        plan.notes.extend(notes)
+        write_plan(plan, staging)
+        write_training_schedule(plan.to_dict()["checksum"], training_schedule(pipeline, microbatches,
+                                                                              options.schedule, replicas),
+                                options.schedule, microbatches, staging)
+        (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
+        (staging / TIMELINE_FILE).write_text(render_timeline(plan))
+        replace_dir(staging, out_dir)
+        return plan
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
+                      microbatches: int, cost_model: CostModel | None, workdir: Path) -> tuple[float, float]:
+    """The step seconds and the most bytes a device needs of the pipelined plan of
+    ``options.stages`` stages, planned but not written. Raises ``PlanError`` where there is
+    no such plan (the stages do not divide the mesh, a microbatch does not split, ...)."""
+    step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
+    workdir.mkdir(parents=True, exist_ok=True)
+    step_path = save_step_model(step, model_path, workdir / "step" / "step.onnx")
+    graph = _forward_graph(model_path, dims, workdir / "forward")
+    pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
+    costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
+    _, step_seconds, _, _ = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs)
+    return step_seconds, max(sum(m.values()) for m in memory)
+
+
+def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
+                  microbatches: int, stages: int):
+    """The step model for ``stages`` stages and the replicas a stage has; ``PlanError`` where
+    the mesh, the model or the batch does not allow them."""
     if options.schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {options.schedule!r} (choose from {', '.join(SCHEDULES)})")
     if cluster.num_devices % stages:
@@ -60,34 +108,121 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
     if size % replicas:
         raise PlanError(f"a microbatch of {size} sample(s) does not split over the {replicas} replicas of each stage",
                         hint="a batch that does, or more stages")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
+    return step, replicas
+
+
+def _forward_graph(model_path: Path, dims: dict, workdir: Path):
+    """The forward model at one microbatch's dims, as the planner reads it (weights not read)."""
+    canonical = canonicalize(model_path, dims, workdir, None, "absent")
+    graph = build_graph(canonical.model)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return graph
+
+
+def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: int, replicas: int,
+            cost_model: CostModel | None):
+    """The cut, the step cut along it, and each stage's memory."""
+    seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
+    cut = cut_stages(graph, seconds, options.stages, options.num_layers)
+    pipeline = split_step(step, cut.forward_stage, options.stages)
+    return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
+
+
+def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, cost_model: CostModel | None,
+                  pipeline) -> dict[tuple[int, str], float]:
+    """Each part's seconds: its nodes' in the step model at one microbatch's dims, costed as
+    the planner costs any model (the nodes every part computes for itself not counted)."""
+    canonical = canonicalize(step_path, dims, workdir, None, "absent")
+    graph = build_graph(canonical.model)
+    shutil.rmtree(workdir, ignore_errors=True)
+    found: dict[tuple[int, str], float] = {}
+    for node, seconds in zip(graph.nodes, (cost_model or CostModel(cluster)).graph_seconds(graph)):
+        where = pipeline.placement.get(node.name)
+        if where is not None:
+            found[where] = found.get(where, 0.0) + seconds
+    return found
+
+
+def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatches: int, pipeline,
+            costs: dict[tuple[int, str], float]):
+    """Each stage's seconds a microbatch: its forward and backward parts' (its replicas share
+    them) and its sends, the activations on and the gradients back (the bytes crossing the
+    cut, a message's latency for each tensor); the step's (Alpa's T, the slowest stage's
+    gradient all-reduce and the slowest stage's update, which every replica runs whole);
+    each stage's all-reduce and update."""
+    R, S = replicas, len(cut.seconds)
+    reduce = [_allreduce_seconds(cluster, list(range(s * R, (s + 1) * R)), memory[s]["gradients"])
+              for s in range(S)]
+    seconds = []
+    for s in range(S):
+        sends = 0.0
+        for made_in, peer, cut_index in ((FORWARD, s + 1, s), (BACKWARD, s - 1, s - 1)):
+            count = sum(1 for c in pipeline.crossings if c.src == s and c.made_in == made_in and per_microbatch(c))
+            if count and 0 <= peer < S:
+                link = cluster.link(s * R, peer * R)
+                sends += count * link.latency + cut.cut_bytes[cut_index] / R / link.bandwidth
+        seconds.append((costs.get((s, FORWARD), 0.0) + costs.get((s, BACKWARD), 0.0)) / R + sends)
+    update = [sum(costs.get((s, p), 0.0) for p in (NORM, CLIP, UPDATE_PHASE)) for s in range(S)]
+    step = sum(seconds) + (microbatches - 1) * max(seconds) + max(reduce) + max(update)
+    return seconds, step, reduce, update
+
+
+def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_dir: Path, options: PlanOptions,
+                           spec: TrainSpec, microbatches: int, cost_model: CostModel | None, replace_dir,
+                           one_stage) -> Plan:
+    """``--max-stages N`` for training: the one-stage plan (``one_stage(directory)`` plans it
+    there: sharded by the ILP over the whole mesh) and the pipelined plans of every stage
+    count up to N that divides the mesh; the fastest estimated step that fits its devices
+    is written, the report says what was weighed."""
+    device = cluster.device.memory_bytes
+    weighed: list[tuple[float, int, str]] = []     # (step seconds, stages, what)
+    lines = []
+    trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stages.", dir=out_dir.parent))
     try:
-        folder = staging / TRAINING_DIR
-        folder.mkdir()
-        step_path = save_step_model(step, model_path, folder / "step.onnx")
-        canonical = canonicalize(model_path, dims, staging / ".work", None, "absent")
-        graph = build_graph(canonical.model)
-        shutil.rmtree(staging / ".work")
-        seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
-        cut = cut_stages(graph, seconds, stages, options.num_layers)
-        pipeline = split_step(step, cut.forward_stage, stages)
-        memory = stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
-        check_fits(memory, cluster.device.memory_bytes)
-        record = write_parts(pipeline, folder, options.schedule, microbatches, replicas)
-        plan = _plan(model_path, step, step_path, cluster, dims, microbatches, pipeline, cut, memory, record,
-                     replicas)
-        write_plan(plan, staging)
-        write_training_schedule(plan.to_dict()["checksum"], training_schedule(pipeline, microbatches,
-                                                                              options.schedule, replicas),
-                                options.schedule, microbatches, staging)
-        (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
-        (staging / TIMELINE_FILE).write_text(render_timeline(plan))
-        replace_dir(staging, out_dir)
-        return plan
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        try:
+            one = one_stage(trial / "one")
+            need = max([st.memory_bytes for st in one.stages] or [0.0])
+            step = one.estimate["latency_seconds"] * microbatches
+            if need <= device:
+                weighed.append((step, 1, "one stage over the mesh"))
+            lines.append(f"1 stage: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
+                         + ("" if need <= device else " (does not fit)"))
+        except PlanError as exc:
+            lines.append(f"1 stage: no plan ({str(exc).splitlines()[0]})")
+        for stages in range(2, min(options.max_stages, cluster.num_devices) + 1):
+            if cluster.num_devices % stages:
+                continue
+            try:
+                step, need = pipeline_estimate(model_path, cluster, dims, replace(options, stages=stages), spec,
+                                               microbatches, cost_model, trial / f"work{stages}")
+            except PlanError as exc:
+                lines.append(f"{stages} stages: no plan ({str(exc).splitlines()[0]})")
+                continue
+            fits = need <= device
+            lines.append(f"{stages} stages: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
+                         + ("" if fits else " (does not fit)"))
+            if fits:
+                weighed.append((step, stages, f"{stages} pipeline stages"))
+        if not weighed:
+            raise PlanError("no plan of at most " f"{options.max_stages} stages fits the devices ("
+                            + "; ".join(lines) + ")", hint="more devices, more stages, or more microbatches")
+        best = min(weighed)
+        notes = [f"stages weighed (--max-stages {options.max_stages}): " + "; ".join(lines)
+                 + f"; chosen: {best[2]}"]
+        if best[1] == 1:   # planned again where it belongs (a plan names its own directory's files)
+            shutil.rmtree(trial, ignore_errors=True)
+            one = one_stage(out_dir)
+            one.notes.extend(notes)
+            (out_dir / REPORT_FILE).write_text(text_report(one) + "\n")
+            return one
+        return plan_pipeline_training(model_path, cluster, dims, out_dir, replace(options, stages=best[1]), spec,
+                                      microbatches, cost_model, replace_dir, notes)
+    finally:
+        shutil.rmtree(trial, ignore_errors=True)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
 
 
 def _microbatch_size(step, dims: dict) -> int:
@@ -111,7 +246,7 @@ def _allreduce_seconds(cluster: Cluster, devices: list[int], nbytes: float) -> f
 
 
 def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict, microbatches: int, pipeline, cut,
-          memory: list[dict], record: dict, replicas: int) -> Plan:
+          memory: list[dict], record: dict, replicas: int, costs: dict) -> Plan:
     graph = step.model.graph
     inputs = [_spec(v, dims) for v in graph.input if v.name in pipeline.data_inputs]
     batch_dim = next((d.dim_param for v in graph.input if v.name in pipeline.data_inputs
@@ -121,20 +256,19 @@ def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict,
     R = replicas
     per_host = cluster.devices_per_host
     submesh = [1, R] if R <= per_host else [R // per_host, per_host]
-    reduce_seconds = []
+    seconds, step_seconds, reduce_seconds, update_seconds = _timing(cut, memory, cluster, replicas, microbatches,
+                                                                    pipeline, costs)
     for s in range(pipeline.stages):
         into = sorted({c.tensor for c in pipeline.crossings if c.dst == s})
         out = sorted({c.tensor for c in pipeline.crossings if c.src == s})
-        devices = list(range(s * R, (s + 1) * R))
-        reduce_seconds.append(_allreduce_seconds(cluster, devices, memory[s]["gradients"]))
-        stages.append(Stage(s, sorted(n for n, k in cut.forward_stage.items() if k == s), cut.layers[s], devices,
-                            submesh, [1, R], into, out, cut.seconds[s] / R, float(sum(memory[s].values()))))
-    seconds = [st.seconds for st in stages]
-    step_seconds = sum(seconds) + (microbatches - 1) * max(seconds) + max(reduce_seconds)
+        stages.append(Stage(s, sorted(n for n, k in cut.forward_stage.items() if k == s), cut.layers[s],
+                            list(range(s * R, (s + 1) * R)), submesh, [1, R], into, out, seconds[s],
+                            float(sum(memory[s].values()))))
     estimate = {"latency_seconds": step_seconds, "step_seconds": step_seconds,
                 "throughput_per_second": size * microbatches / step_seconds if step_seconds else 0.0,
                 "memory_bytes_per_device": [st.memory_bytes for st in stages for _ in st.devices],
-                "stage_seconds": seconds, "cut_bytes": cut.cut_bytes, "reduce_seconds": reduce_seconds}
+                "stage_seconds": seconds, "cut_bytes": cut.cut_bytes, "reduce_seconds": reduce_seconds,
+                "update_seconds": update_seconds}
     training = {**step.manifest, "source": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
                 "pipeline": record, "memory": memory}
     return Plan(

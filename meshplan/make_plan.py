@@ -560,12 +560,25 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     model_path, out_dir = Path(model_path), Path(out_dir)
     if not model_path.is_file():
         raise ModelError(f"model file not found: {model_path}")
+    if options.max_stages not in (None, 1):   # the stage count weighed: one stage, or a pipeline
+        from meshplan.make_pipeline_plan import choose_training_stages
+
+        if not programs:
+            raise PlanError("a training plan weighing pipeline stages (--max-stages) is written with its programs",
+                            hint="drop --no-programs, or --max-stages")
+        one_dims, one_spec = training_microbatches(model_path, dims, options.microbatches, spec) \
+            if options.microbatches > 1 else (dims, spec)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+        def one_stage(target: Path) -> Plan:
+            return _plan_training(model_path, cluster, dims, target, replace(options, max_stages=None),
+                                  external_threshold, cost_model, programs, shapes_only, spec)
+
+        return choose_training_stages(model_path, cluster, one_dims, out_dir, options, one_spec,
+                                      max(one_spec.microbatches, 1), cost_model, _replace_dir, one_stage)
     if options.microbatches > 1:   # a call per microbatch, the gradients accumulated: planned at one microbatch
         dims, spec = training_microbatches(model_path, dims, options.microbatches, spec)
         options = replace(options, microbatches=1)
-    if options.max_stages not in (None, 1):
-        raise PlanError("a training plan takes --stages N (pipeline stages), not --max-stages",
-                        hint="--stages N, or drop --max-stages")
     if options.stages not in (None, 1):
         from meshplan.make_pipeline_plan import plan_pipeline_training
 

@@ -6,6 +6,7 @@ resume and export; what such a plan refuses, in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -172,7 +173,8 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     _one_error_line(run_cli("plan", tmp_path / "bn.onnx", "--train", "--loss", "mse:y:t", "--optimizer", "sgd",
                             "--dim", "batch=8", "--device", "cpu", "--microbatches", 2, "--mesh", "1x4", "--stages", 2,
                             "-o", tmp_path / "a"), "running statistics")
-    _one_error_line(run_cli(*base, "--mesh", "1x2", "--max-stages", 2, "-o", tmp_path / "b"), "--max-stages")
+    _one_error_line(run_cli(*base, "--mesh", "1x2", "--max-stages", 2, "--no-programs", "-o", tmp_path / "b"),
+                    "--max-stages", "--no-programs")
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 2, "--no-programs", "-o", tmp_path / "c"),
                     "--no-programs")
     for name in "abc":
@@ -194,6 +196,29 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     first.insert(0, first.pop(receive_at))           # stage 0 waits for a gradient before its first forward
     (plan_dir / "schedule.json").write_text(json.dumps(schedule))
     _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1), "schedule")
+
+
+def test_max_stages_weighs_one_stage_and_pipelines(tmp_path):
+    """``--max-stages 4`` on 1x4 weighs the one-stage plan and 2 and 4 pipeline stages, and
+    writes the fastest estimate; on 1x1 only the one-stage plan is there to weigh."""
+    case = load_case("gpt_adamw")
+    common = ["plan", case["model_path"], "--train", "--loss", case["settings"]["loss"], "--optimizer", "adamw",
+              "--microbatches", 4, "--dim", "batch=8", "--device", "cpu", "--max-stages", 4]
+    done = run_cli(*common, "--mesh", "1x4", "-o", tmp_path / "four")
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(l for l in done.stdout.splitlines() if l.startswith("stages weighed"))
+    steps = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"(\d) stages?: step ([\d.]+) ms", line)}
+    assert sorted(steps) == [1, 2, 4]
+    best = min(steps, key=steps.get)
+    plan = read_plan(tmp_path / "four")
+    assert len(plan.stages) == best and f"chosen: {best} pipeline stages" in line
+    assert plan.estimate["step_seconds"] * 1e3 == pytest.approx(steps[best], rel=1e-3)
+    assert "stages weighed" in (tmp_path / "four" / "report.txt").read_text()
+    done = run_cli(*common, "--mesh", "1x1", "-o", tmp_path / "one")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "chosen: one stage over the mesh" in done.stdout
+    assert not read_plan(tmp_path / "one").training.get("pipeline")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["four", "one"]     # no trial left behind
 
 
 def test_a_stage_that_does_not_fit_is_refused(tmp_path):

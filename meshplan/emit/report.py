@@ -150,10 +150,13 @@ def pipeline_training_report(plan: Plan) -> str:
                  f"{len(crossings) - forward - back - len(state)} scalar(s) of the update a step"
                  + (f"; {', '.join(sorted(set(state)))} (a weight a later stage reads too) sent once a step and its "
                     "gradient sent back" if state else ""))
+    lines.extend(plan.notes)
     est = plan.estimate
     reduce = max(est.get("reduce_seconds") or [0.0])
+    update = max(est.get("update_seconds") or [0.0])
     lines.append(f"estimate: step {human_seconds(est['step_seconds'])} (sum of the stages + (B - 1) x the slowest"
-                 + (f" + the replicas' gradient all-reduce, {human_seconds(reduce)}" if R > 1 else "") + "), "
+                 + (f" + the replicas' gradient all-reduce, {human_seconds(reduce)}" if R > 1 else "")
+                 + f" + the update, {human_seconds(update)}), "
                  f"{plan.batch['size'] * B / est['step_seconds']:.1f} samples/s "
                  f"({est.get('cost_model', 'analytic')} costs)")
     return "\n".join(lines)
