@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -86,10 +88,18 @@ def in_process(args) -> dict:
 
 def under_mpi(args) -> dict:
     sys.path.insert(0, str(HERE))
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="pipeline-memory."))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _mpi_rows(args, work)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _mpi_rows(args, work: Path) -> dict:
     from train import build_onnx_gpt   # the benchmark GPT, written with onnx.helper
 
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     sizes = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
              "seq": args.seq, "batch": args.batch}
     model = work / "gpt.onnx"
@@ -100,7 +110,8 @@ def under_mpi(args) -> dict:
     np.savez(data, input_ids=ids[:, :-1], targets=ids[:, 1:])
     script = Path(sys.executable).parent / "meshplan"
     meshplan = [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    beside = Path(sys.executable).parent / "mpiexec"     # the mpich wheel's, else the PATH's
+    mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
     print(f"GPT of {built['parameters'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}, "
           f"sequence {args.seq}); {args.stages} stages, {args.microbatches} microbatches of "
           f"{args.batch // args.microbatches} samples, under mpiexec")
@@ -147,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--workdir", default="pipeline-memory-work")
+    parser.add_argument("--workdir", help="where the model, data and plans go [default: a temporary folder, removed]")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.batch % args.microbatches:
