@@ -28,10 +28,9 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @click.option("--stages", type=click.IntRange(min=1),
               help="Exactly this many pipeline stages (the planner still chooses their layers, submeshes and "
                    "sharding); --max-stages lets it choose the count up to a cap.")
-@click.option("--schedule", "pipeline_schedule", default="1f1b", show_default=True,
-              type=click.Choice(["1f1b", "gpipe"]),
-              help="A pipelined training plan's schedule (--train --stages N): 1F1B keeps stage i of S at S - i "
-                   "microbatches in flight, GPipe all of them.")
+@click.option("--schedule", "pipeline_schedule", type=click.Choice(["1f1b", "gpipe"]),
+              help="A pipelined training plan's schedule (--train with --stages or --max-stages): 1F1B keeps "
+                   "stage i of S at S - i microbatches in flight, GPipe all of them.  [default: 1f1b]")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -106,7 +105,10 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
-                              all_devices=all_devices, schedule=pipeline_schedule)
+                              all_devices=all_devices, schedule=pipeline_schedule or "1f1b")
+        if pipeline_schedule is not None and not (train and (stages or max_stages)):
+            raise click.UsageError("--schedule goes with --train and --stages or --max-stages (a pipelined "
+                                   "training plan)")
         cost_model, links = None, {}
         if profile_path:
             from meshplan.files import file_sha256

@@ -553,7 +553,8 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     """Plan the training step of ``model_path`` (``training.step_model``): one stage spanning
     the mesh, one microbatch, the trained weights and optimizer slots as state; the step
     model is kept in the plan directory (``TRAINING_STEP``), the source model's path and
-    digest in ``plan.training``."""
+    digest in ``plan.training``. ``--stages S`` > 1 makes a pipelined plan instead, and
+    ``--max-stages N`` weighs the two (``make_pipeline_plan``)."""
     from meshplan.files import file_sha256
     from meshplan.training.step_model import build_step_model, save_step_model
 

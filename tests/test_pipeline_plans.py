@@ -177,7 +177,9 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
                     "--max-stages", "--no-programs")
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 2, "--no-programs", "-o", tmp_path / "c"),
                     "--no-programs")
-    for name in "abc":
+    wrong = run_cli(*base, "--mesh", "1x2", "--schedule", "gpipe", "-o", tmp_path / "d")
+    assert wrong.returncode == 2 and "--schedule goes with --train and --stages" in wrong.stderr, wrong.stderr
+    for name in "abcd":
         assert not (tmp_path / name).exists()
     _, plan_dir, _ = _plan(tmp_path, "mlp_sgd", "1x2", 2)
     data = SAMPLES / "mlp_sgd.data.npz"

@@ -314,74 +314,61 @@ def training_timeline(plan: Plan) -> tuple[list[list[tuple[str, int, float, floa
 
 def render_training_timeline(plan: Plan) -> str:
     rows, total = training_timeline(plan)
-    total = total or 1.0
     kind = plan.training["pipeline"]["schedule"]
-    left, top, row_h, width = 120, 40, 34, 900
-    height = top + row_h * len(rows) + 50
-    scale = width / total
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" '
-        f'font-family="sans-serif" font-size="12">',
-        f'<text x="{left}" y="20" font-size="14">estimated training step: {len(rows)} stage(s), '
-        f'{kind.upper() if kind == "1f1b" else "GPipe"}, {plan.microbatches} microbatch(es), forward (solid) and '
-        f'backward (pale), then the update; {escape(human_seconds(total))}</text>',
-    ]
-    for s, row in enumerate(rows):
-        y = top + s * row_h
-        parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{escape(device_ranges(plan.stages[s].devices))}]</text>')
-        parts.append(f'<rect x="{left}" y="{y + 3}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
-        for phase, mb, start, end in row:
-            x, w = left + start * scale, max((end - start) * scale, 0.5)
-            colour = _COLOURS[mb % len(_COLOURS)]
-            opacity = "1" if phase == "forward" else "0.55"
-            parts.append(
-                f'<rect x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" fill="{colour}" '
-                f'fill-opacity="{opacity}" stroke="white"><title>stage {s}, {phase} of microbatch {mb}: '
-                f'{escape(human_seconds(start))} – {escape(human_seconds(end))}</title></rect>')
-            if w > 18:
-                label = f"{mb}" if phase == "forward" else f"b{mb}"
-                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h * 0.6:.1f}" text-anchor="middle" '
-                             f'fill="white">{label}</text>')
-        end = row[-1][3] if row else 0.0
-        parts.append(f'<rect x="{left + end * scale:.2f}" y="{y + 3}" width="3" height="{row_h - 6}" fill="black">'
-                     f'<title>stage {s}: norm, clip and update</title></rect>')
-    axis_y = top + row_h * len(rows) + 15
-    parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + width}" y2="{axis_y}" stroke="black"/>')
-    for tick in range(6):
-        x = left + width * tick / 5
-        parts.append(f'<text x="{x:.1f}" y="{axis_y + 16}" text-anchor="middle">{escape(human_seconds(total * tick / 5))}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+    boxes = [[(start, end, mb, phase != "forward", f"{mb}" if phase == "forward" else f"b{mb}",
+               f"stage {s}, {phase} of microbatch {mb}") for phase, mb, start, end in row]
+             for s, row in enumerate(rows)]
+    marks = [(row[-1][3] if row else 0.0, f"stage {s}: norm, clip and update") for s, row in enumerate(rows)]
+    title = (f"estimated training step: {len(rows)} stage(s), {kind.upper() if kind == '1f1b' else 'GPipe'}, "
+             f"{plan.microbatches} microbatch(es), forward (solid) and backward (pale), then the update; "
+             f"{human_seconds(total)}")
+    return _timeline_svg(plan, title, boxes, total, marks)
 
 
 def render_timeline(plan: Plan) -> str:
     if plan.training.get("pipeline"):
         return render_training_timeline(plan)
     rows = fill_drain_schedule([s.seconds for s in plan.stages], plan.microbatches)
-    total = max((row[-1][1] for row in rows), default=0.0) or 1.0
+    total = max((row[-1][1] for row in rows), default=0.0)
+    boxes = [[(start, end, mb, False, f"{mb}", f"stage {s}, microbatch {mb}") for mb, (start, end) in enumerate(row)]
+             for s, row in enumerate(rows)]
+    title = (f"estimated pipeline: {len(rows)} stage(s), {plan.microbatches} microbatch(es), "
+             f"{human_seconds(total or 1.0)} per batch")
+    return _timeline_svg(plan, title, boxes, total)
+
+
+def _timeline_svg(plan: Plan, title: str, rows: list, total: float, marks: list | None = None) -> str:
+    """One row a stage of boxes (start, end, microbatch, pale, label, tooltip) on a time
+    axis; ``marks``: a thin bar a row (at, tooltip)."""
+    total = total or 1.0
     left, top, row_h, width = 120, 40, 34, 900
     height = top + row_h * len(rows) + 50
     scale = width / total
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" '
         f'font-family="sans-serif" font-size="12">',
-        f'<text x="{left}" y="20" font-size="14">estimated pipeline: {len(rows)} stage(s), '
-        f'{plan.microbatches} microbatch(es), {escape(human_seconds(total))} per batch</text>',
+        f'<text x="{left}" y="20" font-size="14">{escape(title)}</text>',
     ]
     for s, row in enumerate(rows):
         y = top + s * row_h
         devices = device_ranges(plan.stages[s].devices)
         parts.append(f'<text x="8" y="{y + row_h * 0.6:.1f}">stage {s} [{escape(devices)}]</text>')
         parts.append(f'<rect x="{left}" y="{y + 3}" width="{width}" height="{row_h - 6}" fill="#eeeeee"/>')
-        for mb, (start, end) in enumerate(row):
+        for start, end, mb, pale, label, tip in row:
             x, w = left + start * scale, max((end - start) * scale, 0.5)
             colour = _COLOURS[mb % len(_COLOURS)]
             parts.append(
-                f'<rect x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" fill="{colour}" stroke="white">'
-                f'<title>stage {s}, microbatch {mb}: {escape(human_seconds(start))} – {escape(human_seconds(end))}</title></rect>'
-            )
+                f'<rect x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" fill="{colour}"'
+                + (' fill-opacity="0.55"' if pale else "")
+                + f' stroke="white"><title>{escape(tip)}: {escape(human_seconds(start))} – '
+                f'{escape(human_seconds(end))}</title></rect>')
             if w > 18:
-                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h * 0.6:.1f}" text-anchor="middle" fill="white">{mb}</text>')
+                parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row_h * 0.6:.1f}" text-anchor="middle" '
+                             f'fill="white">{label}</text>')
+        if marks:
+            at, tip = marks[s]
+            parts.append(f'<rect x="{left + at * scale:.2f}" y="{y + 3}" width="3" height="{row_h - 6}" '
+                         f'fill="black"><title>{escape(tip)}</title></rect>')
     axis_y = top + row_h * len(rows) + 15
     parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + width}" y2="{axis_y}" stroke="black"/>')
     for tick in range(6):

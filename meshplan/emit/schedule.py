@@ -225,17 +225,22 @@ def read_schedule(plan: Plan, directory: Path) -> Schedule:
     path = Path(directory) / SCHEDULE_FILE
     if not path.is_file():
         return forward_schedule(plan)
-    data = read_json(path, str(path), PlanError)
-    if not isinstance(data, dict) or data.get("format") != SCHEDULE_FORMAT or data.get("kind") not in KINDS \
-            or not isinstance(data.get("ranks"), list) or not isinstance(data.get("microbatches"), int):
-        raise PlanError(f"{path} is not a schedule this meshplan reads", hint="re-run meshplan plan")
-    if data.get("plan_checksum") != plan.to_dict()["checksum"]:
-        raise PlanError(f"{path} belongs to another {PLAN_FILE}", hint="re-run meshplan plan")
-    ranks = []
-    for rank in data["ranks"]:
-        if not isinstance(rank, list):
-            raise PlanError(f"{path} is not a schedule this meshplan reads", hint="re-run meshplan plan")
-        ranks.append([Instruction.from_dict(item) for item in rank])
-    schedule = Schedule(data["kind"], data["microbatches"], ranks)
+    schedule = read_lists(path, plan.to_dict()["checksum"], KINDS)
     check_schedule(plan, schedule)
     return schedule
+
+
+def read_lists(path: Path, plan_checksum: str, kinds, microbatches: int | None = None) -> Schedule:
+    """``schedule.json`` at ``path`` as written, not yet checked against its plan: it must be
+    one of ``kinds`` (of ``microbatches``, where given) and belong to the plan.json whose
+    checksum is ``plan_checksum``; else one ``PlanError``."""
+    data = read_json(path, str(path), PlanError)
+    if not isinstance(data, dict) or data.get("format") != SCHEDULE_FORMAT or data.get("kind") not in kinds \
+            or not isinstance(data.get("ranks"), list) or not isinstance(data.get("microbatches"), int) \
+            or microbatches not in (None, data["microbatches"]) \
+            or not all(isinstance(rank, list) for rank in data["ranks"]):
+        raise PlanError(f"{path} is not a schedule this meshplan reads for this plan", hint="re-run meshplan plan")
+    if data.get("plan_checksum") != plan_checksum:
+        raise PlanError(f"{path} belongs to another {PLAN_FILE}", hint="re-run meshplan plan")
+    ranks = [[Instruction.from_dict(item) for item in rank] for rank in data["ranks"]]
+    return Schedule(data["kind"], data["microbatches"], ranks)

@@ -24,10 +24,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshplan.emit.schedule import SCHEDULE_FILE, SCHEDULE_FORMAT, Instruction, Schedule
+from meshplan.emit.schedule import SCHEDULE_FILE, Instruction, Schedule, read_lists
 from meshplan.errors import PlanError
-from meshplan.files import atomic_write_bytes, read_json
-from meshplan.plan_format import PLAN_FILE
+from meshplan.files import atomic_write_bytes
 from meshplan.training.pipeline_step import (CLIP, GPIPE, NORM, ONE_F_ONE_B, PER_MICROBATCH, SCHEDULES, STATE,
                                              UPDATE_PHASE, Crossing, PipelineStep)
 from meshplan.training.step_model import BACKWARD, FORWARD
@@ -196,16 +195,6 @@ def read_training_schedule(plan_checksum: str, directory: Path, pipeline: Pipeli
     path = Path(directory) / SCHEDULE_FILE
     if not path.is_file():
         raise PlanError(f"{path} is missing", hint="re-run meshplan plan")
-    data = read_json(path, str(path), PlanError)
-    if not isinstance(data, dict) or data.get("format") != SCHEDULE_FORMAT or data.get("kind") != kind \
-            or not isinstance(data.get("ranks"), list) or data.get("microbatches") != microbatches:
-        raise PlanError(f"{path} is not the {kind} schedule of this plan", hint="re-run meshplan plan")
-    if data.get("plan_checksum") != plan_checksum:
-        raise PlanError(f"{path} belongs to another {PLAN_FILE}", hint="re-run meshplan plan")
-    lists = []
-    for items in data["ranks"]:
-        if not isinstance(items, list):
-            raise PlanError(f"{path} is not the {kind} schedule of this plan", hint="re-run meshplan plan")
-        lists.append([Instruction.from_dict(item) for item in items])
+    lists = read_lists(path, plan_checksum, (kind,), microbatches).ranks
     check_training_schedule(pipeline, lists, microbatches, kind, replicas)
     return lists

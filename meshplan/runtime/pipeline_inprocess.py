@@ -13,19 +13,10 @@ microbatches they belonged to.
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from meshplan.emit.train_schedule import ONE_F_ONE_B, play, training_schedule
-from meshplan.runtime.pipeline_stage import StageRunner, starting_state
+from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
 from meshplan.training.pipeline_step import PipelineStep
-
-
-def cpu_session(model) -> ort.InferenceSession:
-    """A session of ``model`` (a ModelProto, or a file's path) on one CPU thread."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    source = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 class PipelineRunner:
@@ -43,7 +34,7 @@ class PipelineRunner:
         for stage in range(pipeline.stages):
             parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
             names = [n for n, s in pipeline.home.items() if s == stage]
-            self.stages.append(StageRunner(stage, parts, {p: cpu_session(part.model) for p, part in parts.items()},
+            self.stages.append(StageRunner(stage, parts, {p: part_session(part.model) for p, part in parts.items()},
                                            pipeline.crossings, microbatches, starting_state(names, weights, slots)))
 
     @property

@@ -42,6 +42,24 @@ def source_weights(plan: Plan, names) -> "iter":
     return read_initializers(path, names)
 
 
+def state_names(training: dict) -> list[str]:
+    """Every state a training plan holds: weights, slots, statistics, accumulators."""
+    return [n for w in training["weights"] for n in [w] + [f"{w}.{s}" for s in training["slots"]]] \
+        + list(training.get("statistics", {})) + list(training.get("accumulators", []))
+
+
+def trained_record(training: dict) -> dict:
+    """What a checkpoint must share with a plan to be resumed by it: weights, slots, optimizer."""
+    return {"weights": training["weights"], "slots": training["slots"], "optimizer": training["optimizer"],
+            "statistics": training.get("statistics", {})}
+
+
+def checkpoint_due(options, done: int, end: int) -> bool:
+    """Whether a checkpoint is written after step ``done`` of a run ending at ``end``."""
+    every = options.checkpoint_every
+    return options.checkpoint is not None and (done == end or bool(every and done % every == 0))
+
+
 class Trainer:
     """Steps of a training plan's job (rank 0)."""
 
@@ -65,9 +83,7 @@ class Trainer:
         return list(self.training.get("statistics", {}))
 
     def state_names(self) -> list[str]:
-        slots = self.training["slots"]
-        return [n for w in self.weights for n in [w] + [f"{w}.{s}" for s in slots]] + self.statistics \
-            + list(self.training.get("accumulators", []))
+        return state_names(self.training)
 
     def load_source(self) -> None:
         """Set every trained weight and running statistic from the source model (the slots
@@ -114,8 +130,7 @@ class Trainer:
         return checkpoint
 
     def _trained_record(self) -> dict:
-        return {"weights": self.training["weights"], "slots": self.training["slots"],
-                "optimizer": self.training["optimizer"], "statistics": self.training.get("statistics", {})}
+        return trained_record(self.training)
 
 
 @dataclass
@@ -153,6 +168,16 @@ class TrainReport:
     # share a pipeline of equal stages has, (S - 1) / (M + S - 1)
     busy_fractions: list = field(default_factory=list)
     bubble: float | None = None
+
+    def add_step(self, loss: float, lr: float, norm: float, seconds: float, done: int, end: int,
+                 progress=None) -> None:
+        """Record a step (``done`` of ``end`` now done) and tell ``progress``."""
+        self.losses.append(loss)
+        self.lrs.append(lr)
+        self.grad_norms.append(norm)
+        self.step_seconds.append(seconds)
+        if progress is not None:
+            progress(done, end, loss, lr, norm, self.batch / seconds)
 
     def log(self) -> dict:
         return {"first_step": self.first_step, "losses": self.losses, "lr": self.lrs, "grad_norm": self.grad_norms,
@@ -210,16 +235,8 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
             batch = batches.next()
             started = time.perf_counter()
             loss, norm = trainer.step(batch, lr)
-            seconds = time.perf_counter() - started
-            report.losses.append(loss)
-            report.lrs.append(lr)
-            report.grad_norms.append(norm)
-            report.step_seconds.append(seconds)
-            if progress is not None:
-                progress(trainer.steps_done, end, loss, lr, norm, batches.batch / seconds)
-            every = options.checkpoint_every
-            if options.checkpoint is not None and (trainer.steps_done == end or
-                                                   (every and trainer.steps_done % every == 0)):
+            report.add_step(loss, lr, norm, time.perf_counter() - started, trainer.steps_done, end, progress)
+            if checkpoint_due(options, trainer.steps_done, end):
                 report.checkpoints.append(str(trainer.save(options.checkpoint, batches)))
     except MeshplanError:
         job.close()

@@ -32,10 +32,12 @@ from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.train_schedule import read_training_schedule
 from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
-from meshplan.runtime.pipeline_stage import StageRunner, starting_state
+from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
 from meshplan.runtime.state_files import rank_file, write_pieces
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
+from meshplan.trainer.driver import (TrainReport, _gather_rss, checkpoint_due, source_weights, state_names,
+                                     trained_record)
 from meshplan.trainer.schedule import learning_rate
 from meshplan.training.optimizers import DEFAULTS
 
@@ -46,7 +48,6 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     """Every rank of a pipelined training plan's job; rank 0 returns the ``TrainReport``."""
     from meshplan.process_memory import peak_rss_bytes
     from meshplan.runtime.transport import world
-    from meshplan.trainer.driver import TrainReport, _gather_rss
 
     MPI, comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -121,15 +122,8 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         if rank == 0:
             loss, norm = (results["train.loss"], results["train.grad_norm"]) if reporter == 0 else \
                 comm.recv(source=reporter, tag=RESULT_TAG)
-            seconds = time.perf_counter() - started
-            report.losses.append(loss)
-            report.lrs.append(lr)
-            report.grad_norms.append(norm)
-            report.step_seconds.append(seconds)
-            if progress is not None:
-                progress(k + 1, end, loss, lr, norm, batches.batch / seconds)
-        every = options.checkpoint_every
-        if options.checkpoint is not None and (k + 1 == end or (every and (k + 1) % every == 0)):
+            report.add_step(loss, lr, norm, time.perf_counter() - started, k + 1, end, progress)
+        if checkpoint_due(options, k + 1, end):
             written = _save(comm, plan_dir, plan, runner.state, options.checkpoint, k + 1, batches)
             if report is not None:
                 report.checkpoints.append(str(written))
@@ -148,8 +142,6 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     """What every rank reads and checks before the first step: the pipeline, the lists, the
     data, its stage's runner (weights from the source model or the checkpoint) and the step
     it starts at."""
-    from meshplan.trainer.driver import source_weights
-
     record = plan.training["pipeline"]
     stages, R = int(record["stages"]), int(record.get("replicas", 1))
     if size != stages * R:
@@ -175,7 +167,7 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     if checkpoint is None:
         state = starting_state(held, dict(source_weights(plan, starting)), plan.training["slots"])
     else:
-        if checkpoint.manifest.get("weights") != _trained_record(plan.training):
+        if checkpoint.manifest.get("weights") != trained_record(plan.training):
             raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
                              "slots differ from the plan's)")
         state = {name: checkpoint.tensor(name) for name in held}
@@ -183,20 +175,9 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
         if checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])
     threads = max(1, (os.cpu_count() or 1) // size)
-    runner = StageRunner(stage, parts, {p: _session(part.model, threads) for p, part in parts.items()},
+    runner = StageRunner(stage, parts, {p: part_session(part.model, threads) for p, part in parts.items()},
                          pipeline.crossings, plan.microbatches, state, pipeline.loss_count)
     return pipeline, lists, batches, runner, first
-
-
-def state_names(training: dict) -> list[str]:
-    """Every state a training plan holds: weights, slots, statistics, accumulators."""
-    return [n for w in training["weights"] for n in [w] + [f"{w}.{s}" for s in training["slots"]]] \
-        + list(training.get("statistics", {})) + list(training.get("accumulators", []))
-
-
-def _trained_record(training: dict) -> dict:
-    return {"weights": training["weights"], "slots": training["slots"], "optimizer": training["optimizer"],
-            "statistics": training.get("statistics", {})}
 
 
 def _layouts(plan: Plan) -> dict[str, dict]:
@@ -224,18 +205,6 @@ def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: 
     comm.Barrier()
     if comm.Get_rank() != 0:
         return None
-    manifest = {"plan_sha256": plan_digest(plan_dir), "weights": _trained_record(plan.training),
+    manifest = {"plan_sha256": plan_digest(plan_dir), "weights": trained_record(plan.training),
                 "data": batches.get_state(), "layouts": _layouts(plan)}
     return finish_checkpoint(Path(staging), directory, step, manifest)
-
-
-def _session(path: str, threads: int):
-    """A part's session. Without onnxruntime's CPU arena: a rank has five sessions, and each
-    arena would keep its own peak (50–70 MiB a rank more on the pipeline benchmark's GPT,
-    for no measurable step time)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.enable_cpu_mem_arena = False
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
