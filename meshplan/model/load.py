@@ -246,7 +246,7 @@ def canonical_graph(source: Path, dims: dict[str, int], symbolic: tuple[str, ...
     held = split_weights(model, source.parent, SMALL_ELEMENTS, read_external=weights == "read")
     fold_constants(model, SMALL_ELEMENTS)
     if rewrite is not None:
-        _name_nodes(model)   # so that what the rewrite refuses is named
+        name_nodes(model)   # so that what the rewrite refuses is named
         rewrite(model, _reader(held, source.parent))
     place_parameter_nodes(model)
     check_loads_in_onnxruntime(model)
@@ -255,7 +255,7 @@ def canonical_graph(source: Path, dims: dict[str, int], symbolic: tuple[str, ...
         write_weights(model, held, source.parent, workdir / "canonical.onnx.data")
     del held
     canonical = set_ir_version(infer_shapes(model))
-    _name_nodes(canonical)
+    name_nodes(canonical)
     _require_tensors(canonical)
     return canonical, workdir / "canonical.onnx"
 
@@ -398,8 +398,9 @@ def _require_static_shapes(model: onnx.ModelProto) -> None:
                     _unbounded(node, name)
 
 
-def _name_nodes(model: onnx.ModelProto) -> None:
-    """Give every node a unique name (plans refer to operators by name)."""
+def name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node a unique name (plans, and a training pipeline's stages, refer to
+    operators by name); a node's own name is kept where it is one of a kind."""
     seen: set[str] = set()
     for index, node in enumerate(model.graph.node):
         name = node.name or f"{node.op_type}_{index}"

@@ -31,6 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from meshplan.errors import TrainError
+from meshplan.model.load import name_nodes
 from meshplan.ops.grad_words import GradientError
 from meshplan.training.autodiff import gradients, is_float
 from meshplan.training.losses import COUNT, LOSS, TOTAL, LossSpec, build_loss
@@ -70,21 +71,6 @@ class StepModel:
 
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
-
-
-def _name_nodes(graph: onnx.GraphProto) -> None:
-    """Give every node a name of its own (an exporter may leave some empty or repeat one):
-    a pipeline's stages refer to nodes by name."""
-    seen: set[str] = set()
-    for index, node in enumerate(graph.node):
-        if not node.name or node.name in seen:
-            base = node.name or f"{node.op_type}_{index}"
-            name, k = base, 0
-            while name in seen:
-                k += 1
-                name = f"{base}#{k}"
-            node.name = name
-        seen.add(node.name)
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -159,7 +145,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     statistics = {t.name: t for t in model.graph.initializer if t.name in stats.values()}
     graph.node.extend(loss.nodes)
     graph.initializer.extend(loss.constants)
-    _name_nodes(graph)
+    name_nodes(model)
     if loss.target is not None:
         graph.input.append(loss.target)
     controls = list(HYPER[spec.optimizer]) + ([APPLY] if accumulate else [])
