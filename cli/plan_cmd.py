@@ -167,7 +167,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")
             return
         programs = f"{len(result.programs)} program(s)" if result.programs else "no programs"
-        click.echo(f"wrote {out_dir}/plan.json, {out_dir}/{SCHEDULE_FILE}, {out_dir}/{REPORT_FILE}, {programs}, "
+        schedule = "" if result.training.get("estimate_only") else f"{out_dir}/{SCHEDULE_FILE}, "
+        click.echo(f"wrote {out_dir}/plan.json, {schedule}{out_dir}/{REPORT_FILE}, {programs}, "
                    f"{out_dir}/{TIMELINE_FILE}, "
                    f"{out_dir}/{ANNOTATED_FILE}")
         click.echo(f"PASSED | {time.perf_counter() - started:.1f} s | meshplan plan")

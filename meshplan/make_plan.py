@@ -537,7 +537,8 @@ def make_plan(
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
         (staging / REPORT_FILE).write_text(text_report(plan) + "\n")
         write_plan(plan, staging)
-        write_schedule(plan, staging)
+        if not plan.training.get("estimate_only"):   # a training estimate has no lists to run
+            write_schedule(plan, staging)
         _replace_dir(staging, out_dir)
         return plan
     except BaseException:
@@ -554,19 +555,22 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     the mesh, one microbatch, the trained weights and optimizer slots as state; the step
     model is kept in the plan directory (``TRAINING_STEP``), the source model's path and
     digest in ``plan.training``. ``--stages S`` > 1 makes a pipelined plan instead, and
-    ``--max-stages N`` weighs the two (``make_pipeline_plan``)."""
+    ``--max-stages N`` weighs the two (``make_pipeline_plan``). Without programs, either
+    makes a training estimate at any scale (``make_training_estimate``)."""
     from meshplan.files import file_sha256
     from meshplan.training.step_model import build_step_model, save_step_model
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     if not model_path.is_file():
         raise ModelError(f"model file not found: {model_path}")
+    if not programs and (options.stages is not None or options.max_stages is not None):
+        from meshplan.make_training_estimate import plan_training_estimate
+
+        return plan_training_estimate(model_path, cluster, dims, out_dir, options, spec, cost_model, shapes_only,
+                                      make_plan)
     if options.max_stages not in (None, 1):   # the stage count weighed: one stage, or a pipeline
         from meshplan.make_pipeline_plan import choose_training_stages
 
-        if not programs:
-            raise PlanError("a training plan weighing pipeline stages (--max-stages) is written with its programs",
-                            hint="drop --no-programs, or --max-stages")
         one_dims, one_spec = training_microbatches(model_path, dims, options.microbatches, spec) \
             if options.microbatches > 1 else (dims, spec)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -583,8 +587,6 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     if options.stages not in (None, 1):
         from meshplan.make_pipeline_plan import plan_pipeline_training
 
-        if not programs:
-            raise PlanError("a pipelined training plan is written with its programs", hint="drop --no-programs")
         return plan_pipeline_training(model_path, cluster, dims, out_dir, options, spec,
                                       max(spec.microbatches, 1), cost_model, _replace_dir)
     step = build_step_model(model_path, spec)

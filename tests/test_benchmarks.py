@@ -75,6 +75,15 @@ def check_plan_quality(body, out, genai):
     assert all(r["never_worse"] for r in rows)
 
 
+def check_alpa_gpt(body, out, genai):
+    rows = body["rows"]
+    assert [r["model"] for r in rows] == ["350M", "1.3B"]
+    for row in rows:
+        assert positive(row["step_seconds"], row["pflops"], row["plan_seconds"], row["memory_bytes_per_gpu"])
+        assert len(row["submeshes"]) == row["stages"] and row["devices_used"] <= row["gpus"]
+    assert rows[1]["gpus"] == 4 and "PFLOPS" in out
+
+
 def check_plan_time(body, out, genai):
     assert [r["model"] for r in body["rows"]] == ["gpt-2"] and positive(body["rows"][0]["plan_seconds"])
 
@@ -181,6 +190,9 @@ CASES = {
                      check_plan_quality, ()),
     # the gpt2 rows need torch (skipped with a line without it); the 70B row's 80 layers take long
     "plan_time": (["--rows", "gpt", "gpt2", "--gpt-layers", "2", "--meshes", "1x2"], check_plan_time, ()),
+    # two of Alpa's GPT shapes cut to two layers, a short sequence and a small batch
+    "alpa_gpt": (["--models", "350M", "1.3B", "--layers", "2", "--batch", "16", "--seq", "64", "--microbatches", "4"],
+                 check_alpa_gpt, ()),
     "number_formats": (["--smoke", "--meshes", "1x2", "--layers", "2"], check_number_formats, ()),
     "profile_accuracy": (["--models", "mlp", "--meshes", "1x2", "--repeat", "2", "--no-analytic"],
                          check_profile_accuracy, (pytest.mark.mpi,)),

@@ -112,6 +112,13 @@ def text_report(plan: Plan) -> str:
     if not plan.programs:
         lines.append("programs: none written (planned without programs; meshplan run needs them)")
     lines.extend(plan.notes)
+    if plan.training.get("estimate_only"):
+        lines.append(f"estimate: training step {human_seconds(est['latency_seconds'])} for a batch of "
+                     f"{plan.batch['size']}, {est['throughput_per_second']:.1f} samples/s, at most "
+                     f"{human_bytes(max(est['memory_bytes_per_device']))} per device "
+                     f"({est.get('cost_model', 'analytic')} costs)"
+                     + (f"; planned in {plan.timings['seconds']:.2f} s" if "seconds" in plan.timings else ""))
+        return "\n".join(lines)
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"
@@ -285,7 +292,7 @@ def training_timeline(plan: Plan) -> tuple[list[list[tuple[str, int, float, floa
     from meshplan.emit.train_schedule import run_order
 
     S, B = len(plan.stages), plan.microbatches
-    kind = plan.training["pipeline"]["schedule"]
+    kind = training_schedule_kind(plan)
     orders = [[r for r in run_order(s, S, B, kind) if r[0] in ("forward", "backward")] for s in range(S)]
     took = {("forward", s): plan.stages[s].seconds / 3 for s in range(S)}
     took.update({("backward", s): plan.stages[s].seconds * 2 / 3 for s in range(S)})
@@ -314,7 +321,7 @@ def training_timeline(plan: Plan) -> tuple[list[list[tuple[str, int, float, floa
 
 def render_training_timeline(plan: Plan) -> str:
     rows, total = training_timeline(plan)
-    kind = plan.training["pipeline"]["schedule"]
+    kind = training_schedule_kind(plan)
     boxes = [[(start, end, mb, phase != "forward", f"{mb}" if phase == "forward" else f"b{mb}",
                f"stage {s}, {phase} of microbatch {mb}") for phase, mb, start, end in row]
              for s, row in enumerate(rows)]
@@ -325,8 +332,13 @@ def render_training_timeline(plan: Plan) -> str:
     return _timeline_svg(plan, title, boxes, total, marks)
 
 
+def training_schedule_kind(plan: Plan) -> str:
+    """A pipelined training plan's schedule (1f1b or gpipe), or a training estimate's."""
+    return plan.training["pipeline"]["schedule"] if plan.training.get("pipeline") else plan.training["schedule"]
+
+
 def render_timeline(plan: Plan) -> str:
-    if plan.training.get("pipeline"):
+    if plan.training.get("pipeline") or plan.training.get("estimate_only"):
         return render_training_timeline(plan)
     rows = fill_drain_schedule([s.seconds for s in plan.stages], plan.microbatches)
     total = max((row[-1][1] for row in rows), default=0.0)

@@ -26,6 +26,7 @@ from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.inter.stage_cost import StageCosts, logical_meshes, submesh_shapes
 from meshplan.inter.memory_need import memory_error, memory_need
 from meshplan.inter.stage_dp import no_plan_error, solve_stages
+from meshplan.inter.training_costs import RESHARD_FACTOR, TrainingCosting, TrainingOperatorCosts
 from meshplan.intra.strategies import Strategy
 
 
@@ -43,6 +44,7 @@ class PlanOptions:
     batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
     all_devices: bool = False          # --all-devices: every device holds a stage (none left idle)
     schedule: str = "1f1b"             # a pipelined training plan's schedule: 1f1b or gpipe
+    training: TrainingCosting | None = None   # weigh a training step, not a forward call (inter.training_costs)
 
 
 MAX_DEFAULT_LAYERS = 128   # the stage DP's work grows with the cube of the layer count
@@ -198,8 +200,10 @@ def plan_pipeline(
     measured: dict[int, tuple[int, Layering]] = {}   # layer count → (distinct layers, layering)
 
     def sharding_pass(cut: Layering) -> IntraOpPass:
+        costs = None if options.training is None else TrainingOperatorCosts(
+            graph, cost_model, cluster, constants, options.training, options.microbatches)
         return IntraOpPass(graph, cut, cost_model, cluster, constants, options.solver, options.policy,
-                           hints.pins if hints is not None else None)
+                           hints.pins if hints is not None else None, costs)
 
     def layered(area: Cluster) -> tuple[Layering, IntraOpPass, StageCosts, StageWindows]:
         """The layers a plan on ``area`` (the cluster, or a region of it planned as a
@@ -214,7 +218,8 @@ def plan_pipeline(
             cut = hints.layering(cut)
         if cut.bounds not in bundles:
             sharding = sharding_pass(cut)
-            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding, area),
+            bundles[cut.bounds] = (cut, sharding, StageCosts(graph, cut, node_seconds, cost_model, sharding, area,
+                                                             options.training, options.microbatches),
                                    StageWindows(cut, sharding_pass))
         return bundles[cut.bounds]
 
@@ -271,6 +276,9 @@ def plan_pipeline(
     whole = cluster.mesh
 
     areas = regions(cluster, submeshes, idle) if hints is None else [whole]
+    # a region whose devices together cannot hold every weight once fits no plan: not searched
+    held = costs.param_bytes(0, costs.num_layers)
+    areas = [r for r in areas if r == whole or r[0] * r[1] * memory >= held]
     first = solve(whole, idle)
     if first is None and options.stages is not None:
         raise PlanError(f"no plan of exactly {options.stages} stage(s) fits: {layering.num_layers} layers on "
@@ -389,6 +397,9 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
         submesh = submeshes[choice.submesh]
         logical = logical_meshes(submesh)[choice.logical]
         cost = costs.stage_cost(choice.start, choice.stop, submesh, logical)
+        # microbatches whose activations the stage holds at once (a forward call: one)
+        in_flight = 1 if options.training is None else \
+            options.training.in_flight(index, len(solution.stages), options.microbatches)
         strategies: dict[str, Strategy] = {}
         layouts[index] = ("R", "R")
         saved, weights, arrival = 0.0, cost.param_bytes, 0.0
@@ -396,7 +407,8 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
             sharded = intra_op.stage(choice.start, choice.stop, submesh, logical)
             arrival = sharded.arrival   # (in the DP's seconds; the resharding into the stage is counted below)
             chosen = intra_op.stage_strategies(choice.start, choice.stop, submesh, logical, sharded)
-            room = cluster.device.memory_bytes - cost.act_bytes * options.microbatches
+            room = cluster.device.memory_bytes - cost.act_bytes * (
+                options.microbatches if options.training is None else in_flight)
             wider = windows.improve(intra_op, choice.start, choice.stop, cuts, submesh, logical, sharded, room)
             if wider is not None:
                 saved, weights = sharded.seconds - wider[0].seconds, wider[0].param_bytes
@@ -409,7 +421,7 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
             layers=[choice.start, choice.stop], devices=devices,
             submesh=list(submesh), logical_mesh=list(logical),
             inputs=[], outputs=[], seconds=float(choice.seconds - costs.send_seconds(choice.stop, across) - saved - arrival),
-            memory_bytes=float(weights + cost.act_bytes),
+            memory_bytes=float(weights + cost.act_bytes * in_flight),
             strategies={name: str(s) for name, s in strategies.items() if not _replicated(s)},
         ))
     node_stage = np.empty(len(graph.nodes), dtype=np.int64)
@@ -417,8 +429,8 @@ def _build(solution, region, submeshes, graph: Graph, layering: Layering, costs:
         node_stage[layering.bounds[stage.layers[0]]:layering.bounds[stage.layers[1]]] = stage.index
     transfers, reshardings = _connect_stages(graph, stages, node_stage, layouts, cluster, options.reshard_scheduler,
                                              shardings)
-    for resharding in reshardings:   # a stage's time includes handing its outputs on
-        stages[resharding.src_stage].seconds += resharding.seconds
+    for resharding in reshardings:   # a stage's time includes handing its outputs on (and a gradient back)
+        stages[resharding.src_stage].seconds += resharding.seconds * (1 if options.training is None else RESHARD_FACTOR)
     stage_seconds = [s.seconds for s in stages]
     latency = sum(stage_seconds) + (options.microbatches - 1) * max(stage_seconds)
     return _Built(solution, stages, shardings, transfers, reshardings, latency, region)

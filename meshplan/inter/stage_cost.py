@@ -17,6 +17,8 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass
 from meshplan.model.layers import Layering, cut_traffic
+from meshplan.inter.training_costs import BACKWARD_FACTOR, RESHARD_FACTOR, TrainingCosting, trained_weights
+from meshplan.training.pipeline_step import GPIPE
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,16 @@ class StageCosts:
     """Per-layer statistics of a layered graph, and stage costs built from them."""
 
     def __init__(self, graph: Graph, layering: Layering, node_seconds: list[float], cost_model: CostModelProtocol,
-                 intra_op: IntraOpPass | None = None, cluster: Cluster | None = None):
+                 intra_op: IntraOpPass | None = None, cluster: Cluster | None = None,
+                 training: TrainingCosting | None = None, microbatches: int = 1):
         """``cluster``: where devices share their host (``Cluster.work_scale``), a stage on one
         device takes the cores and bandwidth of the idle ones beside it: its operators' work
-        (beyond their fixed overhead) is scaled; larger stages' scaling is the sharding pass's."""
+        (beyond their fixed overhead) is scaled; larger stages' scaling is the sharding pass's.
+        ``training``: cost a training step of ``microbatches`` instead of a forward call
+        (``inter.training_costs``; ``intra_op`` should weigh its strategies so too)."""
         self.graph = graph
+        self.training = training
+        self.microbatches = microbatches
         self.intra_op = intra_op
         self.layering = layering
         self.cost_model = cost_model
@@ -68,6 +75,8 @@ class StageCosts:
         seconds = np.asarray(node_seconds, dtype=np.float64)
         if cluster is not None:
             seconds = cluster.shared_seconds(seconds, 1)
+        if training is not None:
+            seconds = seconds * (1.0 + BACKWARD_FACTOR)
         self._seconds_prefix = np.concatenate([[0.0], np.cumsum(seconds)])[bounds]
         self._cut_bytes = layering.cut_bytes[bounds]
         owner = layering.layer_of_node()
@@ -80,7 +89,12 @@ class StageCosts:
                 uses[index[p], owner[i] + 1] = 1
         self._param_uses = np.cumsum(uses, axis=1)
         self._param_sizes = np.array([graph.tensors[p].nbytes for p in params], dtype=np.float64)
+        if training is not None:   # each trained weight with its gradient and optimizer slots
+            trained = trained_weights(graph, training.frozen)
+            self._param_sizes *= np.array([training.held_per_weight if p in trained else 1 for p in params])
         self._layer_peak = self._peak_activation_per_layer(owner)
+        # a training stage keeps every activation it makes for the backward: per layer
+        self._kept_prefix = np.concatenate([[0.0], np.cumsum(self._kept_per_layer(owner))])
         # memory counts a ranged plan's activations at its largest sizes
         self._cut_peak = cut_traffic(graph, peak=True)[bounds] if graph.views else self._cut_bytes
         # state (an output that is the next call's input) stays on the devices between calls,
@@ -115,6 +129,17 @@ class StageCosts:
             peak[owner[i]] = max(peak[owner[i]], live)
         return peak
 
+    def _kept_per_layer(self, owner: np.ndarray) -> np.ndarray:
+        """Bytes of the activations each layer's operators make (what a training step keeps
+        for the backward; nothing for a forward call)."""
+        kept = np.zeros(self.num_layers)
+        if self.training is None:
+            return kept
+        tensors = self.graph.tensors
+        for i, node in enumerate(self.graph.nodes):
+            kept[owner[i]] += sum(tensors[n].peak_nbytes for n in node.outputs if n and not tensors[n].is_param)
+        return kept
+
     def compute_seconds(self, start: int, stop: int) -> float:
         """Seconds of layers start..stop-1 on one device."""
         return float(self._seconds_prefix[stop] - self._seconds_prefix[start])
@@ -133,7 +158,8 @@ class StageCosts:
         one host of a larger cluster sends inside it)."""
         if stop >= self.num_layers:
             return 0.0
-        return self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop), across_hosts)
+        seconds = self.cost_model.worst_transfer_seconds(self.boundary_bytes(stop), across_hosts)
+        return seconds * (RESHARD_FACTOR if self.training is not None else 1.0)   # and the gradient back
 
     def stage_cost(self, start: int, stop: int, submesh: tuple[int, int], logical: tuple[int, int],
                    memory: float | None = None) -> StageCost:
@@ -146,6 +172,8 @@ class StageCosts:
             return INFEASIBLE   # the stage would hold part of a state's readers and makers
         send = self.send_seconds(stop)
         activations = float(self._layer_peak[start:stop].max()) + float(self._cut_peak[start])
+        if self.training is not None:
+            activations = float(self._kept_prefix[stop] - self._kept_prefix[start]) + float(self._cut_peak[start])
         state = float(self._state_prefix[stop] - self._state_prefix[start])
         if submesh == (1, 1):
             return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop) + state, activations)
@@ -172,6 +200,9 @@ class StageCosts:
         work, params, acts = self._work_tables(tuple(submeshes), memory)
         L = self.num_layers
         send = np.array([self.send_seconds(stop, across_hosts) for stop in range(1, L + 1)])
+        if self.training is not None and self.training.schedule == GPIPE:
+            # GPipe keeps every microbatch in flight on every stage: held, whatever the count
+            params, acts = params + acts * self.microbatches, np.zeros_like(acts)
         return work + send[None, :, None, None], params, acts
 
     def _work_tables(self, submeshes: tuple[tuple[int, int], ...], memory: float | None):
@@ -225,6 +256,8 @@ class StageCosts:
             for i in range(L):
                 peak[i, i:] = np.maximum.accumulate(self._layer_peak[i:])
             activations = peak + self._cut_peak[:L, None]       # + what enters the stage
+            if self.training is not None:                      # every activation kept for the backward
+                activations = self._kept_prefix[None, 1:] - self._kept_prefix[:L, None] + self._cut_peak[:L, None]
             state = self._state_prefix[None, 1:] - self._state_prefix[:L, None]
             feasible = np.triu(np.ones((L, L), dtype=bool))
             first, last = np.arange(L)[:, None], np.arange(L)[None, :]

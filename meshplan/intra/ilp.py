@@ -141,9 +141,10 @@ def evaluate(problem: ShardingProblem, choices: list[int]) -> float:
 
 
 def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NODES,
-          time_limit: float | None = None) -> ShardingSolution:
+          time_limit: float | None = None, gap: float = 0.0) -> ShardingSolution:
     """Optimal strategy per node. Deterministic for the same problem unless the wall-clock
-    safety stop (``time_limit``, default ``SAFETY_SECONDS``) cuts the search short."""
+    safety stop (``time_limit``, default ``SAFETY_SECONDS``) cuts the search short. ``gap``
+    (> 0): stop at a solution within this fraction of the bound (the solver's default else)."""
     time_limit = SAFETY_SECONDS if time_limit is None else time_limit
     check_solver(solver)
     started = clock()
@@ -235,6 +236,8 @@ def solve(problem: ShardingProblem, solver: str = "cbc", max_nodes: int = MAX_NO
     # of costs in seconds (a layer's ILP objective is often under 1e-3), and CBC stopped up
     # to 1 % above the optimum HiGHS found on the same problem
     model.objective = linexpr(variables, [c * OBJECTIVE_SCALE for c in coefficients])
+    if gap > 0:
+        model.max_mip_gap = gap
     status = model.optimize(max_seconds=time_limit, max_nodes=max_nodes)
     warning = None
     if status == mip.OptimizationStatus.FEASIBLE:

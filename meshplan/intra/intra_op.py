@@ -58,13 +58,17 @@ class IntraOpPass:
     each layer's solution by structure."""
 
     def __init__(self, graph, layering: Layering, cost_model: CostModelProtocol, cluster: Cluster,
-                 constants: dict[str, np.ndarray], solver: str = "cbc", policy: str = "auto", pins: Pins | None = None):
+                 constants: dict[str, np.ndarray], solver: str = "cbc", policy: str = "auto", pins: Pins | None = None,
+                 operator_costs: OperatorCosts | None = None):
+        """``operator_costs``: what the ILP weighs strategies by (default ``OperatorCosts``: a
+        forward call's; a training step's: ``inter.training_costs``)."""
         self.graph = graph
         self.layering = layering
         self.cluster = cluster
         self.stats = IntraOpStats()
         self.pins = pins if pins else None
-        self.ilp = LayerIlp(graph, OperatorCosts(graph, cost_model, cluster, constants), constants, solver, policy,
+        costs = operator_costs or OperatorCosts(graph, cost_model, cluster, constants)
+        self.ilp = LayerIlp(graph, costs, constants, solver, policy,
                             self.pins)
         self._producers = graph.producers()
         self._consumers = graph.consumers()
@@ -105,7 +109,8 @@ class IntraOpPass:
             limit = None
             if lean:
                 start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
-                full = sum(self.graph.tensors[p].nbytes for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
+                full = sum(self.ilp.costs.stored_bytes(p)
+                           for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
                 full += sum(self.graph.tensors[name].peak_nbytes for i in range(start, stop) for name in self._caches(i))
                 limit = LEAN_FACTOR * full / (logical[0] * logical[1])
             # a lean ILP with no solution under a memory row has none under a tighter one
@@ -220,7 +225,7 @@ class IntraOpPass:
                     if not split.is_replicated:
                         seconds += reshard_seconds(split, boundary_spec("R", info.split_sizes, mesh), info.shape,
                                                    info.dtype.itemsize, mesh, collectives)
-            self._arrivals[key] = {"R": seconds, "B": 0.0}
+            self._arrivals[key] = {"R": seconds * self.ilp.costs.reshard_factor, "B": 0.0}
         return self._arrivals[key]
 
     def _arrival_table(self, submesh, logical) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshplan.intra.fold import fold_followers
-from meshplan.intra.ilp import IlpEdge, IlpNode, ShardingProblem, ShardingSolution, solve
+from meshplan.intra.ilp import MAX_NODES, IlpEdge, IlpNode, ShardingProblem, ShardingSolution, solve
 from meshplan.intra.operator_cost import OperatorCosts, held_bytes
 from meshplan.intra.pins import Pins
 from meshplan.intra.policies import apply_policy
@@ -112,7 +112,9 @@ class LayerIlp:
             problem, recover = whole, list
         else:
             problem, recover = fold_followers(whole, body.heavy)
-        result = solve(problem, self.solver)
+        lean = memory_limit is not None
+        result = solve(problem, self.solver, self.costs.lean_nodes if lean and self.costs.lean_nodes else MAX_NODES,
+                       gap=self.costs.lean_gap if lean else 0.0)
         full = recover(result.choices)
         picked = [body.choices[offset][full[offset]] for offset in range(stop - start)]
         slices = {}
@@ -136,6 +138,7 @@ class LayerIlp:
         memo = self._reshard_memo.setdefault((submesh, logical), {})
 
         state = self._state_outputs | self._state_inputs
+        factor = self.costs.reshard_factor
 
         def reshard(src: ShardingSpec, dst: ShardingSpec | None, name: str) -> float:
             if dst is None:
@@ -153,7 +156,7 @@ class LayerIlp:
             if name in state and seconds < float("inf") and any(step.kind.name != "slice"
                                                                  for step in reshard_steps(src, dst)):
                 seconds += STATE_MOVE_PENALTY
-            return seconds
+            return seconds * factor
 
         body = _LayerBody(reshard)
         for i in range(start, stop):
@@ -161,7 +164,7 @@ class LayerIlp:
             strategies = apply_policy(self.policy, node, self.graph,
                                       node_strategies(node, self.graph, mesh, self.constants, opset=self.graph.opset),
                                       self.constants)
-            costs = np.array([self.costs.compute_seconds(node, s, mesh) for s in strategies])
+            costs = np.array([self.costs.strategy_seconds(node, s, mesh, collectives) for s in strategies])
             allowed = self.pins.allowed(i, node, strategies, mesh) if self.pins else None
             if allowed is not None:
                 costs = np.where(allowed, costs, np.inf)

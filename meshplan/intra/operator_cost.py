@@ -30,9 +30,22 @@ def held_outputs(node: Node, graph: Graph) -> list[int]:
 
 
 class OperatorCosts:
+    reshard_factor = 1.0    # times a resharding between operators happens a call (a training step's: 2)
+    lean_gap = 0.0          # a memory-lean ILP stops within this fraction of its bound (0: the solver's default)
+    lean_nodes = 0          # ... or at this many branch-and-bound nodes (0: the ILP's work limit)
+
     def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster, constants=None):
         self.graph, self.cost_model, self.cluster = graph, cost_model, cluster
         self.constants = constants
+
+    def strategy_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh, collectives: CollectiveModel) -> float:
+        """What the ILP weighs a strategy by: its compute seconds (a training step adds the
+        backward and the gradients' collectives: ``inter.training_costs``)."""
+        return self.compute_seconds(node, strategy, mesh)
+
+    def stored_bytes(self, name: str) -> float:
+        """Bytes an initializer is held as, whole (a trained weight: with its gradient and slots)."""
+        return float(self.graph.tensors[name].nbytes)
 
     def compute_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         """Work splits over every mesh axis that some operand is split or partial along; the

@@ -28,6 +28,9 @@ from meshplan.trainer.schedule import learning_rate
 def require_training(plan: Plan, plan_dir) -> None:
     if not plan.training:
         raise TrainError(f"plan {plan_dir} is not a training plan", hint="plan it with meshplan plan --train")
+    if plan.training.get("estimate_only"):
+        raise TrainError(f"plan {plan_dir} is a training estimate: it was planned with --no-programs",
+                         hint="plan again without --no-programs, with the model's weights, to train it")
 
 
 def source_weights(plan: Plan, names) -> "iter":

@@ -1,0 +1,139 @@
+"""A training step's costs, estimated from the forward graph: the stage DP and the sharding
+ILP weigh training with these where a plan is made without programs (``meshplan plan
+--train --no-programs`` with ``--stages`` or ``--max-stages``).
+
+The step's graph (forward, backward and update) is not built: each forward operator
+stands for itself and its backward, as Alpa's and Megatron-LM's cost models take them:
+
+- **time**: an operator's backward costs ``BACKWARD_FACTOR`` forwards (two matrix
+  products for one), so a strategy's seconds are ``1 + BACKWARD_FACTOR`` times its
+  forward's; every resharding between operators happens twice (the activation forward,
+  its gradient back: ``RESHARD_FACTOR``), as does every send between stages;
+- **gradients**: a trained weight read by an operator whose work is split along a mesh
+  axis the weight is not split along gets a partial gradient there: the strategy pays an
+  all-reduce of the weight's slice over that axis once a step (``1 / B`` of it per
+  microbatch, B the step's microbatches);
+- **memory**: a trained weight is held with its accumulated gradient and its optimizer's
+  slots, each in the weight's layout and dtype (as ``training.optimizers`` builds them):
+  ``2 + slots`` times its bytes; a stage keeps, per microbatch in flight, every activation
+  its operators make (the backward reads them; nothing is recomputed) and what enters it.
+  1F1B keeps ``S − i`` microbatches in flight on stage ``i`` of ``S``, GPipe all ``B``.
+
+Left out: the loss (the model's outputs are where the step ends), the optimizer's update
+(elementwise over the weights, once a step), and a tied weight's gradient meeting across
+stages.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.intra.operator_cost import OperatorCosts
+from meshplan.intra.strategies import Strategy
+from meshplan.model.graph import Graph, Node
+from meshplan.reshard.steps import CollectiveModel
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.training.optimizers import SLOTS
+from meshplan.training.pipeline_step import GPIPE, ONE_F_ONE_B, SCHEDULES
+
+BACKWARD_FACTOR = 2.0     # an operator's backward, in forwards
+RESHARD_FACTOR = 2.0      # a resharding's activation forward and gradient back
+LEAN_GAP = 0.01           # a memory-lean layer ILP's stop: within 1 % of its bound,
+LEAN_NODES = 1000         # or at this many branch-and-bound nodes
+
+
+@dataclass(frozen=True)
+class TrainingCosting:
+    """What the planner weighs a training step by (``PlanOptions.training``)."""
+
+    optimizer: str = "adamw"
+    frozen: tuple[str, ...] = ()
+    schedule: str = ONE_F_ONE_B
+
+    def __post_init__(self):
+        if self.optimizer not in SLOTS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}")
+
+    @property
+    def held_per_weight(self) -> int:
+        """Tensors a trained weight is held as: itself, its gradient, its optimizer's slots."""
+        return 2 + len(SLOTS[self.optimizer])
+
+    def in_flight(self, stage: int, stages: int, microbatches: int) -> int:
+        """Microbatches whose activations stage ``stage`` of ``stages`` keeps at once."""
+        if self.schedule == GPIPE:
+            return microbatches
+        return min(stages - stage, microbatches)
+
+
+def trained_weights(graph: Graph, frozen: tuple[str, ...] = ()) -> set[str]:
+    """The initializers a training step updates (``training.step_model``'s rule: floating
+    point, more than one element, not matched by a ``frozen`` pattern)."""
+    found = set()
+    for name, info in graph.tensors.items():
+        if not info.is_param or info.is_derived:     # an initializer, not an expression of one
+            continue
+        if info.dtype.kind != "f" or int(np.prod(info.shape)) < 2:
+            continue
+        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in frozen):
+            found.add(name)
+    return found
+
+
+class TrainingOperatorCosts(OperatorCosts):
+    """``OperatorCosts`` of a training step (module docstring): seconds of forward and
+    backward with the gradients' all-reduce, bytes of weights, gradients and slots."""
+
+    reshard_factor = RESHARD_FACTOR
+    # a layer's memory-lean ILP is a knapsack over its weights, which trained weights (held
+    # 4x) make binding almost everywhere: CBC finds a near-best layout at once and proves it
+    # slowly, so these stop within 1 % of the bound or after LEAN_NODES nodes (the plan's
+    # solver record says where one stopped so)
+    lean_gap, lean_nodes = LEAN_GAP, LEAN_NODES
+
+    def __init__(self, graph: Graph, cost_model, cluster, constants, training: TrainingCosting, microbatches: int):
+        super().__init__(graph, cost_model, cluster, constants)
+        self.training = training
+        self.trained = trained_weights(graph, training.frozen)
+        self.per_step = 1.0 / max(1, int(microbatches))
+
+    def stored_bytes(self, name: str) -> float:
+        held = self.training.held_per_weight if name in self.trained else 1
+        return float(self.graph.tensors[name].nbytes * held)
+
+    def strategy_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh,
+                         collectives: CollectiveModel) -> float:
+        seconds = self.compute_seconds(node, strategy, mesh) * (1.0 + BACKWARD_FACTOR)
+        return seconds + self.per_step * self.gradient_seconds(node, strategy, mesh, collectives)
+
+    def gradient_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh,
+                         collectives: CollectiveModel) -> float:
+        """The all-reduce of the trained weights' partial gradients under ``strategy``."""
+        work = set()
+        for spec in list(strategy.inputs) + list(strategy.outputs):
+            if spec is not None:
+                work.update(spec.split_axes())
+                work.update(spec.partial)
+        if not work:
+            return 0.0
+        seconds = 0.0
+        for name, spec in zip(node.inputs, strategy.inputs):
+            info = self.graph.tensors.get(name) if name else None
+            if info is None or not info.is_param or not self.trained.intersection(info.sources or (name,)):
+                continue
+            spec = spec or ShardingSpec.replicated(len(info.shape))
+            local = spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
+            for axis in work - set(spec.split_axes()):
+                if mesh.axis_size(axis) > 1:
+                    seconds += collectives.all_reduce_seconds(local, axis, mesh)
+        return seconds
+
+    def param_slices(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> dict[tuple[str, ShardingSpec], int]:
+        held = self.training.held_per_weight
+        return {key: size * held if key[0] in self.trained else size
+                for key, size in super().param_slices(node, strategy, mesh).items()}
