@@ -34,6 +34,7 @@ from meshplan.inter.pipeline import PlanOptions, plan_pipeline
 from meshplan.intra.ilp import check_solver
 from meshplan.emit.annotate import ANNOTATED_FILE, write_annotated
 from meshplan.intra.explain import explain_plan
+from meshplan.inter.training_costs import TrainingOperatorCosts
 from meshplan.emit.schedule import write_schedule
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 
@@ -530,8 +531,11 @@ def make_plan(
             emit_programs(plan, canonical.path, staging, graph, shardings, external_threshold)
         constants = small_constants(canonical.model)
         costed = cluster.costed(options.microbatches)
-        explanations = explain_plan(plan, shardings, graph, cost_model or CostModel(costed), costed, constants,
-                                    options.policy)
+        costing = cost_model or CostModel(costed)
+        training_costs = None if options.training is None else TrainingOperatorCosts(
+            graph, costing, costed, constants, options.training, options.microbatches)
+        explanations = explain_plan(plan, shardings, graph, costing, costed, constants, options.policy,
+                                    training_costs)
         write_annotated(plan, shardings, graph, canonical, staging, constants, explanations)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))

@@ -129,6 +129,9 @@ def show_schedule(directory: str | Path, stage: int | None = None) -> str:
         raise PlanError(f"the plan has no stage {stage} (it has {len(plan.stages)})")
     if plan.training.get("pipeline"):
         return _training_schedule_text(plan, directory, stage)
+    if plan.training.get("estimate_only"):
+        raise PlanError(f"plan {directory} is a training estimate (planned with --no-programs): it has no "
+                        "instruction lists", hint="plan again without --no-programs to get them")
     schedule = read_schedule(plan, directory)
     source = SCHEDULE_FILE if (directory / SCHEDULE_FILE).is_file() else \
         f"built from plan.json (the directory has no {SCHEDULE_FILE})"

@@ -204,6 +204,10 @@ def test_training_estimate_cannot_be_trained_or_exported(tmp_path):
         assert refused.returncode == 1
         line = _one_error_line(refused)
         assert "no programs" in line or "--no-programs" in line, line
+    listed = run_cli("show", out, "--schedule")
+    assert "no instruction lists" in _one_error_line(listed)
+    shown = run_cli("show", out, "--operators", "1")
+    assert shown.returncode == 0 and "stage 1" in shown.stdout, shown.stderr
 
 
 def test_training_estimate_refuses_what_it_cannot_plan(tmp_path):

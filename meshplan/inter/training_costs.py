@@ -90,6 +90,7 @@ class TrainingOperatorCosts(OperatorCosts):
     backward with the gradients' all-reduce, bytes of weights, gradients and slots."""
 
     reshard_factor = RESHARD_FACTOR
+    call_factor = 1.0 + BACKWARD_FACTOR
     # a layer's memory-lean ILP is a knapsack over its weights, which trained weights (held
     # 4x) make binding almost everywhere: CBC finds a near-best layout at once and proves it
     # slowly, so these stop within 1 % of the bound or after LEAN_NODES nodes (the plan's
@@ -108,7 +109,7 @@ class TrainingOperatorCosts(OperatorCosts):
 
     def strategy_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh,
                          collectives: CollectiveModel) -> float:
-        seconds = self.compute_seconds(node, strategy, mesh) * (1.0 + BACKWARD_FACTOR)
+        seconds = self.compute_seconds(node, strategy, mesh) * self.call_factor
         return seconds + self.per_step * self.gradient_seconds(node, strategy, mesh, collectives)
 
     def gradient_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh,

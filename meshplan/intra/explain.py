@@ -45,15 +45,17 @@ class Terms:
 def explain_stage(graph: Graph, cost_model: CostModelProtocol, cluster: Cluster, constants, policy: str,
                   submesh: tuple[int, int], logical: tuple[int, int], nodes: list[int],
                   chosen: dict[str, Strategy], arriving: dict[str, ShardingSpec],
-                  leaving: dict[str, ShardingSpec] | None = None) -> dict[str, dict]:
+                  leaving: dict[str, ShardingSpec] | None = None,
+                  operator_costs: OperatorCosts | None = None) -> dict[str, dict]:
     """For each heavy operator among ``nodes`` (indices into ``graph.nodes``, a stage's
     operators in order) that has more than one strategy: {"chosen", "alternative"
     (absent when there is none), "replicated"} as ``Terms.to_dict``. ``chosen`` maps every
     operator of the stage to its strategy, ``arriving`` the stage's inputs to their layouts,
-    ``leaving`` its outputs to the layouts they leave in."""
+    ``leaving`` its outputs to the layouts they leave in. ``operator_costs``: the ILP's
+    (default a forward call's; a training estimate's weigh the step)."""
     leaving = leaving or {}
     mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
-    costs = OperatorCosts(graph, cost_model, cluster, constants)
+    costs = operator_costs or OperatorCosts(graph, cost_model, cluster, constants)
     collectives = costs.collectives(submesh, logical)
     producers, consumers = graph.producers(), graph.consumers()
     inside = set(nodes)
@@ -63,7 +65,7 @@ def explain_stage(graph: Graph, cost_model: CostModelProtocol, cluster: Cluster,
         if src is None or dst is None:
             return 0.0
         info = graph.tensors[name]
-        return reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives)
+        return reshard_seconds(src, dst, info.shape, info.dtype.itemsize, mesh, collectives) * costs.reshard_factor
 
     for index in nodes:
         node = graph.nodes[index]
@@ -94,7 +96,7 @@ def explain_stage(graph: Graph, cost_model: CostModelProtocol, cluster: Cluster,
                     if reader in inside:
                         other = graph.nodes[reader]
                         out += reshard(strategy.outputs[k], chosen[other.name].inputs[other.inputs.index(name)], name)
-            return Terms(str(strategy), costs.compute_seconds(node, strategy, mesh), into, out,
+            return Terms(str(strategy), costs.strategy_seconds(node, strategy, mesh, collectives), into, out,
                          costs.param_bytes(node, strategy, mesh))
 
         mine = chosen[node.name]
@@ -110,27 +112,29 @@ def explain_stage(graph: Graph, cost_model: CostModelProtocol, cluster: Cluster,
 
 
 def explain_plan(plan, shardings: dict[int, dict[str, Strategy]], graph: Graph, cost_model: CostModelProtocol,
-                 cluster: Cluster, constants, policy: str) -> dict[str, dict]:
+                 cluster: Cluster, constants, policy: str, operator_costs: OperatorCosts | None = None) -> dict[str, dict]:
     """Per operator of the plan: {"compute_s": its seconds per microbatch under its strategy},
-    and for the heavy operators of sharded stages the terms of ``explain_stage``."""
+    and for the heavy operators of sharded stages the terms of ``explain_stage``, by the
+    ILP's ``operator_costs`` (default a forward call's)."""
     index = {node.name: i for i, node in enumerate(graph.nodes)}
     found: dict[str, dict] = {}
-    costs = OperatorCosts(graph, cost_model, cluster, constants)
+    costs = operator_costs or OperatorCosts(graph, cost_model, cluster, constants)
     for stage in plan.stages:
         nodes = [index[name] for name in stage.operators if name in index]
         chosen = shardings.get(stage.index, {})
         logical = tuple(stage.logical_mesh)
         mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+        collectives = costs.collectives(tuple(stage.submesh), logical) if chosen else None
         for i in nodes:
             node = graph.nodes[i]
             strategy = chosen.get(node.name)
-            seconds = (costs.compute_seconds(node, strategy, mesh) if strategy is not None
-                       else cost_model.node_seconds(node, graph))
+            seconds = (costs.strategy_seconds(node, strategy, mesh, collectives)
+                       if strategy is not None else cost_model.node_seconds(node, graph) * costs.call_factor)
             found[node.name] = {"compute_s": seconds}
         if chosen:
             arriving = {name: ShardingSpec.parse(spec) for name, spec in stage.input_specs.items()}
             leaving = {name: ShardingSpec.parse(spec) for name, spec in stage.output_specs.items()}
             for name, terms in explain_stage(graph, cost_model, cluster, constants, policy, tuple(stage.submesh),
-                                             logical, nodes, chosen, arriving, leaving).items():
+                                             logical, nodes, chosen, arriving, leaving, costs).items():
                 found[name].update(terms)
     return found

@@ -33,6 +33,7 @@ class OperatorCosts:
     reshard_factor = 1.0    # times a resharding between operators happens a call (a training step's: 2)
     lean_gap = 0.0          # a memory-lean ILP stops within this fraction of its bound (0: the solver's default)
     lean_nodes = 0          # ... or at this many branch-and-bound nodes (0: the ILP's work limit)
+    call_factor = 1.0       # an unsharded operator's seconds a call, in forwards (a training step's: 3)
 
     def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster, constants=None):
         self.graph, self.cost_model, self.cluster = graph, cost_model, cluster
