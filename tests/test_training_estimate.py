@@ -80,6 +80,27 @@ def test_one_device_stage_is_forward_and_backward_with_weights_gradients_and_slo
     assert whole.act_bytes == pytest.approx(made + forward._cut_peak[0])
 
 
+def test_a_stage_keeps_what_the_backward_reads(gpt_graph, tmp_path):
+    """With the step model's own list of what its backward reads, a training stage keeps
+    those activations alone: fewer bytes than every output, never fewer than the saved
+    tensors the range makes."""
+    from meshplan.inter.training_costs import TrainingCosting, saved_for_backward
+    from meshplan.training.step_model import TrainSpec, build_step_model
+
+    graph, constants = gpt_graph
+    saved = saved_for_backward(build_step_model(GPT, TrainSpec(loss=LOSS)))
+    outputs = {n for node in graph.nodes for n in node.outputs if n and not graph.tensors[n].is_param}
+    assert 0 < len(saved & outputs) < len(outputs)
+    every = _costs(graph, constants, TrainingCosting("adamw"))
+    kept = _costs(graph, constants, TrainingCosting("adamw", saved=saved))
+    L = every.num_layers
+    whole_every, whole_kept = every.stage_cost(0, L, (1, 1), (1, 1)), kept.stage_cost(0, L, (1, 1), (1, 1))
+    made = sum(graph.tensors[n].peak_nbytes for n in saved & outputs)
+    assert whole_kept.act_bytes == pytest.approx(made + kept._cut_peak[0])
+    assert whole_kept.act_bytes < whole_every.act_bytes
+    assert whole_kept.seconds == whole_every.seconds and whole_kept.param_bytes == whole_every.param_bytes
+
+
 def _params(graph, costs, start, stop):
     bounds = costs.layering.bounds
     return {p for i in range(bounds[start], bounds[stop]) for p in graph.params_of(i)}

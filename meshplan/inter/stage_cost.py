@@ -130,14 +130,15 @@ class StageCosts:
         return peak
 
     def _kept_per_layer(self, owner: np.ndarray) -> np.ndarray:
-        """Bytes of the activations each layer's operators make (what a training step keeps
-        for the backward; nothing for a forward call)."""
+        """Bytes of the activations each layer's operators make that a training step keeps
+        for the backward (``TrainingCosting.saved``; nothing for a forward call)."""
         kept = np.zeros(self.num_layers)
         if self.training is None:
             return kept
-        tensors = self.graph.tensors
+        tensors, saved = self.graph.tensors, self.training.saved
         for i, node in enumerate(self.graph.nodes):
-            kept[owner[i]] += sum(tensors[n].peak_nbytes for n in node.outputs if n and not tensors[n].is_param)
+            kept[owner[i]] += sum(tensors[n].peak_nbytes for n in node.outputs
+                                  if n and not tensors[n].is_param and (saved is None or n in saved))
         return kept
 
     def compute_seconds(self, start: int, stop: int) -> float:

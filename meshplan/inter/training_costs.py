@@ -15,8 +15,9 @@ stands for itself and its backward, as Alpa's and Megatron-LM's cost models take
   microbatch, B the step's microbatches);
 - **memory**: a trained weight is held with its accumulated gradient and its optimizer's
   slots, each in the weight's layout and dtype (as ``training.optimizers`` builds them):
-  ``2 + slots`` times its bytes; a stage keeps, per microbatch in flight, every activation
-  its operators make (the backward reads them; nothing is recomputed) and what enters it.
+  ``2 + slots`` times its bytes; a stage keeps, per microbatch in flight, the activations
+  its operators make that the step's backward reads (``saved_for_backward``, from the step
+  model meshplan would train; nothing is recomputed) and what enters it.
   1F1B keeps ``S − i`` microbatches in flight on stage ``i`` of ``S``, GPipe all ``B``.
 
 Left out: the loss (the model's outputs are where the step ends), the optimizer's update
@@ -38,6 +39,7 @@ from meshplan.reshard.steps import CollectiveModel
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.training.optimizers import SLOTS
 from meshplan.training.pipeline_step import GPIPE, ONE_F_ONE_B, SCHEDULES
+from meshplan.training.step_model import BACKWARD, FORWARD
 
 BACKWARD_FACTOR = 2.0     # an operator's backward, in forwards
 RESHARD_FACTOR = 2.0      # a resharding's activation forward and gradient back
@@ -52,6 +54,8 @@ class TrainingCosting:
     optimizer: str = "adamw"
     frozen: tuple[str, ...] = ()
     schedule: str = ONE_F_ONE_B
+    # the activations the backward reads (``saved_for_backward``); None: every one
+    saved: frozenset[str] | None = None
 
     def __post_init__(self):
         if self.optimizer not in SLOTS:
@@ -69,6 +73,16 @@ class TrainingCosting:
         if self.schedule == GPIPE:
             return microbatches
         return min(stages - stage, microbatches)
+
+
+def saved_for_backward(step) -> frozenset[str]:
+    """The tensors a training step's backward reads that its forward makes (a
+    ``training.step_model.StepModel``): what a stage keeps from a microbatch's forward until
+    its backward. Named as the forward model names them."""
+    graph = step.model.graph
+    made = {out for node in graph.node if step.roles.get(node.name) == FORWARD for out in node.output if out}
+    return frozenset(name for node in graph.node if step.roles.get(node.name) == BACKWARD
+                     for name in node.input if name in made)
 
 
 def trained_weights(graph: Graph, frozen: tuple[str, ...] = ()) -> set[str]:
