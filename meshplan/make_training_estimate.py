@@ -23,7 +23,7 @@ from meshplan.cost.analytic import CostModel
 from meshplan.cost.cluster import Cluster
 from meshplan.emit.report import human_bytes
 from meshplan.inter.pipeline import PlanOptions
-from meshplan.inter.training_costs import TrainingCosting, saved_for_backward
+from meshplan.inter.training_costs import TrainingCosting
 from meshplan.plan_format import Plan
 from meshplan.training.step_model import TrainSpec, build_step_model
 
@@ -33,7 +33,7 @@ def plan_training_estimate(model_path: Path, cluster: Cluster, dims: dict, out_d
     """``dims``: the whole batch's (``options.microbatches`` splits it); ``make_plan`` writes
     the plan directory (``make_plan.make_plan``, passed in: it calls this module)."""
     step = build_step_model(model_path, replace(spec, microbatches=options.microbatches))
-    costing = TrainingCosting(spec.optimizer, tuple(spec.frozen), options.schedule, saved_for_backward(step))
+    costing = TrainingCosting.of(step, options.schedule)
     weights = step.manifest["weights"]
 
     def record(plan: Plan, graph, shardings) -> None:

@@ -4,7 +4,7 @@
 models in Alpa's and Megatron-LM's weak-scaling benchmarks (learned position embeddings,
 pre-LayerNorm blocks with biases, attention with ``heads`` heads, a 4×hidden GELU MLP, the
 output head tied to the token embedding) in float16, streaming every weight into ``path +
-'.data'`` a chunk at a time (``large_llama._WeightFile``); ``sparse`` writes no bytes at
+'.data'`` a chunk at a time (``large_llama._ModelWriter``); ``sparse`` writes no bytes at
 all, for planning without programs. The graph is onnx's own: ``LayerNormalization``,
 GELU from ``Erf``, attention from MatMul/Softmax/Reshape/Transpose. It has no causal mask
 (the work and memory a plan weighs are the same with one). Inputs ``input_ids[batch,
@@ -18,10 +18,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
-from sample_models.large_llama import _WeightFile
+from sample_models.large_llama import _ModelWriter
 
 # the GPT-3 models of Alpa's weak-scaling table (OSDI 2022, §8.1): sequence 1024, vocabulary 51,200
 ALPA_GPT = {
@@ -48,21 +46,8 @@ def write_large_gpt(path: str | os.PathLike, *, layers: int, hidden: int, heads:
     if hidden % heads:
         raise ValueError(f"heads {heads} must divide hidden {hidden}")
     head = hidden // heads
-    weights = _WeightFile(path.with_name(path.name + ".data"), seed, sparse)
-    nodes: list[onnx.NodeProto] = []
-    inits: list[TensorProto] = []
-
-    def const(name: str, value) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def weight(name: str, shape: tuple[int, ...], constant: float | None = None) -> str:
-        inits.append(weights.add(name, shape, 1.0 / math.sqrt(shape[0]), constant))
-        return name
-
-    def node(op: str, inputs: list[str], output: str, **attrs) -> str:
-        nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
-        return output
+    writer = _ModelWriter(path, seed, sparse)
+    const, weight, node = writer.const, writer.weight, writer.node
 
     zero, one = const("zero", np.int64(0)), const("one", np.int64(1))
     half, one_h, root2 = const("half", np.float16(0.5)), const("one_h", np.float16(1.0)), \
@@ -94,11 +79,7 @@ def write_large_gpt(path: str | os.PathLike, *, layers: int, hidden: int, heads:
             return node("Transpose", [split], f"{p}/attn/{role}_t", perm=perm)
 
         q, k, v = heads_of("q", [0, 2, 1, 3]), heads_of("k", [0, 2, 3, 1]), heads_of("v", [0, 2, 1, 3])
-        scores = node("Mul", [node("MatMul", [q, k], f"{p}/attn/qk"), scale], f"{p}/attn/scores")
-        probs = node("Softmax", [scores], f"{p}/attn/probs", axis=-1)
-        context = node("Transpose", [node("MatMul", [probs, v], f"{p}/attn/context")], f"{p}/attn/context_t",
-                       perm=[0, 2, 1, 3])
-        merged = node("Reshape", [context, merge_heads], f"{p}/attn/merged")
+        merged = writer.attention(p, q, k, v, scale, merge_heads)
         x = node("Add", [x, linear(merged, f"{p}.attn.proj", hidden, hidden)], f"{p}/attn_residual")
         n = layer_norm(x, f"{p}.ln_2")
         fc = linear(n, f"{p}.mlp.fc", hidden, 4 * hidden)
@@ -108,16 +89,6 @@ def write_large_gpt(path: str | os.PathLike, *, layers: int, hidden: int, heads:
         x = node("Add", [x, linear(gelu, f"{p}.mlp.proj", 4 * hidden, hidden)], f"{p}/mlp_residual")
     head_weight = node("Transpose", [wte], "wte_t", perm=[1, 0])      # the head tied to the embedding
     logits = node("MatMul", [layer_norm(x, "ln_f"), head_weight], "logits")
-    weights.close()
-    graph = helper.make_graph(
-        nodes, "large_gpt",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info(logits, TensorProto.FLOAT16, ["batch", "seq", vocab])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9,
-                              producer_name="meshplan-sample")
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(model.SerializeToString())
-    os.replace(tmp, path)
-    return {"path": str(path), "data": str(weights.path), "layers": layers,
-            "parameters": parameter_count(layers, hidden, vocab, positions), "weight_bytes": weights.offset}
+    writer.save("large_gpt", logits, vocab)
+    return {"path": str(path), "data": str(writer.weights.path), "layers": layers,
+            "parameters": parameter_count(layers, hidden, vocab, positions), "weight_bytes": writer.weights.offset}

@@ -71,6 +71,52 @@ class _WeightFile:
         self.file.close()
 
 
+class _ModelWriter:
+    """A decoder's graph as it is written: its nodes, its initializers (weights streamed into
+    a ``_WeightFile`` beside ``path``), the attention they share, and the atomic save."""
+
+    def __init__(self, path: Path, seed: int, sparse: bool):
+        self.path = path
+        self.weights = _WeightFile(path.with_name(path.name + ".data"), seed, sparse)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+
+    def const(self, name: str, value) -> str:
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def weight(self, name: str, shape: tuple[int, ...], constant: float | None = None) -> str:
+        self.inits.append(self.weights.add(name, shape, 1.0 / math.sqrt(shape[0]), constant))
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
+        return output
+
+    def attention(self, p: str, q: str, k: str, v: str, scale: str, merge_heads: str) -> str:
+        """Heads [batch, heads, seq, head] (``k`` transposed) → the merged context [batch, seq, hidden]."""
+        node = self.node
+        scores = node("Mul", [node("MatMul", [q, k], f"{p}/attn/qk"), scale], f"{p}/attn/scores")
+        probs = node("Softmax", [scores], f"{p}/attn/probs", axis=-1)
+        context = node("Transpose", [node("MatMul", [probs, v], f"{p}/attn/context")], f"{p}/attn/context_t",
+                       perm=[0, 2, 1, 3])
+        return node("Reshape", [context, merge_heads], f"{p}/attn/merged")
+
+    def save(self, name: str, logits: str, vocab: int) -> None:
+        """Close the weights and write the model (``input_ids`` in, float16 ``logits`` out)."""
+        self.weights.close()
+        graph = helper.make_graph(
+            self.nodes, name,
+            [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+            [helper.make_tensor_value_info(logits, TensorProto.FLOAT16, ["batch", "seq", vocab])], self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9,
+                                  producer_name="meshplan-sample")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, self.path)
+
+
 def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers: int | None = None,
                       hidden: int = 4096, heads: int = 32, ffn: int = 11008, vocab: int = 32000,
                       kv_heads: int | None = None, sparse: bool = False, seed: int = 0) -> dict:
@@ -89,22 +135,8 @@ def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers
     if heads % kv_heads:
         raise ValueError(f"kv_heads {kv_heads} must divide heads {heads}")
     kv = kv_heads * head
-    weights = _WeightFile(path.with_name(path.name + ".data"), seed, sparse)
-    nodes: list[onnx.NodeProto] = []
-    inits: list[TensorProto] = []
-
-    def const(name: str, value) -> str:
-        inits.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def weight(name: str, shape: tuple[int, ...], constant: float | None = None) -> str:
-        inits.append(weights.add(name, shape, 1.0 / math.sqrt(shape[0]), constant))
-        return name
-
-    def node(op: str, inputs: list[str], output: str, **attrs) -> str:
-        nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
-        return output
-
+    writer = _ModelWriter(path, seed, sparse)
+    const, weight, node, weights = writer.const, writer.weight, writer.node, writer.weights
     two, eps = const("two", np.float16(2)), const("eps", np.float16(1e-5))
     scale = const("attn_scale", np.float16(1.0 / math.sqrt(head)))
     split_heads = const("split_heads", np.array([0, 0, heads, head], dtype=np.int64))
@@ -138,11 +170,7 @@ def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers
             return node("Transpose", [split], f"{p}/attn/{role}_t", perm=perm)
 
         q, k, v = heads_of("q", [0, 2, 1, 3]), heads_of("k", [0, 2, 3, 1]), heads_of("v", [0, 2, 1, 3])
-        scores = node("Mul", [node("MatMul", [q, k], f"{p}/attn/qk"), scale], f"{p}/attn/scores")
-        probs = node("Softmax", [scores], f"{p}/attn/probs", axis=-1)
-        context = node("Transpose", [node("MatMul", [probs, v], f"{p}/attn/context")], f"{p}/attn/context_t",
-                       perm=[0, 2, 1, 3])
-        merged = node("Reshape", [context, merge_heads], f"{p}/attn/merged")
+        merged = writer.attention(p, q, k, v, scale, merge_heads)
         out = node("MatMul", [merged, weight(f"{p}.attn.o_proj", (hidden, hidden))], f"{p}/attn/out")
         x = node("Add", [x, out], f"{p}/attn_residual")
         n = rms_norm(x, f"{p}.post_norm")
@@ -153,16 +181,6 @@ def write_large_llama(path: str | os.PathLike, gigabytes: float = 2.0, *, layers
                     f"{p}/mlp/down")
         x = node("Add", [x, down], f"{p}/mlp_residual")
     logits = node("MatMul", [rms_norm(x, "final_norm"), weight("lm_head", (hidden, vocab))], "logits")
-    weights.close()
-    graph = helper.make_graph(
-        nodes, "large_llama",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info(logits, TensorProto.FLOAT16, ["batch", "seq", vocab])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9,
-                              producer_name="meshplan-sample")
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(model.SerializeToString())
-    os.replace(tmp, path)
+    writer.save("large_llama", logits, vocab)
     return {"path": str(path), "data": str(weights.path), "layers": layers, "weight_bytes": weights.offset,
             "largest_initializer_bytes": weights.largest}

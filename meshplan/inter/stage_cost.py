@@ -17,7 +17,7 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass
 from meshplan.model.layers import Layering, cut_traffic
-from meshplan.inter.training_costs import BACKWARD_FACTOR, RESHARD_FACTOR, TrainingCosting, trained_weights
+from meshplan.inter.training_costs import BACKWARD_FACTOR, RESHARD_FACTOR, TrainingCosting
 from meshplan.training.pipeline_step import GPIPE
 
 
@@ -90,8 +90,7 @@ class StageCosts:
         self._param_uses = np.cumsum(uses, axis=1)
         self._param_sizes = np.array([graph.tensors[p].nbytes for p in params], dtype=np.float64)
         if training is not None:   # each trained weight with its gradient and optimizer slots
-            trained = trained_weights(graph, training.frozen)
-            self._param_sizes *= np.array([training.held_per_weight if p in trained else 1 for p in params])
+            self._param_sizes *= np.array([training.held_per_weight if p in training.trained else 1 for p in params])
         self._layer_peak = self._peak_activation_per_layer(owner)
         # a training stage keeps every activation it makes for the backward: per layer
         self._kept_prefix = np.concatenate([[0.0], np.cumsum(self._kept_per_layer(owner))])

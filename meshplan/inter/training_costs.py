@@ -21,16 +21,15 @@ stands for itself and its backward, as Alpa's and Megatron-LM's cost models take
   1F1B keeps ``S − i`` microbatches in flight on stage ``i`` of ``S``, GPipe all ``B``.
 
 Left out: the loss (the model's outputs are where the step ends), the optimizer's update
-(elementwise over the weights, once a step), and a tied weight's gradient meeting across
-stages.
+(elementwise over the weights, once a step), a tied weight's gradient meeting across
+stages, and the gradient and slots of a trained weight that canonicalisation folds into a
+constant of its own (a small weight sliced to static dims: counted once).
 """
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
-import numpy as np
 
 from meshplan.intra.operator_cost import OperatorCosts
 from meshplan.intra.strategies import Strategy
@@ -49,13 +48,20 @@ LEAN_NODES = 1000         # or at this many branch-and-bound nodes
 
 @dataclass(frozen=True)
 class TrainingCosting:
-    """What the planner weighs a training step by (``PlanOptions.training``)."""
+    """What the planner weighs a training step by (``PlanOptions.training``); ``of`` takes it
+    from the step model meshplan would train."""
 
     optimizer: str = "adamw"
-    frozen: tuple[str, ...] = ()
     schedule: str = ONE_F_ONE_B
+    trained: frozenset[str] = frozenset()      # the weights the step updates
     # the activations the backward reads (``saved_for_backward``); None: every one
     saved: frozenset[str] | None = None
+
+    @classmethod
+    def of(cls, step, schedule: str = ONE_F_ONE_B) -> "TrainingCosting":
+        """The costing of a ``training.step_model.StepModel``: its optimizer, the weights it
+        trains (its frozen patterns and unreached weights left out) and what its backward reads."""
+        return cls(step.manifest["optimizer"], schedule, frozenset(step.manifest["weights"]), saved_for_backward(step))
 
     def __post_init__(self):
         if self.optimizer not in SLOTS:
@@ -85,20 +91,6 @@ def saved_for_backward(step) -> frozenset[str]:
                      for name in node.input if name in made)
 
 
-def trained_weights(graph: Graph, frozen: tuple[str, ...] = ()) -> set[str]:
-    """The initializers a training step updates (``training.step_model``'s rule: floating
-    point, more than one element, not matched by a ``frozen`` pattern)."""
-    found = set()
-    for name, info in graph.tensors.items():
-        if not info.is_param or info.is_derived:     # an initializer, not an expression of one
-            continue
-        if info.dtype.kind != "f" or int(np.prod(info.shape)) < 2:
-            continue
-        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in frozen):
-            found.add(name)
-    return found
-
-
 class TrainingOperatorCosts(OperatorCosts):
     """``OperatorCosts`` of a training step (module docstring): seconds of forward and
     backward with the gradients' all-reduce, bytes of weights, gradients and slots."""
@@ -114,7 +106,7 @@ class TrainingOperatorCosts(OperatorCosts):
     def __init__(self, graph: Graph, cost_model, cluster, constants, training: TrainingCosting, microbatches: int):
         super().__init__(graph, cost_model, cluster, constants)
         self.training = training
-        self.trained = trained_weights(graph, training.frozen)
+        self.trained = training.trained
         self.per_step = 1.0 / max(1, int(microbatches))
 
     def stored_bytes(self, name: str) -> float:
