@@ -994,3 +994,17 @@ def test_class_losses(op, extra, classes, reduction, weighted, ignore, log_prob,
         constants["w"] = rng.uniform(0.5, 2.0, classes)
     outputs = ["loss", "lp"] if op == "SoftmaxCrossEntropyLoss" and log_prob else ["loss"]
     check([N(op, names, outputs, **attrs)], inputs, ["x"], initializers=constants)
+
+
+def test_a_weight_applied_at_every_position_gets_one_product():
+    """x [batch, seq, K] · W [K, N]: W's gradient is one Gemm over batch × seq rows giving
+    [K, N] — no per-batch product of [batch, K, N] summed afterwards (slower per FLOP and a
+    tensor the weight's size times the batch) — and equals xᵀ·dy over every position."""
+    x, w = rand(0, [4, 3, 5]), rand(1, [5, 6])
+    nodes = [N("MatMul", ["x", "w"], ["h"]), N("Tanh", ["h"], ["t"])] + _loss("t")
+    model = _model(nodes, {"x": x, "w": w}, ["loss"])
+    found = gradients(model, "loss", ["w"])
+    assert [n.op_type for n in found.nodes if n.op_type in ("MatMul", "Gemm", "ReduceSum")] == ["Gemm"]
+    (dw,) = _run(model, found, {"x": x, "w": w}, [found.of["w"]])
+    dh = 1 - np.tanh(x @ w) ** 2
+    np.testing.assert_allclose(dw, x.reshape(-1, 5).T @ dh.reshape(-1, 6))

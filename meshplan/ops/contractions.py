@@ -167,11 +167,23 @@ def _matmul_grad(g: GradNode) -> list:
         if len(g.shape(g.x(0))) == 1:
             da = g.op("Reshape", da, g.shape_tensor(g.x(0)))
     if g.need(1):
-        grad = g.set_shape(g.op("MatMul", _swap_last(g, a, len(sa)), dy), batch + (sb[-2], sb[-1]))
-        db = g.unbroadcast(grad, b, like=grad)
+        if len(sb) == 2 and len(sa) > 2 and isinstance(sa[-1], int) and isinstance(sb[-1], int):
+            db = _rows_product(g, a, dy, sa[-1], sb[-1])
+        else:
+            grad = g.set_shape(g.op("MatMul", _swap_last(g, a, len(sa)), dy), batch + (sb[-2], sb[-1]))
+            db = g.unbroadcast(grad, b, like=grad)
         if len(g.shape(g.x(1))) == 1:
             db = g.op("Reshape", db, g.shape_tensor(g.x(1)))
     return [da, db]
+
+
+def _rows_product(g: GradNode, a: str, dy: str, k: int, n: int) -> str:
+    """Aᵀ·dY for a matrix B broadcast over every batch dim of A (a weight applied to each
+    position): A's and dY's batch dims and rows become one dim of rows, and one Gemm
+    contracts them — not a product per batch entry summed afterwards, which takes longer per
+    FLOP and holds a [batch…, K, N] tensor the size of B times the batch."""
+    rows = g.op("Reshape", a, g.ints([-1, k]))
+    return g.set_shape(g.op("Gemm", rows, g.op("Reshape", dy, g.ints([-1, n])), transA=1), (k, n))
 
 
 @gradient("Gemm")
