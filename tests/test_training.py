@@ -18,7 +18,7 @@ from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.errors import TrainError
 from meshplan.testing.train_reference import run_step_model, run_whole
 from meshplan.trainer.checkpoint import Checkpoint
-from meshplan.training.step_model import TrainSpec, build_step_model
+from meshplan.training.step_model import TrainSpec, build_step_model, is_additive_mask
 
 MLP = REPO / "sample_models" / "mlp.onnx"
 
@@ -136,6 +136,18 @@ def test_frozen_weights_stay_initializers(tmp_path):
     assert any(n.startswith("layer0.") for n in kept)
     assert not any(n.startswith("layer0.") for n in step.manifest["weights"])
     assert step.manifest["weights"]
+
+
+def test_a_finite_additive_mask_is_not_trained():
+    """The gpt sample's causal mask (0 and -1e4, a buffer in torch) is a constant of the step,
+    not a weight with a gradient and optimizer slots; a weight that merely holds zeros is trained."""
+    step = build_step_model(REPO / "sample_models" / "gpt.onnx", TrainSpec("cross_entropy:logits:target", "sgd"))
+    assert "const.causal_mask_64" not in step.manifest["weights"]
+    assert "const.causal_mask_64" in {t.name for t in step.model.graph.initializer}
+    assert is_additive_mask(np.triu(np.full((4, 4), -np.inf), 1))
+    assert is_additive_mask(np.triu(np.full((4, 4), np.finfo(np.float32).min), 1))
+    assert not is_additive_mask(np.zeros((4, 4)))
+    assert not is_additive_mask(np.triu(np.full((4, 4), -0.5), 1))
 
 
 @pytest.mark.parametrize("loss,frozen,match", [
@@ -443,6 +455,21 @@ def test_job_train_step_from_a_users_loop(tmp_path):
     losses, _ = run_whole(plan_dir, data, 3, 0.01, hyper)
     (tmp_path / "expected.json").write_text(json.dumps({"lr": 0.01, "hyper": hyper, "losses": losses}))
     assert run_mpi_script("train_step_case.py", 2, args=(plan_dir, data, tmp_path / "expected.json"))
+
+
+def test_a_training_jobs_sessions_run_without_the_memory_pattern(tmp_path):
+    """A training step's sessions run without onnxruntime's memory pattern and constant
+    folding (each held memory the step's own tensors do not need: docs/training.md); an
+    inference job's keep both."""
+    from meshplan.runtime.job import Job
+
+    training = Job(_plan(tmp_path, "plan", "--mesh", "1x1"), provider="cpu")
+    inference = run_cli("plan", MLP, "--mesh", "1x1", "--device", "cpu", "--dim", "batch=8", "-o", tmp_path / "run")
+    assert inference.returncode == 0, inference.stderr
+    running = Job(tmp_path / "run", provider="cpu")
+    for job, pattern in ((training, False), (running, True)):
+        sessions = [s.session.session for s in job.session.segments if s.session is not None]
+        assert sessions and all(s.get_session_options().enable_mem_pattern is pattern for s in sessions)
 
 
 # --- bad input: one line, exit 1 ------------------------------------------------------------

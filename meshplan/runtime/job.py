@@ -181,7 +181,8 @@ class Job(CallHeaders, HeldState):
                 if not pooled.shared_pool or share_one_pool(pooled.threads):
                     self.threads = pooled
                 session.open(providers, self.threads.threads, self.threads.spinning, graphs,
-                             self.threads.pool_affinities(), graphs_in_segments=segment_graphs)
+                             self.threads.pool_affinities(), graphs_in_segments=segment_graphs,
+                             training=bool(plan.training))
                 pin_calling_thread(self.threads)   # (onnxruntime pinned its pool threads)
                 buffers, path_text = choose_buffers(transfer, session.providers[0], device_id, MPI,
                                                     alone=self.size == 1)

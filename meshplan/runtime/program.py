@@ -94,12 +94,12 @@ class Segment:
     in_place: dict[str, str] | None = None  # output → the input whose buffer it may be written into
 
     def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False,
-             affinities: str | None = None) -> None:
+             affinities: str | None = None, training: bool = False) -> None:
         """Create the session (and so load the segment's weights) if it is not open."""
         if self.session is None and self.source is not None:
             self.session = StageSession(self.source, providers, threads, self.weights_dir, label=self.label,
                                         in_place=self.in_place, spinning=spinning, graphs=graphs,
-                                        affinities=affinities)
+                                        affinities=affinities, training=training)
 
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
@@ -288,13 +288,13 @@ class ProgramRunner:
         return sum(1 for s in self.segments if s.source is not None)
 
     def open(self, providers: list[str], threads: int = 0, spinning: bool | None = None, graphs: bool = False,
-             affinities: str | None = None, graphs_in_segments: bool = False) -> None:
+             affinities: str | None = None, graphs_in_segments: bool = False, training: bool = False) -> None:
         """Open every segment's session (``Segment.open``); CUDA graphs only in a program of one
         segment (see ``__init__``), or, with ``graphs_in_segments``, in every segment (to
         measure whether they capture once no integer crosses a cut: ``remake_integers``)."""
         for segment in self.segments:
             segment.open(providers, threads, spinning, graphs and (len(self.segments) == 1 or graphs_in_segments),
-                         affinities)
+                         affinities, training)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
     def keep_on(self, device, staged: bool = True) -> None:

@@ -101,7 +101,7 @@ class StageSession:
     def __init__(self, source: Path | bytes, providers: list[str], threads: int = 0,
                  weights_dir: Path | None = None, optimization: str = "all", label: str | None = None,
                  in_place: dict[str, str] | None = None, spinning: bool | None = None, graphs: bool = False,
-                 affinities: str | None = None):
+                 affinities: str | None = None, training: bool = False):
         """``source``: a model file, or a model built in memory (its bytes). ``weights_dir``:
         where the external data files of a model given as bytes lie; onnxruntime reads
         them itself, straight into the memory it runs from (the host for the CPU provider,
@@ -115,10 +115,18 @@ class StageSession:
         CPU, loads without them). ``affinities``: the pool threads' CPUs, onnxruntime's
         ``session.intra_op_thread_affinities`` (``ThreadChoice.pool_affinities``). ``threads``,
         ``spinning`` and ``affinities`` are the process's where its sessions share one pool
-        (``providers.share_one_pool``)."""
+        (``providers.share_one_pool``). ``training``: the program is a training step (``Job``),
+        which runs once a step over large tensors: without onnxruntime's memory pattern (one
+        block laid out from the first run's allocations: on a 30 M-parameter GPT's step it
+        came to 410 MiB above the arena's own peak, and the step ran as fast without it) and
+        without its constant folding (which turned the zeros a gradient is scattered into,
+        ``ConstantOfShape`` of an activation's shape, into 48 MiB of constants held for the
+        session's life; meshplan folds small constants itself)."""
         import onnxruntime as ort
 
         options = session_options(threads, one_arena=True)
+        options.enable_mem_pattern = not training
+        unfolded = {"disabled_optimizers": ["ConstantFolding"]} if training else {}
         if weights_dir is not None:
             options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_dir))
         options.log_severity_level = ort_log_level()   # errors reach the user as RunError lines
@@ -143,13 +151,13 @@ class StageSession:
         if graphs and providers and provider_name(providers[0]) == CUDA:
             try:
                 self.session = ort.InferenceSession(model, options, providers=[_with_graphs(providers[0]),
-                                                                               *providers[1:]])
+                                                                               *providers[1:]], **unfolded)
                 self.graphs = True
             except Exception as exc:  # e.g. "not all compute nodes on the CUDA EP": load it without graphs
                 self.graphs_refused = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         if not self.graphs:
             try:
-                self.session = ort.InferenceSession(model, options, providers=providers)
+                self.session = ort.InferenceSession(model, options, providers=providers, **unfolded)
             except Exception as exc:
                 raise RunError(f"onnxruntime cannot load {label}: {str(exc).splitlines()[0][:300]}") from exc
         # Models before IR 4 list their weights as (optional) inputs too: feed only what is given.

@@ -85,10 +85,23 @@ def _trained(model: onnx.ModelProto, frozen: tuple[str, ...]) -> list[onnx.Tenso
         if any(fnmatch.fnmatchcase(tensor.name, p) for p in frozen):
             continue
         if tensor.data_location != TensorProto.EXTERNAL and tensor.ByteSize() < (1 << 20):
-            if not np.all(np.isfinite(numpy_helper.to_array(tensor))):   # a mask of -inf, not a weight
+            if is_additive_mask(numpy_helper.to_array(tensor)):
                 continue
         chosen.append(tensor)
     return chosen
+
+
+MASK_FLOOR = -1e3   # an additive mask's blocked value is at most this (exporters write -1e4, -1e9, finfo.min, -inf)
+
+
+def is_additive_mask(values: np.ndarray) -> bool:
+    """A constant added to attention scores to block positions (a causal mask), not a weight:
+    it holds -inf, or only 0 and one value of ``MASK_FLOOR`` or below (torch keeps such a
+    tensor as a buffer, which its optimizer does not train)."""
+    if not np.all(np.isfinite(values)):
+        return True
+    distinct = np.unique(values)
+    return len(distinct) == 2 and distinct[1] == 0 and distinct[0] <= MASK_FLOOR
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
