@@ -70,14 +70,38 @@ def _plan(model: Path, out: Path, cluster_file: Path, profile: Path, c: dict, mi
             "report": [line for line in done.stdout.splitlines() if line.strip()][:12]}
 
 
+_ECHO = """
+import socket, sys, time
+if sys.argv[1] == "serve":
+    server = socket.create_server((sys.argv[2], 47011)); connection, _ = server.accept()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (data := connection.recv(64)):
+        connection sendall(data)
+else:
+    client = socket.create_connection((sys.argv[2], 47011)); client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(200):
+        began = time.perf_counter(); client.sendall(b"x"); client.recv(64); times.append(time.perf_counter() - began)
+    print(sorted(times)[len(times) // 2] / 2)
+""".replace("connection sendall", "connection.sendall")
+
+
 def _latency(cluster) -> float:
-    """Seconds of a small message's round trip over the link, halved (ping between the hosts)."""
-    done = subprocess.run(["ip", "netns", "exec", cluster.namespaces[0], "ping", "-c", "20", "-i", "0.05", "-q",
-                           cluster.address(1)], capture_output=True, text=True)
-    for line in done.stdout.splitlines():
-        if "min/avg" in line:
-            return float(line.split("=")[1].split("/")[1]) / 2 / 1000
-    return 50e-6
+    """Seconds one way of a small message over the link: half the median round trip of a
+    byte between the hosts over TCP."""
+    server = subprocess.Popen(["ip", "netns", "exec", cluster.namespaces[1], sys.executable, "-c", _ECHO, "serve",
+                               cluster.address(1)])
+    try:
+        for _ in range(50):
+            done = subprocess.run(["ip", "netns", "exec", cluster.namespaces[0], sys.executable, "-c", _ECHO, "ask",
+                                   cluster.address(1)], capture_output=True, text=True)
+            if done.returncode == 0:
+                return float(done.stdout.strip())
+            time.sleep(0.1)   # the server not listening yet
+        raise SystemExit(f"no round trip between the hosts: {done.stderr.strip()[-300:]}")
+    finally:
+        server.kill()
+        server.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
+    parser.add_argument("--workdir", type=Path, help="keep the model, profiles, plans and logs here [default: a "
+                        "temporary directory]")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT, 2 microbatches, 1 timed step; no check")
     args = parser.parse_args(argv)
     c = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab, "seq": args.seq,
@@ -109,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = []
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, 1, args.rate) as cluster:
-        work = Path(tmp)
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model = work / "gpt.onnx"
         info = build_onnx_gpt(c, model)
         rng = np.random.default_rng(0)
@@ -121,19 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         cluster_file.write_text(
             f'hosts = 2\ndevices_per_host = 1\ndevice = "cpu"\n[inter_host]\n'
             f"bandwidth_gbps = {rate_bits(args.rate) / 8 / 1e9:.6f}\nlatency_us = {latency * 1e6:.1f}\n")
-        profile = work / "profile.json"
-        started = time.perf_counter()
-        profile_command = [*MESHPLAN, "profile", model, "--train", "--loss", LOSS, "--optimizer", "adamw",
-                           "--cluster", cluster_file, "--dim", f"batch={c['batch']}", "--threads", 1,
-                           "--cache", work / "cache.sqlite", "-o", profile]
-        for m in args.microbatches:
-            profile_command += ["--microbatches", m] if m > 1 else []
-        _run(cluster, profile_command, "meshplan profile --train")
-        profiled = time.perf_counter() - started
         print(f"GPT {info['parameters'] / 1e6:.1f} M parameters ({c['layers']} layers, hidden {c['hidden']}, "
               f"sequence {c['seq']}, vocabulary {c['vocab']}), batch {c['batch']}; 2 hosts x 1 rank, link "
-              f"{args.rate}, {latency * 1e6:.0f} us one way; profiled in {profiled:.0f} s")
+              f"{args.rate}, {latency * 1e6:.0f} us one way")
         for m in args.microbatches:
+            profile = work / f"profile-m{m}.json"   # the step's operators at this microbatch's shapes
+            _run(cluster, [*MESHPLAN, "profile", model, "--train", "--loss", LOSS, "--optimizer", "adamw",
+                           "--cluster", cluster_file, "--dim", f"batch={c['batch']}", "--threads", 1,
+                           "--cache", work / "cache.sqlite", "-o", profile]
+                 + (["--microbatches", m] if m > 1 else []), "meshplan profile --train")
             plan_dir = work / f"plan-m{m}"
             planned = _plan(model, plan_dir, cluster_file, profile, c, m)
             log = work / f"m{m}.json"
@@ -168,7 +191,7 @@ def report(rows: list[dict], args) -> int:
     print(f"{status} | measured step within {WITHIN:.0%} of the estimate on {len(rows) - len(misses)}/{len(rows)}"
           f"{' (--smoke: the check is not held)' if args.smoke else ''} | benchmarks/emulated_pipeline.py")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"rate": args.rate, "stages": STAGES, "rows": rows}, indent=1))
     return 0 if status != "FAILED" else 1
 
 

@@ -59,6 +59,7 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         record = write_parts(pipeline, folder, options.schedule, microbatches, replicas)
         plan = _plan(model_path, step, step_path, cluster, dims, microbatches, pipeline, cut, memory, record,
                      replicas, costs)
+        plan.estimate.update((cost_model or CostModel(cluster)).summary())   # which costs the estimate took
         plan.notes.extend(notes)
         write_plan(plan, staging)
         write_training_schedule(plan.to_dict()["checksum"], training_schedule(pipeline, microbatches,

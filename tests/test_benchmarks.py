@@ -114,6 +114,13 @@ def check_emulated_cluster(body, out, genai):
     assert len(body["rows"]) == 40 and all(positive(r["measured_ms"], r["simulated_ms"]) for r in body["rows"])
 
 
+def check_emulated_pipeline(body, out, genai):
+    (row,) = body["rows"]
+    assert row["microbatches"] == 2 and positive(row["estimate_seconds"], row["measured_seconds"])
+    assert len(row["busy_fractions"]) == 2 and all(0 < b <= 1 for b in row["busy_fractions"])
+    assert "SMOKE | measured step within 25% of the estimate" in out
+
+
 def check_segment_pools(body, out, genai):
     assert [r["runner"] for r in body["rows"]] == ["one pool", "not spinning", "spinning"]
     assert all(positive(r["median_ms"]) for r in body["rows"])
@@ -202,6 +209,8 @@ CASES = {
                     check_large_model, (pytest.mark.mpi,)),
     # slow: four ranks (two emulated hosts of two; the default run starts two at most) and root
     "emulated_cluster": (["--smoke"], check_emulated_cluster, (pytest.mark.mpi, pytest.mark.slow)),
+    # slow: two emulated hosts (root), a profile, a plan and a pipelined training run across them
+    "emulated_pipeline": (["--smoke"], check_emulated_pipeline, (pytest.mark.mpi, pytest.mark.slow)),
     "segment_pools": (["--blocks", "1", "--steps", "2", "--pause", "0"], check_segment_pools, ()),
     "small_batch_split": (["--meshes", "1x2", "--rounds", "1", "--repeat", "2", "--cores"], check_small_batch_split,
                           (pytest.mark.mpi,)),
@@ -281,7 +290,7 @@ def run_case(script: str, tmp_path: Path, request, genai: bool = GENAI) -> None:
 
 @pytest.mark.parametrize("script", [pytest.param(name, marks=marks) for name, (_, _, marks) in CASES.items()])
 def test_smallest_configuration(script, tmp_path, request):
-    if script == "emulated_cluster":
+    if script in ("emulated_cluster", "emulated_pipeline"):
         from meshplan.testing.emulated_cluster import unavailable_reason
 
         reason = unavailable_reason()

@@ -411,6 +411,14 @@ def test_a_profile_of_the_training_step_costs_every_operator_of_its_plan(tmp_pat
     measured, analytic = map(int, re.search(r"costs: (\d+) operator\(s\) measured, (\d+) from the analytic",
                                             done.stdout).groups())
     assert measured > 0 and analytic > 0
+    # a pipelined plan's estimate says which costs it took, as any plan's
+    done = run_cli("profile", MLP, *train, *common[2:], "--mesh", "1x2", "-o", tmp_path / "step2.json")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("plan", MLP, *train, "--mesh", "1x2", "--device", "cpu", "--dim", "batch=8", "--stages", "2",
+                   "--profile", tmp_path / "step2.json", "-o", tmp_path / "piped")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "piped" / "plan.json").read_text())["estimate"]["cost_model"] == "profiled"
+    assert "(profiled costs)" in done.stdout
 
 
 def test_resume_continues_bitwise_on_its_plan_and_on_another_and_export_runs(tmp_path):
