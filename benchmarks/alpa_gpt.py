@@ -10,15 +10,18 @@ between hosts. Each plan runs in a child process, timed, with its peak RSS.
 Printed per model: the plan (stages, their submeshes and logical meshes, microbatches),
 planning seconds and memory, the estimated step and memory per GPU, and throughput in
 PFLOPS by Alpa's formula (96·B·S·H²·L·(1 + S/6H) + 6·B·S·H·V per iteration, which counts
-the recomputation Alpa does and meshplan does not: the same numerator in every column, so
-the columns' ratio is their step times') next to Alpa's and Megatron-LM's measured figures
+the recomputation Alpa does, whether or not meshplan's plan does: the same numerator in
+every column, so the columns' ratio is their step times') next to Alpa's and Megatron-LM's
+measured figures
 (``ALPA_MEASURED``). meshplan's figure is the planner's analytic estimate (dense peaks of
 the V100), not a measured run.
 
-    python benchmarks/alpa_gpt.py [--models 350M 1.3B ...] [--microbatches M ...] [--json PATH]
+    python benchmarks/alpa_gpt.py [--models 350M 1.3B ...] [--microbatches M ...] [--recompute]
+        [--json PATH]
 
 ``--microbatches`` lists the counts tried per model (the fastest plan is kept; default:
-the count of Alpa's own plan for that size).
+the count of Alpa's own plan for that size). ``--recompute`` plans with activation
+recomputation, as Alpa's and Megatron-LM's runs of this table did.
 """
 
 from __future__ import annotations
@@ -63,10 +66,10 @@ def alpa_flops(layers: int, hidden: int, batch: int = BATCH, seq: int = SEQ, voc
 
 
 def plan_row(name: str, model: Path, cluster: Path, gpus: int, microbatches: int, out: Path, batch: int,
-             seq: int, timeout: float) -> dict:
+             seq: int, timeout: float, recompute: bool = False) -> dict:
     args = ["plan", model, "--train", "--loss", "cross_entropy:logits:labels", "--optimizer", "adamw",
             "--cluster", cluster, "--dim", f"batch={batch}", "--dim", f"seq={seq}", "--microbatches", str(microbatches),
-            "--max-stages", str(gpus), "--no-programs", "-o", out]
+            "--max-stages", str(gpus), "--no-programs", *(["--recompute"] if recompute else []), "-o", out]
     started = time.perf_counter()
     done = run_measured(args, cwd=ROOT, timeout=timeout)
     seconds = time.perf_counter() - started
@@ -104,6 +107,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=BATCH, help="global batch (Alpa's: 1024)")
     parser.add_argument("--seq", type=int, default=SEQ, help="sequence length (Alpa's: 1024)")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--recompute", action="store_true", help="plan with activation recomputation")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
 
@@ -125,7 +129,7 @@ def main() -> int:
             cluster = tmp / name / "cluster.toml"
             cluster.write_text(TESTBED.format(hosts=max(1, gpus // 8), per_host=min(gpus, 8)))
             tried = [plan_row(name, model, cluster, gpus, m, tmp / name / f"plan{m}", args.batch, args.seq,
-                              args.timeout) for m in (args.microbatches or [ALPA_MICROBATCHES[name]])]
+                              args.timeout, args.recompute) for m in (args.microbatches or [ALPA_MICROBATCHES[name]])]
             found = [r for r in tried if "error" not in r]
             if not found:
                 print(f"{name:>5} {gpus:>4} no plan: {tried[-1]['error']}", flush=True)

@@ -31,6 +31,10 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @click.option("--schedule", "pipeline_schedule", type=click.Choice(["1f1b", "gpipe"]),
               help="A pipelined training plan's schedule (--train with --stages or --max-stages): 1F1B keeps "
                    "stage i of S at S - i microbatches in flight, GPipe all of them.  [default: 1f1b]")
+@click.option("--recompute", is_flag=True,
+              help="A training estimate (--train --no-programs with --stages or --max-stages) that recomputes each "
+                   "layer's activations before its backward, keeping only what enters each layer (Alpa's and "
+                   "Megatron-LM's activation checkpointing): a forward more a step, far fewer bytes in flight.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -77,7 +81,7 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, stages, pipeline_schedule,
-         all_devices,
+         recompute, all_devices,
          shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
          max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
@@ -105,7 +109,11 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
-                              all_devices=all_devices, schedule=pipeline_schedule or "1f1b")
+                              all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute)
+        if recompute and not (train and no_programs and (stages or max_stages)):
+            raise click.UsageError("--recompute goes with --train --no-programs and --stages or --max-stages (a "
+                                   "training estimate; plans with programs keep every activation their backward "
+                                   "reads, for now)")
         if pipeline_schedule is not None and not (train and (stages or max_stages)):
             raise click.UsageError("--schedule goes with --train and --stages or --max-stages (a pipelined "
                                    "training plan)")

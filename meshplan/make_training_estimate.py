@@ -33,7 +33,7 @@ def plan_training_estimate(model_path: Path, cluster: Cluster, dims: dict, out_d
     """``dims``: the whole batch's (``options.microbatches`` splits it); ``make_plan`` writes
     the plan directory (``make_plan.make_plan``, passed in: it calls this module)."""
     step = build_step_model(model_path, replace(spec, microbatches=options.microbatches))
-    costing = TrainingCosting.of(step, options.schedule)
+    costing = TrainingCosting.of(step, options.schedule, options.recompute)
     weights = step.manifest["weights"]
 
     def record(plan: Plan, graph, shardings) -> None:
@@ -43,15 +43,17 @@ def plan_training_estimate(model_path: Path, cluster: Cluster, dims: dict, out_d
             "estimate_only": True, "loss": spec.loss, "optimizer": spec.optimizer, "frozen": list(spec.frozen),
             "schedule": options.schedule, "microbatches": options.microbatches,
             "weights": weights, "in_flight": in_flight,
-            "held_per_weight": costing.held_per_weight,
+            "held_per_weight": costing.held_per_weight, "recompute": costing.recompute,
         }
         total = sum(_nbytes(w) for w in weights.values())
         plan.notes.append(
             f"training (estimated, no programs): {spec.optimizer} on {spec.loss}, {len(weights)} weight(s) trained "
             f"({human_bytes(total)}, held {costing.held_per_weight}x with gradients and optimizer slots), "
             f"{options.schedule.upper() if options.schedule == '1f1b' else 'GPipe'} over {options.microbatches} "
-            f"microbatch(es), activations in flight per stage {in_flight}; stage times are forward and backward "
-            "of one microbatch")
+            f"microbatch(es), activations in flight per stage {in_flight}"
+            + (", each layer's activations recomputed before its backward (only what enters a layer kept)"
+               if costing.recompute else "")
+            + "; stage times are forward and backward of one microbatch")
 
     return make_plan(model_path, cluster, dims, out_dir, replace(options, training=costing),
                      cost_model=cost_model, programs=False, shapes_only=shapes_only, _record=record)

@@ -121,6 +121,42 @@ def test_a_stage_keeps_what_the_backward_reads(gpt_graph, steps):
     assert whole_kept.seconds == whole_every.seconds and whole_kept.param_bytes == whole_every.param_bytes
 
 
+def test_recomputing_costs_a_forward_more_and_keeps_what_enters_each_layer(gpt_graph, steps):
+    """Recomputing activations (Alpa's and Megatron-LM's checkpointing): a one-device stage
+    takes four forwards instead of three (its sends as before), keeps per microbatch only
+    what crosses into each of its layers and out of it, and holds once the largest of its
+    layers' saved activations (the one recomputed layer's)."""
+    from dataclasses import replace
+
+    from meshplan.inter.training_costs import TrainingCosting
+
+    graph, constants = gpt_graph
+    costing = TrainingCosting.of(steps["adamw"])
+    assert costing.forwards == 3 and replace(costing, recompute=True).forwards == 4
+    forward = _costs(graph, constants)
+    kept = _costs(graph, constants, costing)
+    again = _costs(graph, constants, replace(costing, recompute=True))
+    L = forward.num_layers
+    saved = np.diff(kept._kept_prefix)    # each layer's activations its backward reads
+    assert saved.max() > 0
+    for start in range(L):
+        for stop in range(start + 1, L + 1):
+            f, k, r = (c.stage_cost(start, stop, (1, 1), (1, 1)) for c in (forward, kept, again))
+            send = forward.send_seconds(stop)
+            assert r.seconds == pytest.approx(4 * (f.seconds - send) + 2 * send, rel=1e-9)
+            assert r.act_bytes == pytest.approx(float(forward._cut_peak[start:stop + 1].sum()))
+            assert r.param_bytes == pytest.approx(k.param_bytes + float(saved[start:stop].max()))
+    whole_kept, whole_again = kept.stage_cost(0, L, (1, 1), (1, 1)), again.stage_cost(0, L, (1, 1), (1, 1))
+    assert whole_again.act_bytes < whole_kept.act_bytes
+    # the DP's tables say the same as the stage costs, on one device and sharded
+    seconds, params, acts = again.tables([(1, 1), (1, 4)])
+    one, four = again.stage_cost(0, L, (1, 1), (1, 1)), again.stage_cost(0, L, (1, 4), (1, 4))
+    assert params[0, L - 1, 0, 0] == pytest.approx(one.param_bytes) and acts[0, L - 1, 0, 0] == pytest.approx(
+        one.act_bytes)
+    views = [k for k in range(params.shape[3]) if np.isfinite(params[0, L - 1, 1, k])]
+    assert any(params[0, L - 1, 1, k] == pytest.approx(four.param_bytes) for k in views)
+
+
 def _params(graph, costs, start, stop):
     bounds = costs.layering.bounds
     return {p for i in range(bounds[start], bounds[stop]) for p in graph.params_of(i)}
@@ -250,6 +286,26 @@ def test_training_estimate_cannot_be_trained_or_exported(tmp_path):
     assert "no instruction lists" in _one_error_line(listed)
     shown = run_cli("show", out, "--operators", "1")
     assert shown.returncode == 0 and "stage 1" in shown.stdout, shown.stderr
+
+
+def test_training_estimate_with_recomputation(tmp_path):
+    """``--recompute``: the same stages slower and smaller, said in the report; refused with
+    programs or without stages (one line, nothing written)."""
+    from meshplan.plan_format import read_plan
+
+    plain, plain_out = _plan(tmp_path, "plain", "--stages", "2", microbatches=8)
+    again, again_out = _plan(tmp_path, "again", "--stages", "2", "--recompute", microbatches=8)
+    assert plain.returncode == 0 and again.returncode == 0, plain.stderr + again.stderr
+    kept, recomputed = read_plan(plain_out), read_plan(again_out)
+    assert recomputed.training["recompute"] and not kept.training["recompute"]
+    assert recomputed.estimate["latency_seconds"] > kept.estimate["latency_seconds"]
+    assert max(s.memory_bytes for s in recomputed.stages) < max(s.memory_bytes for s in kept.stages)
+    assert "recomputed before its backward" in (again_out / "report.txt").read_text()
+    for extra in (["--stages", "2"], []):
+        out = tmp_path / f"refused{len(extra)}"
+        done = run_cli(*["plan", str(GPT), "--train", "--loss", LOSS, "--mesh", "1x4", "--dim", "batch=8", "--dim",
+                         "seq=32", "--microbatches", "4", "--recompute", *extra, "-o", str(out)])
+        assert done.returncode != 0 and "--recompute" in done.stderr and not out.exists()
 
 
 def test_training_estimate_refuses_what_it_cannot_plan(tmp_path):

@@ -44,6 +44,7 @@ class PlanOptions:
     batch_dim: tuple[str, ...] = ()    # --batch-dim: a symbolic dim's name, or INPUT:AXIS places
     all_devices: bool = False          # --all-devices: every device holds a stage (none left idle)
     schedule: str = "1f1b"             # a pipelined training plan's schedule: 1f1b or gpipe
+    recompute: bool = False            # a training estimate recomputes activations (--recompute)
     training: TrainingCosting | None = None   # weigh a training step, not a forward call (inter.training_costs)
 
 

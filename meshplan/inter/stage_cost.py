@@ -17,7 +17,7 @@ from meshplan.cost.protocol import CostModelProtocol
 from meshplan.model.graph import Graph
 from meshplan.intra.intra_op import IntraOpPass
 from meshplan.model.layers import Layering, cut_traffic
-from meshplan.inter.training_costs import BACKWARD_FACTOR, RESHARD_FACTOR, TrainingCosting
+from meshplan.inter.training_costs import RESHARD_FACTOR, TrainingCosting
 from meshplan.training.pipeline_step import GPIPE
 
 
@@ -76,7 +76,7 @@ class StageCosts:
         if cluster is not None:
             seconds = cluster.shared_seconds(seconds, 1)
         if training is not None:
-            seconds = seconds * (1.0 + BACKWARD_FACTOR)
+            seconds = seconds * training.forwards
         self._seconds_prefix = np.concatenate([[0.0], np.cumsum(seconds)])[bounds]
         self._cut_bytes = layering.cut_bytes[bounds]
         owner = layering.layer_of_node()
@@ -92,10 +92,16 @@ class StageCosts:
         if training is not None:   # each trained weight with its gradient and optimizer slots
             self._param_sizes *= np.array([training.held_per_weight if p in training.trained else 1 for p in params])
         self._layer_peak = self._peak_activation_per_layer(owner)
-        # a training stage keeps every activation it makes for the backward: per layer
-        self._kept_prefix = np.concatenate([[0.0], np.cumsum(self._kept_per_layer(owner))])
         # memory counts a ranged plan's activations at its largest sizes
         self._cut_peak = cut_traffic(graph, peak=True)[bounds] if graph.views else self._cut_bytes
+        # a training stage keeps, per microbatch in flight, every activation its backward
+        # reads (per layer); recomputing, only what leaves each layer (the next one's input:
+        # what enters the stage is counted apart), and one layer's activations at a time
+        kept = self._kept_per_layer(owner)
+        self._recomputed = np.zeros(self.num_layers)
+        if training is not None and training.recompute:
+            self._recomputed, kept = kept, self._cut_peak[1:].astype(np.float64)
+        self._kept_prefix = np.concatenate([[0.0], np.cumsum(kept)])
         # state (an output that is the next call's input) stays on the devices between calls,
         # at its largest size: held like a weight by the stage that makes it
         state = np.zeros(self.num_layers + 1)
@@ -175,14 +181,17 @@ class StageCosts:
         if self.training is not None:
             activations = float(self._kept_prefix[stop] - self._kept_prefix[start]) + float(self._cut_peak[start])
         state = float(self._state_prefix[stop] - self._state_prefix[start])
+        recomputed = float(self._recomputed[start:stop].max())   # held once, whatever is in flight
         if submesh == (1, 1):
-            return StageCost(self.compute_seconds(start, stop) + send, self.param_bytes(start, stop) + state, activations)
+            return StageCost(self.compute_seconds(start, stop) + send,
+                             self.param_bytes(start, stop) + state + recomputed, activations)
         if self.intra_op is None:
             return INFEASIBLE
         sharded = self.intra_op.stage(start, stop, submesh, logical, memory)
         devices = submesh[0] * submesh[1]
         # the sharded stage's held bytes count its state in the layout it is made in
-        return StageCost(sharded.seconds + sharded.arrival + send, sharded.param_bytes, activations / devices)
+        return StageCost(sharded.seconds + sharded.arrival + send, sharded.param_bytes + recomputed / devices,
+                         activations / devices)
 
     def tables(self, submeshes: list[tuple[int, int]], memory: float | None = None,
                across_hosts: bool | None = None):
@@ -229,19 +238,21 @@ class StageCosts:
         views = logical_meshes(submesh)
         seconds, params, acts = (np.full((L, L, len(views)), np.inf) for _ in range(3))
         activations, state, feasible = self._range_facts()
+        recomputed = self._range_recomputed()
         devices = submesh[0] * submesh[1]
         for k, logical in enumerate(views):
             if submesh == (1, 1):
                 work = self._seconds_prefix[None, 1:] - self._seconds_prefix[:L, None]
                 seconds[:, :, k] = np.where(feasible, work, np.inf)
-                params[:, :, k] = np.where(feasible, self._range_param_bytes() + state, np.inf)
+                params[:, :, k] = np.where(feasible, self._range_param_bytes() + state + recomputed, np.inf)
                 acts[:, :, k] = np.where(feasible, activations, np.inf)
                 continue
             if self.intra_op is None:
                 continue
             secs, weights = self.intra_op.stage_tables(submesh, logical, memory)
             seconds[:, :, k] = np.where(feasible, secs, np.inf)
-            params[:, :, k] = np.where(feasible, weights, np.inf)   # state counted in the layout it is made in
+            # state counted in the layout it is made in
+            params[:, :, k] = np.where(feasible, weights + recomputed / devices, np.inf)
             acts[:, :, k] = np.where(feasible, activations / devices, np.inf)
         cache[key] = (seconds, params, acts)
         return cache[key]
@@ -265,6 +276,15 @@ class StageCosts:
                 feasible &= ~((first <= hi) & (last >= lo) & ~((first <= lo) & (last >= hi)))
             self._facts = (activations, state, feasible)
         return self._facts
+
+    def _range_recomputed(self) -> np.ndarray:
+        """[i, j]: the most activation bytes one of layers i..j makes for its backward, held
+        once by a stage that recomputes them (zeros where nothing is recomputed)."""
+        L = self.num_layers
+        out = np.zeros((L, L))
+        for i in range(L):
+            out[i, i:] = np.maximum.accumulate(self._recomputed[i:])
+        return out
 
     def _range_param_bytes(self) -> np.ndarray:
         """[i, j]: ``param_bytes(i, j + 1)`` for every range (each weight counted once)."""

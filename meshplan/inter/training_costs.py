@@ -17,8 +17,12 @@ stands for itself and its backward, as Alpa's and Megatron-LM's cost models take
   slots, each in the weight's layout and dtype (as ``training.optimizers`` builds them):
   ``2 + slots`` times its bytes; a stage keeps, per microbatch in flight, the activations
   its operators make that the step's backward reads (``saved_for_backward``, from the step
-  model meshplan would train; nothing is recomputed) and what enters it.
-  1F1B keeps ``S − i`` microbatches in flight on stage ``i`` of ``S``, GPipe all ``B``.
+  model meshplan would train) and what enters it. 1F1B keeps ``S − i`` microbatches in
+  flight on stage ``i`` of ``S``, GPipe all ``B``;
+- **recomputation** (``recompute``, Alpa's and Megatron-LM's activation checkpointing): a
+  stage keeps only what enters each of its layers per microbatch in flight, and recomputes
+  a layer's forward before its backward: one forward more per operator (and per
+  resharding inside a stage), and one layer's activations held at a time, once.
 
 Left out: the loss (the model's outputs are where the step ends), the optimizer's update
 (elementwise over the weights, once a step), a tied weight's gradient meeting across
@@ -56,12 +60,25 @@ class TrainingCosting:
     trained: frozenset[str] = frozenset()      # the weights the step updates
     # the activations the backward reads (``saved_for_backward``); None: every one
     saved: frozenset[str] | None = None
+    recompute: bool = False                    # each layer's forward again before its backward
 
     @classmethod
-    def of(cls, step, schedule: str = ONE_F_ONE_B) -> "TrainingCosting":
+    def of(cls, step, schedule: str = ONE_F_ONE_B, recompute: bool = False) -> "TrainingCosting":
         """The costing of a ``training.step_model.StepModel``: its optimizer, the weights it
         trains (its frozen patterns and unreached weights left out) and what its backward reads."""
-        return cls(step.manifest["optimizer"], schedule, frozenset(step.manifest["weights"]), saved_for_backward(step))
+        return cls(step.manifest["optimizer"], schedule, frozenset(step.manifest["weights"]), saved_for_backward(step),
+                   recompute)
+
+    @property
+    def forwards(self) -> float:
+        """An operator's seconds a step, in forwards: itself, its backward, and its forward
+        again where activations are recomputed."""
+        return 1.0 + BACKWARD_FACTOR + (1.0 if self.recompute else 0.0)
+
+    @property
+    def reshard_factor(self) -> float:
+        """Times a resharding inside a stage happens a step."""
+        return RESHARD_FACTOR + (1.0 if self.recompute else 0.0)
 
     def __post_init__(self):
         if self.optimizer not in SLOTS:
@@ -95,8 +112,6 @@ class TrainingOperatorCosts(OperatorCosts):
     """``OperatorCosts`` of a training step (module docstring): seconds of forward and
     backward with the gradients' all-reduce, bytes of weights, gradients and slots."""
 
-    reshard_factor = RESHARD_FACTOR
-    call_factor = 1.0 + BACKWARD_FACTOR
     # a layer's memory-lean ILP is a knapsack over its weights, which trained weights (held
     # 4x) make binding almost everywhere: CBC finds a near-best layout at once and proves it
     # slowly, so these stop within 1 % of the bound or after LEAN_NODES nodes (the plan's
@@ -106,6 +121,7 @@ class TrainingOperatorCosts(OperatorCosts):
     def __init__(self, graph: Graph, cost_model, cluster, constants, training: TrainingCosting, microbatches: int):
         super().__init__(graph, cost_model, cluster, constants)
         self.training = training
+        self.call_factor, self.reshard_factor = training.forwards, training.reshard_factor
         self.trained = training.trained
         self.per_step = 1.0 / max(1, int(microbatches))
 
