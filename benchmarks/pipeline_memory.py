@@ -17,9 +17,10 @@ runs, and the estimate: that many microbatches times what a step of one microbat
 held. Both schedules' loss is printed (the same step, so the same loss).
 
 ``--mpi``: a GPT written with onnx.helper (``benchmarks/train.py``'s, at the sizes given) is
-planned with ``meshplan plan --train --stages S --schedule 1f1b|gpipe`` on a 1xS mesh of
-CPU devices and trained for ``--steps`` steps by ``mpiexec -n S meshplan train``; each
-rank's peak RSS as the command reports it, next to the plan's estimate of its stage.
+planned with ``meshplan plan --train --stages S --schedule 1f1b|gpipe`` (and 1F1B with
+``--recompute``) on a 1xS mesh of CPU devices and trained for ``--steps`` steps by
+``mpiexec -n S meshplan train``; each rank's peak RSS as the command reports it, next to
+the plan's estimate of its stage.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from meshplan.training.step_model import TrainSpec, build_step_model  # noqa: E4
 from sample_models.training import CASES, load_case  # noqa: E402
 
 MiB = 2 ** 20
+RECOMPUTED = "1f1b+recompute"   # (--mpi) 1F1B with --recompute
 
 
 def one_step(case: dict, stages: int, microbatches: int, batch: int, kind: str):
@@ -117,10 +119,11 @@ def _mpi_rows(args, work: Path) -> dict:
           f"{args.batch // args.microbatches} samples, under mpiexec")
     print(f"{'schedule':8} {'rank':>4} {'peak RSS MiB':>12} {'estimate MiB':>12}")
     rows = {}
-    for kind in (ONE_F_ONE_B, GPIPE):
+    for kind in (ONE_F_ONE_B, GPIPE, RECOMPUTED):
         plan_dir = work / f"plan-{kind}"
         _run([*meshplan, "plan", model, "--train", "--loss", "cross_entropy:logits:targets", "--optimizer", "adamw",
-              "--mesh", f"1x{args.stages}", "--stages", args.stages, "--schedule", kind, "--microbatches",
+              "--mesh", f"1x{args.stages}", "--stages", args.stages, "--schedule", kind.split("+")[0],
+              *(["--recompute"] if kind == RECOMPUTED else []), "--microbatches",
               args.microbatches, "--dim", f"batch={args.batch}", "--device", "cpu", "-o", plan_dir])
         log = work / f"log-{kind}.json"
         done = _run([mpiexec, "-n", args.stages, *meshplan, "train", plan_dir, "--data", data, "--steps", args.steps,
@@ -129,13 +132,18 @@ def _mpi_rows(args, work: Path) -> dict:
         for match in re.finditer(r"rank (\d+): peak RSS ([\d.]+) MiB, the plan's estimate ([\d.]+) MiB", done.stdout):
             ranks.append({"rank": int(match.group(1)), "peak_rss_mib": float(match.group(2)),
                           "estimate_mib": float(match.group(3))})
-            print(f"{kind:8} {ranks[-1]['rank']:>4} {ranks[-1]['peak_rss_mib']:>12.1f} {ranks[-1]['estimate_mib']:>12.1f}")
+            print(f"{kind:14} {ranks[-1]['rank']:>4} {ranks[-1]['peak_rss_mib']:>12.1f} "
+                  f"{ranks[-1]['estimate_mib']:>12.1f}")
         record = json.loads(log.read_text())
         rows[kind] = {"ranks": ranks, "losses": record["losses"], "step_seconds": record["step_seconds"]}
-        print(f"{kind:8} losses {', '.join(f'{v:.5f}' for v in record['losses'])}")
+        print(f"{kind:14} losses {', '.join(f'{v:.5f}' for v in record['losses'])}; step "
+              f"{sorted(record['step_seconds'])[len(record['step_seconds']) // 2] * 1e3:.0f} ms")
     ratio = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(rows[ONE_F_ONE_B]["ranks"], rows[GPIPE]["ranks"])]
     print("1F1B over GPipe, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in ratio))
-    return {"sizes": sizes, "parameters": built["parameters"], "schedules": rows, "ratio_1f1b_over_gpipe": ratio}
+    again = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(rows[RECOMPUTED]["ranks"], rows[ONE_F_ONE_B]["ranks"])]
+    print("1F1B recomputing over 1F1B, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in again))
+    return {"sizes": sizes, "parameters": built["parameters"], "schedules": rows, "ratio_1f1b_over_gpipe": ratio,
+            "ratio_recomputed_over_1f1b": again}
 
 
 def _run(command) -> subprocess.CompletedProcess:

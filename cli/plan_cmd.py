@@ -32,9 +32,11 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
               help="A pipelined training plan's schedule (--train with --stages or --max-stages): 1F1B keeps "
                    "stage i of S at S - i microbatches in flight, GPipe all of them.  [default: 1f1b]")
 @click.option("--recompute", is_flag=True,
-              help="A training estimate (--train --no-programs with --stages or --max-stages) that recomputes each "
-                   "layer's activations before its backward, keeping only what enters each layer (Alpa's and "
-                   "Megatron-LM's activation checkpointing): a forward more a step, far fewer bytes in flight.")
+              help="Recompute activations in the backward instead of keeping them (Alpa's and Megatron-LM's "
+                   "activation checkpointing): a pipelined training plan (--train --stages S) keeps each stage's "
+                   "inputs of a microbatch in flight and runs its forward again in its backward; a training "
+                   "estimate (--no-programs) keeps what enters each layer. A forward more a step, far fewer "
+                   "bytes in flight.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -110,10 +112,9 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
                               all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute)
-        if recompute and not (train and no_programs and (stages or max_stages)):
-            raise click.UsageError("--recompute goes with --train --no-programs and --stages or --max-stages (a "
-                                   "training estimate; plans with programs keep every activation their backward "
-                                   "reads, for now)")
+        if recompute and not (train and (stages or max_stages)):
+            raise click.UsageError("--recompute goes with --train and --stages or --max-stages (a pipelined "
+                                   "training plan or estimate)")
         if pipeline_schedule is not None and not (train and (stages or max_stages)):
             raise click.UsageError("--schedule goes with --train and --stages or --max-stages (a pipelined "
                                    "training plan)")

@@ -60,6 +60,10 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         plan = _plan(model_path, step, step_path, cluster, dims, microbatches, pipeline, cut, memory, record,
                      replicas, costs)
         plan.estimate.update((cost_model or CostModel(cluster)).summary())   # which costs the estimate took
+        plan.training["recompute"] = options.recompute
+        if options.recompute:
+            plan.notes.append("activations recomputed: each stage keeps its inputs of a microbatch in flight, and its "
+                              "backward runs its forward again")
         plan.notes.extend(notes)
         write_plan(plan, staging)
         write_training_schedule(plan.to_dict()["checksum"], training_schedule(pipeline, microbatches,
@@ -125,7 +129,7 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     """The cut, the step cut along it, and each stage's memory."""
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
     cut = cut_stages(graph, seconds, options.stages, options.num_layers)
-    pipeline = split_step(step, cut.forward_stage, options.stages)
+    pipeline = split_step(step, cut.forward_stage, options.stages, options.recompute)
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
@@ -141,6 +145,8 @@ def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, 
         where = pipeline.placement.get(node.name)
         if where is not None:
             found[where] = found.get(where, 0.0) + seconds
+    for stage in pipeline.recomputed:   # its backward runs its forward again
+        found[(stage, BACKWARD)] = found.get((stage, BACKWARD), 0.0) + found.get((stage, FORWARD), 0.0)
     return found
 
 

@@ -567,9 +567,10 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
     model_path, out_dir = Path(model_path), Path(out_dir)
     if not model_path.is_file():
         raise ModelError(f"model file not found: {model_path}")
-    if options.recompute and (programs or (options.stages is None and options.max_stages is None)):
-        raise PlanError("--recompute is for training estimates for now: plan with --no-programs and --stages or "
-                        "--max-stages (a plan with programs keeps every activation its backward reads)")
+    if options.recompute and (options.stages in (None, 1) if programs else
+                              options.stages is None and options.max_stages is None):
+        raise PlanError("--recompute goes with pipeline stages: --stages S (S > 1), or a training estimate "
+                        "(--no-programs with --stages or --max-stages)")
     if not programs and (options.stages is not None or options.max_stages is not None):
         from meshplan.make_training_estimate import plan_training_estimate
 

@@ -138,7 +138,8 @@ def check_pipeline_memory(body: dict, out: str, genai: bool) -> None:
         assert [r["rank"] for r in ranks] == [0, 1]
         assert all(r["peak_rss_mib"] > 0 and r["estimate_mib"] > 0 for r in ranks)
     assert schedules["1f1b"]["losses"] == pytest.approx(schedules["gpipe"]["losses"], rel=1e-5)
-    assert "1F1B over GPipe" in out
+    assert schedules["1f1b+recompute"]["losses"] == pytest.approx(schedules["1f1b"]["losses"], rel=1e-5)
+    assert "1F1B over GPipe" in out and "1F1B recomputing over 1F1B" in out
 
 
 def check_step_overhead(body, out, genai):

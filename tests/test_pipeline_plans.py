@@ -106,14 +106,19 @@ def test_plan_parts_in_process_equal_torch(tmp_path):
     assert_final_like_torch(case, plan.training["tied"], runner.state_values())
 
 
-@pytest.mark.parametrize("name,mesh,stages,schedule", [("gpt_adamw", "1x2", 2, "1f1b"),
-                                                       ("gpt2_tied", "2x2", 4, "gpipe"),
-                                                       ("gpt_adamw", "1x4", 2, "1f1b")])
-def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule):
+@pytest.mark.parametrize("name,mesh,stages,schedule,recompute", [("gpt_adamw", "1x2", 2, "1f1b", False),
+                                                                 ("gpt2_tied", "2x2", 4, "gpipe", False),
+                                                                 ("gpt_adamw", "1x4", 2, "1f1b", False),
+                                                                 ("gpt2_tied", "1x2", 2, "1f1b", True)])
+def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule, recompute):
     """One rank a device under mpiexec (1x4 in 2 stages: each stage two data-parallel
-    replicas): each step's loss as torch's, the final weights (read back from the
-    checkpoint) as torch's, and ``meshplan export`` writes them."""
-    case, plan_dir, _ = _plan(tmp_path, name, mesh, stages, "--schedule", schedule)
+    replicas; with ``--recompute``, each stage's backward running its forward again): each
+    step's loss as torch's, the final weights (read back from the checkpoint) as torch's,
+    and ``meshplan export`` writes them."""
+    case, plan_dir, said = _plan(tmp_path, name, mesh, stages, "--schedule", schedule,
+                                 *(["--recompute"] if recompute else []))
+    assert read_plan(plan_dir).training["recompute"] is recompute
+    assert ("activations recomputed" in said) is recompute
     settings = case["settings"]
     ranks = int(mesh[0]) * int(mesh[2])
     done = run_mpi(ranks, "train", plan_dir, "--data", SAMPLES / f"{name}.data.npz", "--steps", settings["steps"],

@@ -57,6 +57,43 @@ def test_pipeline_trains_as_torch_and_one_device(name, stages, kind):
     assert_final_like_torch(case, step.manifest["tied"], runner.state_values())
 
 
+@pytest.mark.parametrize("name,stages,kind", [("gpt_adamw", 2, ONE_F_ONE_B), ("gpt2_tied", 3, GPIPE)])
+def test_recomputing_stages_train_the_same_and_keep_less(name, stages, kind, monkeypatch):
+    """With recomputation each stage's backward computes its forward's activations again from
+    the stage's inputs: the same steps as keeping them (losses within 1e-5, torch's within
+    1e-3, the final weights as torch's), and the stages hold fewer bytes of microbatches in
+    flight (what is held after each forward and backward run)."""
+    from meshplan.runtime import pipeline_stage
+
+    in_flight: dict[int, int] = {}
+    run = pipeline_stage.StageRunner.run
+
+    def measured(self, phase, mb):
+        run(self, phase, mb)
+        if phase in (FORWARD, BACKWARD):
+            in_flight[self.stage] = max(in_flight.get(self.stage, 0), sum(v.nbytes for v in self.held.values()))
+
+    monkeypatch.setattr(pipeline_stage.StageRunner, "run", measured)
+    case, step, kept_pipeline = _pipeline(name, stages, 4)
+    again_pipeline = split_step(step, even_stages(step, case["model_path"], stages), stages, recompute=True)
+    assert set(again_pipeline.recomputed) == set(range(stages))
+    for stage in range(stages):   # the forward hands on what it made only to other stages
+        forward, backward = again_pipeline.parts[(stage, FORWARD)], again_pipeline.parts[(stage, BACKWARD)]
+        assert not set(forward.outputs) & set(backward.inputs)
+        assert set(forward.inputs) <= set(backward.inputs)
+    kept = PipelineRunner(kept_pipeline, 4, case["initial"], kind)
+    kept_losses = _train(case, kept)
+    kept_bytes, in_flight = dict(in_flight), {}
+    again = PipelineRunner(again_pipeline, 4, case["initial"], kind)
+    again_losses = _train(case, again)
+    np.testing.assert_allclose(again_losses, kept_losses, rtol=1e-5)
+    np.testing.assert_allclose(again_losses, case["losses"], rtol=1e-3)
+    assert_final_like_torch(case, step.manifest["tied"], again.state_values())
+    # (the last stage runs each backward right after its forward: what it holds then is what it sends back)
+    assert all(in_flight[s] <= kept_bytes[s] for s in range(stages)), (in_flight, kept_bytes)
+    assert sum(in_flight.values()) < 0.8 * sum(kept_bytes.values()), (in_flight, kept_bytes)
+
+
 def test_float16_model_trains_as_on_one_device(tmp_path):
     """A float16 model (its weights, activations and gradients in float16) in two stages,
     with SGD: each step's loss and the final weights as the whole step's within float16's

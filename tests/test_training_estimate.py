@@ -289,8 +289,8 @@ def test_training_estimate_cannot_be_trained_or_exported(tmp_path):
 
 
 def test_training_estimate_with_recomputation(tmp_path):
-    """``--recompute``: the same stages slower and smaller, said in the report; refused with
-    programs or without stages (one line, nothing written)."""
+    """``--recompute``: the same stages slower and smaller, said in the report; refused
+    without stages, and with programs on one stage (nothing written)."""
     from meshplan.plan_format import read_plan
 
     plain, plain_out = _plan(tmp_path, "plain", "--stages", "2", microbatches=8)
@@ -301,11 +301,13 @@ def test_training_estimate_with_recomputation(tmp_path):
     assert recomputed.estimate["latency_seconds"] > kept.estimate["latency_seconds"]
     assert max(s.memory_bytes for s in recomputed.stages) < max(s.memory_bytes for s in kept.stages)
     assert "recomputed before its backward" in (again_out / "report.txt").read_text()
-    for extra in (["--stages", "2"], []):
-        out = tmp_path / f"refused{len(extra)}"
-        done = run_cli(*["plan", str(GPT), "--train", "--loss", LOSS, "--mesh", "1x4", "--dim", "batch=8", "--dim",
-                         "seq=32", "--microbatches", "4", "--recompute", *extra, "-o", str(out)])
-        assert done.returncode != 0 and "--recompute" in done.stderr and not out.exists()
+    base = ["plan", str(GPT), "--train", "--loss", LOSS, "--mesh", "1x4", "--dim", "batch=8", "--dim", "seq=32",
+            "--microbatches", "4", "--recompute"]
+    weighed = run_cli(*base, "--max-stages", "2", "-o", str(tmp_path / "weighed"))   # (with programs)
+    assert "--recompute goes with pipeline stages" in _one_error_line(weighed)
+    alone = run_cli(*base, "-o", str(tmp_path / "alone"))
+    assert alone.returncode == 2 and "--recompute goes with --train and --stages" in alone.stderr
+    assert not (tmp_path / "weighed").exists() and not (tmp_path / "alone").exists()
 
 
 def test_training_estimate_refuses_what_it_cannot_plan(tmp_path):

@@ -135,7 +135,10 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             kept = set(backward.inputs) & (set(forward.outputs) | set(forward.inputs))
             one = sum(graph.tensors[n].nbytes for n in kept if n in graph.tensors and not graph.tensors[n].is_param)
             held["activations"] = float(one * in_flight(stage, pipeline.stages, microbatches, kind)) / replicas
-            held["working"] = float(one) / replicas    # a backward's gradients of one microbatch's activations
+            # a backward's gradients of one microbatch's activations (and what it computes again)
+            again = sum(graph.tensors[n].nbytes for n in pipeline.recomputed.get(stage, ())
+                        if n in graph.tensors and not graph.tensors[n].is_param)
+            held["working"] = float(one + 2 * again) / replicas
         found.append(held)
     return found
 

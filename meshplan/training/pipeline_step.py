@@ -29,7 +29,10 @@ stage's nodes fall into five **phases**, each a program (a ``Part``):
 
 A tensor one stage makes and another reads is a ``Crossing`` (an activation forward, a
 gradient backward, a scalar of the update). Within a stage, what the forward program makes
-and the backward reads is kept between them (the activations in flight that 1F1B bounds).
+and the backward reads is kept between them (the activations in flight that 1F1B bounds);
+with ``recompute``, the backward program computes those again from what the forward read
+(Alpa's and Megatron-LM's activation recomputation): a stage keeps only its inputs per
+microbatch in flight, and runs its forward twice.
 """
 
 from __future__ import annotations
@@ -90,13 +93,15 @@ class PipelineStep:
     data_inputs: list[str] = field(default_factory=list)
     controls: list[str] = field(default_factory=list)
     loss_count: str | None = None          # what the last stage divides the loss's sum by (a step's count)
+    recomputed: dict[int, set[str]] = field(default_factory=dict)   # stage → what its backward makes again
 
 
-def split_step(step: StepModel, forward_stage: dict[str, int], stages: int) -> PipelineStep:
+def split_step(step: StepModel, forward_stage: dict[str, int], stages: int, recompute: bool = False) -> PipelineStep:
     """``step`` in ``stages`` pipeline stages; ``forward_stage``: the stage of each node of the
     forward model (by name; stages in the forward graph's order). A global ``Sum`` of the
     step's graph is rewritten in place into one partial per stage (``_partial_sums``).
-    Raises ``TrainError`` where the step cannot be cut so."""
+    ``recompute``: each stage's backward computes its forward's activations again (see the
+    module). Raises ``TrainError`` where the step cannot be cut so."""
     if not step.manifest.get("accumulators"):
         raise TrainError("a pipelined training step accumulates its gradients: build it with stages > 1")
     if stages < 2:
@@ -114,7 +119,7 @@ def split_step(step: StepModel, forward_stage: dict[str, int], stages: int) -> P
     phase_of = places.phases()
     nodes = _partial_sums(step.model, places.nodes, places.stage_of, phase_of, places.producer)
     placement = {n.name: (places.stage_of[n.name], phase_of[n.name]) for n in nodes if n.name in phase_of}
-    found = _parts(step, nodes, placement, places.home, stages, places.data_inputs, places.controls)
+    found = _parts(step, nodes, placement, places.home, stages, places.data_inputs, places.controls, recompute)
     loss = places.producer.get(LOSS)
     if loss is not None and loss.op_type == "Div":
         found.loss_count = loss.input[1]
@@ -338,7 +343,7 @@ def _partial_sums(model: onnx.ModelProto, nodes: list, stage_of: dict, phase_of:
 
 
 def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: int, data_inputs: list,
-           controls: list) -> PipelineStep:
+           controls: list, recompute: bool = False) -> PipelineStep:
     model = step.model
     graph = model.graph
     constants = {t.name for t in graph.initializer}
@@ -363,9 +368,14 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
                 if made_in[name][1] != STATE:
                     wanted[made_in[name]].add(name)
                 readers[name].add(where)
+    recomputed = _recomputing(nodes, placement, made_in, reads, readers, stages) if recompute else {}
     for name in graph_outputs:
         if name in made_in and made_in[name][1] != STATE:
             wanted[made_in[name]].add(name)
+    for stage, again in recomputed.items():   # the forward no longer hands these on
+        for name in again:
+            if not readers[name] and name not in graph_outputs:
+                wanted[(stage, FORWARD)].discard(name)
     crossings = []
     for name, parts in readers.items():
         src, made_phase = made_in[name]
@@ -397,7 +407,35 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
             raise TrainError(f"tensor '{missing[0]}' of the training step has no known type")
         part_model = set_ir_version(extractor.extract_model(inputs, outputs))   # one onnxruntime loads
         parts[where] = Part(where[0], where[1], part_model, inputs, outputs)
-    return PipelineStep(stages, parts, crossings, home, placement, step, data_inputs, controls)
+    return PipelineStep(stages, parts, crossings, home, placement, step, data_inputs, controls,
+                        recomputed=recomputed)
+
+
+def _recomputing(nodes: list, placement: dict, made_in: dict, reads: dict, readers: dict,
+                 stages: int) -> dict[int, set[str]]:
+    """Each stage's backward reads its forward's inputs instead of what the forward made (the
+    part computes those again: its program is extracted from the new inputs); ``reads`` and
+    ``readers`` are changed so. A Dropout whose mask the backward reads cannot be run twice
+    (a second mask would differ): refused."""
+    again: dict[int, set[str]] = {}
+    for stage in range(stages):
+        forward, backward = (stage, FORWARD), (stage, BACKWARD)
+        kept = {name for name in reads[backward] if made_in.get(name) == forward}
+        if not kept:
+            continue
+        for node in nodes:
+            if node.op_type == "Dropout" and placement.get(node.name) == forward and \
+                    any(o in kept for o in node.output[1:]):
+                raise TrainError(f"stage {stage} has a Dropout in training mode (node '{node.name}'): its mask "
+                                 "would differ when its forward is recomputed; plan without --recompute")
+        reads[backward] = (reads[backward] - kept) | reads[forward]
+        for name in kept:
+            readers[name].discard(backward)
+        for name in reads[forward]:
+            if name in made_in:
+                readers[name].add(backward)
+        again[stage] = kept
+    return again
 
 
 def _reads(node, shared_by: dict) -> set[str]:
