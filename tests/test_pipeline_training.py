@@ -94,6 +94,32 @@ def test_recomputing_stages_train_the_same_and_keep_less(name, stages, kind, mon
     assert sum(in_flight.values()) < 0.8 * sum(kept_bytes.values()), (in_flight, kept_bytes)
 
 
+def test_recomputing_a_training_mode_dropout_is_refused(tmp_path):
+    """A Dropout in training mode whose mask the backward reads cannot run twice (a second
+    mask would differ): split with recomputation, one error naming the node; without, the
+    step splits."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": (rng.standard_normal((8, 8)) * 0.3).astype(np.float32) for i in range(2)}
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["m0"], name="mm0"),
+             helper.make_node("Dropout", ["m0", "ratio", "on"], ["d0", "mask0"], name="drop0", seed=1),
+             helper.make_node("MatMul", ["d0", "w1"], ["m1"], name="mm1"),
+             helper.make_node("Tanh", ["m1"], ["y"], name="tanh1")]
+    constants = [numpy_helper.from_array(np.float32(0.1), "ratio"), numpy_helper.from_array(np.bool_(True), "on")]
+    graph = helper.make_graph(nodes, "drop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()] + constants)
+    path = tmp_path / "drop.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8), str(path))
+    step = build_step_model(path, TrainSpec("mse:y:t", "sgd", microbatches=2, stages=2))
+    placed = {"mm0": 0, "drop0": 0, "mm1": 1, "tanh1": 1}
+    split_step(step, placed, 2)
+    with pytest.raises(TrainError, match="Dropout in training mode \\(node 'drop0'\\)"):
+        split_step(build_step_model(path, TrainSpec("mse:y:t", "sgd", microbatches=2, stages=2)), placed, 2,
+                   recompute=True)
+
+
 def test_float16_model_trains_as_on_one_device(tmp_path):
     """A float16 model (its weights, activations and gradients in float16) in two stages,
     with SGD: each step's loss and the final weights as the whole step's within float16's
