@@ -411,12 +411,16 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
                         recomputed=recomputed)
 
 
+_RANDOM = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
+
+
 def _recomputing(nodes: list, placement: dict, made_in: dict, reads: dict, readers: dict,
                  stages: int) -> dict[int, set[str]]:
     """Each stage's backward reads its forward's inputs instead of what the forward made (the
     part computes those again: its program is extracted from the new inputs); ``reads`` and
-    ``readers`` are changed so. A Dropout whose mask the backward reads cannot be run twice
-    (a second mask would differ): refused."""
+    ``readers`` are changed so. A forward that draws random numbers (a Dropout in training
+    mode, whose mask output the step keeps; a Random* or Bernoulli node) cannot be run twice
+    (a second draw would differ): refused."""
     again: dict[int, set[str]] = {}
     for stage in range(stages):
         forward, backward = (stage, FORWARD), (stage, BACKWARD)
@@ -424,10 +428,10 @@ def _recomputing(nodes: list, placement: dict, made_in: dict, reads: dict, reade
         if not kept:
             continue
         for node in nodes:
-            if node.op_type == "Dropout" and placement.get(node.name) == forward and \
-                    any(o in kept for o in node.output[1:]):
-                raise TrainError(f"stage {stage} has a Dropout in training mode (node '{node.name}'): its mask "
-                                 "would differ when its forward is recomputed; plan without --recompute")
+            drawn = node.op_type in _RANDOM or (node.op_type == "Dropout" and len(node.output) > 1 and node.output[1])
+            if drawn and placement.get(node.name) == forward:
+                raise TrainError(f"stage {stage} draws random numbers in its forward ({node.op_type} node "
+                                 f"'{node.name}'): recomputed, they would differ; plan without --recompute")
         reads[backward] = (reads[backward] - kept) | reads[forward]
         for name in kept:
             readers[name].discard(backward)
