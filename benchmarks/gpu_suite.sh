@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/gpu.md in one command, on a machine with one NVIDIA GPU, onnxruntime-gpu and
 # onnxruntime-genai-cuda installed, `meshplan` on PATH and two builder folders made for CUDA (fp16, int4):
-#   MPIRUN="mpiexec --oversubscribe" [BUDGET=seconds] [ARCHIVE=file.tgz] bash benchmarks/gpu_suite.sh FP16_DIR INT4_DIR OUT_DIR [DEVICE=h200]
+#   MPIRUN="mpiexec --oversubscribe" [BUDGET=seconds] [ARCHIVE=file.tgz] [STEPS="doctor train serve ..."] \
+#     bash benchmarks/gpu_suite.sh FP16_DIR INT4_DIR OUT_DIR [DEVICE=h200]
 # Steps run in order of what they decide, each under its own limit cut to what is left of BUDGET (a step
 # with less than 20 s left is skipped and says so); after each step OUT_DIR, less its plans, is archived to ARCHIVE,
-# so that a lease cut short still brings back what ran. Writes OUT_DIR/*.log and prints the tables:
-# `meshplan doctor`; benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
+# so that a lease cut short still brings back what ran; STEPS names the steps to run (default: all). Writes
+# OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/train.py --provider cuda (a 219 M GPT's
+# training step against torch eager on the GPU, TF32 off in both; losses step for step, GPU memory, MFU);
+# benchmarks/serve.py --provider cuda on the fp16 folder (continuous batching against onnxruntime-genai one request at
+# a time, logprobs' cost, a shared system prompt with and without prefix caching); benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
 # ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU memory per rank next to the plan's estimate);
 # the fp16 1x2 plan with CUDA graphs in every segment (MESHPLAN_SEGMENT_GRAPHS=1); benchmarks/small_batch_split.py
 # on the machine's cores (CPU provider, shared-host and own-device plans); a job's first requests with the GPU's
@@ -16,10 +20,12 @@ set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
 left() { echo $((BUDGET - SECONDS)); }
-save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 \
+save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=serve_work \
   --exclude=mps_pipe "$(basename "$O")" 2> /dev/null \
   && mv "$ARCHIVE.part" "$ARCHIVE"; return 0; }
+want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; local l; l=$(left)
+  want "$name" || return 1
   [ "$l" -lt 20 ] && { echo "== $name: skipped, $l s of the budget left"; return 1; }
   [ "$limit" -gt "$l" ] && limit=$l
   echo "== $name"; local t=$SECONDS
@@ -27,13 +33,29 @@ step() { local name=$1 limit=$2; shift 2; local l; l=$(left)
   tail -n "${TAIL:-25}" "$O/$name.log"; echo "== $name: exit $rc, $((SECONDS - t)) s"; save; return $rc; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 TAIL=12 step doctor 60 meshplan doctor
+# training on the GPU: meshplan 1x1 and 1x2 (both ranks on the one GPU) against torch eager on CUDA
+TAIL=30 step train 300 python3 benchmarks/train.py --provider cuda --device "$DEVICE" --torch-python python3 \
+  --mpiexec "$MPIRUN" --no-profile --layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 8 \
+  --warmup 2 --steps "${TRAIN_STEPS:-6}" --only eager --only 1x1 --only 1x2-data --workdir "$O/train_work" \
+  --json "$O/train.json"
+# serving on the GPU (the fp16 folder): continuous batching against one request at a time, logprobs' cost; then a
+# shared system prompt with and without prefix caching
+TAIL=14 step serve 150 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \
+  --mpiexec "$MPIRUN" --meshplan meshplan --max-length 512 --batch 8 --clients 8 --requests 32 \
+  --prompt-lengths 16:64 --new-tokens 32:96 --logprobs 5 --workdir "$O/serve_work" --json "$O/serve.json"
+TAIL=8 step serve_prefix 120 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \
+  --mpiexec "$MPIRUN" --meshplan meshplan --max-length 1024 --batch 8 --system-prompt 512 --only continuous \
+  --only continuous-no-prefix --clients 4 --requests 32 --prompt-lengths 8:16 --new-tokens 8:16 \
+  --workdir "$O/serve_work" --json "$O/serve_prefix.json"
 python3 -c "import json; print(json.dumps([[(7 * i + 5) % 250 + 2 for i in range(32)]]))" > "$O/ids.json"
 TAIL=48 step generate 360 python3 benchmarks/generate.py --provider cuda --device "$DEVICE" \
   --folders "fp16=$FP16" "int4=$INT4" --mpiexec "$MPIRUN" --max-length 512 --prompt-length 32 --new-tokens 128 \
   --repeat "${REPEAT:-3}" --solver highs --workdir "$O/work" --json "$O/generate.json"
 # generate.py's plans of the fp16 folder (made here if it did not run)
 P11="$O/work/$(basename "$FP16")_model_1x1_512"; P12="$O/work/$(basename "$FP16")_model_1x2_512"
-for m in 1x1 1x2; do P="$O/work/$(basename "$FP16")_model_${m}_512"; [ -f "$P/plan.json" ] || meshplan plan \
+fp16_plans=""; for s in segment_graphs_1x2 first_requests decode_phases mps_1x2 mps_segment_graphs_1x2 verify_generate \
+  transfer_device; do want $s && fp16_plans=1; done
+for m in ${fp16_plans:+1x1 1x2}; do P="$O/work/$(basename "$FP16")_model_${m}_512"; [ -f "$P/plan.json" ] || meshplan plan \
   "$FP16/model.onnx" --mesh $m --device "$DEVICE" --generate --max-length 512 --solver highs -o "$P" \
   > "$O/plan_fp16_$m.log" 2>&1 || tail -n 3 "$O/plan_fp16_$m.log"; done
 openmpi=""; ${MPIRUN%% *} --version 2>&1 | grep -q "Open MPI\|OpenRTE" && openmpi=1
@@ -49,16 +71,16 @@ TAIL=40 step small_batch_split 200 python3 benchmarks/small_batch_split.py --cor
   --solver highs --host both --mpiexec "$MPIRUN"
 # a job's first requests with the GPU's clocks read beside them (every 200 ms: a read stalls the
 # driver's calls for a moment): whether the prefill's slow first seconds are the clocks rising
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 200 \
-  > "$O/first_requests_clocks.csv" 2>&1 & CLOCKS=$!
+want first_requests && { nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv,noheader \
+  -lms 200 > "$O/first_requests_clocks.csv" 2>&1 & CLOCKS=$!; }
 TAIL=20 step first_requests 90 python3 benchmarks/decode_phases.py "$P11" --provider cuda --rounds 1 --first-requests 5
-kill $CLOCKS 2> /dev/null; wait $CLOCKS 2> /dev/null
-awk -F', ' '{gsub(/ MHz/, "", $2); print $2}' "$O/first_requests_clocks.csv" | sort -n | awk \
+[ -n "${CLOCKS:-}" ] && { kill $CLOCKS 2> /dev/null; wait $CLOCKS 2> /dev/null; }
+[ -f "$O/first_requests_clocks.csv" ] && awk -F', ' '{gsub(/ MHz/, "", $2); print $2}' "$O/first_requests_clocks.csv" | sort -n | awk \
   '{v[NR] = $1} END {if (NR) print "== SM clock during first_requests (MHz): min " v[1] ", median " v[int((NR + 1) / 2)] ", max " v[NR] " (" NR " reads)"}'
 TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$P11" --provider cuda --floor --choice both
 # 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
 # time slices), where MPS starts
-if command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ] && [ "$(left)" -gt 60 ]; then
+if { want mps_1x2 || want mps_segment_graphs_1x2; } && command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ] && [ "$(left)" -gt 60 ]; then
   export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   forward=""   # Open MPI passes a rank only the variables -x names; MPICH's hydra passes all
@@ -75,7 +97,7 @@ TAIL=12 step verify_generate 150 meshplan verify "$P11" --generate --prompt-ids 
   --max-new-tokens 32 --provider cuda
 TAIL=6 step transfer_device 120 meshplan generate "$P11" --prompt-ids "$O/ids.json" --max-new-tokens 64 \
   --eos -1 --provider cuda --transfer device --output "$O/transfer_device.json"
-if [ "$(left)" -gt 60 ]; then
+if want run_gpt && [ "$(left)" -gt 60 ]; then
   meshplan plan sample_models/gpt.onnx --mesh 1x2 --device "$DEVICE" --dim batch=8 --dim seq=32 --microbatches 2 \
     --solver highs -o "$O/gpt_1x2" > "$O/plan_gpt.log" 2>&1 || tail -n 3 "$O/plan_gpt.log"
   python3 -c "

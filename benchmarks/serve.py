@@ -70,6 +70,9 @@ SERVERS = ("continuous", "continuous-no-prefix", "continuous-separate", "continu
            "genai-one")
 CONTINUOUS = ("continuous", "continuous-no-prefix", "continuous-separate", "continuous-logprobs")
 BIN = Path(sys.executable).parent
+MPIEXEC = [str(BIN / "mpiexec")]     # --mpiexec's words, where given
+MESHPLAN = [str(BIN / "meshplan")]   # --meshplan's
+PROVIDER = ["auto"]                  # --provider
 START_SECONDS = 300
 
 
@@ -248,8 +251,9 @@ def generate_step(plan: Path, ranks: int, requests: list[dict], rows: int, workd
     ids.write_text(json.dumps(prompts))
     steps = []
     for _ in range(rounds):
-        done = subprocess.run([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "generate", str(plan),
-                               "--prompt-ids", str(ids), "--max-new-tokens", str(new), "--output", str(out)],
+        done = subprocess.run([*MPIEXEC, "-n", str(ranks), *MESHPLAN, "generate", str(plan),
+                               "--prompt-ids", str(ids), "--max-new-tokens", str(new), "--output", str(out),
+                               "--provider", PROVIDER[0]],
                               capture_output=True, text=True, cwd=REPO)
         if done.returncode:
             print(f"meshplan generate failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
@@ -368,6 +372,11 @@ def main() -> int:
     parser.add_argument("--only", choices=SERVERS, action="append",
                         help="run only these servers (repeatable)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON here")
+    parser.add_argument("--provider", default="auto", metavar="auto|cuda|cpu",
+                        help="the meshplan servers' execution provider [default: auto]")
+    parser.add_argument("--device", default="cpu", help="the plans' device preset [default: cpu]")
+    parser.add_argument("--mpiexec", help="the launcher and its options, one string [default: this Python's mpiexec]")
+    parser.add_argument("--meshplan", help="the meshplan command, one string [default: this Python's meshplan]")
     parser.add_argument("--genai-front", nargs=4, metavar=("FOLDER", "HOST", "PORT", "CAPACITY"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -375,6 +384,11 @@ def main() -> int:
         folder, host, port, capacity = args.genai_front
         genai_front(folder, host, int(port), int(capacity))
         return 0
+    if args.mpiexec:
+        MPIEXEC[:] = args.mpiexec.split()
+    if args.meshplan:
+        MESHPLAN[:] = args.meshplan.split()
+    PROVIDER[0] = args.provider
     sys.path.insert(0, str(REPO))
     from sample_models.genai_large import write_builder_llama
 
@@ -404,8 +418,8 @@ def main() -> int:
         out = workdir / f"plan_{args.mesh}_b{batch}_{args.max_length}"
         if not (out / "plan.json").exists():
             policy = ["--policy", "megatron", "--max-stages", "1"] if ranks > 1 else []
-            done = subprocess.run([str(BIN / "meshplan"), "plan", str(source), "--mesh", args.mesh,
-                                   "--device", "cpu", "--generate", "--batch", str(batch), "--max-length",
+            done = subprocess.run([*MESHPLAN, "plan", str(source), "--mesh", args.mesh,
+                                   "--device", args.device, "--generate", "--batch", str(batch), "--max-length",
                                    str(args.max_length), "--prefill-chunk", str(args.max_length), *policy,
                                    "-o", str(out)], capture_output=True, text=True, cwd=REPO)
             if done.returncode:
@@ -421,7 +435,7 @@ def main() -> int:
                              system=args.system_prompt, n=args.n)
     # the one-at-a-time servers take a request of n choices as n requests
     separate = [{k: v for k, v in r.items() if k != "n"} for r in requests for _ in range(args.n)]
-    serve = [str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "meshplan"), "serve", "--port", "0",
+    serve = [*MPIEXEC, "-n", str(ranks), *MESHPLAN, "serve", "--port", "0", "--provider", args.provider,
              "--max-queue", str(args.requests + 1)]
     servers = {
         "continuous": lambda: Server(serve + [str(plans[args.batch])]),

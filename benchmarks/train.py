@@ -5,6 +5,8 @@ Usage (from the repository root, in meshplan's environment)::
     python benchmarks/train.py --torch-python /path/to/venv/bin/python [--repeat 3] [--steps 8] [--warmup 2]
         [--only eager|ddp|1x1|1x2-data|1x2-auto ...] [--workdir DIR] [--no-profile] [--json PATH]
     python benchmarks/train.py --smoke [--torch-python PY]      # tiny GPT, 3 steps
+    python benchmarks/train.py --provider cuda --device h200 --torch-python python3 --mpiexec "mpiexec ..."
+        [--layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512]   # on one GPU
 
 The model: a GPT written in torch (``GPT`` below: learned positions, pre-norm blocks of
 LayerNorm, softmax attention with a causal mask, a GELU MLP, an untied head), by default 7
@@ -35,6 +37,13 @@ rounds' medians, its ratio to torch the median of the rounds' ratios):
   ``plan --train --profile``. A profiled plan with the same programs as its unprofiled twin
   is not run again (its measured steps are the twin's). ``--smoke`` profiles only with
   ``--profile``.
+
+On one GPU (``--provider cuda``): torch eager runs on CUDA with TF32 off (as meshplan's CUDA
+sessions), the DDP row is left out (NCCL wants a GPU a rank), the 1x2 rows put both ranks on
+the one GPU (their gradients cross through host memory), each row's peak GPU memory per
+process is read from ``nvidia-smi`` every 500 ms, and the table adds TFLOP/s (6 × parameters
+× tokens a step, over the median step) and its share of ``--peak-tflops`` (the GPU's float32
+peak without tensor cores: 67 for an H100 or H200 SXM).
 
 Ratios: samples/s over the torch counterpart (1x1 over eager, 1x2 over DDP); peak RSS per
 rank over the plan's memory estimate; the plan's step estimate over the measured step.
@@ -140,9 +149,10 @@ def _load_data(path):
 def _torch_loop(model, optimizer, ids, targets, first, count, step_batch, run_step):
     import torch
     n = ids.shape[0]
+    device = ids.device
     losses, seconds = [], []
     for k in range(count):
-        rows = (torch.arange(step_batch) + (first + k) * step_batch) % n
+        rows = (torch.arange(step_batch, device=device) + (first + k) * step_batch) % n
         x, y = ids[rows], targets[rows]
         started = time.perf_counter()
         loss = run_step(x, y)
@@ -189,17 +199,23 @@ def _optimizer(model):
                              betas=HYPER["betas"], eps=HYPER["eps"])
 
 
-def worker_eager(c: dict, work: Path, warmup: int, steps: int, threads: int) -> dict:
+def worker_eager(c: dict, work: Path, warmup: int, steps: int, threads: int, device: str = "cpu") -> dict:
     import torch
     torch.set_num_threads(threads)
+    if device == "cuda":    # float32 as float32: no TF32 (meshplan's CUDA sessions turn it off too)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     model = _torch_model(c)
     model.load_state_dict(torch.load(work / "init.pt"))
-    model.train()
+    model.to(device).train()
     optimizer = _optimizer(model)
-    ids, targets = _load_data(work / "data.npz")
+    ids, targets = (t.to(device) for t in _load_data(work / "data.npz"))
     losses, seconds = _torch_loop(model, optimizer, ids, targets, 0, warmup + steps, c["batch"],
                                   _step_fn(model, optimizer))
-    return {"losses": losses, "step_seconds": seconds, "peak_rss_mib": [_rss_mib()], "threads": threads}
+    out = {"losses": losses, "step_seconds": seconds, "peak_rss_mib": [_rss_mib()], "threads": threads}
+    if device == "cuda":
+        out["torch_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / MiB
+    return out
 
 
 def _ddp_rank(rank: int, world: int, c: dict, work: str, warmup: int, steps: int, port: int, result: str):
@@ -256,7 +272,7 @@ def worker_main(args) -> None:
     if args.worker == "export":
         out = worker_export(c, work)
     elif args.worker == "eager":
-        out = worker_eager(c, work, args.warmup, args.steps, args.threads)
+        out = worker_eager(c, work, args.warmup, args.steps, args.threads, args.provider)
     else:
         out = worker_ddp(c, work, args.warmup, args.steps)
     print("RESULT " + json.dumps(out), flush=True)
@@ -332,20 +348,61 @@ def build_onnx_gpt(c: dict, path: Path) -> dict:
 # --- the driver (meshplan's environment) ----------------------------------------------------------
 
 def _run(command, what, env=None, timeout=None) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run([str(a) for a in command], capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
     if done.returncode:
         tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-5:]
         raise RuntimeError(f"{what} failed (exit {done.returncode}): " + " | ".join(tail))
     return done
 
 
-def _torch_worker(py, mode, c, work, warmup=0, steps=0, threads=2) -> dict:
-    done = _run([py, Path(__file__).resolve(), "--worker", mode, "--config", json.dumps(c), "--workdir", work,
-                 "--warmup", warmup, "--steps", steps, "--threads", threads], f"torch {mode}",
-                env={"PYTHONPATH": ""})
+def _torch_worker(py, mode, c, work, warmup=0, steps=0, threads=2, provider="cpu") -> dict:
+    with GpuMemory(provider == "cuda") as memory:
+        done = _run([py, Path(__file__).resolve(), "--worker", mode, "--config", json.dumps(c), "--workdir", work,
+                     "--warmup", warmup, "--steps", steps, "--threads", threads, "--provider", provider],
+                    f"torch {mode}", env={"PYTHONPATH": ""})
     line = next(l for l in reversed(done.stdout.splitlines()) if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT "):])
+    if memory.enabled:
+        out["peak_gpu_mib"] = memory.peaks()
+    return out
+
+
+class GpuMemory:
+    """Each process's peak GPU memory while the ``with`` block runs, from ``nvidia-smi
+    --query-compute-apps`` every 500 ms (only where ``enabled``; a poll stalls the driver's
+    calls a moment, so not more often)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and shutil.which("nvidia-smi") is not None
+        self.samples: list[str] = []
+
+    def __enter__(self):
+        if self.enabled:
+            self.file = tempfile.TemporaryFile(mode="w+")
+            self.poller = subprocess.Popen(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                            "--format=csv,noheader,nounits", "-lms", "500"],
+                                           stdout=self.file, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.poller.terminate()
+            self.poller.wait()
+            self.file.seek(0)
+            self.samples = self.file.read().splitlines()
+            self.file.close()
+        return False
+
+    def peaks(self) -> list[float]:
+        """MiB, one per process seen, largest first."""
+        best: dict[str, float] = {}
+        for line in self.samples:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[1].replace(".", "", 1).isdigit():
+                best[parts[0]] = max(best.get(parts[0], 0.0), float(parts[1]))
+        return sorted(best.values(), reverse=True)
 
 
 def torch_usable(py: str | None) -> str | None:
@@ -354,7 +411,7 @@ def torch_usable(py: str | None) -> str | None:
         return "no --torch-python given"
     try:
         done = subprocess.run([py, "-c", "import torch, onnx, onnxscript; print(torch.__version__)"],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     except OSError as exc:
         return f"{py}: {exc.strerror}"
     if done.returncode:
@@ -365,13 +422,18 @@ def torch_usable(py: str | None) -> str | None:
 MESHPLAN = [sys.executable, "-m", "cli.main"]
 
 
-def _mpiexec() -> str:
-    return shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}") or "mpiexec"
+MPIEXEC: list[str] = []   # --mpiexec's words, where given
 
 
-def plan(model: Path, out: Path, mesh: str, c: dict, policy: str = "auto", profile: Path | None = None) -> dict:
+def _mpiexec() -> list[str]:
+    return MPIEXEC or [shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+                       or "mpiexec"]
+
+
+def plan(model: Path, out: Path, mesh: str, c: dict, policy: str = "auto", profile: Path | None = None,
+         device: str = "cpu") -> dict:
     command = [*MESHPLAN, "plan", model, "--train", "--loss", LOSS, "--optimizer", "adamw", "--mesh", mesh,
-               "--device", "cpu", "--dim", f"batch={c['batch']}", "--policy", policy, "-o", out]
+               "--device", device, "--dim", f"batch={c['batch']}", "--policy", policy, "-o", out]
     if profile is not None:
         command += ["--profile", profile]
     started = time.perf_counter()
@@ -387,20 +449,24 @@ def plan(model: Path, out: Path, mesh: str, c: dict, policy: str = "auto", profi
             "analytic_ops": int(found.group(2)) if found else None}
 
 
-def train(plan_dir: Path, ranks: int, data: Path, warmup: int, steps: int, work: Path) -> dict:
+def train(plan_dir: Path, ranks: int, data: Path, warmup: int, steps: int, work: Path, provider: str = "cpu") -> dict:
     log = work / f"{plan_dir.name}.log.json"
-    done = _run([_mpiexec(), "-n", ranks, *MESHPLAN, "train", plan_dir, "--data", data, "--steps", warmup + steps,
-                 "--lr", HYPER["lr"], "--weight-decay", HYPER["weight_decay"],
-                 "--betas", ",".join(map(str, HYPER["betas"])), "--eps", HYPER["eps"], "--provider", "cpu",
-                 "--log", log, "-q"], f"meshplan train {plan_dir.name}")
+    with GpuMemory(provider == "cuda") as memory:
+        done = _run([*_mpiexec(), "-n", ranks, *MESHPLAN, "train", plan_dir, "--data", data, "--steps",
+                     warmup + steps, "--lr", HYPER["lr"], "--weight-decay", HYPER["weight_decay"],
+                     "--betas", ",".join(map(str, HYPER["betas"])), "--eps", HYPER["eps"], "--provider", provider,
+                     "--log", log, "-q"], f"meshplan train {plan_dir.name}")
     record = json.loads(log.read_text())
     rss, estimates = [], []
     for match in re.finditer(r"rank (\d+): peak RSS ([\d.]+) MiB(?:, the plan's estimate ([\d.]+) MiB)?", done.stdout):
         rss.append(float(match.group(2)))
         estimates.append(float(match.group(3)) if match.group(3) else None)
-    return {"losses": record["losses"], "step_seconds": record["step_seconds"], "peak_rss_mib": rss,
-            "memory_estimate_mib": estimates, "estimate_seconds": record["estimate_seconds"],
-            "report": [l for l in done.stdout.splitlines() if l.startswith(("trained", "loss", "rank"))]}
+    out = {"losses": record["losses"], "step_seconds": record["step_seconds"], "peak_rss_mib": rss,
+           "memory_estimate_mib": estimates, "estimate_seconds": record["estimate_seconds"],
+           "report": [l for l in done.stdout.splitlines() if l.startswith(("trained", "loss", "rank"))]}
+    if memory.enabled:
+        out["peak_gpu_mib"] = memory.peaks()
+    return out
 
 
 def _median_step(row: dict, warmup: int) -> float:
@@ -424,7 +490,14 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="rounds, every row once a round in turns [default: 1]")
     parser.add_argument("--only", action="append", choices=ROWS,
                         help="run only these rows (repeatable) [default: all]")
-    parser.add_argument("--layers", type=int, help="override the GPT's layers")
+    for dim in ("layers", "hidden", "heads", "vocab", "seq", "batch"):
+        parser.add_argument(f"--{dim}", type=int, help=f"override the GPT's {dim}")
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu",
+                        help="where torch eager and meshplan's programs run [default: cpu]")
+    parser.add_argument("--device", help="the plans' device preset [default: cpu; h200 with --provider cuda]")
+    parser.add_argument("--mpiexec", help="the launcher and its options, one string [default: mpiexec on PATH]")
+    parser.add_argument("--peak-tflops", type=float, default=67.0,
+                        help="the GPU's float32 peak without tensor cores, for the MFU column [default: 67]")
     parser.add_argument("--workdir", type=Path, help="where the model, data and plans go [default: a temporary "
                                                      "directory, removed at the end]")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled plans")
@@ -439,8 +512,13 @@ def main() -> int:
         return 0
 
     c = dict(SMOKE if args.smoke else FULL)
-    if args.layers:
-        c["layers"] = args.layers
+    for dim in ("layers", "hidden", "heads", "vocab", "seq", "batch"):
+        if getattr(args, dim):
+            c[dim] = getattr(args, dim)
+    if args.mpiexec:
+        MPIEXEC[:] = args.mpiexec.split()
+    cuda = args.provider == "cuda"
+    device = args.device or ("h200" if cuda else "cpu")
     steps = args.steps or (3 if args.smoke else 8)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
     profiling = not args.no_profile and (args.profile or not args.smoke)
@@ -451,11 +529,12 @@ def main() -> int:
     why_not = torch_usable(args.torch_python)
     import onnxruntime
     results = {"config": c, "steps": steps, "warmup": warmup, "repeat": args.repeat, "hyper": HYPER,
-               "cores": os.cpu_count(), "onnxruntime": onnxruntime.__version__, "rows": {}, "notes": []}
+               "cores": os.cpu_count(), "onnxruntime": onnxruntime.__version__, "rows": {}, "notes": [],
+               "provider": args.provider, "device": device, "peak_tflops": args.peak_tflops if cuda else None}
     say(f"GPT: {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, vocabulary {c['vocab']}, sequence "
         f"{c['seq']}, batch {c['batch']}; AdamW lr {HYPER['lr']} weight decay {HYPER['weight_decay']}; "
         f"{args.repeat} round(s) of {warmup} warm-up + {steps} timed steps; {os.cpu_count()} cores; "
-        f"onnxruntime {onnxruntime.__version__}")
+        f"onnxruntime {onnxruntime.__version__}; provider {args.provider}, plans for --device {device}")
     rows = results["rows"]
     counterpart = {}
     try:
@@ -476,12 +555,17 @@ def main() -> int:
         data = work / "data.npz"
         np.savez(data, input_ids=tokens[:, :-1], targets=tokens[:, 1:])
 
-        eager, ddp = "torch eager 1x2 threads", "torch DDP 2x1 (gloo)"
+        eager = "torch eager CUDA" if cuda else "torch eager 1x2 threads"
+        ddp = "torch DDP 2x1 (gloo)"
         runs = {}          # row name: how to run it once
         if why_not is None and "eager" in only:
             rows[eager] = {}
-            runs[eager] = lambda: _torch_worker(args.torch_python, "eager", c, work, warmup, steps, threads=2)
-        if why_not is None and "ddp" in only:
+            runs[eager] = lambda: _torch_worker(args.torch_python, "eager", c, work, warmup, steps, threads=2,
+                                                provider=args.provider)
+        if cuda and "ddp" in only:
+            results["notes"].append("torch DDP left out on one GPU (NCCL wants a GPU a rank); the 1x2 rows are "
+                                    "compared with nothing")
+        if why_not is None and "ddp" in only and not cuda:
             rows[ddp] = {}
             runs[ddp] = lambda: _torch_worker(args.torch_python, "ddp", c, work, warmup, steps)
         meshplan_rows = [(name, mesh, ranks, policy, torch_row, None)
@@ -494,8 +578,8 @@ def main() -> int:
             for mesh, ranks in sorted({(r[1], r[2]) for r in meshplan_rows}):
                 out = work / f"profile{mesh}.json"
                 started = time.perf_counter()
-                _run([_mpiexec(), "-n", ranks, *MESHPLAN, "profile", model, "--train", "--loss", LOSS, "--optimizer",
-                      "adamw", "--mesh", mesh, "--device", "cpu", "--dim", f"batch={c['batch']}", "--provider", "cpu",
+                _run([*_mpiexec(), "-n", ranks, *MESHPLAN, "profile", model, "--train", "--loss", LOSS, "--optimizer",
+                      "adamw", "--mesh", mesh, "--device", device, "--dim", f"batch={c['batch']}", "--provider", args.provider,
                       "--cache", work / "profile-cache.sqlite", "-o", out], f"meshplan profile {mesh}")
                 say(f"meshplan profile --train {mesh} (the training step): {time.perf_counter() - started:.0f} s")
                 profiles[mesh] = out
@@ -506,7 +590,7 @@ def main() -> int:
             counterpart[name] = torch_row
             plan_dir = plan_dirs[name] = work / ("plan-" + name.split(" ", 1)[1].replace(" ", "-"))
             try:
-                rows[name] = {"plan": plan(model, plan_dir, mesh, c, policy, profile)}
+                rows[name] = {"plan": plan(model, plan_dir, mesh, c, policy, profile, device)}
             except RuntimeError as exc:
                 rows[name] = {"error": str(exc)}
                 say(f"{name}: {exc}")
@@ -520,7 +604,7 @@ def main() -> int:
                 rows[name]["same_programs_as"] = twin
                 say(f"{name}: the same programs as {twin}'s (its measured steps are those)")
             else:
-                runs[name] = (lambda d=plan_dir, r=ranks: train(d, r, data, warmup, steps, work))
+                runs[name] = (lambda d=plan_dir, r=ranks: train(d, r, data, warmup, steps, work, args.provider))
         for round_ in range(args.repeat):
             for name, run in runs.items():
                 load = os.getloadavg()[0]
@@ -536,7 +620,7 @@ def main() -> int:
                 say(f"round {round_ + 1} {name} (load {load:.1f}): {_median_step(done, warmup) * 1e3:.0f} ms a step, "
                     f"peak RSS {' / '.join(f'{r:.0f}' for r in done['peak_rss_mib'])} MiB, losses "
                     f"{done['losses'][0]:.5f} -> {done['losses'][-1]:.5f}")
-        summarize(rows, counterpart, c["batch"], warmup)
+        summarize(rows, counterpart, c["batch"], warmup, eager)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -551,9 +635,10 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def summarize(rows: dict, counterpart: dict, batch: int, warmup: int) -> None:
+def summarize(rows: dict, counterpart: dict, batch: int, warmup: int, eager: str = "") -> None:
     """Per row: the median over rounds of each round's median step; the ratio to the torch
-    row as the median of the rounds' ratios (rounds in turns: a drifting machine slows both)."""
+    row as the median of the rounds' ratios (rounds in turns: a drifting machine slows both);
+    the largest relative difference of a step's loss from torch eager's, step for step."""
     for name, row in rows.items():
         if "rounds" not in row or "error" in row:
             continue
@@ -563,6 +648,9 @@ def summarize(rows: dict, counterpart: dict, batch: int, warmup: int) -> None:
         row["peak_rss_mib"] = [max(r["peak_rss_mib"][i] for r in row["rounds"])
                                for i in range(len(row["rounds"][0]["peak_rss_mib"]))]
         row["losses"] = row["rounds"][0]["losses"]
+        if "peak_gpu_mib" in row["rounds"][0]:
+            row["peak_gpu_mib"] = [max(r["peak_gpu_mib"][i] for r in row["rounds"] if len(r["peak_gpu_mib"]) > i)
+                                   for i in range(max(len(r["peak_gpu_mib"]) for r in row["rounds"]))]
         if "memory_estimate_mib" in row["rounds"][0]:
             row["memory_estimate_mib"] = row["rounds"][0]["memory_estimate_mib"]
             row["estimate_seconds"] = row["plan"]["estimate_seconds"]
@@ -581,6 +669,11 @@ def summarize(rows: dict, counterpart: dict, batch: int, warmup: int) -> None:
                       for m, t in zip(row["rounds"], theirs["rounds"])]
             row["vs_torch"] = statistics.median(ratios)
             row["vs_torch_rounds"] = ratios
+    reference = rows.get(eager, {}).get("losses")
+    for name, row in rows.items():
+        if reference and name != eager and row.get("losses") and "error" not in row:
+            pairs = list(zip(row["losses"], reference))
+            row["loss_vs_eager"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
 
 
 def report(results: dict) -> None:
@@ -605,6 +698,21 @@ def report(results: dict) -> None:
         print(f"{name:<28} {row['samples_per_second']:>9.3f} {ratio:>8} {row['median_step_seconds'] * 1e3:>7.0f}ms "
               f"{rss:>18} {plan_mem:>12} {memory:>11} {est:>8} {over:>8}  {row['losses'][0]:.5f} -> "
               f"{row['losses'][-1]:.5f}")
+    tokens = results["config"]["batch"] * results["config"]["seq"]
+    for name, row in rows.items():
+        if "median_step_seconds" not in row:
+            continue
+        extra = []
+        if "loss_vs_eager" in row:
+            extra.append(f"each step's loss within {row['loss_vs_eager']:.1e} (relative) of torch eager's")
+        if row.get("peak_gpu_mib"):
+            extra.append("peak GPU memory " + " / ".join(f"{m:.0f}" for m in row["peak_gpu_mib"]) + " MiB a process")
+        if results.get("peak_tflops") and results.get("parameters"):
+            flops = 6 * results["parameters"] * tokens / row["median_step_seconds"]
+            extra.append(f"{flops / 1e12:.1f} TFLOP/s, MFU {flops / 1e12 / results['peak_tflops']:.1%} of "
+                         f"{results['peak_tflops']:g}")
+        if extra:
+            print(f"{name}: " + "; ".join(extra))
     for name, row in rows.items():
         if "same_programs_as" in row:
             print(f"{name}: the same programs as {row['same_programs_as']} (its measured steps)")
