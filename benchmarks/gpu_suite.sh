@@ -35,16 +35,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 TAIL=12 step doctor 60 meshplan doctor
 # training on the GPU: meshplan 1x1 and 1x2 (both ranks on the one GPU) against torch eager on CUDA
 TAIL=30 step train 300 python3 benchmarks/train.py --provider cuda --device "$DEVICE" --torch-python python3 \
-  --mpiexec "$MPIRUN" --no-profile --layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 8 \
+  --mpiexec "$MPIRUN" --solver highs --no-profile --layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 8 \
   --warmup 2 --steps "${TRAIN_STEPS:-6}" --only eager --only 1x1 --only 1x2-data --workdir "$O/train_work" \
   --json "$O/train.json"
 # serving on the GPU (the fp16 folder): continuous batching against one request at a time, logprobs' cost; then a
 # shared system prompt with and without prefix caching
 TAIL=14 step serve 150 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \
-  --mpiexec "$MPIRUN" --meshplan meshplan --max-length 512 --batch 8 --clients 8 --requests 32 \
+  --mpiexec "$MPIRUN" --meshplan meshplan --solver highs --max-length 512 --batch 8 --clients 8 --requests 32 \
   --prompt-lengths 16:64 --new-tokens 32:96 --logprobs 5 --workdir "$O/serve_work" --json "$O/serve.json"
 TAIL=8 step serve_prefix 120 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \
-  --mpiexec "$MPIRUN" --meshplan meshplan --max-length 1024 --batch 8 --system-prompt 512 --only continuous \
+  --mpiexec "$MPIRUN" --meshplan meshplan --solver highs --max-length 1024 --batch 8 --system-prompt 512 --only continuous \
   --only continuous-no-prefix --clients 4 --requests 32 --prompt-lengths 8:16 --new-tokens 8:16 \
   --workdir "$O/serve_work" --json "$O/serve_prefix.json"
 python3 -c "import json; print(json.dumps([[(7 * i + 5) % 250 + 2 for i in range(32)]]))" > "$O/ids.json"

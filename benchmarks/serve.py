@@ -96,7 +96,8 @@ class Server:
     """A server process whose first lines say its address (and rank 0's pid)."""
 
     def __init__(self, command: list[str]):
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+                   PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env, cwd=REPO, start_new_session=True)
         self.lines: list[str] = []
@@ -375,6 +376,7 @@ def main() -> int:
     parser.add_argument("--provider", default="auto", metavar="auto|cuda|cpu",
                         help="the meshplan servers' execution provider [default: auto]")
     parser.add_argument("--device", default="cpu", help="the plans' device preset [default: cpu]")
+    parser.add_argument("--solver", help="the plans' ILP solver (meshplan plan --solver) [default: meshplan's]")
     parser.add_argument("--mpiexec", help="the launcher and its options, one string [default: this Python's mpiexec]")
     parser.add_argument("--meshplan", help="the meshplan command, one string [default: this Python's meshplan]")
     parser.add_argument("--genai-front", nargs=4, metavar=("FOLDER", "HOST", "PORT", "CAPACITY"),
@@ -419,7 +421,7 @@ def main() -> int:
         if not (out / "plan.json").exists():
             policy = ["--policy", "megatron", "--max-stages", "1"] if ranks > 1 else []
             done = subprocess.run([*MESHPLAN, "plan", str(source), "--mesh", args.mesh,
-                                   "--device", args.device, "--generate", "--batch", str(batch), "--max-length",
+                                   "--device", args.device, "--generate", *(["--solver", args.solver] if args.solver else []), "--batch", str(batch), "--max-length",
                                    str(args.max_length), "--prefill-chunk", str(args.max_length), *policy,
                                    "-o", str(out)], capture_output=True, text=True, cwd=REPO)
             if done.returncode:

@@ -430,10 +430,13 @@ def _mpiexec() -> list[str]:
                        or "mpiexec"]
 
 
+SOLVER: list[str] = []    # --solver NAME, where given
+
+
 def plan(model: Path, out: Path, mesh: str, c: dict, policy: str = "auto", profile: Path | None = None,
          device: str = "cpu") -> dict:
     command = [*MESHPLAN, "plan", model, "--train", "--loss", LOSS, "--optimizer", "adamw", "--mesh", mesh,
-               "--device", device, "--dim", f"batch={c['batch']}", "--policy", policy, "-o", out]
+               "--device", device, "--dim", f"batch={c['batch']}", "--policy", policy, *SOLVER, "-o", out]
     if profile is not None:
         command += ["--profile", profile]
     started = time.perf_counter()
@@ -496,6 +499,7 @@ def main() -> int:
                         help="where torch eager and meshplan's programs run [default: cpu]")
     parser.add_argument("--device", help="the plans' device preset [default: cpu; h200 with --provider cuda]")
     parser.add_argument("--mpiexec", help="the launcher and its options, one string [default: mpiexec on PATH]")
+    parser.add_argument("--solver", help="the plans' ILP solver (meshplan plan --solver) [default: meshplan's]")
     parser.add_argument("--peak-tflops", type=float, default=67.0,
                         help="the GPU's float32 peak without tensor cores, for the MFU column [default: 67]")
     parser.add_argument("--workdir", type=Path, help="where the model, data and plans go [default: a temporary "
@@ -517,6 +521,8 @@ def main() -> int:
             c[dim] = getattr(args, dim)
     if args.mpiexec:
         MPIEXEC[:] = args.mpiexec.split()
+    if args.solver:
+        SOLVER[:] = ["--solver", args.solver]
     cuda = args.provider == "cuda"
     device = args.device or ("h200" if cuda else "cpu")
     steps = args.steps or (3 if args.smoke else 8)

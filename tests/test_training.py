@@ -465,6 +465,36 @@ def test_job_train_step_from_a_users_loop(tmp_path):
     assert run_mpi_script("train_step_case.py", 2, args=(plan_dir, data, tmp_path / "expected.json"))
 
 
+@pytest.mark.parametrize("mesh, policy", [("1x1", "auto"), ("1x2", "data")])
+def test_a_training_job_keeps_its_state_on_the_device(tmp_path, mesh, policy):
+    """The path a CUDA job takes (``on_device``; here on host OrtValues): the new weights and
+    optimizer state stay device tensors from step to step, written into new buffers (a step
+    never overwrites the state it reads), a gradient kept on the device reaches its
+    all-reduce, and every loss equals the host path's."""
+    plan_dir = _plan(tmp_path, "plan", "--mesh", mesh, "--policy", policy, "--optimizer", "adamw")
+    data = _data(tmp_path / "data.npz")
+    hyper = {"weight_decay": 0.05}
+    losses, _ = run_whole(plan_dir, data, 3, 0.01, hyper)
+    (tmp_path / "expected.json").write_text(json.dumps({"lr": 0.01, "hyper": hyper, "losses": losses}))
+    if mesh != "1x1":
+        assert run_mpi_script("train_step_case.py", 2, args=(plan_dir, data, tmp_path / "expected.json", "device"))
+        return
+    from meshplan.runtime.buffers import DeviceTensor
+    from meshplan.runtime.job import Job
+    from meshplan.trainer.data import Batches
+
+    job = Job(plan_dir, provider="cpu", on_device=True)
+    batches = Batches(data, job.plan)
+    found, addresses = [], []
+    for _ in losses:
+        found.append(job.train_step(batches.next(), 0.01, **hyper))
+        assert all(isinstance(v, DeviceTensor) for v in job.state.values())
+        addresses.append({n: v.address for n, v in job.state.items()})
+    job.close()
+    np.testing.assert_allclose(found, losses, rtol=1e-5)
+    assert all(addresses[1][n] != addresses[2][n] for n in addresses[1])   # new buffers each step
+
+
 def test_a_training_jobs_sessions_run_without_the_memory_pattern(tmp_path):
     """A training step's sessions run without onnxruntime's memory pattern and constant
     folding (each held memory the step's own tensors do not need: docs/training.md); an

@@ -188,15 +188,18 @@ class Job(CallHeaders, HeldState):
                                                     alone=self.size == 1)
                 set_sleeping(session.providers[0] != CUDA)
                 on_cuda = session.providers[0] == CUDA
+                # the state a training step writes anew (weights, optimizer state): kept where it
+                # is made, in new buffers each run (a cache is the caller's to write in place)
+                kept = {local_name(s["output"], state_spec(s)) for s in plan.state} if plan.training else set()
                 if on_device or on_device is None and on_cuda:
                     if buffers is HOST:
                         resident = DeviceBuffers("cuda" if on_cuda else "cpu", device_id if on_cuda else 0, providers)
-                        session.keep_on(resident)
+                        session.keep_on(resident, kept=kept)
                         path_text += "; state and activations kept on the " + ("GPU" if on_cuda else "device")
                     elif plan.microbatches == 1:   # device buffers travel as they are: the runs keep
                         # their bindings (and graphs) too; a run of another microbatch would write into the
                         # buffers of the one before while a send of them may still be under way
-                        session.keep_on(buffers, staged=False)
+                        session.keep_on(buffers, staged=False, kept=kept)
                         path_text += "; every segment's buffers kept bound between calls"
             if check is not None and self.rank == 0:
                 check(plan)

@@ -29,7 +29,7 @@ from meshplan.errors import RunError
 from meshplan.reshard.kinds import kind_of_op
 from meshplan.reshard.steps import Step
 from meshplan.plan_format import COLLECTIVE_DOMAIN
-from meshplan.runtime.buffers import HOST
+from meshplan.runtime.buffers import HOST, DeviceTensor
 from meshplan.runtime.greedy_choice import greedy_output, with_greedy_choice
 from meshplan.runtime.sessions import StageSession
 
@@ -297,19 +297,22 @@ class ProgramRunner:
                          affinities, training)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
 
-    def keep_on(self, device, staged: bool = True) -> None:
+    def keep_on(self, device, staged: bool = True, kept=frozenset()) -> None:
         """Keep this rank's tensors on ``device`` between segments and calls
-        (``StageSession.keep_on``): what a segment hands to its collective and the program's
+        (``StageSession.keep_on``): what a segment makes for any collective and the program's
         outputs come back to the host (``staged``: the job's transport moves host memory); what
         only a later segment reads stays on the device, and so do the logits a choice is made
-        from (``choose``: the caller copies out what it takes of them). Not ``staged`` (device
-        buffers: a CUDA-aware MPI, or a job of one rank), every output stays a device tensor."""
+        from (``choose``: the caller copies out what it takes of them) and the outputs the
+        caller ``kept`` as its state (a training step's new weights and optimizer state: each
+        run writes them into new buffers). Not ``staged`` (device buffers: a CUDA-aware MPI, or
+        a job of one rank), every output stays a device tensor."""
         self.kept_on = device
+        collected = {s.collective.input for s in self.segments if s.collective is not None}
         for segment in self.segments:
             if segment.session is not None:
-                crossing = {segment.collective.input} if segment.collective is not None else set()
-                segment.session.keep_on(device, crossing | (set(segment.outputs) & self.graph_outputs
-                                                            - {self._choose_from}) if staged else ())
+                made = set(segment.outputs)
+                to_host = made & (collected | self.graph_outputs - {self._choose_from} - set(kept))
+                segment.session.keep_on(device, to_host if staged else (), made & set(kept))
 
     @property
     def graphs(self) -> dict:
@@ -477,6 +480,8 @@ def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, o
             if box is not None:
                 del narrow[c.output]
                 tensor = buffers.take(tensor, box)
+        if host and isinstance(tensor, DeviceTensor):   # (a feed kept on the device: the job's state)
+            tensor = buffers.to_host(tensor)
         if observe is not None:
             observe(c.input, tensor)
         mine[c.output] = collective(c.step, tensor)

@@ -12,7 +12,11 @@ or returns to the caller is copied to the host (``to_host``). Each run:
   the first run of those shapes; kept while a graph reads them, or, up to 16 MiB, for the
   shapes of the run before: a prompt and a decode step taking turns), or to the feed they
   are written into in place;
-* binds again only what changed since the run before.
+* binds again only what changed since the run before;
+* writes each output the caller keeps (``given``: a training step's new weights and optimizer
+  state, which the job holds as its state and feeds to the next step) into a new buffer at
+  every run, so that a run never overwrites what the step before gave away: the old state is
+  let go once the job holds the new one.
 
 A session loaded with CUDA graphs (``StageSession(graphs=True)``) captures a run the second
 time its shapes and device addresses repeat (a decode step) and replays the graph from
@@ -37,10 +41,11 @@ _OUTPUTS_KEPT = 16 << 20   # bytes: the run before's outputs kept for its shapes
 
 
 class ResidentRuns:
-    def __init__(self, session, device, to_host: frozenset):
+    def __init__(self, session, device, to_host: frozenset, given: frozenset = frozenset()):
         self.session = session          # a StageSession
         self.device = device            # a DeviceBuffers: where new buffers are made
         self.to_host = to_host
+        self.given = given & set(session.output_names)   # outputs the caller keeps: a new buffer each run
         self.binding = session.session.io_binding()
         self.bound: dict[tuple, tuple] = {}            # ("in"|"out", name) → (address, shape) bound
         self.feeds: dict[tuple, DeviceTensor] = {}     # (name, shape, dtype) → the buffer a numpy feed is copied to
@@ -71,6 +76,8 @@ class ResidentRuns:
         buffers and runs: everything is bound where the run before bound it (``_Repeat``)."""
         session = self.session
         repeat = self.repeat
+        if self.given:
+            return self._run_giving(feeds, reused, boxes)
         if repeat is not None and repeat.matches(feeds, reused):
             for name, buffer in repeat.copies:
                 buffer.value.update_inplace(np.ascontiguousarray(feeds[name]))
@@ -154,6 +161,45 @@ class ResidentRuns:
         settled = self.graphs.get(key) if session.graphs else None
         if (settled is not None or not session.graphs) and None not in key[1]:
             self.repeat = _Repeat(feeds, asked, reused, copies, options, settled is not None, outputs)
+        return self._results(feeds, reused, outputs, boxes)
+
+    def _run_giving(self, feeds: dict, reused: dict, boxes: dict | None) -> dict:
+        """A run of a session with outputs the caller keeps (``given``): those are bound anew
+        (onnxruntime allocates them on the device), the others to the buffers kept for these
+        shapes; no graph, no repeat (the given outputs' addresses change every run)."""
+        session = self.session
+        reused = {o: i for o, i in reused.items() if isinstance(feeds[i], DeviceTensor)}
+        shapes = []
+        for name in session.input_names:
+            if name not in feeds:
+                continue
+            value = feeds[name]
+            if not isinstance(value, DeviceTensor):
+                value = self._feed_buffer(name, np.asarray(value))
+            self._bind(("in", name), value)
+            shapes.append(value.shape)
+        shapes = tuple(shapes)
+        kept = self.outputs.get(shapes)
+        for name in session.output_names:
+            if name in reused:
+                self._bind(("out", name), feeds[reused[name]])
+            elif kept is not None and name not in self.given:
+                self._bind(("out", name), kept[name])
+            else:
+                self.binding.bind_output(name, self.device.device_type, self.device.device_id)
+                self.bound.pop(("out", name), None)
+        try:
+            session.session.run_with_iobinding(self.binding, session._plain_run if session.graphs else None)
+        except Exception as exc:  # onnxruntime raises several unrelated exception types
+            raise session._failed(exc) from exc
+        outputs = {name: self.device.wrap(value) for name, value in zip(session.output_names,
+                                                                        self.binding.get_outputs())
+                   if name not in reused}
+        if kept is None:
+            kept = self.outputs[shapes] = {n: t for n, t in outputs.items() if n not in self.given}
+            for name, tensor in kept.items():
+                self.bound[("out", name)] = (tensor.address, tensor.shape)
+                self.binding.bind_ortvalue_output(name, tensor.value)
         return self._results(feeds, reused, outputs, boxes)
 
     def _results(self, feeds: dict, reused: dict, outputs: dict, boxes: dict | None) -> dict:

@@ -346,17 +346,18 @@ class StageSession:
         session that keeps its tensors on the device keeps its buffers: its graphs read them."""
         self._binding, self._bound, self._repeat, self._plain_shapes = None, {}, None, None
 
-    def keep_on(self, device, to_host=frozenset()) -> None:
+    def keep_on(self, device, to_host=frozenset(), given=frozenset()) -> None:
         """From now on, run with every tensor where the provider computes (``device``, a
         ``DeviceBuffers``): feeds given as device tensors are bound where they lie, numpy feeds
         are copied into buffers of this session, outputs are written into buffers kept per
         call shapes and stay there, except ``to_host`` (what the caller sends or returns),
-        copied out. On a session with graphs, a call that repeats its shapes and addresses is
+        copied out, and ``given`` (what the caller keeps: the job's new state), written into
+        a new buffer at each run. On a session with graphs, a call that repeats its shapes and addresses is
         captured once and replayed (``resident.ResidentRuns``)."""
         from meshplan.runtime.resident import ResidentRuns
 
         self.device = device
-        self._resident = ResidentRuns(self, device, frozenset(to_host))
+        self._resident = ResidentRuns(self, device, frozenset(to_host), frozenset(given))
 
     @property
     def graph_count(self) -> int:
