@@ -38,6 +38,7 @@ from meshplan.sharding import LogicalMesh, ShardingSpec, take
 from meshplan.intra.strategies import Strategy, derive, local_attributes, source_specs
 from meshplan.ops import SMALL_CONSTANT_ELEMENTS
 from meshplan.ops.view import LocalShape
+from meshplan.emit.collective_order import order_by_levels
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 from meshplan.emit.program_weights import PendingSlice, can_defer, placeholder
 
@@ -356,7 +357,8 @@ def shard_program(stage: onnx.ModelProto, graph: Graph, strategies: dict[str, St
     inputs = [build.value_info[local_name(v.name, input_specs[v.name])] for v in stage.graph.input if v.name not in weights]
     boundary = {v.name for v in inputs + outputs}
     program = helper.make_graph(
-        build.nodes, stage.graph.name, inputs, outputs, list(build.initializers.values()),
+        order_by_levels(build.nodes, [v.name for v in outputs]), stage.graph.name, inputs, outputs,
+        list(build.initializers.values()),
         value_info=[v for name, v in build.value_info.items() if name not in boundary],
     )
     if collectives is not None:
