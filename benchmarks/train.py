@@ -461,7 +461,7 @@ def train(plan_dir: Path, ranks: int, data: Path, warmup: int, steps: int, work:
                      "--log", log, "-q"], f"meshplan train {plan_dir.name}")
     record = json.loads(log.read_text())
     rss, estimates = [], []
-    for match in re.finditer(r"rank (\d+): peak RSS ([\d.]+) MiB(?:, the plan's estimate ([\d.]+) MiB)?", done.stdout):
+    for match in re.finditer(r"rank (\d+): peak RSS ([\d.]+) MiB(?: \(host memory\))?(?:, the plan's estimate ([\d.]+) MiB)?", done.stdout):
         rss.append(float(match.group(2)))
         estimates.append(float(match.group(3)) if match.group(3) else None)
     out = {"losses": record["losses"], "step_seconds": record["step_seconds"], "peak_rss_mib": rss,
@@ -685,8 +685,9 @@ def summarize(rows: dict, counterpart: dict, batch: int, warmup: int, eager: str
 def report(results: dict) -> None:
     rows = results["rows"]
     print()
+    against = "GPU/plan" if results.get("peak_tflops") else "RSS/plan"
     print(f"{'row':<28} {'samples/s':>9} {'vs torch':>8} {'step':>9} {'peak RSS/rank MiB':>18} "
-          f"{'plan mem MiB':>12} {'RSS/plan':>11} {'est':>8} {'est/meas':>8}  loss 1 -> last")
+          f"{'plan mem MiB':>12} {against:>11} {'est':>8} {'est/meas':>8}  loss 1 -> last")
     for name, row in rows.items():
         if "error" in row:
             print(f"{name:<28} failed: {row['error'][:300]}")
@@ -697,7 +698,8 @@ def report(results: dict) -> None:
         rss = " / ".join(f"{r:.0f}" for r in row["peak_rss_mib"])
         estimates = row.get("memory_estimate_mib") or []
         plan_mem = " / ".join(f"{e:.0f}" for e in estimates if e) if any(estimates) else "-"
-        mem = [r / e for r, e in zip(row["peak_rss_mib"], estimates) if e]
+        # (on a GPU the plan's estimate is of the GPU's memory: the ratio is nvidia-smi's figure over it)
+        mem = [r / e for r, e in zip(row.get("peak_gpu_mib") or row["peak_rss_mib"], estimates) if e]
         memory = " / ".join(f"{m:.2f}" for m in mem) if mem else "-"
         est = f"{row['estimate_seconds'] * 1e3:.0f}ms" if "estimate_seconds" in row else "-"
         over = f"{row['estimate_seconds'] / row['median_step_seconds']:.2f}" if "estimate_seconds" in row else "-"

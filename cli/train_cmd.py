@@ -95,10 +95,12 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
     click.echo(f"loss {report.losses[0]:.6g} -> {report.losses[-1]:.6g}; step {human_seconds(measured)} measured "
                f"(median), {human_seconds(report.estimate_seconds)} estimated; "
                f"{report.batch / measured:.1f} samples/s")
+    on_gpu = report.provider == "CUDAExecutionProvider"   # (the estimate is of the GPU's memory, not measured)
     for rank, rss in enumerate(report.peak_rss_bytes or []):
         estimate = report.memory_estimates[rank] if rank < len(report.memory_estimates) else 0
-        click.echo(f"rank {rank}: peak RSS {rss / 2**20:.1f} MiB"
-                   + (f", the plan's estimate {estimate / 2**20:.1f} MiB" if estimate else ""))
+        click.echo(f"rank {rank}: peak RSS {rss / 2**20:.1f} MiB" + (" (host memory)" if on_gpu else "")
+                   + (f", the plan's estimate {estimate / 2**20:.1f} MiB" + (" of its GPU's memory" if on_gpu else "")
+                      if estimate else ""))
     if report.busy_fractions:
         idle = 1 - sum(report.busy_fractions) / len(report.busy_fractions)
         click.echo(f"pipeline: ranks busy {', '.join(f'{b:.2f}' for b in report.busy_fractions)} of their steps "
