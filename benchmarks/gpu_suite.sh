@@ -7,7 +7,8 @@
 # with less than 20 s left is skipped and says so); after each step OUT_DIR, less its plans, is archived to ARCHIVE,
 # so that a lease cut short still brings back what ran; STEPS names the steps to run (default: all). Writes
 # OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/train.py --provider cuda (a 219 M GPT's
-# training step against torch eager on the GPU, TF32 off in both; losses step for step, GPU memory, MFU);
+# training step against torch eager on the GPU, TF32 off in both; losses step for step, GPU memory, MFU; its 1x2 row
+# again under CUDA MPS: train_mps);
 # benchmarks/serve.py --provider cuda on the fp16 folder (continuous batching against onnxruntime-genai one request at
 # a time, logprobs' cost, a shared system prompt with and without prefix caching); benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
 # ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU memory per rank next to the plan's estimate);
@@ -20,7 +21,7 @@ set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
 left() { echo $((BUDGET - SECONDS)); }
-save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=serve_work \
+save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=serve_work \
   --exclude=mps_pipe "$(basename "$O")" 2> /dev/null \
   && mv "$ARCHIVE.part" "$ARCHIVE"; return 0; }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
@@ -34,10 +35,10 @@ step() { local name=$1 limit=$2; shift 2; local l; l=$(left)
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 TAIL=12 step doctor 60 meshplan doctor
 # training on the GPU: meshplan 1x1 and 1x2 (both ranks on the one GPU) against torch eager on CUDA
+TRAIN_GPT="--layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 8 --warmup 2 --steps ${TRAIN_STEPS:-6}"
 TAIL=30 step train 300 python3 benchmarks/train.py --provider cuda --device "$DEVICE" --torch-python python3 \
-  --mpiexec "$MPIRUN" --solver highs --no-profile --layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 8 \
-  --warmup 2 --steps "${TRAIN_STEPS:-6}" --only eager --only 1x1 --only 1x2-data --workdir "$O/train_work" \
-  --json "$O/train.json"
+  --mpiexec "$MPIRUN" --solver highs --no-profile $TRAIN_GPT --only eager --only 1x1 --only 1x2-data \
+  --workdir "$O/train_work" --json "$O/train.json"
 # serving on the GPU (the fp16 folder): continuous batching against one request at a time, logprobs' cost; then a
 # shared system prompt with and without prefix caching
 TAIL=14 step serve 150 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \
@@ -80,15 +81,20 @@ TAIL=20 step first_requests 90 python3 benchmarks/decode_phases.py "$P11" --prov
 TAIL=34 step decode_phases 150 python3 benchmarks/decode_phases.py "$P11" --provider cuda --floor --choice both
 # 1x2 on the one GPU under CUDA MPS (the two ranks' kernels share the GPU instead of taking turns in
 # time slices), where MPS starts
-if { want mps_1x2 || want mps_segment_graphs_1x2; } && command -v nvidia-cuda-mps-control > /dev/null && [ -f "$P12/plan.json" ] && [ "$(left)" -gt 60 ]; then
+if { want mps_1x2 || want mps_segment_graphs_1x2 || want train_mps; } && command -v nvidia-cuda-mps-control > /dev/null \
+    && [ "$(left)" -gt 60 ]; then
   export CUDA_MPS_PIPE_DIRECTORY="$O/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$O/mps_log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   forward=""   # Open MPI passes a rank only the variables -x names; MPICH's hydra passes all
   [ -n "$openmpi" ] && forward="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
-    TAIL=8 step mps_1x2 90 $MPIRUN $forward -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
+    # the 1x2 data-parallel training step with both ranks' kernels sharing the GPU
+    TAIL=12 step train_mps 240 python3 benchmarks/train.py --provider cuda --device "$DEVICE" \
+      --mpiexec "$MPIRUN $forward" --solver highs --no-profile $TRAIN_GPT --only 1x2-data \
+      --workdir "$O/train_mps_work" --json "$O/train_mps.json"
+    [ -f "$P12/plan.json" ] && TAIL=8 step mps_1x2 90 $MPIRUN $forward -n 2 meshplan generate "$P12" --prompt-ids "$O/ids.json" --max-new-tokens 128 \
       --eos -1 --provider cuda --output "$O/mps_1x2.json"
-    TAIL=8 step mps_segment_graphs_1x2 90 $SEGMENT_GRAPHS $forward $GENERATE_1X2 --output "$O/mps_segment_graphs_1x2.json"
+    [ -f "$P12/plan.json" ] && TAIL=8 step mps_segment_graphs_1x2 90 $SEGMENT_GRAPHS $forward $GENERATE_1X2 --output "$O/mps_segment_graphs_1x2.json"
     echo quit | nvidia-cuda-mps-control
   else echo "== mps_1x2: MPS did not start"; fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
