@@ -307,12 +307,13 @@ class ProgramRunner:
         run writes them into new buffers). Not ``staged`` (device buffers: a CUDA-aware MPI, or
         a job of one rank), every output stays a device tensor."""
         self.kept_on = device
+        kept = frozenset(kept)
         collected = {s.collective.input for s in self.segments if s.collective is not None}
         for segment in self.segments:
             if segment.session is not None:
                 made = set(segment.outputs)
-                to_host = made & (collected | self.graph_outputs - {self._choose_from} - set(kept))
-                segment.session.keep_on(device, to_host if staged else (), made & set(kept))
+                to_host = made & (collected | self.graph_outputs - {self._choose_from} - kept)
+                segment.session.keep_on(device, to_host if staged else (), made & kept)
 
     @property
     def graphs(self) -> dict:

@@ -92,29 +92,7 @@ class ResidentRuns:
         self.repeat = None
         asked = reused
         reused = {o: i for o, i in reused.items() if isinstance(feeds[i], DeviceTensor)}
-        copies = []
-        shapes, addresses = [], []
-        for name in session.input_names:
-            if name not in feeds:
-                continue
-            value = feeds[name]
-            if isinstance(value, DeviceTensor):
-                self._bind(("in", name), value)
-                shapes.append(value.shape)
-                addresses.append(value.address)
-                continue
-            array = np.asarray(value)
-            shapes.append(array.shape)
-            if array.dtype == object or array.dtype.isbuiltin != 1:   # strings, extension types: by copy
-                self.binding.bind_cpu_input(name, array)
-                self.bound.pop(("in", name), None)
-                addresses.append(None)
-                continue
-            buffer = self._feed_buffer(name, array)
-            self._bind(("in", name), buffer)
-            addresses.append(buffer.address)
-            copies.append((name, buffer))
-        shapes = tuple(shapes)
+        shapes, addresses, copies = self._bind_feeds(feeds)
         outputs = self.outputs.get(shapes)
         for name in session.output_names:
             if name in reused:
@@ -169,16 +147,7 @@ class ResidentRuns:
         shapes; no graph, no repeat (the given outputs' addresses change every run)."""
         session = self.session
         reused = {o: i for o, i in reused.items() if isinstance(feeds[i], DeviceTensor)}
-        shapes = []
-        for name in session.input_names:
-            if name not in feeds:
-                continue
-            value = feeds[name]
-            if not isinstance(value, DeviceTensor):
-                value = self._feed_buffer(name, np.asarray(value))
-            self._bind(("in", name), value)
-            shapes.append(value.shape)
-        shapes = tuple(shapes)
+        shapes, _, _ = self._bind_feeds(feeds)
         kept = self.outputs.get(shapes)
         for name in session.output_names:
             if name in reused:
@@ -201,6 +170,34 @@ class ResidentRuns:
                 self.bound[("out", name)] = (tensor.address, tensor.shape)
                 self.binding.bind_ortvalue_output(name, tensor.value)
         return self._results(feeds, reused, outputs, boxes)
+
+    def _bind_feeds(self, feeds: dict) -> tuple[tuple, list, list]:
+        """Bind every feed: a device tensor where it lies, a numpy array copied into this
+        session's buffer for its name and shape (strings and extension types bound as they
+        are). Returns the feeds' shapes, their addresses (None for one bound by copy) and the
+        (name, buffer) of each numpy feed copied."""
+        shapes, addresses, copies = [], [], []
+        for name in self.session.input_names:
+            if name not in feeds:
+                continue
+            value = feeds[name]
+            if isinstance(value, DeviceTensor):
+                self._bind(("in", name), value)
+                shapes.append(value.shape)
+                addresses.append(value.address)
+                continue
+            array = np.asarray(value)
+            shapes.append(array.shape)
+            if array.dtype == object or array.dtype.isbuiltin != 1:   # strings, extension types: by copy
+                self.binding.bind_cpu_input(name, array)
+                self.bound.pop(("in", name), None)
+                addresses.append(None)
+                continue
+            buffer = self._feed_buffer(name, array)
+            self._bind(("in", name), buffer)
+            addresses.append(buffer.address)
+            copies.append((name, buffer))
+        return tuple(shapes), addresses, copies
 
     def _results(self, feeds: dict, reused: dict, outputs: dict, boxes: dict | None) -> dict:
         """The run's outputs: a feed written in place as that feed, what returns to the host
