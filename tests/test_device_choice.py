@@ -156,3 +156,68 @@ def test_onnxruntimes_log_level_comes_from_the_environment(monkeypatch):
     assert ort_log_level() == 2
     monkeypatch.setenv(ORT_LOG_LEVEL, "loud")
     assert ort_log_level() == 4
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("where", ["host", "device", "device rows"])
+def test_the_scorer_is_the_hosts_log_softmax_and_top_k_of_the_box(dtype, where):
+    """``LogitScorer`` (the log-softmax and top k where the logits lie) against ``Scores``
+    (the host's) on the box asked for: a numpy array, an OrtValue, a view of some of its rows."""
+    from meshplan.generation.scoring import Scores
+    from meshplan.runtime.buffers import DeviceBuffers
+    from meshplan.runtime.logit_scores import TOP_COUNT, LogitScorer
+
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((4, 6, 50)) * 4).astype(dtype)
+    logits[1, 4, 7] = logits[1, 4, 9] = logits[1, 4].max() + 1     # a tie: the lower id first
+    scorer = LogitScorer("logits", ["CPUExecutionProvider"], 50)
+    value, rows = logits, slice(None)
+    if where != "host":
+        value = DeviceBuffers("cpu", 0, ["CPUExecutionProvider"]).from_host(logits)
+        if where == "device rows":
+            value, rows = value[1:3], slice(1, 3)
+            assert not value.whole
+    box = (slice(None), slice(-2, None))
+    top, ids = scorer(value, box)
+    window = logits[rows][:, -2:]
+    assert top.shape == ids.shape == window.shape[:-1] + (TOP_COUNT,) and top.dtype == np.float32
+    expected = Scores(window, TOP_COUNT)
+    assert np.allclose(top.reshape(-1, TOP_COUNT), expected.top, atol=1e-5)
+    assert np.array_equal(ids.reshape(-1, TOP_COUNT), expected.ids)
+    assert np.array_equal(ids[..., 0], window.argmax(axis=-1))
+    if where == "host":
+        assert ids[1, 0, 0] == 7 and ids[1, 0, 1] == 9
+        few, _ = scorer(value, (slice(0, 1), slice(None), slice(0, 3)))   # a box over the alternatives too
+        assert few.shape == (1, 6, 3)
+
+
+def test_scored_calls_bring_k_values_per_position_not_the_logits(plans, monkeypatch):
+    from meshplan.runtime.buffers import DeviceTensor
+    from meshplan.runtime.job import Job
+    from meshplan.runtime.logit_scores import TOP_COUNT
+
+    copies = []
+    numpy, box_numpy = DeviceTensor.numpy, DeviceTensor.box_numpy
+    monkeypatch.setattr(DeviceTensor, "numpy", lambda self: copies.append(self.shape) or numpy(self))
+    monkeypatch.setattr(DeviceTensor, "box_numpy", lambda self, box: copies.append(self.shape) or box_numpy(self, box))
+    job = Job(plans["llama_fp32"], "cpu", cache_in_place=True, on_device=True, choose=True)
+    try:
+        top, ids = job.scorer.outputs
+        assert {top, ids} <= {t.name for t in job.outputs} and set(job.run(
+            {"input_ids": np.array([PROMPTS[0]] * 2), "attention_mask": np.ones((2, 5), np.int64)})) == {"logits"}
+        job.reset_state()
+        shape = GenerationShape.of_plan(job.plan)
+        prompt = np.array([PROMPTS[0], PROMPTS[0][::-1]], dtype=np.int64)
+        feeds = {shape.input_ids: prompt, shape.attention_mask: np.ones(prompt.shape, np.int64)}
+        copies.clear()
+        scored = job.run(feeds, outputs={top: np.s_[:, -2:], ids: np.s_[:, -2:]})
+        assert copies and all(len(c) == 2 for c in copies)   # the program's greedy ids alone, not the logits
+        assert scored[top].shape == scored[ids].shape == (2, 2, TOP_COUNT)
+        job.reset_state()
+        logits = job.run(feeds, outputs={"logits": np.s_[:, -2:]})["logits"]
+        assert np.array_equal(scored[ids][..., 0], logits.argmax(axis=-1))
+        shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+        expected = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        assert np.allclose(scored[top][..., 0], expected.max(axis=-1), atol=1e-5)
+    finally:
+        job.close()

@@ -296,6 +296,74 @@ def test_a_job_that_chooses_next_to_the_logits_serves_each_request_its_own_ids(s
         job.close()
 
 
+def _scored_run(job, arrivals, logprobs, echo_at=None):
+    """Each request's tokens and their scores ((id, logprob, top) per token) through a
+    ``SlotBatch`` on ``job``, and the count of each kind of stepper call; the request at
+    ``echo_at`` scores its prompt too."""
+    from meshplan.generation.driver import JobStepper
+
+    stepper = JobStepper(job)
+    calls = {"choose": 0, "step": 0, "score": 0}
+    for name in calls:
+        method = getattr(stepper, name)
+
+        def counted(*args, _method=method, _name=name, **kwargs):
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+        setattr(stepper, name, counted)
+    batch = batch_for(GenerationShape.of_plan(job.plan), stepper, 0)
+    queue, works, step = [], [], 0
+    while True:
+        for prompt, count in arrivals.get(step, []):
+            work = Work(prompt, count, Sampler(), logprobs=logprobs, echo=len(works) == echo_at)
+            work.scores = []
+            queue.append(work)
+            works.append(work)
+        while queue and batch.accepts(queue[0]):
+            batch.admit(queue.pop(0))
+        if not batch.busy and step > max(arrivals):
+            return [(w.ids, w.scores, w.prompt_scores) for w in works], calls
+        for work, token in batch.step():
+            work.ids.append(token)
+            work.scores.append(work.score)
+            if len(work.ids) >= work.max_tokens:
+                batch.release(work)
+        step += 1
+
+
+def test_logprobs_scored_next_to_the_logits_equal_the_hosts(tmp_path):
+    """Where the job chooses next to its logits (a GPU's job of one rank; here its path on
+    the CPU), greedy requests that ask for logprobs get them from the job's scorer (the
+    log-softmax and top k where the logits are: ``JobStepper.score``), equal to the host's
+    scores of the whole logits; a request scoring its prompt (echo) has its prefill bring
+    the logits."""
+    from meshplan.runtime.job import Job
+
+    dims, _ = generation_plan_dims(model_path("llama_fp32"), 4, CONTEXT, CHUNK)
+    make_plan(model_path("llama_fp32"), make_cluster((1, 1), "cpu"), dims, tmp_path, PlanOptions())
+    arrivals = {0: [(PROMPTS[0], 6), (PROMPTS[1], 5)], 2: [(PROMPTS[2], 4)], 4: [(PROMPTS[4], 4)]}
+    found = {}
+    for choose in (True, False):
+        job = Job(tmp_path, "cpu", cache_in_place=True, on_device=True, choose=choose)
+        try:
+            found[choose] = _scored_run(job, arrivals, 5) + _scored_run(job, arrivals, 3, echo_at=1)
+        finally:
+            job.close()
+    device, device_calls, echoed, echo_calls = found[True]
+    host, host_calls, host_echoed, _ = found[False]
+    assert device_calls["score"] > 0 and device_calls["step"] == 0 and device_calls["choose"] == 0
+    assert host_calls["score"] == host_calls["choose"] == 0
+    assert echo_calls["step"] > 0 and echo_calls["score"] > 0      # the echoed prompt's calls bring logits
+    for (ids, scores, _), (host_ids, host_scores, _) in zip(device + echoed, host + host_echoed):
+        assert ids == host_ids and len(scores) == len(ids) > 0
+        for (token, logprob, top), (host_token, host_logprob, host_top) in zip(scores, host_scores):
+            assert token == host_token == top[0][0]
+            assert logprob == pytest.approx(host_logprob, abs=1e-5) and logprob < 0
+            assert [i for i, _ in top] == [i for i, _ in host_top] and len(top) in (3, 5)
+            assert [v for _, v in top] == pytest.approx([v for _, v in host_top], abs=1e-5)
+    assert echoed[1][2] and echoed[1][2] == host_echoed[1][2]      # the prompt's own scores
+
+
 SYSTEM = [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83]
 
 

@@ -47,11 +47,17 @@ class JobStepper:
         self._outputs: dict[int, dict] = {}    # the outputs asked for, by last positions: the same object each
                                                # step, so the job reads it once (``Job._wanted``)
         self._chosen: dict[int, dict] = {}     # … of the greedy ids (``choose``)
+        self._scored: dict[int, dict] = {}     # … of the top log-probabilities (``score``)
 
     @property
     def chooses(self) -> bool:
         """Whether the job chooses greedy ids next to its logits (``Job.chosen``: on a GPU)."""
         return self.job.chosen is not None
+
+    @property
+    def scores(self) -> bool:
+        """Whether the job scores its logits where they are (``Job.scorer``: where it chooses)."""
+        return self.job.scorer is not None
 
     def reset(self) -> None:
         self.job.reset_state()
@@ -84,6 +90,19 @@ class JobStepper:
         if outputs is None:
             outputs = self._chosen[last] = {name: np.s_[:, -last:]}
         return self.job.run(feeds, outputs=outputs, row=row, copy=False)[name]
+
+    def score(self, feeds: dict[str, np.ndarray], last: int, row: int | None = None):
+        """The greedy ids of the call's ``last`` positions ([batch, last]) and the top
+        log-probabilities there (``TopScores``, a row per position), both computed where the
+        logits are: only k values and ids per position reach the host."""
+        from meshplan.generation.scoring import TopScores
+
+        top, ids = self.job.scorer.outputs
+        outputs = self._scored.get(last)
+        if outputs is None:
+            outputs = self._scored[last] = {top: np.s_[:, -last:], ids: np.s_[:, -last:]}
+        found = self.job.run(feeds, outputs=outputs, row=row, copy=False)
+        return found[ids][..., 0], TopScores(found[top], found[ids])
 
 
 class TextStream:

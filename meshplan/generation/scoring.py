@@ -55,3 +55,24 @@ class Scores:
         count = min(count, self.count)
         top = [(int(i), float(v)) for i, v in zip(self.ids[row, :count], self.top[row, :count])]
         return int(token), float(self.logprobs[row, token]), top
+
+
+class TopScores:
+    """``Scores`` of rows whose log-softmax and top k were computed where the logits are
+    (``JobStepper.score``): the top log-probabilities and their ids, [..., k], one row per
+    position (flattened in order). A token scored must be among its row's top k: the greedy
+    choice is the first."""
+
+    def __init__(self, top: np.ndarray, ids: np.ndarray):
+        self.top = np.asarray(top).reshape(-1, np.shape(top)[-1])
+        self.ids = np.asarray(ids).reshape(-1, np.shape(ids)[-1])
+        self.count = self.top.shape[1]
+
+    def of(self, row: int, token: int, count: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """As ``Scores.of``."""
+        found = np.flatnonzero(self.ids[row] == token)
+        if not len(found):
+            raise ValueError(f"token {token} is not among the {self.count} most likely of its position")
+        count = min(count, self.count)
+        top = [(int(i), float(v)) for i, v in zip(self.ids[row, :count], self.top[row, :count])]
+        return int(token), float(self.top[row, found[0]]), top

@@ -30,7 +30,7 @@ ROWS = 1 << 32     # a call of some rows: the first row * ROWS + their count (-1
 _KEPT_VIEW_BYTES = 16 << 20   # the largest output whose view ``_take_output`` keeps for the next call
 
 # the bound instructions' codes
-_RESHARD_IN, _TAKE, _RUN, _RESHARD_OUT, _KEEP, _SEND, _OUTPUT, _COLLECT = range(8)
+_RESHARD_IN, _TAKE, _RUN, _RESHARD_OUT, _KEEP, _SEND, _OUTPUT, _COLLECT, _SCORE = range(9)
 
 
 @dataclass
@@ -53,16 +53,20 @@ class Interpreter:
     """Rank ``rank``'s instruction list of ``schedule``, run for a call with ``run``. The job
     gives what the list acts on: its transport, program runner, buffers and record; the state
     dict it holds (read and updated in place), the state's specs, the state buffers the
-    programs may write in place (``own_state``) and the greedy ids' output (``chosen``)."""
+    programs may write in place (``own_state``), the greedy ids' output (``chosen``) and the
+    scorer of the logits those are chosen from (``scorer``: ``logit_scores.LogitScorer``,
+    whose outputs rank 0 computes after the run from the logits where they lie)."""
 
     def __init__(self, plan, rank: int, schedule: Schedule, transport, session, buffers, record: CallRecord,
-                 state: dict, state_specs: dict, own_state=frozenset(), chosen: str | None = None):
+                 state: dict, state_specs: dict, own_state=frozenset(), chosen: str | None = None,
+                 scorer=None):
         if schedule.kind != FORWARD:
             raise RunError(f"this meshplan runs forward schedules only, not {schedule.kind!r}")
         self.plan, self.rank, self.instructions = plan, rank, schedule.ranks[rank]
         self.stage = plan.stage_of_rank(rank)
         self.transport, self.session, self.buffers, self.record = transport, session, buffers, record
         self.state, self.state_specs, self.own_state, self.chosen = state, state_specs, own_state, chosen
+        self.scorer = scorer
         self._bound: dict[frozenset, tuple] = {}
         self._taken: dict[str, tuple] = {}       # ``_take_output``: output → (its array, the box, the view)
 
@@ -80,6 +84,8 @@ class Interpreter:
                 steps.append((_RUN, item.mb))
                 if self.chosen in wanted and rank == 0:
                     steps.append((_OUTPUT, item.mb, self.chosen))
+                if self.scorer is not None and rank == 0 and any(o in wanted for o in self.scorer.outputs):
+                    steps.append((_SCORE, item.mb))
                 continue
             if item.op == "keep":
                 spec = self.state_specs[item.state]
@@ -196,6 +202,10 @@ class Interpreter:
                     data = take(data, boxes.get(t.tensor, wanted[t.tensor]))
                 transport.post_with_shape(data, t.dst_rank, shape_tag + step[2], step[2])
                 record.count(t.tensor, data.nbytes)
+            elif code == _SCORE:   # the top log-probabilities of the logits, where they lie
+                top, ids = self.scorer.outputs
+                box = wanted.get(top, wanted.get(ids))
+                results[mb][top], results[mb][ids] = self.scorer(outs[self.scorer.source], box)
             elif code == _OUTPUT:   # a copy: the program's buffer is the next call's
                 name = step[2]
                 value = self._take_output(name, outs[name], boxes.get(name, wanted[name]))

@@ -64,6 +64,7 @@ from meshplan.runtime.interpreter import ROWS, CallRecord, Interpreter, event
 from meshplan.runtime.job_calls import (CLOSE, COPY_ROWS, GET_STATE, LOAD_STATE, RESET, RUN, SAVE_STATE, SET_STATE,
                                         SIZED_KEPT, STATS, CallHeaders, _Repeat, first_line)
 from meshplan.runtime.job_state import HeldState
+from meshplan.runtime.logit_scores import LogitScorer
 from meshplan.runtime.program import SEGMENT_GRAPHS, ProgramRunner
 from meshplan.runtime.sessions import check_program_files, provider_name, providers_for
 from meshplan.runtime.state_layout import state_spec
@@ -146,6 +147,7 @@ class Job(CallHeaders, HeldState):
             schedule = read_schedule(plan, plan_dir)
             program = plan.program_of_rank(self.rank)
             session, buffers, path_text, resident = None, HOST, "none: this rank is idle in the plan", None
+            providers = None
             if program is not None:
                 path = check_program_files(plan, plan_dir, program)
                 import os
@@ -212,6 +214,9 @@ class Job(CallHeaders, HeldState):
         try:
             self.plan, self.plan_dir, self.session, self.buffers = plan, plan_dir, session, buffers
             self.chosen = session.chosen if session is not None else None   # the greedy ids' output
+            # … and the top log-probabilities of the logits it is chosen from, computed where they lie
+            self.scorer = None if self.chosen is None else LogitScorer(
+                _LOGITS, providers, next(t for t in plan.outputs if t.name == _LOGITS).shape[-1])
             self.state_buffers = resident or buffers    # where the state lies (``on_device``)
             self.transfer_path = path_text
             self.provider = session.providers[0] if session is not None else "none"
@@ -220,7 +225,7 @@ class Job(CallHeaders, HeldState):
             # this rank's part of each call: its instruction list, carried out
             self.interpreter = None if self.stage is None else Interpreter(
                 plan, self.rank, schedule, self.transport, session, buffers, self.record, self.state,
-                self.state_specs, self.own_state, self.chosen)
+                self.state_specs, self.own_state, self.chosen, self.scorer)
         except Exception as exc:
             raise JobFailure(f"rank {self.rank} failed: {first_line(exc)}") from exc
         self.closed = False
@@ -241,6 +246,9 @@ class Job(CallHeaders, HeldState):
         if self.chosen is not None:   # the token ids chosen next to the logits (a job of one rank)
             logits = next(t for t in plan.outputs if t.name == _LOGITS)
             self.outputs.append(TensorSpec(self.chosen, list(logits.shape[:-1]), "int64"))
+            top, ids = self.scorer.outputs    # and the top log-probabilities of those logits
+            self.outputs += [TensorSpec(top, list(logits.shape[:-1]) + [self.scorer.count], "float32"),
+                             TensorSpec(ids, list(logits.shape[:-1]) + [self.scorer.count], "int64")]
         self.state_specs = {s["input"]: state_spec(s) for s in plan.state}
         outputs = {t.name: t for t in plan.outputs}
         self._state_output_shapes = [(s["input"], outputs[s["output"]].shape) for s in plan.state]

@@ -113,7 +113,8 @@ class CallHeaders:
     def _read_outputs(self, outputs) -> dict[str, tuple]:
         names = [t.name for t in self.outputs]
         if outputs is None:   # the plan's outputs (not the ids a job of one rank may choose)
-            return {n: () for n in names if n != self.chosen}
+            made_here = {self.chosen, *(self.scorer.outputs if self.scorer is not None else ())}
+            return {n: () for n in names if n not in made_here}
         chosen = outputs if isinstance(outputs, dict) else {n: () for n in outputs}
         wanted = {}
         for name, index in chosen.items():

@@ -77,9 +77,9 @@ class Work:
     link: tuple | None = None               # (request, choice) on the front's side of a ``link``
 
     @property
-    def needs_logits(self) -> bool:
-        """Its choice needs the logits, not the stepper's greedy id."""
-        return self.logprobs is not None or (self.adjust is not None and self.adjust.active)
+    def adjusted(self) -> bool:
+        """Its choice reads logits changed by penalties, biases or ``min_tokens``."""
+        return self.adjust is not None and self.adjust.active
 
     @property
     def scores_prompt(self) -> bool:
@@ -210,14 +210,14 @@ class SlotBatch:
             return self.rows
         return max(r for r, _ in busy) + 1
 
-    def _call(self, feeds: dict, last: int, span: int, works) -> np.ndarray:
-        window = _window(self.stepper, works, feeds, last, 0 if span < self.rows else None)
+    def _call(self, feeds: dict, last: int, span: int, works) -> tuple:
+        found = _window(self.stepper, works, feeds, last, 0 if span < self.rows else None)
         self.state_made = True
         called = {id(w) for w in works}
         for row in range(span):   # a row the call does not use gets a pad written from position 0
             if self.slots[row] is None or id(self.slots[row]) not in called:
                 self.cached[row] = []
-        return window
+        return found
 
     def _chosen(self, row: int, work: Work, logits, scored: tuple | None = None) -> list[tuple[Work, int]]:
         """Its next token from ``logits`` (``scored``: (``Scores``, its row) of them, made for
@@ -251,7 +251,8 @@ class SlotBatch:
             counts[row] = len(part)
         last = width if any(w.scores_prompt for _, w in busy) else width - int(counts.min()) + 1
         self.made.append("prompts")
-        window = self._call(self._feeds(ids, mask, np.zeros(span, dtype=np.int64)), last, span, [w for _, w in busy])
+        window, top = self._call(self._feeds(ids, mask, np.zeros(span, dtype=np.int64)), last, span,
+                                 [w for _, w in busy])
         chosen = []
         for row, work in busy:
             n = int(counts[row])
@@ -263,7 +264,8 @@ class SlotBatch:
             self.mask[row] = 0
             self.mask[row, :n + 1] = 1
             if not work.prefilling:
-                chosen += self._chosen(row, work, window[row, n - 1 - (width - last)])
+                at = n - 1 - (width - last)
+                chosen += self._chosen(row, work, window[row, at], _top_of(top, row * last + at))
         return chosen
 
     def _row_piece(self, row: int, work: Work) -> list[tuple[Work, int]]:
@@ -275,7 +277,7 @@ class SlotBatch:
         self.made.append("row")
         feeds = self._feeds(ids, np.ones((1, start + width), dtype=np.int64), np.array([start], dtype=np.int64))
         last = width if work.scores_prompt else 1
-        window = _window(self.stepper, [work], feeds, last, row) if self.rows > 1 \
+        window, top = _window(self.stepper, [work], feeds, last, row) if self.rows > 1 \
             else self._call(feeds, last, self.rows, [work])
         if work.scores_prompt:
             _score_prompt(work, window[0, -width:])
@@ -283,7 +285,7 @@ class SlotBatch:
         work.fed += width
         self.lengths[row] += width
         self.mask[row, :min(int(self.lengths[row]) + 1, self.shape.context)] = 1
-        return self._chosen(row, work, window[0, -1]) if not work.prefilling else []
+        return self._chosen(row, work, window[0, -1], _top_of(top, last - 1)) if not work.prefilling else []
 
     def _one_each(self, busy) -> list[tuple[Work, int]]:
         """One new position per row: a prompt token or the last chosen one (idle rows a pad
@@ -293,9 +295,10 @@ class SlotBatch:
         for row, work in busy:
             ids[row, 0] = work.prompt[work.fed] if work.prefilling else work.ids[-1]
         self.made.append("decode")
-        window = self._call(self._feeds(ids, self.mask[:span], self.lengths[:span].copy()), 1, span,
-                            [w for _, w in busy])
-        scored = _scored(window[:, 0], [(row, work) for row, work in busy if not work.prefilling])
+        window, top = self._call(self._feeds(ids, self.mask[:span], self.lengths[:span].copy()), 1, span,
+                                 [w for _, w in busy])
+        scored = _scored(window[:, 0], [(row, work) for row, work in busy if not work.prefilling]) if top is None \
+            else {row: (top, row) for row, _ in busy}
         chosen = []
         for row, work in busy:
             self.cached[row] = self.cached[row][:int(self.lengths[row])] + [int(ids[row, 0])]
@@ -323,11 +326,16 @@ class SlotBatch:
     def _choose(work: Work, logits: np.ndarray, scored: tuple | None = None) -> int:
         """The next id from a position's logits (adjusted as the request asks), or the id itself
         where the stepper chose it; with ``logprobs``, its score in ``work.score`` (from
-        ``scored``, (``Scores``, row), where the call's rows were scored together)."""
+        ``scored``, (``Scores`` or ``TopScores``, row), where the call's rows were scored
+        together: by the stepper, next to the logits, where it chose the id)."""
         if np.ndim(logits) == 0:
+            if work.logprobs is not None:
+                if scored is None:
+                    raise RuntimeError("a request asks for logprobs but its call brought ids alone")
+                work.score = scored[0].of(scored[1], int(logits), work.logprobs)
             return int(logits)
         values = logits
-        if work.adjust is not None and work.adjust.active:
+        if work.adjusted:
             values = work.adjust(logits, work.prompt, work.ids, work.eos)
         token = int(work.sampler(values[None, :])[0])
         if work.logprobs is not None:
@@ -361,13 +369,27 @@ def _score_prompt(work: Work, rows: np.ndarray) -> None:
         work.prompt_scores.append(scores.of(offset, work.prompt[work.fed + offset + 1], work.logprobs))
 
 
-def _window(stepper, works, feeds: dict, last: int, row: int | None):
-    """A call's window of its last positions: the greedy ids where the stepper chooses next
-    to the logits (``JobStepper.choose``: a GPU's job of one rank) and every request whose
-    token the call gives is greedy, else the logits."""
-    greedy = getattr(stepper, "chooses", False) and all(w.sampler.greedy and not w.needs_logits for w in works)
-    call = stepper.choose if greedy else stepper.step
-    return call(feeds, last) if row is None else call(feeds, last, row=row)
+def _window(stepper, works, feeds: dict, last: int, row: int | None) -> tuple:
+    """A call's window of its last positions and their top log-probabilities (or None).
+
+    Where the stepper chooses next to the logits (``JobStepper.choose``: a GPU's job of one
+    rank) and every request whose token the call gives is greedy and unadjusted, the window
+    is the greedy ids; and where some of them ask for ``logprobs`` (none scoring its
+    prompt), the stepper also scores the positions where the logits are
+    (``JobStepper.score``). Otherwise the window is the logits, and the host chooses and
+    scores."""
+    kw = {} if row is None else {"row": row}
+    if getattr(stepper, "chooses", False) and all(w.sampler.greedy and not w.adjusted for w in works):
+        if all(w.logprobs is None for w in works):
+            return stepper.choose(feeds, last, **kw), None
+        if getattr(stepper, "scores", False) and not any(w.scores_prompt and w.prefilling for w in works):
+            return stepper.score(feeds, last, **kw)
+    return stepper.step(feeds, last, **kw), None
+
+
+def _top_of(top, index: int) -> tuple | None:
+    """(``TopScores``, ``index``) where the call's positions were scored by the stepper."""
+    return None if top is None else (top, index)
 
 
 class GrowingBatch:
@@ -452,7 +474,7 @@ class GrowingBatch:
             positions = np.maximum(np.cumsum(self.mask, axis=1) - 1, 0)[:, -width:]
             feeds[self.shape.position_ids] = np.ascontiguousarray(positions)
         last = width if any(w.scores_prompt and w.prefilling for _, w in busy) else 1
-        window = _window(self.stepper, [w for _, w in busy], feeds, last, None)
+        window, top = _window(self.stepper, [w for _, w in busy], feeds, last, None)
         chosen = []
         for row, work in busy:
             if work.prefilling:
@@ -461,7 +483,7 @@ class GrowingBatch:
                 work.fed += counts[row]
                 if work.prefilling:
                     continue
-            chosen.append((work, SlotBatch._choose(work, window[row, -1])))
+            chosen.append((work, SlotBatch._choose(work, window[row, -1], _top_of(top, row * last + last - 1))))
         return chosen
 
 
