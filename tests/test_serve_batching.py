@@ -10,7 +10,6 @@ loop run on that prompt alone.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from meshplan.cost.cluster import make_cluster
