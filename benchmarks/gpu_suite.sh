@@ -8,7 +8,7 @@
 # so that a lease cut short still brings back what ran; STEPS names the steps to run (default: all). Writes
 # OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/train.py --provider cuda (a 219 M GPT's
 # training step against torch eager on the GPU, TF32 off in both; losses step for step, GPU memory, MFU; its 1x2 row
-# again under CUDA MPS: train_mps);
+# again under CUDA MPS: train_mps); a pipelined training plan on CUDA against the CPU (train_pipeline);
 # benchmarks/serve.py --provider cuda on the fp16 folder (continuous batching against onnxruntime-genai one request at
 # a time, logprobs' cost, a shared system prompt with and without prefix caching); benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
 # ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU memory per rank next to the plan's estimate);
@@ -21,7 +21,7 @@ set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
 left() { echo $((BUDGET - SECONDS)); }
-save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=serve_work \
+save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=serve_work --exclude=train_pipeline/plan \
   --exclude=mps_pipe "$(basename "$O")" 2> /dev/null \
   && mv "$ARCHIVE.part" "$ARCHIVE"; return 0; }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
@@ -39,6 +39,21 @@ TRAIN_GPT="--layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 
 TAIL=30 step train 300 python3 benchmarks/train.py --provider cuda --device "$DEVICE" --torch-python python3 \
   --mpiexec "$MPIRUN" --solver highs --no-profile $TRAIN_GPT --only eager --only 1x1 --only 1x2-data \
   --workdir "$O/train_work" --json "$O/train.json"
+# a pipelined training plan (the sample GPT, 2 stages of 4 microbatches, both ranks on the one GPU) trained on CUDA
+# and on the CPU: its losses step for step
+if want train_pipeline && [ "$(left)" -gt 60 ]; then
+  TP="$O/train_pipeline"; mkdir -p "$TP"
+  meshplan plan sample_models/training/gpt_adamw.onnx --train --loss cross_entropy:logits:target --optimizer adamw \
+    --mesh 1x2 --stages 2 --microbatches 4 --device cpu --dim batch=8 --solver highs -o "$TP/plan" > "$TP/plan.log" 2>&1 \
+    || tail -n 3 "$TP/plan.log"
+  TRAIN_PIPE="-n 2 meshplan train $TP/plan --data sample_models/training/gpt_adamw.data.npz --steps 10 --lr 3e-3 -q"
+  TAIL=6 step train_pipeline 120 $MPIRUN $TRAIN_PIPE --provider cuda --log "$TP/cuda.json" \
+    && TAIL=4 step train_pipeline_cpu 120 $MPIRUN $TRAIN_PIPE --provider cpu --log "$TP/cpu.json" \
+    && python3 -c "
+import json; a, b = (json.load(open('$TP/' + n + '.json'))['losses'] for n in ('cuda', 'cpu'))
+print('== train_pipeline: losses on CUDA against the CPU, largest relative difference',
+      max(abs(x - y) / abs(y) for x, y in zip(a, b)), '; steps', len(a))"
+fi
 # serving on the GPU (the fp16 folder): continuous batching against one request at a time, logprobs' cost; then a
 # shared system prompt with and without prefix caching
 TAIL=14 step serve 150 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \

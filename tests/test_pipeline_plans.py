@@ -13,11 +13,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import REPO, run_cli, run_mpi
+from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.report import training_timeline
 from meshplan.emit.train_schedule import read_training_schedule, training_schedule
 from meshplan.plan_format import read_plan
+from meshplan.providers import cuda_usable
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
 from meshplan.trainer.checkpoint import Checkpoint
 from meshplan.training.optimizers import DEFAULTS
@@ -138,6 +139,14 @@ def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule, recom
     assert (tmp_path / "trained.onnx").is_file()
 
 
+def test_stages_keeping_their_tensors_on_the_device_train_the_same_under_mpiexec(tmp_path):
+    """``train_pipeline_rank(on_device=True)``: each stage's state as OrtValues where its
+    sessions compute (a CUDA job's path, on host memory here), the same steps and checkpoint."""
+    _, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x2", 2)
+    lines = run_mpi_script("pipeline_device_case.py", 2, args=(plan_dir, SAMPLES / "gpt_adamw.data.npz", tmp_path))
+    assert lines == ["ok pipeline_device"]
+
+
 def test_resume_continues_the_same_steps(tmp_path):
     case, plan_dir, _ = _plan(tmp_path, "mlp_sgd", "1x2", 2)
     settings = case["settings"]
@@ -188,7 +197,9 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     _one_error_line(run_mpi(3, "train", plan_dir, "--data", data, "--steps", 1), "mpiexec -n 2",
                     "this job has 3 rank(s)")
     _one_error_line(run_cli("run", plan_dir, "--inputs", data), "pipelined training plan", "meshplan train")
-    _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1, "--provider", "cuda"), "on the CPU")
+    if not cuda_usable():
+        _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1, "--provider", "cuda"),
+                        "CUDA execution provider is not usable here")
     _one_error_line(run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1, "--transfer", "device"),
                     "host memory")
     schedule = json.loads((plan_dir / "schedule.json").read_text())

@@ -57,6 +57,33 @@ def test_pipeline_trains_as_torch_and_one_device(name, stages, kind):
     assert_final_like_torch(case, step.manifest["tied"], runner.state_values())
 
 
+@pytest.mark.parametrize("name,stages,kind", [("gpt_adamw", 3, ONE_F_ONE_B), ("gpt2_tied", 2, GPIPE)])
+def test_stages_keeping_their_tensors_on_the_device_train_the_same(name, stages, kind, monkeypatch):
+    """Each stage's state and held tensors as OrtValues where its sessions compute (a GPU's
+    path: ``StageRunner(device=...)``, here on OrtValues in host memory): the same losses and
+    final weights, to the bit, as the stages on numpy arrays; only sends, the loss and the
+    norm come to the host."""
+    from meshplan.runtime import pipeline_stage
+
+    case, step, pipeline = _pipeline(name, stages, 4)
+    on_host = PipelineRunner(pipeline, 4, case["initial"], kind)
+    expected = _train(case, on_host)
+    copied = []
+    host = pipeline_stage._host
+    monkeypatch.setattr(pipeline_stage, "_host", lambda value: copied.append(type(value).__name__) or host(value))
+    on_device = PipelineRunner(pipeline, 4, case["initial"], kind, device=("cpu", 0))
+    assert all(type(v).__name__ == "OrtValue" for runner in on_device.stages for v in runner.state.values())
+    losses = _train(case, on_device)
+    assert losses == expected
+    # per step: each send, the loss of each of the 4 microbatches' backward and the norm (no
+    # state goes to the host and back)
+    sends = sum(1 for stage, ins in on_device.order if ins.op == "send")
+    assert copied.count("OrtValue") == len(losses) * (sends + 4 + 1)
+    final, again = on_host.state_values(), on_device.state_values()
+    assert sorted(final) == sorted(again) and all(np.array_equal(final[n], again[n]) for n in final)
+    assert max(on_device.peak_kept) > 0 and on_device.peak_kept == on_host.peak_kept
+
+
 @pytest.mark.parametrize("name,stages,kind", [("gpt_adamw", 2, ONE_F_ONE_B), ("gpt2_tied", 3, GPIPE)])
 def test_recomputing_stages_train_the_same_and_keep_less(name, stages, kind, monkeypatch):
     """With recomputation each stage's backward computes its forward's activations again from

@@ -22,10 +22,11 @@ from meshplan.training.pipeline_step import PipelineStep
 class PipelineRunner:
     """``pipeline`` run with ``microbatches`` microbatches a step, scheduled ``kind``, from
     ``weights`` (each trained weight and training statistic by name; slots, accumulated
-    gradients and accumulators start at zero)."""
+    gradients and accumulators start at zero); ``device``: where each stage keeps its tensors
+    (``StageRunner``)."""
 
     def __init__(self, pipeline: PipelineStep, microbatches: int, weights: dict[str, np.ndarray],
-                 kind: str = ONE_F_ONE_B):
+                 kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None):
         self.pipeline, self.microbatches, self.kind = pipeline, microbatches, kind
         self.lists = training_schedule(pipeline, microbatches, kind)
         self.order = play(self.lists)
@@ -35,7 +36,8 @@ class PipelineRunner:
             parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
             names = [n for n, s in pipeline.home.items() if s == stage]
             self.stages.append(StageRunner(stage, parts, {p: part_session(part.model) for p, part in parts.items()},
-                                           pipeline.crossings, microbatches, starting_state(names, weights, slots)))
+                                           pipeline.crossings, microbatches, starting_state(names, weights, slots),
+                                           device=device))
 
     @property
     def peak_kept(self) -> list[int]:
@@ -71,4 +73,4 @@ class PipelineRunner:
 
     def state_values(self) -> dict[str, np.ndarray]:
         """Every stage's state by name: the weights, the optimizer's slots, ..."""
-        return {name: value for runner in self.stages for name, value in runner.state.items()}
+        return {name: value for runner in self.stages for name, value in runner.host_state().items()}

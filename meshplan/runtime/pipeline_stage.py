@@ -9,6 +9,12 @@ still needs, dropping each when the last one has used it. The in-process runner
 (``runtime.pipeline_inprocess``) drives every stage's runner in one process; a pipelined
 training job (``trainer.pipeline_driver``) drives one per rank, the sends and receives over
 MPI.
+
+With ``device`` (("cuda", id) for a GPU; ("cpu", 0) runs the same path on OrtValues in host
+memory) the stage keeps its tensors where its sessions compute: the state and the tensors
+held between runs are OrtValues there, each run's outputs stay where onnxruntime made them,
+and only what leaves the stage comes to the host — a send, the sum over the replicas, the
+loss and the norm, a checkpoint (``host_state``). Without it every tensor is a numpy array.
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ def starting_state(names, weights: dict[str, np.ndarray], slots) -> dict[str, np
     return state
 
 
-def part_session(model, threads: int = 1):
-    """A session of a part (a ModelProto, or its file's path) on the CPU, its tensors in the
+def part_session(model, threads: int = 1, providers: list | None = None):
+    """A session of a part (a ModelProto, or its file's path) on ``providers`` (default: the
+    CPU), its tensors in the
     process's one CPU arena (``providers.session_options``: a rank has a session a part, and
     an arena each would keep every part's peak at once; without an arena every run's tensors
     are fresh pages from the system: a 4 M-parameter GPT's stage ran its backward in 19.1 ms
@@ -59,22 +66,39 @@ def part_session(model, threads: int = 1):
     options = session_options(threads, one_arena=True)
     options.enable_mem_pattern = False
     source = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"],
+    return ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"],
                                 disabled_optimizers=["ConstantFolding"])
 
 
+def _host(value) -> np.ndarray:
+    """A tensor in host memory: a numpy array as it is, an OrtValue copied out."""
+    return value if isinstance(value, np.ndarray) else value.numpy()
+
+
 def _scalar(value) -> float:
-    return float(np.asarray(value).reshape(-1)[0])
+    return float(np.asarray(_host(value)).reshape(-1)[0])
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    from meshplan.runtime.buffers import ort_dtype
+
+    return int(np.prod(value.shape(), dtype=np.int64)) * ort_dtype(value).itemsize
 
 
 class StageRunner:
     """Stage ``stage``'s runs: ``parts`` by phase, each with its onnxruntime session in
-    ``sessions``; ``state``: the state the stage holds (by name)."""
+    ``sessions``; ``state``: the state the stage holds (by name); ``device``: where it keeps
+    its tensors (see the module; None: numpy arrays); ``provider``: the sessions' provider."""
 
     def __init__(self, stage: int, parts: dict[str, Part], sessions: dict, crossings: list[Crossing],
-                 microbatches: int, state: dict[str, np.ndarray], loss_count: str | None = None):
+                 microbatches: int, state: dict[str, np.ndarray], loss_count: str | None = None,
+                 device: tuple[str, int] | None = None, provider: str = "CPUExecutionProvider"):
         self.stage, self.parts, self.sessions, self.loss_count = stage, parts, sessions, loss_count
-        self.crossings, self.microbatches, self.state = crossings, microbatches, state
+        self.crossings, self.microbatches, self.device = crossings, microbatches, device
+        self.provider = provider      # the sessions' (what a report names)
+        self.state = {name: self._placed(value) for name, value in state.items()} if device else state
         self.readers: dict[str, set[str]] = defaultdict(set)     # tensor → the phases that read it here
         for phase, part in parts.items():
             for name in part.inputs:
@@ -120,7 +144,14 @@ class StageRunner:
                 feeds[name] = np.asarray(self.controls[name], np.float32)
             else:
                 feeds[name] = self.held[(name, mb)]
-        values = self.sessions[phase].run(part.outputs, feeds)
+        if self.device is None:
+            values = self.sessions[phase].run(part.outputs, feeds)
+        else:   # (a numpy feed goes in as it is: onnxruntime copies it where its node runs)
+            from onnxruntime import OrtValue
+
+            values = self.sessions[phase].run_with_ort_values(
+                part.outputs, {n: v if isinstance(v, OrtValue) else OrtValue.ortvalue_from_numpy(np.asarray(v))
+                               for n, v in feeds.items()})
         self.ran.add((phase, mb))
         for name, value in zip(part.outputs, values):
             if name in RESULTS:
@@ -132,7 +163,7 @@ class StageRunner:
         for name in list(part.inputs) + list(part.outputs):
             if (name, mb) in self.held:
                 self._release(name, mb)
-        self.peak_kept = max(self.peak_kept, sum(v.nbytes for v in self.held.values()))
+        self.peak_kept = max(self.peak_kept, sum(_nbytes(v) for v in self.held.values()))
         self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
 
     def reduce(self, allreduce) -> None:
@@ -145,7 +176,7 @@ class StageRunner:
         count = self.held.get((self.loss_count, last)) if LOSS in self.results else None
         for name, mb in sorted(self.held):
             if mb == last and name in made and self._once_a_step(name):
-                self.held[(name, mb)] = allreduce(self.held[(name, mb)])
+                self.held[(name, mb)] = self._placed(allreduce(_host(self.held[(name, mb)])))
         if count is not None:
             total = allreduce(np.asarray(self.results[LOSS] * _scalar(count), np.float64))
             self.results[LOSS] = _scalar(total) / _scalar(self.held[(self.loss_count, last)])
@@ -157,22 +188,38 @@ class StageRunner:
         return any(not per_microbatch(self.crossings[i]) for i in self.sends_of.get(name, ()))
 
     def take(self, index: int, mb: int) -> np.ndarray:
-        """What crossing ``index`` sends for microbatch ``mb``."""
+        """What crossing ``index`` sends for microbatch ``mb``, in host memory."""
         c = self.crossings[index]
         if c.made_in == STATE:
-            return self.state[c.tensor]
+            return _host(self.state[c.tensor])
         value = self.held[(c.tensor, mb)]
         self.sent.add((index, mb))
         self._release(c.tensor, mb)
-        return value
+        return _host(value)
 
     def give(self, index: int, mb: int, value: np.ndarray) -> None:
         """What crossing ``index`` brought for microbatch ``mb``."""
         c = self.crossings[index]
+        value = self._placed(value)
         if c.made_in == STATE:
             self.borrowed[c.tensor] = value
         else:
             self.held[(c.tensor, mb)] = value
+
+    def host_state(self) -> dict[str, np.ndarray]:
+        """The stage's state in host memory (a checkpoint's, the weights trained)."""
+        return {name: _host(value) for name, value in self.state.items()}
+
+    def _placed(self, value):
+        """``value`` where the stage keeps its tensors: an OrtValue on ``device`` (numpy
+        without one)."""
+        if self.device is None:
+            return value
+        from onnxruntime import OrtValue
+
+        if isinstance(value, OrtValue):
+            return value
+        return OrtValue.ortvalue_from_numpy(np.asarray(value, order="C"), *self.device)   # (0-d stays 0-d)
 
     def _release(self, name: str, mb: int) -> None:
         """Drop ``name`` of microbatch ``mb`` once no run left reads it here and no send of it

@@ -8,7 +8,10 @@ Every rank reads the plan, the schedule and the data (the same batches in the sa
 each taking the inputs its parts read), works out each step's learning rate itself, and
 starts from the source model's weights that its stage holds (the slots at zero). A send is
 posted without waiting (``isend``), a receive waits for its tensor; tensors travel through
-host memory, pickled by mpi4py. After each step the last stage sends the loss and the
+host memory, pickled by mpi4py. On CUDA (``--provider cuda``, or ``auto`` where a GPU is
+usable: rank r on GPU r modulo the machine's GPUs) each stage keeps its state and the
+tensors it holds between runs on its GPU (``StageRunner(device=...)``); what it sends, sums
+over its replicas or reports comes to the host. After each step the last stage sends the loss and the
 gradients' norm to rank 0, which reports. A failure on a rank ends the job (the command's
 guard aborts it); what every rank checks before the first step (the plan, the schedule,
 the data, the rank count, a checkpoint to resume from) fails on every rank alike, one line.
@@ -44,15 +47,21 @@ from meshplan.training.optimizers import DEFAULTS
 RESULT_TAG = 0     # the loss and the norm, last stage → rank 0; crossing i travels with tag i + 1
 
 
-def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, progress=None, transfer: str = "auto"):
-    """Every rank of a pipelined training plan's job; rank 0 returns the ``TrainReport``."""
+def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, progress=None, transfer: str = "auto",
+                        on_device: bool | None = None):
+    """Every rank of a pipelined training plan's job; rank 0 returns the ``TrainReport``.
+    ``on_device``: each stage keeps its tensors where its sessions compute (None: so on
+    CUDA; True on the CPU runs the same path on OrtValues in host memory)."""
     from meshplan.process_memory import peak_rss_bytes
+    from meshplan.rank_layout import gather_layout
     from meshplan.runtime.transport import world
 
     MPI, comm = world()
     rank, size = comm.Get_rank(), comm.Get_size()
+    local_rank = gather_layout(comm, MPI).local_rank
     try:
-        pipeline, lists, batches, runner, first = _start(plan_dir, plan, options, provider, rank, size, transfer)
+        pipeline, lists, batches, runner, first = _start(plan_dir, plan, options, provider, rank, size, transfer,
+                                                         local_rank, on_device)
         failure = None
     except MeshplanError as exc:
         failure = exc
@@ -78,7 +87,9 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     reads = {n for part in parts.values() for n in part.inputs}
     B = plan.microbatches
     end = first + options.steps
-    report = TrainReport(batch=batches.batch, ranks=size, provider="cpu", transfer_path="host (MPI)",
+    kept = {"cuda": "; state and activations kept on the GPU", "cpu": "; state and activations kept as OrtValues"}
+    report = TrainReport(batch=batches.batch, ranks=size, provider=runner.provider,
+                         transfer_path="host (MPI)" + (kept[runner.device[0]] if runner.device else ""),
                          estimate_seconds=float(plan.estimate.get("step_seconds", 0.0))) if rank == 0 else None
     hyper = {**DEFAULTS, **{"train." + k: float(v) for k, v in options.hyper.items()}}
     if report is not None:
@@ -124,7 +135,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
                 comm.recv(source=reporter, tag=RESULT_TAG)
             report.add_step(loss, lr, norm, time.perf_counter() - started, k + 1, end, progress)
         if checkpoint_due(options, k + 1, end):
-            written = _save(comm, plan_dir, plan, runner.state, options.checkpoint, k + 1, batches)
+            written = _save(comm, plan_dir, plan, runner.host_state(), options.checkpoint, k + 1, batches)
             if report is not None:
                 report.checkpoints.append(str(written))
     rss = _gather_rss(comm, peak_rss_bytes())
@@ -138,17 +149,22 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     return report
 
 
-def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: int, transfer: str = "auto"):
+def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: int, transfer: str = "auto",
+           local_rank: int = 0, on_device: bool | None = None):
     """What every rank reads and checks before the first step: the pipeline, the lists, the
-    data, its stage's runner (weights from the source model or the checkpoint) and the step
-    it starts at."""
+    data, its stage's runner (weights from the source model or the checkpoint, on its
+    provider) and the step it starts at."""
+    from meshplan.providers import CUDA, cuda_device_count, cuda_usable
+    from meshplan.runtime.sessions import provider_name, providers_for
+
     record = plan.training["pipeline"]
     stages, R = int(record["stages"]), int(record.get("replicas", 1))
     if size != stages * R:
         raise TrainError(f"the plan has {stages} pipeline stages of {R} device(s): start it with mpiexec -n "
                          f"{stages * R} (this job has {size} rank(s))")
-    if provider not in ("auto", "cpu"):
-        raise TrainError(f"a pipelined training plan runs on the CPU for now, not --provider {provider}")
+    device_id = local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
+    providers = providers_for(provider, device_id)
+    on_cuda = provider_name(providers[0]) == CUDA
     if transfer not in ("auto", "host"):
         raise TrainError(f"a pipelined training plan's tensors travel through host memory for now, not --transfer "
                          f"{transfer}")
@@ -175,8 +191,12 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
         if checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])
     threads = max(1, (os.cpu_count() or 1) // size)
-    runner = StageRunner(stage, parts, {p: part_session(part.model, threads) for p, part in parts.items()},
-                         pipeline.crossings, plan.microbatches, state, pipeline.loss_count)
+    device = None
+    if on_device or on_device is None and on_cuda:
+        device = ("cuda", device_id) if on_cuda else ("cpu", 0)
+    runner = StageRunner(stage, parts, {p: part_session(part.model, threads, providers) for p, part in parts.items()},
+                         pipeline.crossings, plan.microbatches, state, pipeline.loss_count, device,
+                         provider_name(providers[0]))
     return pipeline, lists, batches, runner, first
 
 
