@@ -117,14 +117,23 @@ def text_report(plan: Plan) -> str:
                      f"{plan.batch['size']}, {est['throughput_per_second']:.1f} samples/s, at most "
                      f"{human_bytes(max(est['memory_bytes_per_device']))} per device "
                      f"({est.get('cost_model', 'analytic')} costs)"
-                     + (f"; planned in {plan.timings['seconds']:.2f} s" if "seconds" in plan.timings else ""))
+                     + _planned_in(plan))
         return "\n".join(lines)
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"
-        + (f"; planned in {plan.timings['seconds']:.2f} s" if "seconds" in plan.timings else "")
+        + _planned_in(plan)
     )
     return "\n".join(lines)
+
+
+def _planned_in(plan: Plan) -> str:
+    """How long planning took (and how many layer ILPs were solved side by side), where known."""
+    if "seconds" not in plan.timings:
+        return ""
+    shared = plan.timings.get("ilps_in_workers", 0)
+    return f"; planned in {plan.timings['seconds']:.2f} s" + (
+        f" ({shared} of its layer ILPs solved in worker processes)" if shared else "")
 
 
 def pipeline_training_report(plan: Plan) -> str:

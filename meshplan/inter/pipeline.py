@@ -350,7 +350,8 @@ def plan_pipeline(
         model=model_info, cluster=described.to_dict(), microbatches=options.microbatches, batch=batch,
         inputs=full_inputs, outputs=full_outputs, stages=stages, transfers=best.transfers, programs=[],
         reshardings=reshardings, estimate=estimate, solver=solver, idle=idle_info,
-        timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds},
+        timings={"seconds": time.perf_counter() - started, "stage_dp_seconds": dp_seconds, "ilp_seconds": stats.seconds,
+                 "ilps_in_workers": stats.in_workers},
         layer_bounds=list(best.layering.bounds),
     )
     return plan, best.shardings

@@ -218,6 +218,10 @@ class StageCosts:
         """``tables`` without the sends (seconds of each stage's own work), assembled from
         one table per submesh: a region asks for its own submeshes only, and never pays for
         the larger ones it cannot hold."""
+        if self.intra_op is not None:   # the fastest layouts' ILPs of every new view, solved side by side
+            self.intra_op.prefetch([(submesh, logical) for submesh in submeshes
+                                    if submesh != (1, 1) and (submesh, memory) not in self._work_cache
+                                    for logical in logical_meshes(submesh)])
         parts = [self._submesh_work(submesh, memory) for submesh in submeshes]
         L = self.num_layers
         shape = (L, L, len(submeshes), max(part[0].shape[2] for part in parts))

@@ -50,6 +50,7 @@ class IntraOpStats:
     variables: int = 0
     constraints: int = 0
     largest: int = 0
+    in_workers: int = 0     # of ``ilps``: solved side by side in worker processes (``parallel_solves``)
     warnings: list[str] = field(default_factory=list)   # solves cut short (distinct messages)
 
 
@@ -89,6 +90,7 @@ class IntraOpPass:
         self._by_view: dict[tuple, dict] = {}
         self._fast_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._lean_failed: dict[tuple, float] = {}   # ILP → the loosest memory row it had no solution under
+        self._fresh: set = set()   # ILPs solved ahead (``prefetch``) and not asked for yet
 
     # --- one layer ------------------------------------------------------------------
 
@@ -98,21 +100,13 @@ class IntraOpPass:
 
         ``lean`` adds a memory row holding the layer's weights near an even split over the
         mesh, for stages whose fastest layout does not fit the devices."""
-        b_in = self._effective_kind(layer, b_in, logical, entering=True)
-        b_out = self._effective_kind(layer, b_out, logical, entering=False)
-        # the lean variant's memory row depends on the device count: it keeps its own mesh
-        view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
-        key = (self._layer_keys[layer] + self._pin_key(layer, logical), view, b_in, b_out, lean)
-        if key in self._cache:
+        key, b_in, b_out = self._key(layer, submesh, logical, b_in, b_out, lean)
+        if key in self._fresh:   # solved ahead (``prefetch``): its first use counts as its solve did
+            self._fresh.discard(key)
+        elif key in self._cache:
             self.stats.cache_hits += 1
         else:
-            limit = None
-            if lean:
-                start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
-                full = sum(self.ilp.costs.stored_bytes(p)
-                           for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
-                full += sum(self.graph.tensors[name].peak_nbytes for i in range(start, stop) for name in self._caches(i))
-                limit = LEAN_FACTOR * full / (logical[0] * logical[1])
+            limit = self._lean_limit(layer, logical) if lean else None
             # a lean ILP with no solution under a memory row has none under a tighter one
             # either: views whose layers see the same ILP (``_effective_view``) and divide
             # the weights over more devices skip the solve
@@ -127,6 +121,94 @@ class IntraOpPass:
                 self._lean_failed[same] = max(self._lean_failed.get(same, -1.0), limit)
                 self._cache[key] = self.layer_solution(layer, submesh, logical, b_in, b_out)
         return self._cache[key]
+
+    def _key(self, layer: int, submesh, logical, b_in: str, b_out: str, lean: bool) -> tuple:
+        """(the key of the layer's ILP on this view, the boundary kinds it is solved with):
+        layers of the same structure, views and kinds that give the same ILP share it."""
+        b_in = self._effective_kind(layer, b_in, logical, entering=True)
+        b_out = self._effective_kind(layer, b_out, logical, entering=False)
+        # the lean variant's memory row depends on the device count: it keeps its own mesh
+        view = (submesh, logical) if lean else self._effective_view(layer, submesh, logical)
+        return (self._layer_keys[layer] + self._pin_key(layer, logical), view, b_in, b_out, lean), b_in, b_out
+
+    def prefetch(self, views) -> int:
+        """Solve side by side (``parallel_solves``) the fastest layouts' ILPs that the chains
+        of ``views`` ((submesh, logical mesh) pairs) will ask for and that are not known yet:
+        every layer with every pair of boundary kinds (the memory-lean ones a view needs are
+        solved so when its table finds it needs them: ``_prefetch_lean``). Returns how many
+        it solved; the others (too few to share out, one core, an ILP without a solution)
+        are left to the chains, which solve them one at a time as before."""
+        from meshplan.intra.parallel_solves import solve_all, workers
+
+        if workers() < 2:
+            return 0
+        jobs: dict[tuple, tuple] = {}
+        for submesh, logical in views:
+            for layer in range(self.layering.num_layers):
+                for b_in in BOUNDARY_KINDS:
+                    for b_out in BOUNDARY_KINDS:
+                        key, kind_in, kind_out = self._key(layer, submesh, logical, b_in, b_out, lean=False)
+                        if key not in self._cache and key not in jobs:
+                            jobs[key] = (layer, submesh, logical, kind_in, kind_out)
+        found = solve_all(lambda job: self._solved(*job), list(jobs.values()))
+        keys = {job: key for key, job in jobs.items()}
+        for job, (solution, result, seconds) in found.items():
+            self._record(result, seconds)
+            self._cache[keys[job]] = solution
+            self._fresh.add(keys[job])
+        self.stats.in_workers += len(found)
+        return len(found)
+
+    def _lean_limit(self, layer: int, logical) -> float:
+        """A lean layer's memory row: its weights and caches near an even split over the mesh."""
+        start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
+        full = sum(self.ilp.costs.stored_bytes(p) for p in {p for i in range(start, stop) for p in self.graph.params_of(i)})
+        full += sum(self.graph.tensors[name].peak_nbytes for i in range(start, stop) for name in self._caches(i))
+        return LEAN_FACTOR * full / (logical[0] * logical[1])
+
+    def _prefetch_lean(self, views) -> int:
+        """``prefetch`` for the memory-lean chains of ``views`` ((submesh, logical mesh, first
+        layer) triples): their ILPs not known yet, nor known to have no solution
+        (``_lean_failed``), solved side by side; one without a solution is recorded as such
+        (the chain then takes the fastest layouts' for it, as ``layer_solution`` does). One
+        view at a time: a batch of several would solve ILPs that another view of the batch
+        shows to have no solution, which take the longest to answer (the 70B shape on 128x8
+        planned in 89 s so, against 78 s a view at a time and 96 s serially)."""
+        from meshplan.intra.parallel_solves import solve_all, workers
+
+        if workers() < 2:
+            return 0
+        jobs: dict[tuple, tuple] = {}
+        for submesh, logical, first in views:
+            for layer in range(first, self.layering.num_layers):
+                limit = self._lean_limit(layer, logical)
+                for b_in in BOUNDARY_KINDS:
+                    for b_out in BOUNDARY_KINDS:
+                        key, kind_in, kind_out = self._key(layer, submesh, logical, b_in, b_out, lean=True)
+                        same = (key[0], self._effective_view(layer, submesh, logical), kind_in, kind_out)
+                        if key not in self._cache and key not in jobs and self._lean_failed.get(same, -1.0) < limit:
+                            jobs[key] = (layer, submesh, logical, kind_in, kind_out, limit)
+
+        def solve(job):
+            try:
+                return self._solved(*job)
+            except PlanError:
+                return None      # no lean layout under this memory row
+        found = solve_all(solve, list(jobs.values()))
+        for key, job in jobs.items():
+            if job not in found:
+                continue
+            if found[job] is None:
+                layer, submesh, logical, kind_in, kind_out, limit = job
+                same = (key[0], self._effective_view(layer, submesh, logical), kind_in, kind_out)
+                self._lean_failed[same] = max(self._lean_failed.get(same, -1.0), limit)
+                continue
+            solution, result, seconds = found[job]
+            self._record(result, seconds)
+            self._cache[key] = solution
+            self._fresh.add(key)
+            self.stats.in_workers += 1
+        return len(found)
 
     def _caches(self, index: int) -> list[str]:
         """The outputs of node ``index`` held like weights (its cache and state outputs)."""
@@ -242,6 +324,13 @@ class IntraOpPass:
                                    logical[0] * logical[1])
 
     def _solve_layer(self, layer, submesh, logical, b_in, b_out, memory_limit=None) -> LayerSolution:
+        solution, result, seconds = self._solved(layer, submesh, logical, b_in, b_out, memory_limit)
+        self._record(result, seconds)
+        return solution
+
+    def _solved(self, layer, submesh, logical, b_in, b_out, memory_limit=None) -> tuple:
+        """(the layer's solution, the ILP's result or None where pins cannot hold on this
+        mesh, the seconds it took): counted nowhere yet (``_record``)."""
         started = ilp.clock()
         start, stop = self.layering.bounds[layer], self.layering.bounds[layer + 1]
         try:
@@ -249,15 +338,20 @@ class IntraOpPass:
         except PlanError:
             if memory_limit is not None or not self._pin_key(layer, logical):
                 raise
-            return _unreachable(self.graph, start, stop)   # the pins cannot hold on this mesh
+            return _unreachable(self.graph, start, stop), None, 0.0   # the pins cannot hold on this mesh
+        return solution, result, ilp.clock() - started
+
+    def _record(self, result, seconds: float) -> None:
+        """Count a solved ILP in ``stats``."""
+        if result is None:
+            return
         self.stats.ilps += 1
-        self.stats.seconds += ilp.clock() - started
+        self.stats.seconds += seconds
         self.stats.variables += result.variables
         self.stats.constraints += result.constraints
         self.stats.largest = max(self.stats.largest, result.variables)
         if result.warning and result.warning not in self.stats.warnings:
             self.stats.warnings.append(result.warning)
-        return solution
 
     # --- a stage: chain of layers --------------------------------------------------------
 
@@ -297,9 +391,22 @@ class IntraOpPass:
         memory-lean ones are taken, solved only from the first start that needs them."""
         memory = self.cluster.device.memory_bytes if memory is None else memory
         L = self.layering.num_layers
-        # the fastest layouts' chain depends on each layer's ILP alone (``_split_weights``'s
-        # key): views whose layers all see the same ILPs (a host count that splits nothing)
-        # share one pass
+        seconds, weights = self._fast(submesh, logical)
+        over = np.triu(weights > memory)   # (entries below the diagonal are no stage)
+        if over.any():
+            first = int(np.argmax(over.any(axis=1)))
+            self._prefetch_lean([(submesh, logical, first)])
+            lean_seconds, lean_weights = chain_tables(L, self._solutions(submesh, logical, True), True, first,
+                                                      self._arrival_table(submesh, logical))
+            seconds = np.where(over, lean_seconds, seconds)
+            weights = np.where(over, lean_weights, weights)
+        return seconds, weights
+
+    def _fast(self, submesh, logical) -> tuple[np.ndarray, np.ndarray]:
+        """``stage_tables`` with the fastest layouts alone, whatever their memory. Their chain
+        depends on each layer's ILP alone (``_split_weights``'s key): views whose layers all
+        see the same ILPs (a host count that splits nothing) share one pass."""
+        L = self.layering.num_layers
         arrival = self._arrival_table(submesh, logical)
         same = tuple((self._effective_view(layer, submesh, logical),
                       self._effective_kind(layer, "B", logical, entering=True),
@@ -308,14 +415,7 @@ class IntraOpPass:
         if same not in self._fast_tables:
             self._fast_tables[same] = chain_tables(L, self._solutions(submesh, logical, False), False,
                                                    arrival=arrival)
-        seconds, weights = self._fast_tables[same]
-        over = np.triu(weights > memory)   # (entries below the diagonal are no stage)
-        if over.any():
-            first = int(np.argmax(over.any(axis=1)))
-            lean_seconds, lean_weights = chain_tables(L, self._solutions(submesh, logical, True), True, first, arrival)
-            seconds = np.where(over, lean_seconds, seconds)
-            weights = np.where(over, lean_weights, weights)
-        return seconds, weights
+        return self._fast_tables[same]
 
     def _split_weights(self, layer, submesh, logical, b_in, b_out, lean) -> LayerSolution:
         """The layer's solution with ``param_bytes`` the weights only this layer reads and
