@@ -257,22 +257,13 @@ def test_a_job_that_chooses_next_to_the_logits_serves_each_request_its_own_ids(s
     """A job that chooses greedy ids next to its logits (a GPU's job of one rank; here the
     path a GPU runs, on the CPU): calls whose requests are all greedy bring ids, a call with
     a sampled request among them brings logits, and every greedy request gets its ids alone."""
-    from meshplan.generation.driver import JobStepper
     from meshplan.runtime.job import Job
 
     dims, _ = generation_plan_dims(model_path("llama_fp32"), 4, CONTEXT, CHUNK)
     make_plan(model_path("llama_fp32"), make_cluster((1, 1), "cpu"), dims, tmp_path, PlanOptions())
     job = Job(tmp_path, "cpu", cache_in_place=True, on_device=True, choose=True)
     try:
-        stepper = JobStepper(job)
-        calls = {"choose": 0, "step": 0}
-        for name in calls:
-            method = getattr(stepper, name)
-
-            def counted(*args, _method=method, _name=name, **kwargs):
-                calls[_name] += 1
-                return _method(*args, **kwargs)
-            setattr(stepper, name, counted)
+        stepper, calls = _counting_stepper(job, ("choose", "step"))
         shape = GenerationShape.of_plan(job.plan)
         arrivals = {0: [(PROMPTS[0], 8), (PROMPTS[1], 5)], 2: [(PROMPTS[2], 6)], 6: [(PROMPTS[4], 4)]}
         got, _ = drive(batch_for(shape, stepper, 0), arrivals)
@@ -295,21 +286,26 @@ def test_a_job_that_chooses_next_to_the_logits_serves_each_request_its_own_ids(s
         job.close()
 
 
-def _scored_run(job, arrivals, logprobs, echo_at=None):
-    """Each request's tokens and their scores ((id, logprob, top) per token) through a
-    ``SlotBatch`` on ``job``, and the count of each kind of stepper call; the request at
-    ``echo_at`` scores its prompt too."""
+def _counting_stepper(job, names):
+    """A ``JobStepper`` on ``job`` whose calls ``names`` are counted in the dict returned with it."""
     from meshplan.generation.driver import JobStepper
 
-    stepper = JobStepper(job)
-    calls = {"choose": 0, "step": 0, "score": 0}
-    for name in calls:
+    stepper, calls = JobStepper(job), dict.fromkeys(names, 0)
+    for name in names:
         method = getattr(stepper, name)
 
         def counted(*args, _method=method, _name=name, **kwargs):
             calls[_name] += 1
             return _method(*args, **kwargs)
         setattr(stepper, name, counted)
+    return stepper, calls
+
+
+def _scored_run(job, arrivals, logprobs, echo_at=None):
+    """Each request's tokens and their scores ((id, logprob, top) per token) through a
+    ``SlotBatch`` on ``job``, and the count of each kind of stepper call; the request at
+    ``echo_at`` scores its prompt too."""
+    stepper, calls = _counting_stepper(job, ("choose", "step", "score"))
     batch = batch_for(GenerationShape.of_plan(job.plan), stepper, 0)
     queue, works, step = [], [], 0
     while True:
