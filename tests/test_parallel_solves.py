@@ -1,5 +1,9 @@
 """Layer ILPs solved side by side in forked processes (``intra.parallel_solves``): the same
-tables, the same ILP count and the same plan as one process solving them in turn."""
+tables, the same ILP count and the same plan as one process solving them in turn.
+
+The planner forks no worker once MPI has started in its process (a test of the suite may
+have started it in pytest's): the cases that fork run in a fresh interpreter
+(``_fresh``)."""
 
 from __future__ import annotations
 
@@ -23,15 +27,38 @@ def _square(job):
     return None if job == 5 else (job * job, os.getpid())
 
 
-def test_jobs_are_answered_in_other_processes_and_a_failure_is_left_out(monkeypatch):
-    monkeypatch.setenv(WORKERS_VARIABLE, "2")
-    found = solve_all(_square, list(range(8)))
+def _fresh(function, *args):
+    """``function(*args)`` run in a new interpreter (spawned: nothing of this one's MPI)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result(timeout=600)
+
+
+def _answers():
+    os.environ[WORKERS_VARIABLE] = "2"
+    return solve_all(_square, list(range(8))), solve_all(_square, [0, 1, 2]), \
+        solve_all(_square, list(range(8)), count=1), os.getpid()
+
+
+def test_jobs_are_answered_in_other_processes_and_a_failure_is_left_out():
+    found, few, one, here = _fresh(_answers)
     assert sorted(found) == [0, 1, 2, 4, 5, 6, 7]               # 3 raised: the caller solves it itself
     assert found[5] is None                                    # an answer of None is an answer
     assert all(found[j][0] == j * j for j in found if j != 5)
-    assert os.getpid() not in {found[j][1] for j in found if j != 5}
-    assert solve_all(_square, [0, 1, 2]) == {}                 # fewer than MIN_BATCH: not worth a pool
-    assert solve_all(_square, list(range(8)), count=1) == {}
+    assert here not in {found[j][1] for j in found if j != 5}
+    assert few == {}                                           # fewer than MIN_BATCH: not worth a pool
+    assert one == {}
+
+
+def test_nothing_is_forked_once_mpi_has_started(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setenv(WORKERS_VARIABLE, "2")
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", types.SimpleNamespace(Is_initialized=lambda: True))
+    assert not parallel_solves.can_fork() and solve_all(_square, list(range(8))) == {}
 
 
 def test_the_worker_count_comes_from_the_environment(monkeypatch):
@@ -67,11 +94,20 @@ VIEWS = [((1, 4), (1, 4)), ((1, 4), (2, 2)), ((2, 4), (2, 4)), ((2, 4), (1, 8))]
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy", "tight"])
-def test_tables_solved_side_by_side_equal_the_serial_ones(monkeypatch, tight):
+def test_tables_solved_side_by_side_equal_the_serial_ones(tight):
     """Every view's stage tables from a pass whose ILPs were solved in two worker processes
     (``prefetch``, and the memory-lean ones a view needs) equal a pass that solved them in
     turn; tight: a device memory between the stages' fastest weights, so that lean chains
     are solved too."""
+    _fresh(_tables_case, tight)
+
+
+def _tables_case(tight: bool) -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _compare_tables(tight, monkeypatch)
+
+
+def _compare_tables(tight: bool, monkeypatch) -> None:
     from meshplan.intra.layer_ilp import LayerIlp
 
     memory = None
