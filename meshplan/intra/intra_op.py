@@ -172,8 +172,8 @@ class IntraOpPass:
         (``_lean_failed``), solved side by side; one without a solution is recorded as such
         (the chain then takes the fastest layouts' for it, as ``layer_solution`` does). One
         view at a time: a batch of several would solve ILPs that another view of the batch
-        shows to have no solution, which take the longest to answer (the 70B shape on 128x8
-        planned in 89 s so, against 78 s a view at a time and 96 s serially)."""
+        shows to have no solution, which take the longest to answer (the 70B shape on 128x8,
+        2 cores: 89 s so, against 80-83 s a view at a time and 97-108 s one ILP at a time)."""
         from meshplan.intra.parallel_solves import solve_all, workers
 
         if workers() < 2:
