@@ -16,13 +16,18 @@ Rows (pick with ``--rows``):
   file, written in a second) planned with ``--no-programs`` on 16x8 and 128x8, batch 16 ×
   seq 1024 in 8 microbatches.
 
-    python benchmarks/plan_time.py [--rows gpt gpt2 llama70b] [--gpt2-model PATH] [--json PATH]
+Each row is planned once per ``--workers`` count (``MESHPLAN_PLAN_WORKERS``: the processes
+that solve the layer ILPs side by side; default: the planner's own choice, the cores it may
+run on). Peak RSS is the planner's process alone (each worker is a fork sharing its pages).
+
+    python benchmarks/plan_time.py [--rows gpt gpt2 llama70b] [--gpt2-model PATH] [--workers N ...] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -40,18 +45,30 @@ LLAMA_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=
 
 
 def plan_row(name: str, model: Path, mesh: str, dims: dict[str, int], microbatches: int, out: Path,
-             extra: tuple[str, ...] = (), timeout: float = 3600) -> dict:
+             extra: tuple[str, ...] = (), timeout: float = 3600, workers: int | None = None) -> dict:
+    """One ``meshplan plan`` timed (``workers``: its ``MESHPLAN_PLAN_WORKERS``; None: its default)."""
+    from meshplan.intra.parallel_solves import WORKERS_VARIABLE
+
     args = ["plan", model, "--mesh", mesh, "--microbatches", str(microbatches), *extra, "-o", out]
     for dim, size in dims.items():
         args += ["--dim", f"{dim}={size}"]
+    before = os.environ.pop(WORKERS_VARIABLE, None)
+    if workers is not None:
+        os.environ[WORKERS_VARIABLE] = str(workers)
     started = time.perf_counter()
-    done = run_measured(args, cwd=ROOT, timeout=timeout)
+    try:
+        done = run_measured(args, cwd=ROOT, timeout=timeout)
+    finally:
+        os.environ.pop(WORKERS_VARIABLE, None)
+        if before is not None:
+            os.environ[WORKERS_VARIABLE] = before
     seconds = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(f"{name} on {mesh} failed: {done.stderr.strip().splitlines()[-1:]}")
     plan = json.loads((out / "plan.json").read_text())
     return {
-        "model": name, "mesh": mesh, "programs": len(plan["programs"]), "nodes": plan["solver"]["nodes"],
+        "model": name, "mesh": mesh, "workers": workers, "programs": len(plan["programs"]),
+        "nodes": plan["solver"]["nodes"],
         "layers": plan["solver"]["layers"], "stages": len(plan["stages"]), "ilps": plan["solver"]["ilp"]["solved"],
         "dp_solves": plan["solver"]["tmax_candidates"], "plan_seconds": seconds,
         "peak_rss_bytes": peak_of(done), "estimated_latency_seconds": plan["estimate"]["latency_seconds"],
@@ -76,19 +93,26 @@ def main() -> int:
     parser.add_argument("--gpt2-model", type=Path, help="a GPT-2 export made by sample_models/gpt2_dynamo.py")
     parser.add_argument("--gpt-layers", type=int, nargs="+", default=[12, 24, 48])
     parser.add_argument("--meshes", nargs="+", help="meshes for every row kind (default: per kind)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[None],
+                        help="plan each row with each of these counts of ILP-solving processes")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = parser.parse_args()
 
     rows = []
-    header = (f"{'model':>16} {'mesh':>6} {'nodes':>6} {'layers':>6} {'stages':>6} {'ILPs':>5} {'programs':>8} "
-              f"{'plan s':>8} {'peak RSS':>9} {'est. latency':>13}")
+    header = (f"{'model':>16} {'mesh':>6} {'workers':>7} {'nodes':>6} {'layers':>6} {'stages':>6} {'ILPs':>5} "
+              f"{'programs':>8} {'plan s':>8} {'peak RSS':>9} {'est. latency':>13}")
     print(header)
     print("-" * len(header))
 
-    def show(row):
+    def show(*plan_args, **plan_options):
+        for count in args.workers:
+            _show(plan_row(*plan_args, **plan_options, workers=count))
+
+    def _show(row):
         rows.append(row)
         rss = f"{row['peak_rss_bytes'] / 2**30:.2f} GiB" if row["peak_rss_bytes"] else "?"
-        print(f"{row['model']:>16} {row['mesh']:>6} {row['nodes']:>6} {row['layers']:>6} {row['stages']:>6} "
+        workers = "default" if row["workers"] is None else row["workers"]
+        print(f"{row['model']:>16} {row['mesh']:>6} {workers:>7} {row['nodes']:>6} {row['layers']:>6} {row['stages']:>6} "
               f"{row['ilps']:>5} {row['programs']:>8} {row['plan_seconds']:>8.1f} {rss:>9} "
               f"{row['estimated_latency_seconds'] * 1e3:>10.3f} ms", flush=True)
 
@@ -99,12 +123,12 @@ def main() -> int:
                 path = tmp / f"gpt{layers}.onnx"
                 onnx.save_model(make_gpt(layers=layers), str(path))
                 for mesh in args.meshes or ["1x4", "2x8"]:
-                    show(plan_row(f"gpt-{layers}", path, mesh, {"batch": 16, "seq": 64}, 8, tmp / f"g{layers}-{mesh}"))
+                    show(f"gpt-{layers}", path, mesh, {"batch": 16, "seq": 64}, 8, tmp / f"g{layers}-{mesh}")
         if "gpt2" in args.rows:
             model = gpt2_model(args.gpt2_model, tmp)
             if model is not None:
                 for mesh in args.meshes or ["2x8", "16x8"]:
-                    show(plan_row("gpt2-24 dynamo", model, mesh, {"batch": 16, "seq": 128}, 4, tmp / f"gpt2-{mesh}"))
+                    show("gpt2-24 dynamo", model, mesh, {"batch": 16, "seq": 128}, 4, tmp / f"gpt2-{mesh}")
         if "llama70b" in args.rows:
             from sample_models.large_llama import write_large_llama
 
@@ -112,8 +136,8 @@ def main() -> int:
             facts = write_large_llama(tmp / "l70" / "model.onnx", **LLAMA_70B, sparse=True)
             print(f"(70B-shaped decoder: {facts['weight_bytes'] / 1e9:.0f} GB of float16 weights in a sparse file)")
             for mesh in args.meshes or ["16x8", "128x8"]:
-                show(plan_row("llama-70b shape", Path(facts["path"]), mesh, {"batch": 16, "seq": 1024}, 8,
-                              tmp / f"l70-{mesh}", ("--no-programs",)))
+                show("llama-70b shape", Path(facts["path"]), mesh, {"batch": 16, "seq": 1024}, 8, tmp / f"l70-{mesh}",
+                     ("--no-programs",))
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "plan_time", "rows": rows}, indent=1) + "\n")
     return 0
