@@ -36,14 +36,27 @@ def _fresh(function, *args):
         return pool.submit(function, *args).result(timeout=600)
 
 
+def _cube(job):
+    return job ** 3
+
+
 def _answers():
     os.environ[WORKERS_VARIABLE] = "2"
-    return solve_all(_square, list(range(8))), solve_all(_square, [0, 1, 2]), \
-        solve_all(_square, list(range(8)), count=1), os.getpid()
+    found = solve_all(_square, list(range(8)))
+    pool = parallel_solves._held["pool"]
+    again = solve_all(_square, list(range(8, 12)))          # the same solver: the same processes
+    kept = parallel_solves._held["pool"] is pool and all(again[j][1] in {found[i][1] for i in found if i != 5}
+                                                         for j in again)
+    other = solve_all(_cube, list(range(4)))                # another: new ones
+    replaced = parallel_solves._held["pool"] is not pool and other == {j: j ** 3 for j in range(4)}
+    parallel_solves.close()
+    return found, solve_all(_square, [0, 1, 2]), solve_all(_square, list(range(8)), count=1), os.getpid(), \
+        (kept, replaced, parallel_solves._held)
 
 
 def test_jobs_are_answered_in_other_processes_and_a_failure_is_left_out():
-    found, few, one, here = _fresh(_answers)
+    found, few, one, here, (kept, replaced, held) = _fresh(_answers)
+    assert kept and replaced and held == {}
     assert sorted(found) == [0, 1, 2, 4, 5, 6, 7]               # 3 raised: the caller solves it itself
     assert found[5] is None                                    # an answer of None is an answer
     assert all(found[j][0] == j * j for j in found if j != 5)

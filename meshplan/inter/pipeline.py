@@ -169,7 +169,18 @@ def regions(cluster: Cluster, submeshes: list[tuple[int, int]], idle: bool) -> l
     return [r for r in dict.fromkeys(found) if any(n <= r[0] and m <= r[1] for n, m in submeshes)]
 
 
-def plan_pipeline(
+def plan_pipeline(*args, **kwargs) -> tuple[Plan, dict[int, dict[str, Strategy]]]:
+    """``search`` (the plan and each stage's strategies), the processes it forked to solve
+    layer ILPs side by side let go at its end (``parallel_solves``)."""
+    from meshplan.intra.parallel_solves import close
+
+    try:
+        return search(*args, **kwargs)
+    finally:
+        close()
+
+
+def search(
     graph: Graph, cluster: Cluster, options: PlanOptions, model_info: dict, batch: dict,
     full_inputs: list[TensorSpec], full_outputs: list[TensorSpec], constants: dict[str, np.ndarray],
     cost_model: CostModel | None = None, hints: StageHints | None = None,

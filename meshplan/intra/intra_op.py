@@ -150,7 +150,7 @@ class IntraOpPass:
                         key, kind_in, kind_out = self._key(layer, submesh, logical, b_in, b_out, lean=False)
                         if key not in self._cache and key not in jobs:
                             jobs[key] = (layer, submesh, logical, kind_in, kind_out)
-        found = solve_all(lambda job: self._solved(*job), list(jobs.values()))
+        found = solve_all(self._solve_job, list(jobs.values()))
         keys = {job: key for key, job in jobs.items()}
         for job, (solution, result, seconds) in found.items():
             self._record(result, seconds)
@@ -158,6 +158,16 @@ class IntraOpPass:
             self._fresh.add(keys[job])
         self.stats.in_workers += len(found)
         return len(found)
+
+    def _solve_job(self, job: tuple):
+        """A job of ``prefetch`` (layer, submesh, logical mesh, kinds) or of ``_prefetch_lean``
+        (…, memory row) solved (``_solved``'s answer); a lean one without a solution None."""
+        if len(job) == 5:
+            return self._solved(*job)
+        try:
+            return self._solved(*job)
+        except PlanError:
+            return None      # no lean layout under this memory row
 
     def _lean_limit(self, layer: int, logical) -> float:
         """A lean layer's memory row: its weights and caches near an even split over the mesh."""
@@ -173,7 +183,7 @@ class IntraOpPass:
         (the chain then takes the fastest layouts' for it, as ``layer_solution`` does). One
         view at a time: a batch of several would solve ILPs that another view of the batch
         shows to have no solution, which take the longest to answer (the 70B shape on 128x8,
-        2 cores: 89 s so, against 80-83 s a view at a time and 97-108 s one ILP at a time)."""
+        2 cores, a pool forked per batch: 89 s so, against 80-83 s a view at a time)."""
         from meshplan.intra.parallel_solves import solve_all, workers
 
         if workers() < 2:
@@ -188,13 +198,7 @@ class IntraOpPass:
                         same = (key[0], self._effective_view(layer, submesh, logical), kind_in, kind_out)
                         if key not in self._cache and key not in jobs and self._lean_failed.get(same, -1.0) < limit:
                             jobs[key] = (layer, submesh, logical, kind_in, kind_out, limit)
-
-        def solve(job):
-            try:
-                return self._solved(*job)
-            except PlanError:
-                return None      # no lean layout under this memory row
-        found = solve_all(solve, list(jobs.values()))
+        found = solve_all(self._solve_job, list(jobs.values()))
         for key, job in jobs.items():
             if job not in found:
                 continue

@@ -7,7 +7,9 @@ solves a batch of them at once in ``workers`` processes forked from the planner:
 has the planner's graph, costs and layering as they are, solves the ILPs it is handed and
 sends back each solution; the parent keeps them in the pass's cache, and the chain then
 finds every one there. CBC gets the same model in a child as in the parent, so the plan is
-the one a serial search makes.
+the one a serial search makes. The processes of a solver are kept for its next batch (a
+pass's solver is a bound method of it: a solve needs nothing the pass learns later) and
+let go when another solver comes or the search ends (``close``).
 
 ``workers()`` is the count to use: ``MESHPLAN_PLAN_WORKERS`` where set (1: solve in the
 planner's process, as before), else the cores this process may run on, at most
@@ -26,6 +28,7 @@ MAX_WORKERS = 16
 MIN_BATCH = 4      # fewer ILPs than this are solved in the planner's process: a pool costs more
 
 _solving = None    # the solver a forked child calls (set in the parent just before the fork)
+_held: dict = {}   # "pool", "solve", "count": the pool of the last solver, kept for its next batch
 
 
 def workers() -> int:
@@ -56,20 +59,39 @@ def solve_all(solve, jobs: list, count: int | None = None) -> dict:
     """``{job: solve(job)}`` for every job that ``solve`` answers without raising, solved in
     ``count`` (default ``workers()``) forked processes; {} where that is not worth it (fewer
     than ``MIN_BATCH`` jobs, one worker) or not possible: the caller solves those itself."""
-    global _solving
     count = workers() if count is None else count
-    count = min(count, len(jobs))
-    if count < 2 or len(jobs) < MIN_BATCH or not can_fork():
+    if min(count, len(jobs)) < 2 or len(jobs) < MIN_BATCH or not can_fork():
         return {}
+    found = list(_pool(solve, count).imap_unordered(_solve_one, jobs, chunksize=1))
+    return {job: answer for job, answered, answer in found if answered}
+
+
+def _pool(solve, count: int):
+    """A pool of ``count`` processes forked to run ``solve``: the one of the batch before
+    where it runs the same solver (its children keep what they worked out, and nothing is
+    forked again), else a new one (the old one closed)."""
+    global _solving
+    if _held.get("solve") == solve and _held.get("count") == count:
+        return _held["pool"]
+    close()
     import multiprocessing
 
     _solving = solve
     try:
-        with multiprocessing.get_context("fork").Pool(count) as pool:
-            found = list(pool.imap_unordered(_solve_one, jobs, chunksize=1))
+        pool = multiprocessing.get_context("fork").Pool(count)
     finally:
         _solving = None
-    return {job: answer for job, answered, answer in found if answered}
+    _held.update(pool=pool, solve=solve, count=count)
+    return pool
+
+
+def close() -> None:
+    """Let the held pool's processes go (a planner does at the end of its search)."""
+    pool = _held.pop("pool", None)
+    _held.clear()
+    if pool is not None:
+        pool.terminate()
+        pool.join()
 
 
 def _solve_one(job):
