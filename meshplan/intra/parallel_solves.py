@@ -25,7 +25,7 @@ import sys
 
 WORKERS_VARIABLE = "MESHPLAN_PLAN_WORKERS"
 MAX_WORKERS = 16
-MIN_BATCH = 4      # fewer ILPs than this are solved in the planner's process: a pool costs more
+MIN_BATCH = 2      # fewer ILPs than this are solved in the planner's process (a kept pool costs little)
 
 _solving = None    # the solver a forked child calls (set in the parent just before the fork)
 _held: dict = {}   # "pool", "solve", "count": the pool of the last solver, kept for its next batch
