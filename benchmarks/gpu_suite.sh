@@ -16,7 +16,8 @@
 # on the machine's cores (CPU provider, shared-host and own-device plans); a job's first requests with the GPU's
 # clocks; benchmarks/decode_phases.py (where the fp16 1x1 decode step's time goes); both 1x2 runs under CUDA MPS
 # where it starts; `meshplan verify --generate --provider cuda`; a non-LLM plan run on CUDA and verified;
-# benchmarks/segment_pools.py with a 1x2 rank's 8 threads.
+# benchmarks/segment_pools.py with a 1x2 rank's 8 threads; the 70B shape's plan with its ILPs on 16, 4 and 1 cores
+# (plan_workers).
 set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
@@ -129,5 +130,8 @@ np.savez('$O/gpt_in.npz', input_ids=r.integers(0, 100, (8, 32)).astype(np.int64)
   && TAIL=6 step verify_gpt 90 meshplan verify "$O/gpt_1x2" --inputs "$O/gpt_in.npz" --outputs "$O/gpt_out.npz"
 fi
 TAIL=6 step segment_pools 120 python3 benchmarks/segment_pools.py --threads 8 --blocks 10
+# the 70B shape planned on 128x8 with its layer ILPs solved by 16, 4 and 1 processes (the machine's cores)
+TAIL=6 step plan_workers 400 python3 benchmarks/plan_time.py --rows llama70b --meshes 128x8 --workers 16 4 1 \
+  --solver highs
 echo "== the suite took $SECONDS s"
 save

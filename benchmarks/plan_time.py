@@ -20,7 +20,8 @@ Each row is planned once per ``--workers`` count (``MESHPLAN_PLAN_WORKERS``: the
 that solve the layer ILPs side by side; default: the planner's own choice, the cores it may
 run on). Peak RSS is the planner's process alone (each worker is a fork sharing its pages).
 
-    python benchmarks/plan_time.py [--rows gpt gpt2 llama70b] [--gpt2-model PATH] [--workers N ...] [--json PATH]
+    python benchmarks/plan_time.py [--rows gpt gpt2 llama70b] [--gpt2-model PATH] [--workers N ...] [--solver S]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main() -> int:
     parser.add_argument("--gpt2-model", type=Path, help="a GPT-2 export made by sample_models/gpt2_dynamo.py")
     parser.add_argument("--gpt-layers", type=int, nargs="+", default=[12, 24, 48])
     parser.add_argument("--meshes", nargs="+", help="meshes for every row kind (default: per kind)")
+    parser.add_argument("--solver", help="the ILP solver (meshplan plan's --solver; default its own)")
     parser.add_argument("--workers", type=int, nargs="+", default=[None],
                         help="plan each row with each of these counts of ILP-solving processes")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
@@ -105,6 +107,8 @@ def main() -> int:
     print("-" * len(header))
 
     def show(*plan_args, **plan_options):
+        if args.solver:
+            plan_options["extra"] = tuple(plan_options.get("extra", ())) + ("--solver", args.solver)
         for count in args.workers:
             _show(plan_row(*plan_args, **plan_options, workers=count))
 
@@ -137,7 +141,7 @@ def main() -> int:
             print(f"(70B-shaped decoder: {facts['weight_bytes'] / 1e9:.0f} GB of float16 weights in a sparse file)")
             for mesh in args.meshes or ["16x8", "128x8"]:
                 show("llama-70b shape", Path(facts["path"]), mesh, {"batch": 16, "seq": 1024}, 8, tmp / f"l70-{mesh}",
-                     ("--no-programs",))
+                     extra=("--no-programs",))
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "plan_time", "rows": rows}, indent=1) + "\n")
     return 0
