@@ -162,11 +162,11 @@ class IntraOpPass:
     def _solve_job(self, job: tuple):
         """A job of ``prefetch`` (layer, submesh, logical mesh, kinds) or of ``_prefetch_lean``
         (…, memory row) solved (``_solved``'s answer); a lean one without a solution None."""
-        if len(job) == 5:
-            return self._solved(*job)
         try:
             return self._solved(*job)
         except PlanError:
+            if len(job) == 5:
+                raise
             return None      # no lean layout under this memory row
 
     def _lean_limit(self, layer: int, logical) -> float:

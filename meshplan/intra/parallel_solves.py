@@ -12,7 +12,7 @@ pass's solver is a bound method of it: a solve needs nothing the pass learns lat
 let go when another solver comes or the search ends (``close``).
 
 ``workers()`` is the count to use: ``MESHPLAN_PLAN_WORKERS`` where set (1: solve in the
-planner's process, as before), else the cores this process may run on, at most
+planner's process, as before; anything but a whole number from 1 is refused in one line), else the cores this process may run on, at most
 ``MAX_WORKERS``. Where processes cannot be forked (no ``fork`` start method, or MPI already
 started in this process, which a fork would copy half-working), everything is solved in
 the planner's process.
@@ -35,10 +35,11 @@ def workers() -> int:
     """How many processes solve ILPs side by side (1: the planner's own)."""
     given = os.environ.get(WORKERS_VARIABLE, "").strip()
     if given:
-        try:
-            return max(1, int(given))
-        except ValueError:
-            return 1
+        if not given.isdigit() or int(given) < 1:
+            from meshplan.errors import PlanError
+
+            raise PlanError(f"{WORKERS_VARIABLE} must be a whole number of processes, 1 or more; got {given!r}")
+        return int(given)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
