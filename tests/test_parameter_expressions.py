@@ -328,3 +328,50 @@ def test_chain_tables_of_every_start_equal_each_stages_own_chain(memory):
             assert (seconds[i, j], weights[i, j]) == (want.seconds + want.arrival, want.param_bytes), (i, j)
             lean += want.lean
     assert bool(lean) == (memory < 80e9)
+
+
+def test_layers_of_one_form_split_their_weights_as_each_alone():
+    """A layer's weight slices (``IntraOpPass._split_weights``) are worked out once per
+    form of layer (``_weights_form``) and renamed for the others: every layer's bytes and
+    tied slices equal those worked out for it alone, on every boundary pair, fast and lean."""
+    from meshplan.cost.analytic import CostModel
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.intra.intra_op import BOUNDARY_KINDS, IntraOpPass
+    from meshplan.model.layers import cluster_layers
+
+    model = infer_shapes(fix_dims(tied_gpt2(layers=4), {"batch": 4}))
+    graph, constants = build_graph(model), small_constants(model)
+    cluster = make_cluster((1, 4), "cpu")
+    cost_model = CostModel(cluster)
+    layering = cluster_layers(graph, cost_model.graph_seconds(graph), 12)
+
+    def split_all(alone: bool):
+        intra = IntraOpPass(graph, layering, cost_model, cluster, constants)
+        calls = [0]
+        slices = intra.ilp.costs.param_slices
+
+        def counted(*args):
+            calls[0] += 1
+            return slices(*args)
+
+        intra.ilp.costs.param_slices = counted
+        if alone:     # every layer a form of its own
+            forms = intra._weights_form
+            intra._weights_form = lambda layer: ((layer,) + forms(layer)[0], forms(layer)[1])
+        found = {}
+        for view in [((1, 4), (1, 4)), ((1, 4), (2, 2))]:
+            for layer in range(layering.num_layers):
+                for b_in in BOUNDARY_KINDS:
+                    for b_out in BOUNDARY_KINDS:
+                        for lean in (False, True):
+                            got = intra._split_weights(layer, *view, b_in, b_out, lean)
+                            found[(view, layer, b_in, b_out, lean)] = (got.param_bytes, got.slices, got.seconds)
+        return found, calls[0], intra
+
+    shared, calls_shared, intra = split_all(False)
+    alone, calls_alone, _ = split_all(True)
+    assert shared == alone
+    assert calls_shared < calls_alone       # the forms were shared
+    forms = [intra._weights_form(layer)[0] for layer in range(layering.num_layers)]
+    assert len(set(forms)) < len(forms)
+    assert any(slices for _, slices, _ in shared.values())      # the tie's slices, renamed

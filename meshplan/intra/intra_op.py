@@ -30,7 +30,7 @@ from meshplan.intra.fingerprint import layer_fingerprints
 from meshplan.intra.fold import fold_followers
 from meshplan.intra.layer_ilp import BOUNDARY_KINDS, LayerIlp, LayerSolution, boundary_spec
 from meshplan.intra.segments import tensor_segments
-from meshplan.intra.operator_cost import OperatorCosts, held_bytes, held_outputs
+from meshplan.intra.operator_cost import OperatorCosts, held_bytes
 from meshplan.intra.pins import Pins
 from meshplan.intra.strategies import Strategy
 from meshplan.reshard.steps import axis_links, reshard_seconds
@@ -85,6 +85,8 @@ class IntraOpPass:
                 readers.setdefault(source, set()).add(int(owner[i]))
         self._shared = {source for source, layers in readers.items() if len(layers) > 1}
         self._own: dict[tuple, LayerSolution] = {}
+        self._forms: dict[int, tuple] = {}   # ``_weights_form``
+        self._form_slices: dict[tuple, tuple] = {}   # (form, ILP, mesh) → (solution, own bytes, shared slices by position)
         self._layer_dims: dict[int, tuple] = {}
         self._views: dict[tuple, tuple] = {}
         self._by_view: dict[tuple, dict] = {}
@@ -217,7 +219,7 @@ class IntraOpPass:
     def _caches(self, index: int) -> list[str]:
         """The outputs of node ``index`` held like weights (its cache and state outputs)."""
         node = self.graph.nodes[index]
-        return [node.outputs[k] for k in held_outputs(node, self.graph)]
+        return [node.outputs[k] for k in self.ilp.costs.held(node)]
 
     def _effective_view(self, layer: int, submesh: tuple[int, int], logical: tuple[int, int]) -> tuple:
         """What the layer's ILP on this view depends on: for each mesh axis that can split
@@ -433,15 +435,48 @@ class IntraOpPass:
             self.stats.cache_hits += 1   # as layer_solution counts a reuse
         else:
             solution = self.layer_solution(layer, submesh, logical, b_in, b_out, lean)
-            mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
-            first = self.layering.bounds[layer]
-            slices: dict = {}
-            for k, strategy in enumerate(solution.strategies):
-                slices.update(self.ilp.costs.param_slices(self.graph.nodes[first + k], strategy, mesh))
-            shared = {key: size for key, size in slices.items() if key[0] in self._shared}
-            own = {key: size for key, size in slices.items() if key[0] not in self._shared}
-            self._own[key] = replace(solution, param_bytes=held_bytes(own), slices=shared)
+            form, names = self._weights_form(layer)
+            same = (form, self._key(layer, submesh, logical, b_in, b_out, lean)[0], logical)
+            known = self._form_slices.get(same)
+            if known is not None and known[0] is solution:
+                # a layer like one already split: the same bytes, its own tensors' names
+                own_bytes, shared = known[1], {(names[i], spec): size for (i, spec), size in known[2].items()}
+            else:
+                mesh = LogicalMesh(logical, tuple(range(logical[0] * logical[1])))
+                first = self.layering.bounds[layer]
+                slices: dict = {}
+                for k, strategy in enumerate(solution.strategies):
+                    slices.update(self.ilp.costs.param_slices(self.graph.nodes[first + k], strategy, mesh))
+                shared = {key: size for key, size in slices.items() if key[0] in self._shared}
+                own_bytes = held_bytes({key: size for key, size in slices.items() if key[0] not in self._shared})
+                index = {name: i for i, name in enumerate(names)}
+                if all(name in index for name, _ in slices):
+                    self._form_slices[same] = (solution, own_bytes,
+                                               {(index[name], spec): size for (name, spec), size in shared.items()})
+            self._own[key] = replace(solution, param_bytes=own_bytes, slices=shared)
         return self._own[key]
+
+    def _weights_form(self, layer: int) -> tuple[tuple, list[str]]:
+        """What ``_split_weights`` reads of a layer beyond its ILP, and the names it reads
+        them by: layers of one form split alike, each naming its own tensors. The form: the
+        layer's fingerprint; which of its weight reads and held outputs name the same tensor
+        (positions in the names: ``held_bytes`` counts a slice once); and which of those names
+        other layers read too."""
+        if layer not in self._forms:
+            names: dict[str, int] = {}
+            pattern: list = []
+            for i in range(self.layering.bounds[layer], self.layering.bounds[layer + 1]):
+                node = self.graph.nodes[i]
+                pattern.append(tuple(names.setdefault(node.outputs[k], len(names)) for k in self.ilp.costs.held(node)))
+                for name in node.inputs:
+                    info = self.graph.tensors.get(name) if name else None
+                    if info is not None and info.is_param:
+                        pattern.append(tuple(names.setdefault(source, len(names))
+                                             for source in info.sources or (name,)))
+            order = list(names)
+            self._forms[layer] = ((self._layer_keys[layer], tuple(pattern),
+                                   tuple(name in self._shared for name in order)), order)
+        return self._forms[layer]
 
     def boundary_seconds(self, start: int, stop: int, submesh, logical, sharding: StageSharding) -> float:
         """Of the stage's seconds, those spent resharding into and out of the boundary

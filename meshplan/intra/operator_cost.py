@@ -38,6 +38,7 @@ class OperatorCosts:
     def __init__(self, graph: Graph, cost_model: CostModelProtocol, cluster: Cluster, constants=None):
         self.graph, self.cost_model, self.cluster = graph, cost_model, cluster
         self.constants = constants
+        self._held: dict[int, list[int]] = {}   # id(node) → ``held_outputs`` (asked a million times a plan)
 
     def strategy_seconds(self, node: Node, strategy: Strategy, mesh: LogicalMesh, collectives: CollectiveModel) -> float:
         """What the ILP weighs a strategy by: its compute seconds (a training step adds the
@@ -87,6 +88,13 @@ class OperatorCosts:
             sizes[name] = info.nbytes if spec is None else spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
         return read_write_bytes(node, sizes)
 
+    def held(self, node: Node) -> list[int]:
+        """``held_outputs`` of ``node``, worked out once."""
+        found = self._held.get(id(node))
+        if found is None:
+            found = self._held[id(node)] = held_outputs(node, self.graph)
+        return found
+
     def param_bytes(self, node: Node, strategy: Strategy, mesh: LogicalMesh) -> float:
         return float(sum(self.param_slices(node, strategy, mesh).values()))
 
@@ -97,7 +105,7 @@ class OperatorCosts:
         state outputs (``Graph.state``: kept for the next call) are held like weights, at
         their largest size: (tensor, layout) → the device's share."""
         found: dict[tuple[str, ShardingSpec], int] = {}
-        for index in held_outputs(node, self.graph):
+        for index in self.held(node):
             name, spec = node.outputs[index], strategy.outputs[index] if index < len(strategy.outputs) else None
             if spec is not None:
                 info = self.graph.tensors[name]
