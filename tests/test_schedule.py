@@ -213,6 +213,70 @@ def test_interpreter_carries_out_the_list_in_its_order(two_stages, rank):
         assert [sorted(r) for r in results] == [sorted(wanted)] * plan.microbatches
 
 
+class _Links:
+    """A pipelined step's links that record what the interpreter asks of them."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def post(self, crossing, value):
+        self.log.append(("post", crossing, value))
+
+    def receive(self, crossing):
+        self.log.append(("receive", crossing))
+        return f"brought {crossing}"
+
+    def summed(self, array):
+        return array
+
+    def finish(self):
+        self.log.append(("finish",))
+
+
+class _Stage:
+    """A stage runner that records its runs and what it is given."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, part, mb):
+        self.log.append(("run", part, mb))
+
+    def take(self, crossing, mb):
+        return f"made {crossing} {mb}"
+
+    def give(self, crossing, mb, value):
+        self.log.append(("give", crossing, mb, value))
+
+    def reduce(self, allreduce):
+        self.log.append(("reduce", allreduce(1)))
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_interpreter_carries_out_a_training_step_in_its_order(kind):
+    """A pipelined training list runs through the same interpreter: each run on the stage's
+    runner, each send posted with what the runner gives up, each receive handed to it, the
+    replicas' sum once, the posted sends finished at the end; every run and the sum timed."""
+    ins = [Instruction("run", 0, part="forward"), Instruction("send", 0, crossing=0),
+           Instruction("run", 1, part="forward"), Instruction("receive", 0, crossing=1),
+           Instruction("run", 0, part="backward"), Instruction("send", 1, crossing=0),
+           Instruction("receive", 1, crossing=1), Instruction("run", 1, part="backward"),
+           Instruction("reduce", 1), Instruction("run", 1, part="update")]
+    log: list = []
+    record = CallRecord()
+    interpreter = Interpreter(None, 1, Schedule(kind, 2, [[], ins]), _Links(log), _Stage(log), record=record)
+    interpreter.step(0.0)
+    assert log == [("run", "forward", 0), ("post", 0, "made 0 0"), ("run", "forward", 1), ("receive", 1),
+                   ("give", 1, 0, "brought 1"), ("run", "backward", 0), ("post", 0, "made 0 1"), ("receive", 1),
+                   ("give", 1, 1, "brought 1"), ("run", "backward", 1), ("reduce", 1), ("run", "update", 1),
+                   ("finish",)]
+    assert [(e[0], e[4]) for e in record.trace] == [("forward", 0), ("forward", 1), ("backward", 0),
+                                                    ("backward", 1), ("reduce", 1), ("update", 1)]
+    assert record.program_seconds == pytest.approx(sum(e[3] for e in record.trace))
+    with pytest.raises(Exception, match="forward and training schedules"):
+        Interpreter(None, 0, Schedule("zigzag", 2, [[]]), _Links(log), _Stage(log))
+
+
 def test_instruction_round_trips_and_refuses_unknown_fields():
     item = Instruction("run", 3, part="forward")
     assert item.to_dict() == {"op": "run", "mb": 3, "part": "forward"}

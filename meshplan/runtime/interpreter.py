@@ -1,12 +1,22 @@
-"""One rank's part of a call: its instruction list (``emit.schedule``) carried out.
+"""One rank's part of a call or of a training step: its instruction list (``emit.schedule``,
+``emit.train_schedule``) carried out. Every job's runtime is this interpreter: ``run``,
+``generate`` and ``serve`` (``runtime.job``) and ``train`` (``trainer.driver`` through the
+job; ``trainer.pipeline_driver`` for pipelined plans) are drivers of it.
 
-The plan wrote what each rank does in a call and in which order; the interpreter does it:
-it receives what a run needs (a resharding's part, a whole tensor from an earlier stage),
-runs the rank's program on a microbatch (fed also with the call's inputs its stage reads and
-the state it holds), sends what later stages and rank 0 need, keeps the state the run made,
-and on rank 0 takes the call's outputs. The list is bound once per set of outputs a call
-asks for (``Interpreter.bound``): each instruction's names resolved, the sends of outputs
-nobody asked for left out, so that a call replays tuples, not the plan.
+The plan wrote what each rank does and in which order; the interpreter does it. In a call
+(the forward schedule: ``Interpreter.run``) it receives what a run needs (a resharding's
+part, a whole tensor from an earlier stage), runs the rank's program on a microbatch (fed
+also with the call's inputs its stage reads and the state it holds), sends what later
+stages and rank 0 need, keeps the state the run made, and on rank 0 takes the call's
+outputs. The list is bound once per set of outputs a call asks for (``Interpreter.bound``):
+each instruction's names resolved, the sends of outputs nobody asked for left out, so that a
+call replays tuples, not the plan.
+
+In a pipelined training step (a 1F1B or GPipe schedule: ``Interpreter.step``) the rank's
+stage runner (``runtime.pipeline_stage.StageRunner``) runs a part (a microbatch's forward or
+backward, the step's norm, clip and update), takes what a crossing sends and is given what
+one brings (through ``runtime.pipeline_links``), and sums its accumulated gradients with its
+stage's replicas once, after its last backward (``reduce``).
 
 ``CallRecord`` is what a call did on this rank: seconds in the programs, the bytes sent per
 tensor (a tensor's name without its layout) and the trace events (Chrome's format).
@@ -25,6 +35,7 @@ from meshplan.errors import RunError
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name
 from meshplan.runtime.buffers import HOST, DeviceTensor
 from meshplan.sharding import ShardingSpec
+from meshplan.training.pipeline_step import SCHEDULES as TRAINING_KINDS
 
 ROWS = 1 << 32     # a call of some rows: the first row * ROWS + their count (-1: the whole batch)
 _KEPT_VIEW_BYTES = 16 << 20   # the largest output whose view ``_take_output`` keeps for the next call
@@ -50,20 +61,26 @@ class CallRecord:
 
 
 class Interpreter:
-    """Rank ``rank``'s instruction list of ``schedule``, run for a call with ``run``. The job
-    gives what the list acts on: its transport, program runner, buffers and record; the state
-    dict it holds (read and updated in place), the state's specs, the state buffers the
-    programs may write in place (``own_state``), the greedy ids' output (``chosen``) and the
-    scorer of the logits those are chosen from (``scorer``: ``logit_scores.LogitScorer``,
-    whose outputs rank 0 computes after the run from the logits where they lie)."""
+    """Rank ``rank``'s instruction list of ``schedule``: a call of a forward schedule run with
+    ``run``, a step of a training one with ``step``. The job gives what the list acts on: its
+    transport, program runner, buffers and record; the state dict it holds (read and updated
+    in place), the state's specs, the state buffers the programs may write in place
+    (``own_state``), the greedy ids' output (``chosen``) and the scorer of the logits those
+    are chosen from (``scorer``: ``logit_scores.LogitScorer``, whose outputs rank 0 computes
+    after the run from the logits where they lie). A training step's driver gives its links
+    (``pipeline_links.PipelineLinks``) as the transport and its stage's ``StageRunner`` as
+    the program runner."""
 
-    def __init__(self, plan, rank: int, schedule: Schedule, transport, session, buffers, record: CallRecord,
-                 state: dict, state_specs: dict, own_state=frozenset(), chosen: str | None = None,
-                 scorer=None):
-        if schedule.kind != FORWARD:
-            raise RunError(f"this meshplan runs forward schedules only, not {schedule.kind!r}")
+    def __init__(self, plan, rank: int, schedule: Schedule, transport, session, buffers=HOST,
+                 record: CallRecord | None = None, state: dict | None = None, state_specs: dict | None = None,
+                 own_state=frozenset(), chosen: str | None = None, scorer=None):
+        if schedule.kind != FORWARD and schedule.kind not in TRAINING_KINDS:
+            raise RunError(f"this meshplan runs forward and training schedules, not {schedule.kind!r}")
+        self.kind = schedule.kind
         self.plan, self.rank, self.instructions = plan, rank, schedule.ranks[rank]
-        self.stage = plan.stage_of_rank(rank)
+        self.stage = plan.stage_of_rank(rank) if self.kind == FORWARD else None
+        record = CallRecord() if record is None else record
+        state, state_specs = {} if state is None else state, {} if state_specs is None else state_specs
         self.transport, self.session, self.buffers, self.record = transport, session, buffers, record
         self.state, self.state_specs, self.own_state, self.chosen = state, state_specs, own_state, chosen
         self.scorer = scorer
@@ -216,6 +233,28 @@ class Interpreter:
                                                                   step[2])
         transport.finish_posted()
         return results
+
+    def step(self, origin: float) -> None:
+        """A pipelined training step on this rank, its runner begun on the step's microbatches
+        (``StageRunner.begin_step``): each run timed into the record (``program_seconds``, a
+        trace event per run), each send posted without waiting, each receive waited for, the
+        posted sends finished at the end."""
+        runner, links, record = self.session, self.transport, self.record
+        for ins in self.instructions:
+            if ins.op == "send":
+                links.post(ins.crossing, runner.take(ins.crossing, ins.mb))
+            elif ins.op == "receive":
+                runner.give(ins.crossing, ins.mb, links.receive(ins.crossing))
+            else:
+                started = time.perf_counter()
+                if ins.op == "reduce":
+                    runner.reduce(links.summed)
+                else:
+                    runner.run(ins.part, ins.mb)
+                finished = time.perf_counter()
+                record.program_seconds += finished - started
+                record.trace.append((ins.part or ins.op, self.rank, started - origin, finished - started, ins.mb))
+        links.finish()
 
     def _take_output(self, name: str, value, box: tuple) -> np.ndarray:
         """``box`` of output ``name`` on the host; on the host path, the view taken of the

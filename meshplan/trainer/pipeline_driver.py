@@ -1,14 +1,14 @@
-"""``meshplan train`` on a pipelined training plan: one rank a device, each carrying out its
-stage's instruction list (``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``.
-Rank s·R + r is replica r of stage s (R replicas a stage): it takes the r-th 1/R of every
-microbatch, exchanges with replica r of the other stages, and sums its accumulated
-gradients with its stage's other replicas once a step (``reduce``, an MPI all-reduce).
+"""``meshplan train`` on a pipelined training plan: one rank a device, each a driver of the
+job's interpreter (``runtime.interpreter``), which carries out its stage's instruction list
+(``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``. Rank s·R + r is replica
+r of stage s (R replicas a stage): it takes the r-th 1/R of every microbatch, exchanges with
+replica r of the other stages, and sums its accumulated gradients with its stage's other
+replicas once a step (``reduce``, an MPI all-reduce): ``runtime.pipeline_links``.
 
 Every rank reads the plan, the schedule and the data (the same batches in the same order,
 each taking the inputs its parts read), works out each step's learning rate itself, and
-starts from the source model's weights that its stage holds (the slots at zero). A send is
-posted without waiting (``isend``), a receive waits for its tensor; tensors travel through
-host memory, pickled by mpi4py. On CUDA (``--provider cuda``, or ``auto`` where a GPU is
+starts from the source model's weights that its stage holds (the slots at zero). Tensors
+travel through host memory, pickled by mpi4py. On CUDA (``--provider cuda``, or ``auto`` where a GPU is
 usable: rank r on GPU r modulo the machine's GPUs) each stage keeps its state and the
 tensors it holds between runs on its GPU (``StageRunner(device=...)``); what it sends, sums
 over its replicas or reports comes to the host. After each step the last stage sends the loss and the
@@ -29,12 +29,13 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
-
 from meshplan.emit.pipeline_parts import read_pipeline
+from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import read_training_schedule
 from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
+from meshplan.runtime.interpreter import CallRecord, Interpreter
+from meshplan.runtime.pipeline_links import PipelineLinks
 from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
 from meshplan.runtime.state_files import rank_file, write_pieces
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
@@ -73,18 +74,12 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         raise ReportedElsewhere(str(failure or ""))
     stages = len(lists)
     R = int(plan.training["pipeline"].get("replicas", 1))
-    stage, replica = divmod(rank, R)
-    group = comm.Split(stage, replica)    # the stage's replicas
-
-    def summed(array):
-        array = np.ascontiguousarray(array)
-        out = np.empty_like(array)
-        group.Allreduce(array, out, op=MPI.SUM)
-        return out
-
-    parts = runner.parts
-    mine = lists[stage]
-    reads = {n for part in parts.values() for n in part.inputs}
+    replica = rank % R
+    record = CallRecord()
+    schedule = Schedule(plan.training["pipeline"]["schedule"], plan.microbatches, [lists[r // R] for r in range(size)])
+    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, R), runner,
+                              record=record)
+    reads = {n for part in runner.parts.values() for n in part.inputs}
     B = plan.microbatches
     end = first + options.steps
     kept = {"cuda": "; state and activations kept on the GPU", "cpu": "; state and activations kept as OrtValues"}
@@ -104,28 +99,11 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
                    if n in reads} for m in range(B)]
         started = time.perf_counter()
         runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(k + 1)})
-        posted = []
-        busy = 0.0
-        for ins in mine:
-            if ins.op == "send":
-                c = pipeline.crossings[ins.crossing]
-                posted.append(comm.isend(runner.take(ins.crossing, ins.mb), dest=c.dst * R + replica,
-                                         tag=ins.crossing + 1))
-            elif ins.op == "receive":
-                c = pipeline.crossings[ins.crossing]
-                runner.give(ins.crossing, ins.mb, comm.recv(source=c.src * R + replica, tag=ins.crossing + 1))
-            elif ins.op == "reduce":
-                ran = time.perf_counter()
-                runner.reduce(summed)
-                busy += time.perf_counter() - ran
-            else:
-                ran = time.perf_counter()
-                runner.run(ins.part, ins.mb)
-                busy += time.perf_counter() - ran
-        MPI.Request.waitall(posted)
+        record.start()
+        interpreter.step(started)
         results = runner.end_step()
         if k > first or end - first == 1:    # the first of several steps warms up
-            timing[0] += busy
+            timing[0] += record.program_seconds
             timing[1] += time.perf_counter() - started
         reporter = (stages - 1) * R      # the last stage's first replica
         if rank == reporter and rank != 0:
