@@ -55,12 +55,15 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
               help="Execution provider for the programs.")
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
               help="Where tensors travel between ranks (as meshplan run's).")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path),
+              help="Write a Chrome trace of the last step (each rank's runs: a pipeline's forwards, backwards, "
+                   "replicas' sum and update).")
 @click.option("-q", "--quiet", is_flag=True, help="No line per step.")
 @bind_cores_option
 @click.pass_context
 def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, momentum, weight_decay, betas, eps,
-          clip_norm, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, quiet,
-          bind_cores):
+          clip_norm, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path,
+          quiet, bind_cores):
     """Train: start as `mpiexec -n N meshplan train PLAN_DIR --data DATA.npz --steps K`."""
     from meshplan.emit.report import human_seconds
     from meshplan.files import atomic_write_bytes
@@ -72,8 +75,10 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
                            {"momentum": momentum, "weight_decay": weight_decay, "beta1": beta1, "beta2": beta2,
                             "eps": eps, "clip_norm": clip_norm},
                            shuffle, seed, checkpoint_dir, checkpoint_every, resume_dir, total_steps)
-    if log_path is not None and not log_path.parent.is_dir():
-        raise click.BadParameter(f"directory does not exist: {log_path.parent}", param_hint="--log")
+    for path, hint in ((log_path, "--log"), (trace_path, "--trace")):
+        if path is not None and not path.parent.is_dir():
+            raise click.BadParameter(f"directory does not exist: {path.parent}", param_hint=hint)
+    options.trace = trace_path is not None
 
     def progress(step, end, loss, rate, norm, samples):
         if not quiet:
@@ -87,6 +92,11 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
         return
     if log_path is not None:
         atomic_write_bytes(log_path, (json.dumps(report.log(), indent=1) + "\n").encode())
+    if trace_path is not None:
+        from meshplan.runtime.mpi_runner import write_trace
+
+        write_trace(trace_path, report.trace_events, report.ranks,
+                    [{"rank": r, "peak_rss_bytes": rss} for r, rss in enumerate(report.peak_rss_bytes or [])])
     import statistics
 
     measured = statistics.median(report.step_seconds[1:] or report.step_seconds)
@@ -108,5 +118,6 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
                    f"{report.bubble:.2f})")
     for path in report.checkpoints[-1:]:
         click.echo(f"wrote checkpoint {path}")
-    if log_path is not None:
-        click.echo(f"wrote {log_path}")
+    for path in (log_path, trace_path):
+        if path is not None:
+            click.echo(f"wrote {path}")

@@ -124,9 +124,17 @@ def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule, recom
     ranks = int(mesh[0]) * int(mesh[2])
     done = run_mpi(ranks, "train", plan_dir, "--data", SAMPLES / f"{name}.data.npz", "--steps", settings["steps"],
                    *_train_options(settings), "--checkpoint", tmp_path / "ck", "--log", tmp_path / "log.json",
-                   timeout=300)
+                   "--trace", tmp_path / "trace.json", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     log = json.loads((tmp_path / "log.json").read_text())
+    # the last step's trace: every rank runs each microbatch's forward and backward, then its update
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    microbatches = read_plan(plan_dir).microbatches
+    for rank in range(ranks):
+        runs = [(e["name"], e["args"]["microbatch"]) for e in events if e["pid"] == rank]
+        assert sorted(mb for name, mb in runs if name == "forward") == list(range(microbatches))
+        assert sorted(mb for name, mb in runs if name == "backward") == list(range(microbatches))
+        assert runs[-1][0] == "update"
     np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
     assert len(log["busy_fractions"]) == ranks and all(0 < b <= 1 for b in log["busy_fractions"])
     assert log["bubble"] == pytest.approx((stages - 1) / (4 + stages - 1))

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.errors import TrainError
+from meshplan.plan_format import read_plan
 from meshplan.testing.train_reference import run_step_model, run_whole
 from meshplan.trainer.checkpoint import Checkpoint
 from meshplan.training.step_model import TrainSpec, build_step_model, is_additive_mask
@@ -220,9 +221,15 @@ def test_training_plans_equal_the_whole_step_model(tmp_path, case):
     data = _data(tmp_path / "data.npz")
     steps = 5
     done = run_mpi(ranks, "train", plan_dir, "--data", data, "--steps", steps, "--checkpoint", tmp_path / "ck",
-                   "--log", tmp_path / "log.json", *train_options, timeout=300)
+                   "--log", tmp_path / "log.json", "--trace", tmp_path / "trace.json", *train_options, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     log = json.loads((tmp_path / "log.json").read_text())
+    # the last step's trace: each working rank's runs of its program, one a microbatch
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    microbatches = read_plan(plan_dir).microbatches
+    for rank in {d for stage in read_plan(plan_dir).stages for d in stage.devices}:
+        runs = sorted(e["args"]["microbatch"] for e in events if e["pid"] == rank and e["name"].startswith("stage"))
+        assert runs == list(range(microbatches)), (rank, runs)
     given = dict(zip(train_options[::2], train_options[1::2]))
     hyper = {"momentum": float(given.get("--momentum", 0)), "weight_decay": float(given.get("--weight-decay", 0)),
              "clip_norm": float(given.get("--clip-norm", 0))}

@@ -150,6 +150,7 @@ class TrainOptions:
     checkpoint_every: int = 0
     resume: Path | None = None
     total_steps: int | None = None     # the schedule's length (default: where this run ends)
+    trace: bool = False                # keep the last step's trace events (``TrainReport.trace_events``)
 
 
 @dataclass
@@ -171,6 +172,7 @@ class TrainReport:
     # share a pipeline of equal stages has, (S - 1) / (M + S - 1)
     busy_fractions: list = field(default_factory=list)
     bubble: float | None = None
+    trace_events: list = field(default_factory=list)   # the last step's, every rank's (``TrainOptions.trace``)
 
     def add_step(self, loss: float, lr: float, norm: float, seconds: float, done: int, end: int,
                  progress=None) -> None:
@@ -241,6 +243,8 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
             report.add_step(loss, lr, norm, time.perf_counter() - started, trainer.steps_done, end, progress)
             if checkpoint_due(options, trainer.steps_done, end):
                 report.checkpoints.append(str(trainer.save(options.checkpoint, batches)))
+        if options.trace:
+            report.trace_events = job.stats().trace
     except MeshplanError:
         job.close()
         raise

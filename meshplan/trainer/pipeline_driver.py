@@ -34,7 +34,7 @@ from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import read_training_schedule
 from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
-from meshplan.runtime.interpreter import CallRecord, Interpreter
+from meshplan.runtime.interpreter import CallRecord, Interpreter, event
 from meshplan.runtime.pipeline_links import PipelineLinks
 from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
 from meshplan.runtime.state_files import rank_file, write_pieces
@@ -118,8 +118,10 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
                 report.checkpoints.append(str(written))
     rss = _gather_rss(comm, peak_rss_bytes())
     timings = comm.gather(timing, root=0)
+    traces = comm.gather([event(*t) for t in record.trace] if options.trace else [], root=0)
     if rank != 0:
         return None
+    report.trace_events = [e for events in traces for e in events]
     report.peak_rss_bytes = rss
     report.busy_fractions = [b / t if t else 0.0 for b, t in timings]
     report.bubble = (stages - 1) / (B + stages - 1)
