@@ -77,7 +77,7 @@ def test_stages_keeping_their_tensors_on_the_device_train_the_same(name, stages,
     assert losses == expected
     # per step: each send, the loss of each of the 4 microbatches' backward and the norm (no
     # state goes to the host and back)
-    sends = sum(1 for stage, ins in on_device.order if ins.op == "send")
+    sends = sum(1 for listed in on_device.lists for ins in listed if ins.op == "send")
     assert copied.count("OrtValue") == len(losses) * (sends + 4 + 1)
     final, again = on_host.state_values(), on_device.state_values()
     assert sorted(final) == sorted(again) and all(np.array_equal(final[n], again[n]) for n in final)
@@ -299,3 +299,23 @@ def test_bad_cuts_are_refused():
 def test_instruction_round_trips_with_a_crossing():
     ins = Instruction("send", 3, crossing=7)
     assert Instruction.from_dict(ins.to_dict()) == ins
+
+
+def test_a_stage_that_fails_ends_the_step_with_its_error(monkeypatch):
+    """The stages of one process run side by side, each in a thread: a stage whose backward
+    fails ends the step with that failure, the stages waiting on it stopping instead of
+    waiting for ever."""
+    from meshplan.runtime import pipeline_stage
+
+    case, _, pipeline = _pipeline("gpt_adamw", 3, 4)
+    runner = PipelineRunner(pipeline, 4, case["initial"], ONE_F_ONE_B)
+    run = pipeline_stage.StageRunner.run
+
+    def failing(self, phase, mb):
+        if self.stage == 1 and phase == BACKWARD and mb == 1:
+            raise ValueError("stage 1 fails here")
+        run(self, phase, mb)
+
+    monkeypatch.setattr(pipeline_stage.StageRunner, "run", failing)
+    with pytest.raises(ValueError, match="stage 1 fails here"):
+        _train(case, runner)

@@ -219,11 +219,11 @@ class _Links:
     def __init__(self, log):
         self.log = log
 
-    def post(self, crossing, value):
+    def post(self, crossing, mb, value):
         self.log.append(("post", crossing, value))
 
-    def receive(self, crossing):
-        self.log.append(("receive", crossing))
+    def receive(self, crossing, mb):
+        self.log.append(("receive", crossing, mb))
         return f"brought {crossing}"
 
     def summed(self, array):
@@ -266,8 +266,8 @@ def test_interpreter_carries_out_a_training_step_in_its_order(kind):
     record = CallRecord()
     interpreter = Interpreter(None, 1, Schedule(kind, 2, [[], ins]), _Links(log), _Stage(log), record=record)
     interpreter.step(0.0)
-    assert log == [("run", "forward", 0), ("post", 0, "made 0 0"), ("run", "forward", 1), ("receive", 1),
-                   ("give", 1, 0, "brought 1"), ("run", "backward", 0), ("post", 0, "made 0 1"), ("receive", 1),
+    assert log == [("run", "forward", 0), ("post", 0, "made 0 0"), ("run", "forward", 1), ("receive", 1, 0),
+                   ("give", 1, 0, "brought 1"), ("run", "backward", 0), ("post", 0, "made 0 1"), ("receive", 1, 1),
                    ("give", 1, 1, "brought 1"), ("run", "backward", 1), ("reduce", 1), ("run", "update", 1),
                    ("finish",)]
     assert [(e[0], e[4]) for e in record.trace] == [("forward", 0), ("forward", 1), ("backward", 0),

@@ -242,9 +242,9 @@ class Interpreter:
         runner, links, record = self.session, self.transport, self.record
         for ins in self.instructions:
             if ins.op == "send":
-                links.post(ins.crossing, runner.take(ins.crossing, ins.mb))
+                links.post(ins.crossing, ins.mb, runner.take(ins.crossing, ins.mb))
             elif ins.op == "receive":
-                runner.give(ins.crossing, ins.mb, links.receive(ins.crossing))
+                runner.give(ins.crossing, ins.mb, links.receive(ins.crossing, ins.mb))
             else:
                 started = time.perf_counter()
                 if ins.op == "reduce":

@@ -1,6 +1,6 @@
-"""A pipelined training step run in one process: every stage's ``StageRunner`` on
-onnxruntime, carried out in the order the stages' instruction lists give
-(``emit.train_schedule.play``).
+"""A pipelined training step run in one process: each stage's instruction list carried out by
+the job's interpreter (``Interpreter.step``) on the stage's ``StageRunner``, each stage in a
+thread of its own, the crossings between them on queues (``pipeline_links.LocalLinks``).
 
 The check that a pipeline computes what one device computes, and the measure of what each
 stage keeps in flight: ``PipelineRunner.step`` returns the step's loss and gradient norm;
@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 
+import threading
+import time
+
+from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import ONE_F_ONE_B, play, training_schedule
+from meshplan.runtime.interpreter import CallRecord, Interpreter
+from meshplan.runtime.pipeline_links import LocalLinks, StageStopped
 from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
 from meshplan.training.pipeline_step import PipelineStep
 
@@ -29,7 +35,8 @@ class PipelineRunner:
                  kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None):
         self.pipeline, self.microbatches, self.kind = pipeline, microbatches, kind
         self.lists = training_schedule(pipeline, microbatches, kind)
-        self.order = play(self.lists)
+        play(self.lists)    # (lists that would wait on each other are refused here, not hung on)
+        self.records = [CallRecord() for _ in range(pipeline.stages)]   # each stage's last step
         slots = pipeline.step.manifest["slots"]
         self.stages = []
         for stage in range(pipeline.stages):
@@ -55,17 +62,28 @@ class PipelineRunner:
         slices = [{n: v[m * size:(m + 1) * size] for n, v in batch.items()} for m in range(B)]
         for runner in self.stages:
             runner.begin_step(slices, controls)
-        wire: dict[tuple[int, int], np.ndarray] = {}
-        for stage, ins in self.order:
-            runner = self.stages[stage]
-            if ins.op == "send":
-                wire[(ins.crossing, ins.mb)] = runner.take(ins.crossing, ins.mb)
-            elif ins.op == "receive":
-                runner.give(ins.crossing, ins.mb, wire.pop((ins.crossing, ins.mb)))
-            else:
-                runner.run(ins.part, ins.mb)
-        if wire:
-            raise RuntimeError(f"a step left sends unreceived: {list(wire)[:3]}")
+        links = LocalLinks()
+        schedule = Schedule(self.kind, B, self.lists)
+        failures: list[BaseException] = []
+        origin = time.perf_counter()
+
+        def carry_out(stage: int) -> None:
+            try:
+                self.records[stage].start()
+                Interpreter(None, stage, schedule, links, self.stages[stage], record=self.records[stage]).step(origin)
+            except BaseException as exc:   # (the others stop waiting for this stage)
+                failures.append(exc)
+                links.failed.set()
+
+        threads = [threading.Thread(target=carry_out, args=(s,), name=f"stage {s}") for s in range(len(self.stages))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise next((f for f in failures if not isinstance(f, StageStopped)), failures[0])
+        if links.unreceived():
+            raise RuntimeError(f"a step left sends unreceived: {links.unreceived()[:3]}")
         results: dict[str, float] = {}
         for runner in self.stages:
             results.update(runner.end_step())
