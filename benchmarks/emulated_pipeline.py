@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             log = work / f"m{m}.json"
             _run(cluster, [*MESHPLAN, "train", plan_dir, "--data", data, "--steps", args.warmup + args.steps,
                            "--lr", HYPER["lr"], "--weight-decay", HYPER["weight_decay"], "--provider", "cpu",
-                           "--log", log, "-q"], f"meshplan train (M = {m})")
+                           "--log", log, "--trace", work / f"m{m}-trace.json", "-q"], f"meshplan train (M = {m})")
             record = json.loads(log.read_text())
             measured = statistics.median(record["step_seconds"][args.warmup:])
             rows.append({"microbatches": m, "estimate_seconds": planned["estimate_seconds"],
