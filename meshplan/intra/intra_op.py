@@ -460,14 +460,15 @@ class IntraOpPass:
         """What ``_split_weights`` reads of a layer beyond its ILP, and the names it reads
         them by: layers of one form split alike, each naming its own tensors. The form: the
         layer's fingerprint; which of its weight reads and held outputs name the same tensor
-        (positions in the names: ``held_bytes`` counts a slice once); and which of those names
-        other layers read too."""
+        (positions in the names: ``held_bytes`` counts a slice once), a held output's largest
+        shape; and which of those names other layers read too."""
         if layer not in self._forms:
             names: dict[str, int] = {}
             pattern: list = []
             for i in range(self.layering.bounds[layer], self.layering.bounds[layer + 1]):
                 node = self.graph.nodes[i]
-                pattern.append(tuple(names.setdefault(node.outputs[k], len(names)) for k in self.ilp.costs.held(node)))
+                pattern.append(tuple((names.setdefault(node.outputs[k], len(names)),
+                                      self.graph.tensors[node.outputs[k]].peak) for k in self.ilp.costs.held(node)))
                 for name in node.inputs:
                     info = self.graph.tensors.get(name) if name else None
                     if info is not None and info.is_param:

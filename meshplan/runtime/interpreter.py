@@ -239,6 +239,8 @@ class Interpreter:
         (``StageRunner.begin_step``): each run timed into the record (``program_seconds``, a
         trace event per run), each send posted without waiting, each receive waited for, the
         posted sends finished at the end."""
+        if self.kind == FORWARD:
+            raise RunError("a forward schedule runs calls (Interpreter.run), not training steps")
         runner, links, record = self.session, self.transport, self.record
         for ins in self.instructions:
             if ins.op == "send":
