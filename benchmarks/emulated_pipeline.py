@@ -18,7 +18,7 @@ every activation and gradient between the stages crosses the link. The model: th
 3. For each microbatch count M: ``meshplan plan --train --stages 2 --microbatches M
    --profile ... --cluster ...`` (1F1B), then ``meshplan train`` across the hosts; the
    measured step is the median of the timed steps (after ``--warmup``), the estimate the
-   plan's (Alpa's T = Σ t_i + (M − 1)·max t_j, the gradient all-reduce, the update); each
+   plan's (its 1F1B schedule played with each part's and send's estimated time); each
    rank's busy share of its steps next to the pipeline's ideal idle share, (S − 1)/(M + S − 1).
 
 Check: every measured step within 25 % of the plan's estimate (the exit status is 1

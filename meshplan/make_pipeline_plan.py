@@ -25,7 +25,7 @@ from meshplan.cost.analytic import CostModel
 from meshplan.cost.cluster import Cluster
 from meshplan.emit.pipeline_parts import write_parts
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
-from meshplan.emit.train_schedule import per_microbatch, training_schedule, write_training_schedule
+from meshplan.emit.train_schedule import per_microbatch, timed_step, training_schedule, write_training_schedule
 from meshplan.errors import ModelError, PlanError
 from meshplan.files import file_sha256
 from meshplan.inter.pipeline import PlanOptions
@@ -89,7 +89,7 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     graph = _forward_graph(model_path, dims, workdir / "forward")
     pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
     costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
-    _, step_seconds, _, _ = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs)
+    step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule)[1]
     return step_seconds, max(sum(m.values()) for m in memory)
 
 
@@ -151,27 +151,37 @@ def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, 
 
 
 def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatches: int, pipeline,
-            costs: dict[tuple[int, str], float]):
+            costs: dict[tuple[int, str], float], kind: str):
     """Each stage's seconds a microbatch: its forward and backward parts' (its replicas share
     them) and its sends, the activations on and the gradients back (the bytes crossing the
-    cut, a message's latency for each tensor); the step's (Alpa's T, the slowest stage's
-    gradient all-reduce and the slowest stage's update, which every replica runs whole);
-    each stage's all-reduce and update."""
+    cut, a message's latency for each tensor); the step's, as its ``kind`` schedule plays
+    with those parts and sends (``timed_step``: the stages' runs waiting on each other, the
+    replicas' all-reduce before each stage's norm, the norm's partials and the clipping
+    factor between the stages, each stage's update, which every replica runs whole); each
+    stage's all-reduce and update; and what the step was played with (``timing``: the
+    timeline draws it again)."""
     R, S = replicas, len(cut.seconds)
     reduce = [_allreduce_seconds(cluster, list(range(s * R, (s + 1) * R)), memory[s]["gradients"])
               for s in range(S)]
-    seconds = []
+    seconds, sent = [], {}
     for s in range(S):
         sends = 0.0
         for made_in, peer, cut_index in ((FORWARD, s + 1, s), (BACKWARD, s - 1, s - 1)):
             count = sum(1 for c in pipeline.crossings if c.src == s and c.made_in == made_in and per_microbatch(c))
             if count and 0 <= peer < S:
                 link = cluster.link(s * R, peer * R)
-                sends += count * link.latency + cut.cut_bytes[cut_index] / R / link.bandwidth
+                sent[(s, made_in)] = count * link.latency + cut.cut_bytes[cut_index] / R / link.bandwidth
+                sends += sent[(s, made_in)]
         seconds.append((costs.get((s, FORWARD), 0.0) + costs.get((s, BACKWARD), 0.0)) / R + sends)
     update = [sum(costs.get((s, p), 0.0) for p in (NORM, CLIP, UPDATE_PHASE)) for s in range(S)]
-    step = sum(seconds) + (microbatches - 1) * max(seconds) + max(reduce) + max(update)
-    return seconds, step, reduce, update
+    took = {(s, p): costs.get((s, p), 0.0) / R for s in range(S) for p in (FORWARD, BACKWARD)}
+    took.update({(s, p): costs.get((s, p), 0.0) for s in range(S) for p in (CLIP, UPDATE_PHASE)})
+    took.update({(s, NORM): reduce[s] + costs.get((s, NORM), 0.0) for s in range(S)})
+    scalar = max((cluster.link(s * R, (s + 1) * R).latency for s in range(S - 1)), default=0.0)
+    _, step = timed_step(S, microbatches, kind, took, sent, scalar)
+    timing = {"took": [[s, p, t] for (s, p), t in sorted(took.items())],
+              "sent": [[s, p, t] for (s, p), t in sorted(sent.items())], "scalar": scalar}
+    return seconds, step, reduce, update, timing
 
 
 def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_dir: Path, options: PlanOptions,
@@ -263,8 +273,8 @@ def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict,
     R = replicas
     per_host = cluster.devices_per_host
     submesh = [1, R] if R <= per_host else [R // per_host, per_host]
-    seconds, step_seconds, reduce_seconds, update_seconds = _timing(cut, memory, cluster, replicas, microbatches,
-                                                                    pipeline, costs)
+    seconds, step_seconds, reduce_seconds, update_seconds, timing = _timing(
+        cut, memory, cluster, replicas, microbatches, pipeline, costs, record["schedule"])
     for s in range(pipeline.stages):
         into = sorted({c.tensor for c in pipeline.crossings if c.dst == s})
         out = sorted({c.tensor for c in pipeline.crossings if c.src == s})
@@ -275,7 +285,7 @@ def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict,
                 "throughput_per_second": size * microbatches / step_seconds if step_seconds else 0.0,
                 "memory_bytes_per_device": [st.memory_bytes for st in stages for _ in st.devices],
                 "stage_seconds": seconds, "cut_bytes": cut.cut_bytes, "reduce_seconds": reduce_seconds,
-                "update_seconds": update_seconds}
+                "update_seconds": update_seconds, "timing": timing}
     training = {**step.manifest, "source": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
                 "pipeline": record, "memory": memory}
     return Plan(

@@ -319,3 +319,30 @@ def test_a_stage_that_fails_ends_the_step_with_its_error(monkeypatch):
     monkeypatch.setattr(pipeline_stage.StageRunner, "run", failing)
     with pytest.raises(ValueError, match="stage 1 fails here"):
         _train(case, runner)
+
+
+@pytest.mark.parametrize("kind", [ONE_F_ONE_B, GPIPE])
+def test_the_played_step_is_alpas_time_at_equal_stages_and_waits_on_sends_and_the_norm(kind):
+    """``timed_step`` plays the lists' runs against each other: at equal stages without sends
+    or an update it takes Alpa's Σ t + (B − 1)·max t; a send's time and the norm's round trip
+    to the last stage's clipping and back lengthen it as the runs' waits say."""
+    from meshplan.emit.train_schedule import timed_step
+    from meshplan.training.pipeline_step import CLIP, NORM, UPDATE_PHASE
+
+    S, B, f, b = 3, 4, 1.0, 2.0
+    took = {(s, p): t for s in range(S) for p, t in ((FORWARD, f), (BACKWARD, b))}
+    rows, total = timed_step(S, B, kind, took, {})
+    assert total == pytest.approx(S * (f + b) + (B - 1) * (f + b))
+    for s, row in enumerate(rows):
+        assert all(a[3] <= c[2] + 1e-12 for a, c in zip(row, row[1:]))     # one run at a time
+    sent = {(s, p): 0.25 for s in range(S) for p in (FORWARD, BACKWARD)}
+    _, slower = timed_step(S, B, kind, took, sent)
+    assert slower > total + 2 * (S - 1) * 0.25 - 1e-12      # at least the first microbatch's way there and back
+    tail = {**took, **{(s, NORM): 0.5 for s in range(S)}, (S - 1, CLIP): 0.1,
+            **{(s, UPDATE_PHASE): 0.3 for s in range(S)}}
+    rows, ended = timed_step(S, B, kind, tail, {}, scalar=0.05)
+    last_backward = max(r[3] for row in rows for r in row if r[0] == BACKWARD)
+    clip = next(r for r in rows[S - 1] if r[0] == CLIP)
+    norms = [next(r for r in row if r[0] == NORM) for row in rows]
+    assert clip[2] == pytest.approx(max(n[3] + (0.05 if s != S - 1 else 0.0) for s, n in enumerate(norms)))
+    assert ended == pytest.approx(max(clip[3] + 0.05 + 0.3, last_backward + 0.5 + 0.3))

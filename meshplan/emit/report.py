@@ -170,9 +170,11 @@ def pipeline_training_report(plan: Plan) -> str:
     est = plan.estimate
     reduce = max(est.get("reduce_seconds") or [0.0])
     update = max(est.get("update_seconds") or [0.0])
-    lines.append(f"estimate: step {human_seconds(est['step_seconds'])} (sum of the stages + (B - 1) x the slowest"
-                 + (f" + the replicas' gradient all-reduce, {human_seconds(reduce)}" if R > 1 else "")
-                 + f" + the update, {human_seconds(update)}), "
+    how = ("its schedule played with each part's and send's time" if est.get("timing")
+           else "sum of the stages + (B - 1) x the slowest")
+    lines.append(f"estimate: step {human_seconds(est['step_seconds'])} ({how}"
+                 + (f"; the replicas' gradient all-reduce, {human_seconds(reduce)}" if R > 1 else "")
+                 + f"; the update, {human_seconds(update)}), "
                  f"{plan.batch['size'] * B / est['step_seconds']:.1f} samples/s "
                  f"({est.get('cost_model', 'analytic')} costs)")
     return "\n".join(lines)
@@ -293,39 +295,26 @@ def _resharding_line(r) -> str:
 
 
 def training_timeline(plan: Plan) -> tuple[list[list[tuple[str, int, float, float]]], float]:
-    """A pipelined training plan's step as its schedule plays it with the plan's stage times:
-    per stage, (phase, microbatch, start, end) of each forward and backward (a stage's time
-    per microbatch split one third forward, two thirds backward), and the step's end. A run
-    starts when its stage is free and what it reads has arrived (the forward of the stage
-    before, the backward of the stage after); transfers are not drawn."""
-    from meshplan.emit.train_schedule import run_order
+    """A pipelined training plan's step as its schedule plays it: per stage, (phase,
+    microbatch, start, end) of each forward and backward, and the step's end. A plan with
+    programs keeps what its estimate played (``estimate["timing"]``: each part's seconds,
+    each send's, ``emit.train_schedule.timed_step``); an estimate without programs has its
+    stages' times a microbatch only, split one third forward, two thirds backward, with no
+    sends or update drawn."""
+    from meshplan.emit.train_schedule import run_order, timed_step
 
     S, B = len(plan.stages), plan.microbatches
     kind = training_schedule_kind(plan)
+    timing = plan.estimate.get("timing")
+    if timing:
+        took = {(s, p): t for s, p, t in timing["took"]}
+        sent = {(s, p): t for s, p, t in timing["sent"]}
+        rows, total = timed_step(S, B, kind, took, sent, timing.get("scalar", 0.0))
+        return [[r for r in row if r[0] in ("forward", "backward")] for row in rows], total
     orders = [[r for r in run_order(s, S, B, kind) if r[0] in ("forward", "backward")] for s in range(S)]
-    took = {("forward", s): plan.stages[s].seconds / 3 for s in range(S)}
-    took.update({("backward", s): plan.stages[s].seconds * 2 / 3 for s in range(S)})
-    done: dict[tuple[str, int, int], float] = {}
-    rows: list[list[tuple[str, int, float, float]]] = [[] for _ in range(S)]
-    at, free = [0] * S, [0.0] * S
-    while any(at[s] < len(orders[s]) for s in range(S)):
-        moved = False
-        for s in range(S):
-            while at[s] < len(orders[s]):
-                phase, mb = orders[s][at[s]]
-                needs = [("forward", s - 1, mb)] if phase == "forward" and s else \
-                    [("backward", s + 1, mb)] if phase == "backward" and s < S - 1 else []
-                if any(n not in done for n in needs):
-                    break
-                start = max([free[s]] + [done[n] for n in needs])
-                end = start + took[(phase, s)]
-                done[(phase, s, mb)] = free[s] = end
-                rows[s].append((phase, mb, start, end))
-                at[s] += 1
-                moved = True
-        if not moved:
-            break
-    return rows, max(free) if free else 0.0
+    took = {(s, "forward"): plan.stages[s].seconds / 3 for s in range(S)}
+    took.update({(s, "backward"): plan.stages[s].seconds * 2 / 3 for s in range(S)})
+    return timed_step(S, B, kind, took, {}, orders=orders)
 
 
 def render_training_timeline(plan: Plan) -> str:

@@ -55,6 +55,51 @@ def run_order(stage: int, stages: int, microbatches: int, kind: str) -> list[tup
     return runs
 
 
+def timed_step(stages: int, microbatches: int, kind: str, took: dict[tuple[int, str], float],
+               sent: dict[tuple[int, str], float], scalar: float = 0.0, orders: list | None = None):
+    """The step as its schedule plays it: ``took[(stage, phase)]`` a run's seconds (a norm's
+    with the replicas' sum before it), ``sent[(stage, phase)]`` the seconds from the end of
+    that stage's forward or backward of a microbatch until the next (or previous) stage has
+    what it sends, ``scalar`` a small message's (the norm's partials and the clipping factor).
+    A stage's run starts when the stage is free and what it reads has arrived: a forward the
+    stage before's forward of its microbatch, a backward the stage after's backward, the
+    clipping (on the last stage) every stage's norm, an update the clipping factor.
+    ``orders``: each stage's runs (default ``run_order``'s). Returns per stage its runs
+    (phase, microbatch, start, end) and the step's end."""
+    S, B = stages, microbatches
+    orders = orders if orders is not None else [run_order(s, S, B, kind) for s in range(S)]
+
+    def needs(s: int, phase: str, mb: int) -> list[tuple[tuple[str, int, int], float]]:
+        if phase == FORWARD:
+            return [((FORWARD, s - 1, mb), sent.get((s - 1, FORWARD), 0.0))] if s else []
+        if phase == BACKWARD:
+            return [((BACKWARD, s + 1, mb), sent.get((s + 1, BACKWARD), 0.0))] if s < S - 1 else []
+        if phase == CLIP:
+            return [((NORM, t, mb), scalar if t != s else 0.0) for t in range(S)]
+        if phase == UPDATE_PHASE and s != S - 1:
+            return [((CLIP, S - 1, mb), scalar)]
+        return []
+
+    done: dict[tuple[str, int, int], float] = {}
+    rows: list[list[tuple[str, int, float, float]]] = [[] for _ in range(S)]
+    at, free = [0] * S, [0.0] * S
+    moved = True
+    while moved:
+        moved = False
+        for s in range(S):
+            while at[s] < len(orders[s]):
+                phase, mb = orders[s][at[s]]
+                wanted = needs(s, phase, mb)
+                if any(key not in done for key, _ in wanted):
+                    break
+                start = max([free[s]] + [done[key] + delay for key, delay in wanted])
+                done[(phase, s, mb)] = free[s] = start + took.get((s, phase), 0.0)
+                rows[s].append((phase, mb, start, free[s]))
+                at[s] += 1
+                moved = True
+    return rows, max(free, default=0.0)
+
+
 def per_microbatch(crossing: Crossing) -> bool:
     """Whether a crossing carries a tensor every microbatch (else once a step)."""
     return crossing.made_in in PER_MICROBATCH and any(p in PER_MICROBATCH for p in crossing.read_in)
