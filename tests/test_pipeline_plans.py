@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.report import training_timeline
+from meshplan.emit.schedule import read_lists
 from meshplan.emit.train_schedule import read_training_schedule, training_schedule
 from meshplan.plan_format import read_plan
 from meshplan.providers import cuda_usable
@@ -252,3 +253,30 @@ def test_a_stage_that_does_not_fit_is_refused(tmp_path):
                    "--cluster", cluster, "--stages", 2, "--microbatches", 4, "--dim", "batch=8", "-o", tmp_path / "p")
     _one_error_line(done, "stage 0 needs", "GiB", "more than its device's")
     assert not (tmp_path / "p").exists()
+
+
+def test_a_rank_that_dies_mid_step_ends_the_job_and_leaves_the_last_checkpoint(tmp_path):
+    """Stage 1's rank killed in the middle of step 3 (a checkpoint after every step): the job
+    ends, no process of it is left, and the checkpoint folder holds steps 1 and 2, whole: the
+    job resumes from step 2 and its next step is the uninterrupted job's third."""
+    from tests.jobs import run_marked
+
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x2", 2)
+    settings = case["settings"]
+    common = ["--data", SAMPLES / "gpt_adamw.data.npz", *_train_options(settings)]
+    plan = read_plan(plan_dir)
+    lists = read_lists(plan_dir / "schedule.json", plan.to_dict()["checksum"], (plan.training["pipeline"]["schedule"],),
+                       plan.microbatches).ranks
+    runs = sum(1 for i in lists[1] if i.op == "run")       # stage 1's runs a step
+    ended = run_marked(2, "train", plan_dir, "--steps", 5, "--checkpoint", tmp_path / "ck", "--checkpoint-every", 1,
+                       "-q", *common, failure=f"rank-1-dies-at-part-{2 * runs + 3}", timeout=120)
+    assert ended.returncode not in (None, 0) and not ended.left, ended.stderr
+    assert Checkpoint(tmp_path / "ck").step == 2
+    resumed = run_mpi(2, "train", plan_dir, "--steps", 1, "--resume", tmp_path / "ck", "--log", tmp_path / "r.json",
+                      "-q", *common, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run_mpi(2, "train", plan_dir, "--steps", 3, "--log", tmp_path / "w.json", "-q", *common, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    third = json.loads((tmp_path / "w.json").read_text())["losses"][2]
+    assert json.loads((tmp_path / "r.json").read_text())["losses"] == [third]
+

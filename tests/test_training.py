@@ -580,3 +580,24 @@ def test_batch_normalization_in_training_mode_keeps_running_statistics_as_state(
     mean = x.mean(axis=(0, 2, 3))
     np.testing.assert_allclose(state["mean"], 0.9 * inits["mean"] + 0.1 * mean, rtol=1e-5, atol=1e-6)
     assert not np.allclose(state["scale"], inits["scale"])
+
+
+def test_a_rank_that_dies_mid_step_ends_the_job_and_leaves_the_last_checkpoint(tmp_path):
+    """Rank 1 of a data-parallel job killed inside its third step (a checkpoint after every
+    step): the job ends, no process of it is left, the checkpoint folder holds steps 1 and
+    2 whole, and the job resumed from it takes the uninterrupted job's third step."""
+    from tests.jobs import run_marked
+
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x2", "--optimizer", "adamw", "--policy", "data")
+    common = ["--data", _data(tmp_path / "data.npz"), "--lr", "0.01", "-q"]
+    ended = run_marked(2, "train", plan_dir, "--steps", 5, "--checkpoint", tmp_path / "ck", "--checkpoint-every", 1,
+                       *common, failure="rank-1-dies-at-3", timeout=120)
+    assert ended.returncode not in (None, 0) and not ended.left, ended.stderr
+    assert Checkpoint(tmp_path / "ck").step == 2
+    resumed = run_mpi(2, "train", plan_dir, "--steps", 1, "--resume", tmp_path / "ck", "--log", tmp_path / "r.json",
+                      *common, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run_mpi(2, "train", plan_dir, "--steps", 3, "--log", tmp_path / "w.json", *common, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    third = json.loads((tmp_path / "w.json").read_text())["losses"][2]
+    assert json.loads((tmp_path / "r.json").read_text())["losses"] == [third]

@@ -8,7 +8,9 @@ starts:
   file in ``FAIL_WHEN``, from the first draw once that file exists;
 - ``rank-R-raises-at-K``: rank R's K-th call of the job (``Job._run_call``, on the driver
   or a worker) raises inside the call;
-- ``rank-R-dies-at-K``: rank R kills itself with SIGKILL at its K-th call.
+- ``rank-R-dies-at-K``: rank R kills itself with SIGKILL at its K-th call;
+- ``rank-R-dies-at-part-K``: in a pipelined training job, rank R kills itself with SIGKILL at
+  its K-th run of a part (``StageRunner.run``).
 
 The hook lives here alone: the library has no switch for it.
 """
@@ -48,9 +50,28 @@ def call_fails(rank: int, how: str, at: int) -> None:
     Job._run_call = failing
 
 
+def part_fails(rank: int, at: int) -> None:
+    from meshplan.runtime.pipeline_stage import StageRunner
+
+    run, count = StageRunner.run, [0]
+
+    def dying(self, phase, mb):
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == rank:
+            count[0] += 1
+            if count[0] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return run(self, phase, mb)
+    StageRunner.run = dying
+
+
 failure = sys.argv.pop(1)
 if failure == "sampler-raises":
     sampler_raises()
+elif "-part-" in failure:
+    _, rank, _, _, _, at = failure.split("-")
+    part_fails(int(rank), int(at))
 else:
     _, rank, how, _, at = failure.split("-")
     call_fails(int(rank), how, int(at))
