@@ -165,7 +165,9 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         click.echo(text_report(result))
         if cost_model is not None:
             click.echo(f"costs: {cost_model.measured_nodes} operator(s) measured, "
-                       f"{cost_model.analytic_nodes} from the analytic model")
+                       f"{cost_model.analytic_nodes} from the analytic model"
+                       + (f"; the measured ones x{cost_model.factor:.2f} (the profiled model run whole against "
+                          "their sum)" if cost_model.factor != 1.0 else ""))
             for name, link in links.items():
                 click.echo(f"links: {name.replace('_', '-')} {link.bandwidth / 1e9:.3g} GB/s, "
                            f"{link.latency * 1e6:.3g} µs (measured by meshplan profile)")

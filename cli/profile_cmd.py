@@ -222,6 +222,13 @@ def _report(result, out_path: Path, top: int, human_seconds) -> None:
             click.echo(f"  {text:<{width}} {entry.count:>5} {human_seconds(entry.seconds):>10} "
                        f"{human_seconds(seconds):>10} {share:>6.1%}")
         click.echo(f"  sum of measured operators per run of the model: {human_seconds(total)}")
+    whole = profile.composition
+    if "factor" in whole:
+        click.echo(f"the model run whole ({whole['label']}): {human_seconds(whole['whole_seconds'])}, "
+                   f"{whole['factor']:.2f}x the sum of its operators timed one at a time "
+                   f"({human_seconds(whole['operators_seconds'])}); plans count measured operators so")
+    elif whole:
+        click.echo(f"the model was not run whole ({whole['skipped']}): plans count its operators as timed")
     comm = profile.communication_source
     comm_text = {"measured": f"measured over {profile.ranks} ranks", "cached": f"from the cache ({profile.ranks} ranks)",
                  "cluster": "the cluster description's link figures (run under mpiexec to measure)"}[comm]

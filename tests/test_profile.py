@@ -311,8 +311,20 @@ def test_profiled_cost_model(mlp_profile, mlp_path, tmp_path):
     model = ProfiledCostModel(cluster, profile)
     seconds = model.graph_seconds(graph)
     assert model.measured_nodes == len(graph.nodes) and model.analytic_nodes == 0
+    # the measured operators count as many times over as the model run whole took their sum
+    whole = profile.composition
+    assert whole["label"] == "model" and whole["whole_seconds"] > 0
+    assert whole["operators_seconds"] == pytest.approx(profile.total_seconds("model"))
+    assert profile.composition_factor == pytest.approx(whole["whole_seconds"] / whole["operators_seconds"])
     for node, value in zip(graph.nodes, seconds):
-        assert value == profile.op_seconds(signature_of(node, graph).key)
+        assert value == pytest.approx(profile.op_seconds(signature_of(node, graph).key) * profile.composition_factor)
+    assert sum(seconds) == pytest.approx(whole["whole_seconds"])
+    # a profile from before the composition was measured: the operators as timed
+    older = json.loads(path.read_text())
+    del older["composition"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    plain = ProfiledCostModel(cluster, load_profile(tmp_path / "older.json", file_sha256(mlp_path), cluster))
+    assert plain.graph_seconds(graph) == [profile.op_seconds(signature_of(n, graph).key) for n in graph.nodes]
     # Another batch size: no measured signature, the analytic model answers.
     other = build_graph(canonicalize(mlp_path, {"batch": 3}, tmp_path / "b3").model)
     fresh = ProfiledCostModel(cluster, profile)
@@ -401,3 +413,20 @@ def test_cli_plan_takes_the_device_from_the_profile(mlp_profile, mlp_path, tmp_p
     result = runner.invoke(meshplan_command, ["plan", str(mlp_path), "--mesh", "1x2", "--dim", "batch=8",
                                               "--profile", str(tmp_path / "custom.json"), "-o", str(tmp_path / "c")])
     assert result.exit_code == 1 and "'my-gpu', which is not a device preset" in result.output, result.output
+
+
+def test_a_model_too_large_or_failing_to_run_whole_has_no_composition(tmp_path):
+    """Above the weights' limit the model is not run whole, and a model onnxruntime cannot
+    run is not either: the reason is recorded, and plans count the operators as timed."""
+    from meshplan.profile.document import Profile
+    from meshplan.profile.timing import WHOLE_MODEL_BYTES, time_whole_model
+
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [("x", [4, 8])], ["y"])
+    path = tmp_path / "relu.onnx"
+    onnx.save_model(model, str(path))
+    ran = time_whole_model(model, path, "CPUExecutionProvider", 1, 128)
+    assert ran["seconds"] > 0 and ran["runs"] >= 3
+    assert "GiB" in time_whole_model(model, path, "CPUExecutionProvider", 1, WHOLE_MODEL_BYTES + 1)["skipped"]
+    assert time_whole_model(model, tmp_path / "missing.onnx", "CPUExecutionProvider", 1, 128)["skipped"]
+    assert Profile({}, [1, 1], "cpu", "", "", "", 1, 1, {}, [], "cluster", {},
+                   composition={"skipped": "too large"}).composition_factor == 1.0

@@ -60,7 +60,18 @@ class Profile:
     communication_source: str         # "measured" | "cached" | "cluster"
     cuda_aware_mpi: dict              # {"value": bool | None, "method": str}
     stats: dict = field(default_factory=dict)
+    # the profiled model run whole against the sum of its operators timed one at a time
+    # ({"factor", "whole_seconds", "operators_seconds", "label"}, or {"skipped": why}; empty
+    # in a profile from before it was measured): measured operators count ``factor`` times
+    composition: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def composition_factor(self) -> float:
+        """What a measured operator's seconds are multiplied by in a plan's estimate (1 where
+        the whole model was not run)."""
+        factor = self.composition.get("factor")
+        return float(factor) if factor else 1.0
 
     # --- queries ----------------------------------------------------------------------
 
@@ -111,6 +122,7 @@ class Profile:
             "communication_source": self.communication_source,
             "communication": [f.to_dict() for f in self.communication],
             "operators": {k: _entry_dict(e) for k, e in self.operators.items()},
+            "composition": self.composition,
             "stats": self.stats,
         }
 
@@ -132,7 +144,8 @@ class Profile:
                 operators={k: OpEntry(key=k, **v) for k, v in data["operators"].items()},
                 communication=[CommFit.from_dict(f) for f in data["communication"]],
                 communication_source=data["communication_source"], cuda_aware_mpi=data["cuda_aware_mpi"],
-                stats=data.get("stats", {}), format_version=version,
+                stats=data.get("stats", {}), composition=dict(data.get("composition") or {}),
+                format_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{where} is malformed ({exc})") from None

@@ -1,7 +1,8 @@
 """A cost model that answers from a profile and falls back to the analytic model.
 
 ``node_seconds`` returns the measured time of the node's signature when the profile has
-one, else the analytic estimate; ``measured_nodes`` and ``analytic_nodes`` count the
+one, times the profile's composition factor (its model run whole against the sum of its
+operators timed one at a time: ``Profile.composition``), else the analytic estimate; ``measured_nodes`` and ``analytic_nodes`` count the
 distinct nodes answered each way. Transfers and collectives use the profile's
 communication fits (measured, or the cluster's figures when the profile was made
 without mpiexec) and the analytic link model where the profile has no fit.
@@ -45,6 +46,7 @@ class ProfiledCostModel(CostModel):
     def __init__(self, cluster: Cluster, profile: Profile):
         super().__init__(cluster)
         self.profile = profile
+        self.factor = profile.composition_factor
         self._measured: set[str] = set()       # node names
         self._analytic: set[str] = set()
 
@@ -64,7 +66,7 @@ class ProfiledCostModel(CostModel):
         if seconds is not None:
             self._analytic.discard(node.name)
             self._measured.add(node.name)
-            return seconds
+            return seconds * self.factor
         if node.name not in self._measured:
             self._analytic.add(node.name)
         return super().node_seconds(node, graph)
@@ -93,8 +95,10 @@ class ProfiledCostModel(CostModel):
         if signature is None:
             return None
         if output_shapes is not None:
-            return self.profile.op_seconds(signature.key)
-        return self.profile.op_seconds_by_inputs(signature.input_key)
+            seconds = self.profile.op_seconds(signature.key)
+        else:
+            seconds = self.profile.op_seconds_by_inputs(signature.input_key)
+        return None if seconds is None else seconds * self.factor
 
     # --- communication ------------------------------------------------------------
 
@@ -136,5 +140,6 @@ class ProfiledCostModel(CostModel):
             "analytic_nodes": self.analytic_nodes,
             "profile_hardware": self.profile.hardware,
             "profile_provider": self.profile.provider,
+            "composition_factor": self.factor,
             "communication": self.profile.communication_source,
         }

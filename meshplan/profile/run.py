@@ -38,8 +38,9 @@ from meshplan.mpi_support import cuda_aware, load_mpi
 from meshplan.rank_layout import RankLayout, gather_layout, launch_advice, layout_mismatch
 from meshplan.profile.document import OpEntry, Profile
 from meshplan.profile.errors import FailedElsewhere, ProfileError
-from meshplan.profile.signatures import Collected, TimingSpec, Variants, collect_signatures
-from meshplan.profile.timing import CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name, ort_version, resolve_provider
+from meshplan.profile.signatures import Collected, TimingSpec, Variants, collect_signatures, signature_of
+from meshplan.profile.timing import (CUDA, TIMING_METHOD, OpTimer, TimingConfig, default_threads, gpu_names, hardware_name,
+                                     ort_version, resolve_provider, time_whole_model)
 
 Progress = Callable[[str, int, int], None]     # (phase, done, total); phases "operators", "communication"
 
@@ -224,6 +225,7 @@ class _State:
     comm_cached: list[dict]
     refresh: bool
     provider: str
+    whole: dict             # the last dims set's model run whole (``time_whole_model``) and its nodes' signatures
 
 
 def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, job: _Job) -> _State:
@@ -233,6 +235,7 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
     found: dict[str, Collected] = {}
     sha = None
     program_dims = []
+    whole: dict = {}
     with tempfile.TemporaryDirectory(prefix="meshplan-profile-") as tmp:
         for index, (label, dims, *rewrite) in enumerate(dims_sets):
             work = Path(tmp) / f"set{index}"
@@ -243,6 +246,10 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
             collect_signatures(graph, canonical.model, canonical.path.parent, label=label,
                                variants=options.variants, into=found, estimate=estimate)
             program_dims.append({"label": label, "dims": dict(dims), "nodes": len(graph.nodes)})
+            if index == len(dims_sets) - 1:   # the programs' own shapes: run whole, for the composition
+                whole = {"label": label, "nodes": _node_keys(graph, estimate),
+                         **time_whole_model(canonical.model, canonical.path, provider, threads, graph.param_bytes,
+                                            job.local_rank)}
     cache = ProfileCache(options.cache_path)
     key = OpKey(hardware_name(provider, job.local_rank), provider, ort_version(), threads, TIMING_METHOD)
     cached = {} if options.refresh else cache.get_ops(key, list(found))
@@ -269,7 +276,37 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
     }
     model = {"path": str(Path(model_path).resolve()), "sha256": sha, "dims": dict(dims_sets[0][1]),
              "program_dims": program_dims}
-    return _State(found, cache, key, model, cached, payload, layout, library, comm_cached, options.refresh, provider)
+    return _State(found, cache, key, model, cached, payload, layout, library, comm_cached, options.refresh, provider,
+                  whole)
+
+
+def _node_keys(graph, estimate) -> dict:
+    """{signature key: how many of the graph's nodes have it}, and under "" the analytic
+    seconds of the nodes without a signature."""
+    counts: dict = {"": 0.0}
+    for node in graph.nodes:
+        signature = signature_of(node, graph)
+        if signature is None:
+            counts[""] += estimate(node, graph)
+        else:
+            counts[signature.key] = counts.get(signature.key, 0) + 1
+    return counts
+
+
+def _composition(whole: dict, operators: dict, found: dict) -> dict:
+    """The whole model's seconds against the sum of its operators' (``time_whole_model``):
+    {"factor", "whole_seconds", "operators_seconds", "label"}, or {"skipped": why}."""
+    if "seconds" not in whole:
+        return {"skipped": whole.get("skipped", "not run")}
+    total = whole["nodes"].get("", 0.0)
+    for key, count in whole["nodes"].items():
+        if key:
+            seconds = operators[key].seconds if key in operators else None
+            total += count * (seconds if seconds is not None else found[key].estimate)
+    if total <= 0:
+        return {"skipped": "its operators took no time"}
+    return {"factor": whole["seconds"] / total, "whole_seconds": whole["seconds"], "operators_seconds": total,
+            "label": whole["label"]}
 
 
 def _workers(job: _Job, provider: str, threads: int) -> list[int]:
@@ -401,7 +438,7 @@ def _finish(state: _State, timed: list[dict], fits: list[CommFit], job: _Job, cl
         model=state.model, mesh=[cluster.hosts, cluster.devices_per_host], device=cluster.device.name,
         hardware=key.hardware, provider=key.provider, onnxruntime=key.ort_version, threads=key.threads,
         ranks=job.size, operators=operators, communication=fits, communication_source=source,
-        cuda_aware_mpi=awareness,
+        cuda_aware_mpi=awareness, composition=_composition(state.whole, operators, state.found),
         stats={
             "signatures": len(operators), "measured": measured, "cached": cached, "failed": failed,
             "operator_seconds": op_seconds, "communication_seconds": comm_seconds, "total_seconds": total_seconds,

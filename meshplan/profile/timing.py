@@ -11,6 +11,12 @@ difference ``(T_K − T_1) / (K − 1)`` — what one more such node adds to a g
 Each measurement: warm-up runs (at least two, at least ``warmup_seconds``), then the
 median of a repeat count sized from the warm-up so that the measurement takes about
 ``budget_seconds`` (between ``min_repeats`` and ``max_repeats`` runs).
+
+Operators timed one at a time run on inputs that stay in the caches from run to run and
+pay none of what a graph of them pays between nodes. ``time_whole_model`` times the
+profiled model itself, run whole as one session: the ratio of that to the sum of its
+operators' timings is what a plan's estimate scales its measured operators by
+(``Profile.composition``).
 """
 
 from __future__ import annotations
@@ -256,3 +262,46 @@ class OpTimer:
         median = statistics.median(times)
         q = statistics.quantiles(times, n=4) if len(times) >= 4 else [median, median, median]
         return median, len(times), (q[2] - q[0]) / median if median > 0 else 0.0
+
+
+WHOLE_MODEL_BYTES = 2 << 30    # a model with more weights than this is not run whole (its composition not measured)
+WHOLE_MODEL_SECONDS = 2.0      # timed runs of the whole model stop past this much running
+
+
+def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int, device_id: int = 0) -> dict:
+    """The median seconds of ``model`` (the canonical model written at ``path``, its weights
+    beside it) run whole as one session, its inputs random and bound once (integers 0, so
+    that an index or a class is valid): {"seconds": ...}, or {"skipped": why} where it
+    cannot be run here."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    if weight_bytes > WHOLE_MODEL_BYTES:
+        return {"skipped": f"weights of {weight_bytes / 2**30:.1f} GiB (above {WHOLE_MODEL_BYTES >> 30} GiB)"}
+    try:
+        options = session_options(threads)
+        options.log_severity_level = 4
+        providers = [cuda_provider(device_id), CPU] if provider == CUDA else [CPU]
+        session = ort.InferenceSession(str(path), options, providers=providers)
+        device = "cuda" if provider == CUDA else "cpu"
+        rng = np.random.default_rng(0)
+        binding, keep = session.io_binding(), []
+        for value in model.graph.input:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
+            shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            data = rng.uniform(0.5, 1.5, size=shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+            keep.append(ort.OrtValue.ortvalue_from_numpy(data, device, device_id))
+            binding.bind_ortvalue_input(value.name, keep[-1])
+        for value in session.get_outputs():
+            binding.bind_output(value.name, device, device_id)
+        for _ in range(2):
+            session.run_with_iobinding(binding)
+        times: list[float] = []
+        while len(times) < 3 or sum(times) < WHOLE_MODEL_SECONDS and len(times) < 50:
+            t0 = time.perf_counter()
+            session.run_with_iobinding(binding)
+            times.append(time.perf_counter() - t0)
+        return {"seconds": statistics.median(times), "runs": len(times)}
+    except Exception as exc:  # onnxruntime raises several unrelated types: no composition then
+        text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        return {"skipped": text}
