@@ -164,7 +164,7 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
             variants=sharded_variants(cluster),
             provider=provider, threads=threads, cache_path=cache_path, refresh=refresh,
             timing=TimingConfig(budget_seconds=budget_ms / 1000), comm_max_bytes=comm_max,
-            comm_budget_seconds=comm_budget_ms / 1000,
+            comm_budget_seconds=comm_budget_ms / 1000, training=training is not None,
         )
         started = time.perf_counter()
         bar = _Bar(enabled=True)

@@ -57,6 +57,7 @@ class ProfileOptions:
     comm_max_bytes: int | None = None       # default: 64 MiB with CUDA, 4 MiB on CPU
     comm_budget_seconds: float = 0.03
     variants: Variants | None = None        # extra input shapes per node (sharded shapes)
+    training: bool = False                  # the model is a training step: run whole as a job runs one
 
 
 @dataclass
@@ -249,7 +250,7 @@ def _prepare(model_path, dims_sets, cluster: Cluster, options: ProfileOptions, j
             if index == len(dims_sets) - 1:   # the programs' own shapes: run whole, for the composition
                 whole = {"label": label, "nodes": _node_keys(graph, estimate),
                          **time_whole_model(canonical.model, canonical.path, provider, threads, graph.param_bytes,
-                                            job.local_rank)}
+                                            job.local_rank, options.training)}
     cache = ProfileCache(options.cache_path)
     key = OpKey(hardware_name(provider, job.local_rank), provider, ort_version(), threads, TIMING_METHOD)
     cached = {} if options.refresh else cache.get_ops(key, list(found))

@@ -268,28 +268,40 @@ WHOLE_MODEL_BYTES = 2 << 30    # a model with more weights than this is not run 
 WHOLE_MODEL_SECONDS = 2.0      # timed runs of the whole model stop past this much running
 
 
-def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int, device_id: int = 0) -> dict:
+def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int, device_id: int = 0,
+                     training: bool = False) -> dict:
     """The median seconds of ``model`` (the canonical model written at ``path``, its weights
     beside it) run whole as one session, its inputs random and bound once (integers 0, so
-    that an index or a class is valid): {"seconds": ...}, or {"skipped": why} where it
-    cannot be run here."""
+    that an index or a class is valid; a training step's controls as torch's defaults, the
+    learning rate 1e-3 and the step 1): {"seconds": ...}, or {"skipped": why} where it
+    cannot be run here. ``training``: the session as a job opens a training step's (no
+    memory pattern, no constant folding: ``runtime.sessions``)."""
     import onnxruntime as ort
     from onnx import helper
 
     if weight_bytes > WHOLE_MODEL_BYTES:
         return {"skipped": f"weights of {weight_bytes / 2**30:.1f} GiB (above {WHOLE_MODEL_BYTES >> 30} GiB)"}
     try:
+        from meshplan.training.optimizers import DEFAULTS
+
         options = session_options(threads)
         options.log_severity_level = 4
+        options.enable_mem_pattern = not training
         providers = [cuda_provider(device_id), CPU] if provider == CUDA else [CPU]
-        session = ort.InferenceSession(str(path), options, providers=providers)
+        session = ort.InferenceSession(str(path), options, providers=providers,
+                                       disabled_optimizers=["ConstantFolding"] if training else [])
+        controls = {**DEFAULTS, "train.step": 1.0, "train.apply": 1.0}
         device = "cuda" if provider == CUDA else "cpu"
         rng = np.random.default_rng(0)
         binding, keep = session.io_binding(), []
         for value in model.graph.input:
             dtype = np.dtype(helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
             shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
-            data = rng.uniform(0.5, 1.5, size=shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+            if value.name in controls:
+                data = np.full(shape, controls[value.name], dtype)
+            else:
+                data = (rng.normal(0.0, 0.02, size=shape).astype(dtype) if dtype.kind == "f"
+                        else np.zeros(shape, dtype))
             keep.append(ort.OrtValue.ortvalue_from_numpy(data, device, device_id))
             binding.bind_ortvalue_input(value.name, keep[-1])
         for value in session.get_outputs():
