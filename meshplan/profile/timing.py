@@ -264,7 +264,7 @@ class OpTimer:
         return median, len(times), (q[2] - q[0]) / median if median > 0 else 0.0
 
 
-WHOLE_MODEL_BYTES = 2 << 30    # a model with more weights than this is not run whole (its composition not measured)
+WHOLE_MODEL_BYTES = 2 << 30    # a model with more weights than this (or an eighth of the machine's memory) is not run whole
 WHOLE_MODEL_SECONDS = 2.0      # timed runs of the whole model stop past this much running
 
 
@@ -279,8 +279,9 @@ def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int
     import onnxruntime as ort
     from onnx import helper
 
-    if weight_bytes > WHOLE_MODEL_BYTES:
-        return {"skipped": f"weights of {weight_bytes / 2**30:.1f} GiB (above {WHOLE_MODEL_BYTES >> 30} GiB)"}
+    limit = min(WHOLE_MODEL_BYTES, _memory_bytes() // 8)
+    if weight_bytes > limit:
+        return {"skipped": f"weights of {weight_bytes / 2**30:.2f} GiB (above {limit / 2**30:.2f} GiB)"}
     try:
         from meshplan.training.optimizers import DEFAULTS
 
@@ -317,3 +318,11 @@ def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int
     except Exception as exc:  # onnxruntime raises several unrelated types: no composition then
         text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         return {"skipped": text}
+
+
+def _memory_bytes() -> int:
+    """The machine's memory (its physical pages)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
