@@ -13,7 +13,7 @@ from cli.guard import debugging, guard
 @click.argument("plan_dir", type=click.Path(path_type=Path))
 @click.option("--checkpoint", "checkpoint_dir", required=True, type=click.Path(path_type=Path),
               help="A checkpoint directory of meshplan train (its newest checkpoint is taken).")
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="The ONNX file to write.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path, dir_okay=False), help="The ONNX file to write.")
 @click.pass_context
 def export(ctx, plan_dir, checkpoint_dir, output):
     """Write the training plan's source model with a checkpoint's trained weights."""

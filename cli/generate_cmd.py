@@ -33,7 +33,7 @@ FLUSH_SECONDS = 0.05   # streamed tokens reach the terminal at least this often
                    "generation_config.json].")
 @click.option("--tokenizer", "tokenizer", type=click.Path(path_type=Path),
               help="A folder with tokenizer.json [default: the model's folder].")
-@click.option("--output", "output_path", type=click.Path(path_type=Path),
+@click.option("--output", "output_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Write the sequences and metrics here (.json).")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
               help="Execution provider for the programs.")

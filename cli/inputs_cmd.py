@@ -14,7 +14,7 @@ from cli.options import dim_option, fixed_dims
 @click.argument("model", type=click.Path(path_type=Path))
 @dim_option
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("-o", "--output", "output_path", required=True, type=click.Path(path_type=Path), help="Inputs file (.npz).")
+@click.option("-o", "--output", "output_path", required=True, type=click.Path(path_type=Path, dir_okay=False), help="Inputs file (.npz).")
 @click.pass_context
 def inputs(ctx, model, dims, seed, output_path):
     """Write valid inputs for MODEL: token ids inside their embedding table, and for an

@@ -115,7 +115,7 @@ class _Bar:
               help="Timed running per collective and message size, milliseconds.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=0), help="Rows of the costliest-operator table.")
 @train_options
-@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path), help="Profile file to write (JSON).")
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path, dir_okay=False), help="Profile file to write (JSON).")
 @click.pass_context
 def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, batch_dim, provider, threads, cache_path, refresh,
             budget_ms, comm_max, comm_budget_ms, top, train, loss_spec, optimizer, frozen, out_path):

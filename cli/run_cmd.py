@@ -13,9 +13,9 @@ from cli.guard import debugging, rank_guard
 @click.command()
 @click.argument("plan_dir", type=click.Path(path_type=Path))
 @click.option("--inputs", "inputs_path", required=True, type=click.Path(path_type=Path), help="Model inputs (.npz).")
-@click.option("--output", "output_path", type=click.Path(path_type=Path), help="Write model outputs here (.npz).")
+@click.option("--output", "output_path", type=click.Path(path_type=Path, dir_okay=False), help="Write model outputs here (.npz).")
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(min=1), help="Run the batch this many times.")
-@click.option("--trace", "trace_path", type=click.Path(path_type=Path), help="Write a Chrome trace of the last run.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path, dir_okay=False), help="Write a Chrome trace of the last run.")
 @click.option("--provider", default="auto", show_default=True, metavar="auto|cuda|cpu",
               help="Execution provider for the programs (an unknown one is an error).")
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",

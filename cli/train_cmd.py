@@ -43,7 +43,7 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
               help="Clip the gradients to this global norm (0: no clipping).")
 @click.option("--shuffle", is_flag=True, help="Draw each pass over the data in a random order.")
 @click.option("--seed", default=0, show_default=True, type=int, help="The shuffling's seed.")
-@click.option("--log", "log_path", type=click.Path(path_type=Path),
+@click.option("--log", "log_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Write JSON with each step's loss, lr, grad_norm and step_seconds.")
 @click.option("--checkpoint", "checkpoint_dir", type=click.Path(path_type=Path),
               help="Write checkpoints into this directory (at the end, and every --checkpoint-every steps).")
@@ -55,7 +55,7 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
               help="Execution provider for the programs.")
 @click.option("--transfer", default="auto", show_default=True, metavar="auto|host|device",
               help="Where tensors travel between ranks (as meshplan run's).")
-@click.option("--trace", "trace_path", type=click.Path(path_type=Path),
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Write a Chrome trace of the last step (each rank's runs: a pipeline's forwards, backwards, "
                    "replicas' sum and update).")
 @click.option("-q", "--quiet", is_flag=True, help="No line per step.")

@@ -230,3 +230,24 @@ def test_plan_with_profile_of_another_model(tmp_path):
                      "-o", tmp_path / "plan")
     _one_error_line(result, "another model")
     assert not (tmp_path / "plan").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "PLAN", "--checkpoint", "CK", "-o", "DIR"],
+    ["inputs", "MODEL", "-o", "DIR"],
+    ["profile", "MODEL", "--mesh", "1x2", "-o", "DIR"],
+    ["run", "PLAN", "--inputs", "IN", "--output", "DIR"],
+    ["run", "PLAN", "--inputs", "IN", "--trace", "DIR"],
+    ["train", "PLAN", "--data", "IN", "--steps", "1", "--log", "DIR"],
+    ["train", "PLAN", "--data", "IN", "--steps", "1", "--trace", "DIR"],
+    ["generate", "PLAN", "--output", "DIR"],
+], ids=lambda a: f"{a[0]} {a[-2]}")
+def test_an_output_file_that_is_a_directory_is_one_usage_error(args, tmp_path):
+    """(``train --log`` and ``--trace`` given a directory ran the whole job, then ended in a
+    traceback when the file was to be written.)"""
+    (tmp_path / "DIR").mkdir()
+    named = {"DIR": tmp_path / "DIR", "MODEL": SAMPLES["mlp"].path, "PLAN": tmp_path, "IN": tmp_path / "in.npz",
+             "CK": tmp_path}
+    done = run_cli(*[named.get(a, a) for a in args])
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "is a directory" in done.stderr and "Traceback" not in done.stderr
