@@ -2,10 +2,11 @@
 
 ``node_seconds`` returns the measured time of the node's signature when the profile has
 one, times the profile's composition factor (its model run whole against the sum of its
-operators timed one at a time: ``Profile.composition``), else the analytic estimate; ``measured_nodes`` and ``analytic_nodes`` count the
-distinct nodes answered each way. Transfers and collectives use the profile's
-communication fits (measured, or the cluster's figures when the profile was made
-without mpiexec) and the analytic link model where the profile has no fit.
+operators timed one at a time: ``Profile.composition``), else the analytic estimate;
+``measured_nodes`` and ``analytic_nodes`` count the distinct nodes answered each way.
+Transfers and collectives use the profile's communication fits (measured, or the
+cluster's figures when the profile was made without mpiexec) and the analytic link model
+where the profile has no fit.
 """
 
 from __future__ import annotations

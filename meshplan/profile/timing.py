@@ -265,7 +265,7 @@ class OpTimer:
 
 
 WHOLE_MODEL_BYTES = 2 << 30    # a model with more weights than this (or an eighth of the machine's memory) is not run whole
-WHOLE_MODEL_SECONDS = 2.0      # timed runs of the whole model stop past this much running
+WHOLE_MODEL_SECONDS = 1.0      # timed runs of the whole model stop past this much running (at least 3)
 
 
 def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int, device_id: int = 0,
@@ -310,7 +310,7 @@ def time_whole_model(model, path, provider: str, threads: int, weight_bytes: int
         for _ in range(2):
             session.run_with_iobinding(binding)
         times: list[float] = []
-        while len(times) < 3 or sum(times) < WHOLE_MODEL_SECONDS and len(times) < 50:
+        while len(times) < 3 or sum(times) < WHOLE_MODEL_SECONDS and len(times) < 30:
             t0 = time.perf_counter()
             session.run_with_iobinding(binding)
             times.append(time.perf_counter() - t0)
