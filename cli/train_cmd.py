@@ -74,11 +74,11 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
     options = TrainOptions(data_path, steps, lr, schedule, warmup,
                            {"momentum": momentum, "weight_decay": weight_decay, "beta1": beta1, "beta2": beta2,
                             "eps": eps, "clip_norm": clip_norm},
-                           shuffle, seed, checkpoint_dir, checkpoint_every, resume_dir, total_steps)
+                           shuffle, seed, checkpoint_dir, checkpoint_every, resume_dir, total_steps,
+                           trace=trace_path is not None)
     for path, hint in ((log_path, "--log"), (trace_path, "--trace")):
         if path is not None and not path.parent.is_dir():
             raise click.BadParameter(f"directory does not exist: {path.parent}", param_hint=hint)
-    options.trace = trace_path is not None
 
     def progress(step, end, loss, rate, norm, samples):
         if not quiet:

@@ -12,10 +12,10 @@ pass's solver is a bound method of it: a solve needs nothing the pass learns lat
 let go when another solver comes or the search ends (``close``).
 
 ``workers()`` is the count to use: ``MESHPLAN_PLAN_WORKERS`` where set (1: solve in the
-planner's process, as before; anything but a whole number from 1 is refused in one line), else the cores this process may run on, at most
-``MAX_WORKERS``. Where processes cannot be forked (no ``fork`` start method, or MPI already
-started in this process, which a fork would copy half-working), everything is solved in
-the planner's process.
+planner's process, as before; anything but a whole number from 1 is refused in one line),
+else the cores this process may run on, at most ``MAX_WORKERS``. Where processes cannot
+be forked (no ``fork`` start method, or MPI already started in this process, which a fork
+would copy half-working), everything is solved in the planner's process.
 """
 
 from __future__ import annotations

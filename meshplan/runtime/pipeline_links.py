@@ -80,15 +80,10 @@ class LocalLinks:
         waiting = self._queue(crossing, mb)
         while True:
             try:
-                value = waiting.get(timeout=self.WAIT)
+                return waiting.get(timeout=self.WAIT)
             except queue.Empty:
                 if self.failed.is_set():
                     raise StageStopped("another stage of the step failed") from None
-                continue
-            with self._lock:
-                if waiting.empty():
-                    self._queues.pop((crossing, mb), None)
-            return value
 
     def summed(self, array):
         return array
