@@ -8,7 +8,9 @@ pipeline_step``), each stage's parts are written beside the step model
 (``emit.train_schedule``, 1F1B or GPipe). Each stage has the same number of devices R (the
 mesh's devices over S), each a data-parallel replica of the stage that takes 1/R of every
 microbatch; the replicas sum their accumulated gradients once a step, after the last
-microbatch's backward (the lists' ``reduce``). The directory appears complete or not at all.
+microbatch's backward (the lists' ``reduce``), each into its own row blocks of them where the
+update allows (ZeRO-1, ``training.sharded_update``: each replica keeps and updates 1/R of
+the optimizer's slots, and the updated weights are gathered whole). The directory appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize
 from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
 from meshplan.training.pipeline_step import CLIP, NORM, SCHEDULES, UPDATE_PHASE, split_step
+from meshplan.training.sharded_update import update_shards
 from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model, save_step_model
 
 TRAINING_DIR = "training"
@@ -130,6 +133,7 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
     cut = cut_stages(graph, seconds, options.stages, options.num_layers)
     pipeline = split_step(step, cut.forward_stage, options.stages, options.recompute)
+    pipeline.sharded = update_shards(pipeline, replicas)
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
@@ -157,9 +161,11 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
     cut, a message's latency for each tensor); the step's, as its ``kind`` schedule plays
     with those parts and sends (``timed_step``: the stages' runs waiting on each other, the
     replicas' all-reduce before each stage's norm, the norm's partials and the clipping
-    factor between the stages, each stage's update, which every replica runs whole); each
-    stage's all-reduce and update; and what the step was played with (``timing``: the
-    timeline draws it again)."""
+    factor between the stages, each stage's norm and update, which each replica runs on its
+    row blocks of the weights, or whole where the plan has none: ``training.sharded_update``;
+    a reduce-scatter and an all-gather cost the all-reduce's time); each stage's all-reduce
+    and update; and what the step was played with (``timing``: the timeline draws it
+    again)."""
     R, S = replicas, len(cut.seconds)
     reduce = [_allreduce_seconds(cluster, list(range(s * R, (s + 1) * R)), memory[s]["gradients"])
               for s in range(S)]
@@ -173,10 +179,13 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
                 sent[(s, made_in)] = count * link.latency + cut.cut_bytes[cut_index] / R / link.bandwidth
                 sends += sent[(s, made_in)]
         seconds.append((costs.get((s, FORWARD), 0.0) + costs.get((s, BACKWARD), 0.0)) / R + sends)
-    update = [sum(costs.get((s, p), 0.0) for p in (NORM, CLIP, UPDATE_PHASE)) for s in range(S)]
+    shared = R if pipeline.sharded else 1     # the replicas' row blocks: each updates 1/R of the stage
+    update = [costs.get((s, CLIP), 0.0) + sum(costs.get((s, p), 0.0) for p in (NORM, UPDATE_PHASE)) / shared
+              for s in range(S)]
     took = {(s, p): costs.get((s, p), 0.0) / R for s in range(S) for p in (FORWARD, BACKWARD)}
-    took.update({(s, p): costs.get((s, p), 0.0) for s in range(S) for p in (CLIP, UPDATE_PHASE)})
-    took.update({(s, NORM): reduce[s] + costs.get((s, NORM), 0.0) for s in range(S)})
+    took.update({(s, CLIP): costs.get((s, CLIP), 0.0) for s in range(S)})
+    took.update({(s, UPDATE_PHASE): costs.get((s, UPDATE_PHASE), 0.0) / shared for s in range(S)})
+    took.update({(s, NORM): reduce[s] + costs.get((s, NORM), 0.0) / shared for s in range(S)})
     scalar = max((cluster.link(s * R, (s + 1) * R).latency for s in range(S - 1)), default=0.0)
     _, step = timed_step(S, microbatches, kind, took, sent, scalar)
     timing = {"took": [[s, p, t] for (s, p), t in sorted(took.items())],

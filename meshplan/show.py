@@ -157,17 +157,23 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
 
     record = plan.training["pipeline"]
     pipeline = read_pipeline(directory, plan.training, check=False)
+    R = int(record.get("replicas", 1))
     lists = read_training_schedule(plan.to_dict()["checksum"], directory, pipeline, plan.microbatches,
-                                   record["schedule"])
-    lines = [f"schedule: {record['schedule']}, {plan.microbatches} microbatch(es), {len(lists)} stage(s) of one "
-             "rank, a step (schedule.json)"]
+                                   record["schedule"], R)
+    each = "one rank" if R == 1 else f"{R} ranks (data-parallel replicas running one list)"
+    lines = [f"schedule: {record['schedule']}, {plan.microbatches} microbatch(es), {len(lists)} stage(s) of {each}, "
+             "a step (schedule.json)"]
     for s, items in enumerate(lists):
         if stage is not None and s != stage:
             continue
-        lines.append(f"rank {s} (stage {s}): {len(items)} instruction(s)")
+        ranks = f"rank {s}" if R == 1 else f"ranks {s * R}-{s * R + R - 1}"
+        lines.append(f"{ranks} (stage {s}): {len(items)} instruction(s)")
         for i, item in enumerate(items):
             if item.op == "run":
                 text = f"run {item.part}" + (f" mb {item.mb}" if item.part in ("forward", "backward") else "")
+            elif item.op == "reduce":
+                text = ("reduce-scatter the accumulated gradients over the replicas (each updates its row blocks)"
+                        if pipeline.sharded else "all-reduce the accumulated gradients over the replicas")
             else:
                 c = pipeline.crossings[item.crossing]
                 peer = f"to stage {c.dst}" if item.op == "send" else f"from stage {c.src}"

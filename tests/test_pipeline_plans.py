@@ -74,6 +74,39 @@ def test_plan_writes_the_cut_parts_and_lists(tmp_path):
     assert "run backward mb 3" in shown.stdout and "run clip" in shown.stdout
 
 
+def test_replicas_of_a_stage_hold_the_optimizer_state_in_row_blocks(tmp_path):
+    """1x4 in 2 stages: each stage's two replicas update in row blocks (ZeRO-1): every weight's
+    slots are among the plan's sharded tensors, the norm and update parts take any number of
+    rows, a replica's optimizer memory is half the slots' (AdamW's two slots: the weights'
+    bytes), and the report and ``show --schedule`` say so. On 1x2 (one device a stage) nothing
+    is sharded."""
+    case, plan_dir, said = _plan(tmp_path, "gpt_adamw", "1x4", 2)
+    plan = read_plan(plan_dir)
+    sharded = set(plan.training["pipeline"]["sharded"])
+    for weight in plan.training["weights"]:
+        assert {weight, f"{weight}.exp_avg", f"{weight}.exp_avg_sq", f"{weight}.updated"} <= sharded
+    for held in plan.training["memory"]:
+        assert held["optimizer"] == held["weights"] > 0
+    pipeline = read_pipeline(plan_dir, plan.training)
+    for (stage, phase), part in pipeline.parts.items():
+        model = onnx.load(part.model, load_external_data=False)
+        for value in model.graph.input:
+            dims = value.type.tensor_type.shape.dim
+            if phase in ("norm", "update") and value.name in sharded:
+                assert dims and all(d.dim_param and not d.dim_value for d in dims)
+            elif phase == "forward" and value.name in plan.training["weights"]:
+                assert all(d.dim_value for d in dims)
+    assert "ZeRO-1" in said
+    shown = run_cli("show", plan_dir, "--schedule", "--stage", 0)
+    assert shown.returncode == 0, shown.stderr
+    assert "ranks 0-1 (stage 0)" in shown.stdout and "reduce-scatter the accumulated gradients" in shown.stdout
+    _, one_dir, said = _plan(tmp_path, "gpt_adamw", "1x2", 2, out="one")
+    one = read_plan(one_dir)
+    assert one.training["pipeline"]["sharded"] == [] and "ZeRO-1" not in said
+    for held in one.training["memory"]:
+        assert held["optimizer"] == 2 * held["weights"]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_timeline_plays_the_schedule(tmp_path, schedule):
     """The drawn step: a stage runs one part at a time, a forward after the stage before has
@@ -148,26 +181,45 @@ def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule, recom
     assert (tmp_path / "trained.onnx").is_file()
 
 
-def test_stages_keeping_their_tensors_on_the_device_train_the_same_under_mpiexec(tmp_path):
+@pytest.mark.parametrize("mesh", ["1x2", "1x4"])
+def test_stages_keeping_their_tensors_on_the_device_train_the_same_under_mpiexec(tmp_path, mesh):
     """``train_pipeline_rank(on_device=True)``: each stage's state as OrtValues where its
-    sessions compute (a CUDA job's path, on host memory here), the same steps and checkpoint."""
-    _, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x2", 2)
-    lines = run_mpi_script("pipeline_device_case.py", 2, args=(plan_dir, SAMPLES / "gpt_adamw.data.npz", tmp_path))
+    sessions compute (a CUDA job's path, on host memory here), the same steps and checkpoint;
+    on 1x4 with each stage's replicas updating in row blocks."""
+    _, plan_dir, _ = _plan(tmp_path, "gpt_adamw", mesh, 2)
+    lines = run_mpi_script("pipeline_device_case.py", int(mesh[2]),
+                           args=(plan_dir, SAMPLES / "gpt_adamw.data.npz", tmp_path))
     assert lines == ["ok pipeline_device"]
 
 
-def test_resume_continues_the_same_steps(tmp_path):
-    case, plan_dir, _ = _plan(tmp_path, "mlp_sgd", "1x2", 2)
+@pytest.mark.parametrize("mesh", ["1x2", "1x4"])
+def test_resume_continues_the_same_steps(tmp_path, mesh):
+    """A checkpoint taken after 3 steps and resumed gives the steps of one job of 6. On 1x4
+    (two replicas a stage) each replica writes its own row blocks of the momentum buffers, and
+    the checkpoint reads back whole what the replicas held in part."""
+    case, plan_dir, _ = _plan(tmp_path, "mlp_sgd", mesh, 2)
+    ranks = int(mesh[2])
     settings = case["settings"]
     common = ["--data", SAMPLES / "mlp_sgd.data.npz", *_train_options(settings), "--total-steps", 6]
-    first = run_mpi(2, "train", plan_dir, "--steps", 3, "--checkpoint", tmp_path / "ck", "-q", *common)
+    first = run_mpi(ranks, "train", plan_dir, "--steps", 3, "--checkpoint", tmp_path / "ck", "-q", *common)
     assert first.returncode == 0, first.stdout + first.stderr
-    second = run_mpi(2, "train", plan_dir, "--steps", 3, "--resume", tmp_path / "ck", "--log", tmp_path / "log.json",
-                     "-q", *common)
+    checkpoint = Checkpoint(tmp_path / "ck")
+    layouts = checkpoint.manifest["layouts"]
+    shared = sorted(n for n, entry in layouts.items() if len(entry["holders"]) > 1)
+    if ranks == 4:
+        assert shared and all(n.endswith(".momentum_buffer") for n in shared)
+        assert sorted(p.name for p in checkpoint.path.glob("rank*.npz")) == [f"rank{r}.npz" for r in range(4)]
+        shapes = {n: tuple(info["shape"]) for n, info in read_plan(plan_dir).training["weights"].items()}
+        for name in shared:
+            assert checkpoint.tensor(name).shape == shapes[name.rpartition(".")[0]]
+    else:
+        assert not shared
+    second = run_mpi(ranks, "train", plan_dir, "--steps", 3, "--resume", tmp_path / "ck", "--log",
+                     tmp_path / "log.json", "-q", *common)
     assert second.returncode == 0, second.stdout + second.stderr
     log = json.loads((tmp_path / "log.json").read_text())
     assert log["first_step"] == 3
-    whole = run_mpi(2, "train", plan_dir, "--steps", 6, "--log", tmp_path / "whole.json", "-q", *common)
+    whole = run_mpi(ranks, "train", plan_dir, "--steps", 6, "--log", tmp_path / "whole.json", "-q", *common)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     np.testing.assert_allclose(log["losses"], json.loads((tmp_path / "whole.json").read_text())["losses"][3:],
                                rtol=1e-6)

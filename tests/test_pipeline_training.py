@@ -95,8 +95,8 @@ def test_recomputing_stages_train_the_same_and_keep_less(name, stages, kind, mon
     in_flight: dict[int, int] = {}
     run = pipeline_stage.StageRunner.run
 
-    def measured(self, phase, mb):
-        run(self, phase, mb)
+    def measured(self, phase, mb, links=None):
+        run(self, phase, mb, links)
         if phase in (FORWARD, BACKWARD):
             in_flight[self.stage] = max(in_flight.get(self.stage, 0), sum(v.nbytes for v in self.held.values()))
 
@@ -311,10 +311,10 @@ def test_a_stage_that_fails_ends_the_step_with_its_error(monkeypatch):
     runner = PipelineRunner(pipeline, 4, case["initial"], ONE_F_ONE_B)
     run = pipeline_stage.StageRunner.run
 
-    def failing(self, phase, mb):
+    def failing(self, phase, mb, links=None):
         if self.stage == 1 and phase == BACKWARD and mb == 1:
             raise ValueError("stage 1 fails here")
-        run(self, phase, mb)
+        run(self, phase, mb, links)
 
     monkeypatch.setattr(pipeline_stage.StageRunner, "run", failing)
     with pytest.raises(ValueError, match="stage 1 fails here"):

@@ -239,7 +239,7 @@ class _Stage:
     def __init__(self, log):
         self.log = log
 
-    def run(self, part, mb):
+    def run(self, part, mb, links):
         self.log.append(("run", part, mb))
 
     def take(self, crossing, mb):
@@ -248,8 +248,8 @@ class _Stage:
     def give(self, crossing, mb, value):
         self.log.append(("give", crossing, mb, value))
 
-    def reduce(self, allreduce):
-        self.log.append(("reduce", allreduce(1)))
+    def reduce(self, links):
+        self.log.append(("reduce", links.summed(1)))
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])

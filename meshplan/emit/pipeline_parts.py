@@ -5,7 +5,9 @@ The parts lie beside the step model in ``training/`` (``stage{S}.{phase}.onnx``)
 weight a part reads stays in the step model's data file, which the part points to. The
 record holds each part's file, digest, inputs and outputs, the crossings (tensors one stage
 makes and another reads), the stage that holds each state input, the schedule's kind and
-the replicas of each stage (each stage data-parallel over that many devices).
+the replicas of each stage (each stage data-parallel over that many devices) and the tensors
+those replicas hold in row blocks (``training.sharded_update``: the norm and update parts
+written to take them in any number of rows).
 ``read_pipeline`` gives back the ``PipelineStep`` a runner needs, the parts as paths.
 """
 
@@ -18,7 +20,8 @@ import onnx
 
 from meshplan.errors import PlanError
 from meshplan.files import file_sha256
-from meshplan.training.pipeline_step import PHASES, SCHEDULES, Crossing, Part, PipelineStep
+from meshplan.training.pipeline_step import NORM, PHASES, SCHEDULES, UPDATE_PHASE, Crossing, Part, PipelineStep
+from meshplan.training.sharded_update import relaxed
 from meshplan.training.step_model import StepModel
 
 
@@ -32,12 +35,15 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
     parts = []
     for (stage, phase), part in sorted(pipeline.parts.items()):
         path = Path(folder) / part_file(stage, phase)
-        onnx.save(part.model, str(path))
+        model = relaxed(part.model, pipeline.sharded) if pipeline.sharded and phase in (NORM, UPDATE_PHASE) \
+            else part.model
+        onnx.save(model, str(path))
         parts.append({"stage": stage, "phase": phase, "file": f"{Path(folder).name}/{path.name}",
                       "sha256": file_sha256(path), "inputs": part.inputs, "outputs": part.outputs})
     return {"stages": pipeline.stages, "replicas": replicas, "schedule": kind, "microbatches": microbatches,
             "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
-            "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count}
+            "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count,
+            "sharded": sorted(pipeline.sharded)}
 
 
 def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> PipelineStep:
@@ -63,7 +69,8 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
                             hint="re-run meshplan plan")
         step = StepModel(None, {}, {k: v for k, v in training.items() if k != "pipeline"})
         return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
-                            {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"))
+                            {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"),
+                            sharded=set(record.get("sharded", ())))
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None

@@ -142,8 +142,10 @@ def pipeline_training_report(plan: Plan) -> str:
     mesh, t = plan.cluster["mesh"], plan.training
     record = t["pipeline"]
     kind, B, S, R = record["schedule"], plan.microbatches, len(plan.stages), int(record.get("replicas", 1))
+    summed = "each summing its row blocks of the gradients once a step and keeping and updating 1/" \
+        f"{R} of the optimizer's state (ZeRO-1)" if record.get("sharded") else "their gradients summed once a step"
     each = "one device a stage" if R == 1 else f"{R} devices a stage (data-parallel replicas, each 1/{R} of every " \
-        "microbatch, their gradients summed once a step)"
+        f"microbatch, {summed})"
     lines = [f"plan: pipelined training, {S} stages on a {mesh[0]}x{mesh[1]} mesh of "
              f"{plan.cluster['device']['name']}, {each}, {kind.upper() if kind == '1f1b' else 'GPipe'}, "
              f"{B} microbatch(es) of {plan.batch['microbatch_size']}",

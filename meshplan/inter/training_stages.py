@@ -24,13 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 
 from meshplan.errors import PlanError
 from meshplan.inter.step_memory import PROCESS_BYTES
 from meshplan.model.graph import Graph
 from meshplan.model.layers import cluster_layers
+from meshplan.replica_shards import held_bytes
 from meshplan.training.optimizers import GRAD_ACC
-from meshplan.training.pipeline_step import GPIPE, PipelineStep
+from meshplan.training.pipeline_step import GPIPE, NORM, UPDATE_PHASE, PipelineStep
 from meshplan.training.step_model import BACKWARD, FORWARD
 
 BACKWARD_FACTOR = 2.0      # a layer's backward, in forwards
@@ -112,10 +114,12 @@ def in_flight(stage: int, stages: int, microbatches: int, kind: str) -> int:
 def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: str,
                  replicas: int = 1) -> list[dict[str, float]]:
     """Each stage's bytes by kind: ``weights``, ``gradients`` (accumulated), ``optimizer``
-    (the slots), ``activations`` (what its backward reads of one microbatch's forward, times
-    the microbatches in flight; sizes from ``graph``, the forward model at one microbatch's
-    dims; a replica holds its 1/``replicas`` of each), ``working`` (while a backward runs, the
-    gradients of one microbatch's activations) and ``process``, on each of its devices."""
+    (the slots: a replica's row blocks of them where ``pipeline.sharded``), ``activations``
+    (what its backward reads of one microbatch's forward, times the microbatches in flight;
+    sizes from ``graph``, the forward model at one microbatch's dims; a replica holds its
+    1/``replicas`` of each), ``working`` (the more of: while a backward runs, the gradients
+    of one microbatch's activations; at the end of the update, what the norm and update
+    made) and ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
@@ -128,7 +132,9 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             size = float(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
             held["weights"] += size
             held["gradients"] += size
-            held["optimizer"] += size * len(slots)
+            # with the update in row blocks (ZeRO-1), the replica that holds most: replica 0
+            own = held_bytes(info["shape"], np.dtype(info["dtype"]).itemsize, replicas) if pipeline.sharded else size
+            held["optimizer"] += own * len(slots)
         backward = pipeline.parts.get((stage, BACKWARD))
         forward = pipeline.parts.get((stage, FORWARD))
         if backward is not None and forward is not None:
@@ -139,8 +145,28 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             again = sum(graph.tensors[n].nbytes for n in pipeline.recomputed.get(stage, ())
                         if n in graph.tensors and not graph.tensors[n].is_param)
             held["working"] = float(one + 2 * again) / replicas
+        # once a step: the tensors its norm and update make per weight, all alive at the update's end
+        held["working"] = max(held["working"], _update_bytes(pipeline, stage, replicas))
         found.append(held)
     return found
+
+
+def _update_bytes(pipeline: PipelineStep, stage: int, replicas: int) -> float:
+    """The bytes of what stage ``stage``'s norm and update parts make (the mean gradients,
+    the new weights and slots), a replica's share of them where it updates in row blocks."""
+    total = 0.0
+    for phase in (NORM, UPDATE_PHASE):
+        part = pipeline.parts.get((stage, phase))
+        if part is None or not isinstance(part.model, onnx.ModelProto):
+            continue
+        for value in part.model.graph.output:
+            kind = value.type.tensor_type
+            shape = [d.dim_value for d in kind.shape.dim]
+            if not shape or not all(shape):
+                continue
+            itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
+            total += held_bytes(shape, itemsize, replicas if value.name in pipeline.sharded else 1)
+    return total
 
 
 def check_fits(memory: list[dict[str, float]], device_bytes: float) -> None:

@@ -250,9 +250,9 @@ class Interpreter:
             else:
                 started = time.perf_counter()
                 if ins.op == "reduce":
-                    runner.reduce(links.summed)
+                    runner.reduce(links)
                 else:
-                    runner.run(ins.part, ins.mb)
+                    runner.run(ins.part, ins.mb, links)
                 finished = time.perf_counter()
                 record.program_seconds += finished - started
                 record.trace.append((ins.part or ins.op, self.rank, started - origin, finished - started, ins.mb))

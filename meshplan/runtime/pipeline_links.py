@@ -5,7 +5,9 @@ in ``runtime.interpreter``).
 replicas a stage); crossing i (``PipelineStep.crossings``) goes from replica r of its source
 stage to replica r of its destination stage, through host memory (mpi4py's pickled messages,
 tag i + 1), sends posted without waiting; a stage's replicas sum what they accumulated once a
-step (``summed``, an MPI all-reduce among them).
+step (``summed``, an MPI all-reduce among them), or each into its own row blocks of the sum
+(``scattered``, a reduce-scatter) with the updated weights gathered whole again
+(``gathered``, an all-gather) where they update in row blocks (``meshplan.replica_shards``).
 
 ``LocalLinks``, between the stages of one process, each run by a thread of its own
 (``runtime.pipeline_inprocess``): a crossing's microbatch is put on a queue by its sender and
@@ -18,6 +20,8 @@ import queue
 import threading
 
 import numpy as np
+
+from meshplan import replica_shards
 
 
 class PipelineLinks:
@@ -42,10 +46,26 @@ class PipelineLinks:
         return self.comm.recv(source=c.src * self.replicas + self.replica, tag=crossing + 1)
 
     def summed(self, array) -> np.ndarray:
-        """``array`` summed over the stage's replicas."""
-        array = np.ascontiguousarray(array)
+        """``array`` summed over the stage's replicas (of its own shape: a 0-d one stays 0-d)."""
+        array = np.asarray(array, order="C")
         out = np.empty_like(array)
         self.group.Allreduce(array, out, op=self.MPI.SUM)
+        return out
+
+    def scattered(self, array) -> np.ndarray:
+        """``array`` summed over the stage's replicas, this replica's row blocks of the sum
+        alone (``meshplan.replica_shards``; a reduce-scatter)."""
+        array = np.asarray(array, order="C")
+        counts = replica_shards.counts(array.shape, self.replicas)
+        out = np.empty(replica_shards.piece_shape(array.shape, self.replicas, self.replica), array.dtype)
+        self.group.Reduce_scatter(array.reshape(-1), out.reshape(-1), recvcounts=counts, op=self.MPI.SUM)
+        return out
+
+    def gathered(self, block, shape) -> np.ndarray:
+        """The whole tensor of ``shape`` from every replica's row blocks (an all-gather)."""
+        block = np.asarray(block, order="C")
+        out = np.empty(shape, block.dtype)
+        self.group.Allgatherv(block.reshape(-1), [out.reshape(-1), replica_shards.counts(shape, self.replicas)])
         return out
 
     def finish(self) -> None:
@@ -87,6 +107,12 @@ class LocalLinks:
 
     def summed(self, array):
         return array
+
+    def scattered(self, array):
+        return array
+
+    def gathered(self, block, shape):
+        return block
 
     def finish(self) -> None:
         pass

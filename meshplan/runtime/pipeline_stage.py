@@ -25,9 +25,10 @@ import numpy as np
 
 from meshplan.emit.train_schedule import per_microbatch
 from meshplan.errors import TrainError
+from meshplan.replica_shards import piece
 from meshplan.training.losses import LOSS
 from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_NORM, UPDATED
-from meshplan.training.pipeline_step import PER_MICROBATCH, STATE, Crossing, Part
+from meshplan.training.pipeline_step import NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, Crossing, Part
 from meshplan.training.step_model import BACKWARD
 
 RESULTS = (LOSS, GRAD_NORM)
@@ -79,6 +80,10 @@ def _scalar(value) -> float:
     return float(np.asarray(_host(value)).reshape(-1)[0])
 
 
+def _shape(value) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, np.ndarray) else tuple(value.shape())
+
+
 def _nbytes(value) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
@@ -94,19 +99,29 @@ class StageRunner:
 
     def __init__(self, stage: int, parts: dict[str, Part], sessions: dict, crossings: list[Crossing],
                  microbatches: int, state: dict[str, np.ndarray], loss_count: str | None = None,
-                 device: tuple[str, int] | None = None, provider: str = "CPUExecutionProvider"):
+                 device: tuple[str, int] | None = None, provider: str = "CPUExecutionProvider",
+                 replica: tuple[int, int] = (0, 1), sharded=()):
         self.stage, self.parts, self.sessions, self.loss_count = stage, parts, sessions, loss_count
         self.crossings, self.microbatches, self.device = crossings, microbatches, device
         self.provider = provider      # the sessions' (what a report names)
-        self.state = {name: self._placed(value) for name, value in state.items()} if device else state
+        self.replica, self.replicas = replica
+        self.sharded = set(sharded) if self.replicas > 1 else set()
         self.readers: dict[str, set[str]] = defaultdict(set)     # tensor → the phases that read it here
         for phase, part in parts.items():
             for name in part.inputs:
                 self.readers[name].add(phase)
         self.sends_of: dict[str, list[int]] = defaultdict(list)  # tensor → the crossings that send it
+        lent = set()                                               # state another stage reads
         for index, c in enumerate(crossings):
             if c.src == stage and c.made_in != STATE:
                 self.sends_of[c.tensor].append(index)
+            elif c.src == stage:
+                lent.add(c.tensor)
+        # state held in row blocks (the optimizer's slots): no forward or backward reads it
+        self.in_blocks = {n for n in state if n in self.sharded and n not in lent
+                          and not self.readers.get(n, set()) & set(PER_MICROBATCH)}
+        state = {n: self._block(v) if n in self.in_blocks else v for n, v in state.items()}
+        self.state = {name: self._placed(value) for name, value in state.items()} if device else state
         self.peak_kept = 0          # bytes held between runs, at most
         self.peak_in_flight = 0     # microbatches with tensors held, at most
         self.begin_step([], {})
@@ -119,6 +134,7 @@ class StageRunner:
         self.borrowed: dict[str, np.ndarray] = {}   # another stage's state, for this step
         self.ran: set[tuple[str, int]] = set()
         self.sent: set[tuple[int, int]] = set()
+        self.blocks: set[tuple[str, int]] = set()   # held tensors that are this replica's row blocks
         self.results: dict[str, float] = {}
 
     def end_step(self) -> dict[str, float]:
@@ -127,7 +143,9 @@ class StageRunner:
             raise TrainError(f"stage {self.stage} ended a step still holding {sorted(self.held)[:3]}")
         return dict(self.results)
 
-    def run(self, phase: str, mb: int) -> None:
+    def run(self, phase: str, mb: int, links=None) -> None:
+        """Run ``phase``'s part for microbatch ``mb``. ``links``: the stage's replicas (their
+        ``summed`` and ``gathered``), which the norm and update of a sharded stage need."""
         part = self.parts[phase]
         last_mb = self.microbatches - 1
         feeds = {}
@@ -144,6 +162,11 @@ class StageRunner:
                 feeds[name] = np.asarray(self.controls[name], np.float32)
             else:
                 feeds[name] = self.held[(name, mb)]
+        in_blocks = bool(self.sharded) and phase in (NORM, UPDATE_PHASE)
+        if in_blocks:   # this replica's row blocks of every weight's tensors
+            for name in part.inputs:
+                if name in self.sharded and name not in self.in_blocks and (name, mb) not in self.blocks:
+                    feeds[name] = self._placed(self._block(feeds[name]))
         if self.device is None:
             values = self.sessions[phase].run(part.outputs, feeds)
         else:   # (a numpy feed goes in as it is: onnxruntime copies it where its node runs)
@@ -154,31 +177,45 @@ class StageRunner:
                                for n, v in feeds.items()})
         self.ran.add((phase, mb))
         for name, value in zip(part.outputs, values):
+            state = name[:-len(UPDATED)] if name.endswith(UPDATED) else None
             if name in RESULTS:
                 self.results[name] = _scalar(value)
-            elif name.endswith(UPDATED) and name[:-len(UPDATED)] in self.state:
-                self.state[name[:-len(UPDATED)]] = value
+            elif state in self.state:
+                if in_blocks and name in self.sharded and state not in self.in_blocks:   # gathered whole again
+                    value = self._placed(links.gathered(_host(value), _shape(self.state[state])))
+                self.state[state] = value
+            elif in_blocks and name not in self.sharded:   # a partial sum of the norm: the replicas' added up
+                self.held[(name, mb)] = self._placed(links.summed(_host(value)))
             else:
                 self.held[(name, mb)] = value
+                if in_blocks:
+                    self.blocks.add((name, mb))
         for name in list(part.inputs) + list(part.outputs):
             if (name, mb) in self.held:
                 self._release(name, mb)
         self.peak_kept = max(self.peak_kept, sum(_nbytes(v) for v in self.held.values()))
         self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
 
-    def reduce(self, allreduce) -> None:
-        """Sum over the stage's replicas (``allreduce``: an array → the sum of every replica's)
-        what the last microbatch's backward made for the step's own parts — the accumulated
-        gradients, the loss's count — each replica having seen its share of every microbatch;
-        and the loss, as its replicas' losses weighted by their counts."""
+    def reduce(self, links) -> None:
+        """Sum over the stage's replicas (``links.summed``: an array → the sum of every
+        replica's) what the last microbatch's backward made for the step's own parts — the
+        accumulated gradients, the loss's count — each replica having seen its share of every
+        microbatch; a gradient the replicas update in row blocks summed into this replica's
+        blocks alone (``links.scattered``); and the loss, as its replicas' losses weighted by
+        their counts."""
         last = self.microbatches - 1
         made = set(self.parts[BACKWARD].outputs) if BACKWARD in self.parts else set()
         count = self.held.get((self.loss_count, last)) if LOSS in self.results else None
         for name, mb in sorted(self.held):
             if mb == last and name in made and self._once_a_step(name):
-                self.held[(name, mb)] = self._placed(allreduce(_host(self.held[(name, mb)])))
+                value = _host(self.held[(name, mb)])
+                if name in self.sharded and not self.sends_of.get(name):
+                    self.held[(name, mb)] = self._placed(links.scattered(value))
+                    self.blocks.add((name, mb))
+                else:
+                    self.held[(name, mb)] = self._placed(links.summed(value))
         if count is not None:
-            total = allreduce(np.asarray(self.results[LOSS] * _scalar(count), np.float64))
+            total = links.summed(np.asarray(self.results[LOSS] * _scalar(count), np.float64))
             self.results[LOSS] = _scalar(total) / _scalar(self.held[(self.loss_count, last)])
 
     def _once_a_step(self, name: str) -> bool:
@@ -207,8 +244,13 @@ class StageRunner:
             self.held[(c.tensor, mb)] = value
 
     def host_state(self) -> dict[str, np.ndarray]:
-        """The stage's state in host memory (a checkpoint's, the weights trained)."""
+        """The stage's state in host memory (a checkpoint's, the weights trained): those of
+        ``in_blocks`` as this replica's row blocks."""
         return {name: _host(value) for name, value in self.state.items()}
+
+    def _block(self, value) -> np.ndarray:
+        """This replica's row blocks of ``value`` (``meshplan.replica_shards``), in host memory."""
+        return np.ascontiguousarray(piece(_host(value), self.replicas, self.replica))
 
     def _placed(self, value):
         """``value`` where the stage keeps its tensors: an OrtValue on ``device`` (numpy

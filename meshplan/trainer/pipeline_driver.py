@@ -3,7 +3,8 @@ job's interpreter (``runtime.interpreter``), which carries out its stage's instr
 (``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``. Rank s·R + r is replica
 r of stage s (R replicas a stage): it takes the r-th 1/R of every microbatch, exchanges with
 replica r of the other stages, and sums its accumulated gradients with its stage's other
-replicas once a step (``reduce``, an MPI all-reduce): ``runtime.pipeline_links``.
+replicas once a step (``reduce``, an MPI all-reduce; or a reduce-scatter where the replicas
+update in row blocks, the updated weights all-gathered): ``runtime.pipeline_links``.
 
 Every rank reads the plan, the schedule and the data (the same batches in the same order,
 each taking the inputs its parts read), works out each step's learning rate itself, and
@@ -17,7 +18,9 @@ guard aborts it); what every rank checks before the first step (the plan, the sc
 the data, the rank count, a checkpoint to resume from) fails on every rank alike, one line.
 
 Checkpoints (``--checkpoint``) are written as a single-stage plan's are
-(``trainer.checkpoint``): each rank writes its own stage's state whole, rank 0 the manifest,
+(``trainer.checkpoint``): each stage's first replica writes its stage's state, whole but for
+the optimizer's slots that the replicas hold in row blocks (``meshplan.replica_shards``),
+of which each replica writes its own; rank 0 the manifest,
 and the folder is renamed into place once all have; ``--resume`` reads each state back by
 the layouts of the plan that wrote it, so a checkpoint moves between plans of the same
 model, and ``meshplan export`` reads it.
@@ -29,6 +32,7 @@ import os
 import time
 from pathlib import Path
 
+from meshplan import replica_shards
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import read_training_schedule
@@ -176,32 +180,36 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
         device = ("cuda", device_id) if on_cuda else ("cpu", 0)
     runner = StageRunner(stage, parts, {p: part_session(part.model, threads, providers) for p, part in parts.items()},
                          pipeline.crossings, plan.microbatches, state, pipeline.loss_count, device,
-                         provider_name(providers[0]))
+                         provider_name(providers[0]), (rank % R, R), pipeline.sharded)
     return pipeline, lists, batches, runner, first
 
 
 def _layouts(plan: Plan) -> dict[str, dict]:
-    """Each state whole on the rank of the stage that holds it (``runtime.state_files``)."""
+    """Each state whole on the rank of the stage that holds it, or in row blocks on the
+    stage's replicas (a slot of a stage that updates in row blocks: ``replica_shards``), as
+    ``runtime.state_files`` reads them."""
     training, home = plan.training, plan.training["pipeline"]["home"]
     R = int(plan.training["pipeline"].get("replicas", 1))
+    sharded = set(plan.training["pipeline"].get("sharded", ())) if R > 1 else set()
     shapes = {**{w: info["shape"] for w, info in training["weights"].items()},
               **{n: info["shape"] for n, info in training.get("statistics", {}).items()}}
     found = {}
     for name in state_names(training):
         weight = name if name in shapes else name.rpartition(".")[0]
-        rank = int(home[name]) * R      # the stage's first replica writes it
-        found[name] = {"spec": "R" * len(shapes.get(weight, [])), "segments": None, "logical_mesh": [1, 1],
-                       "devices": [rank], "holders": [rank]}
+        first = int(home[name]) * R      # the stage's first replica
+        found[name] = replica_shards.layout(shapes.get(weight, []), list(range(first, first + R))) \
+            if name not in shapes and name in sharded else replica_shards.layout(shapes.get(weight, []), [first])
     return found
 
 
 def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: int, batches: Batches) -> Path | None:
-    """A checkpoint of every stage's state (each stage's first replica writes its own file);
-    rank 0 returns its path."""
+    """A checkpoint of every stage's state (each stage's first replica writes its own file,
+    each other replica its row blocks of the slots); rank 0 returns its path."""
     staging = comm.bcast(str(staging_folder(directory, step)) if comm.Get_rank() == 0 else None, root=0)
-    names = set(state_names(plan.training))
-    if comm.Get_rank() % int(plan.training["pipeline"].get("replicas", 1)) == 0:
-        write_pieces(rank_file(staging, comm.Get_rank()), ((n, v) for n, v in state.items() if n in names))
+    rank = comm.Get_rank()
+    holds = {n for n, entry in _layouts(plan).items() if rank in entry["holders"]}
+    if holds & set(state):
+        write_pieces(rank_file(staging, rank), ((n, v) for n, v in state.items() if n in holds))
     comm.Barrier()
     if comm.Get_rank() != 0:
         return None

@@ -94,6 +94,7 @@ class PipelineStep:
     controls: list[str] = field(default_factory=list)
     loss_count: str | None = None          # what the last stage divides the loss's sum by (a step's count)
     recomputed: dict[int, set[str]] = field(default_factory=dict)   # stage → what its backward makes again
+    sharded: set[str] = field(default_factory=set)   # what a stage's replicas hold in row blocks (sharded_update)
 
 
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int, recompute: bool = False) -> PipelineStep:

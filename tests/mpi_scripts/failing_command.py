@@ -55,14 +55,14 @@ def part_fails(rank: int, at: int) -> None:
 
     run, count = StageRunner.run, [0]
 
-    def dying(self, phase, mb):
+    def dying(self, phase, mb, links=None):
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_rank() == rank:
             count[0] += 1
             if count[0] == at:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return run(self, phase, mb)
+        return run(self, phase, mb, links)
     StageRunner.run = dying
 
 
