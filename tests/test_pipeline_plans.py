@@ -144,10 +144,13 @@ def test_plan_parts_in_process_equal_torch(tmp_path):
 @pytest.mark.parametrize("name,mesh,stages,schedule,recompute", [("gpt_adamw", "1x2", 2, "1f1b", False),
                                                                  ("gpt2_tied", "2x2", 4, "gpipe", False),
                                                                  ("gpt_adamw", "1x4", 2, "1f1b", False),
-                                                                 ("gpt2_tied", "1x2", 2, "1f1b", True)])
+                                                                 ("gpt2_tied", "1x2", 2, "1f1b", True),
+                                                                 ("gpt2_tied", "1x4", 2, "gpipe", False)])
 def test_mpi_training_equals_torch(tmp_path, name, mesh, stages, schedule, recompute):
     """One rank a device under mpiexec (1x4 in 2 stages: each stage two data-parallel
-    replicas; with ``--recompute``, each stage's backward running its forward again): each
+    replicas, which update in row blocks — for the tied GPT-2 the head's gradient of the
+    embedding crosses back whole and each replica takes its rows; with ``--recompute``, each
+    stage's backward running its forward again): each
     step's loss as torch's, the final weights (read back from the checkpoint) as torch's,
     and ``meshplan export`` writes them."""
     case, plan_dir, said = _plan(tmp_path, name, mesh, stages, "--schedule", schedule,
