@@ -105,6 +105,10 @@ def test_replicas_of_a_stage_hold_the_optimizer_state_in_row_blocks(tmp_path):
     assert one.training["pipeline"]["sharded"] == [] and "ZeRO-1" not in said
     for held in one.training["memory"]:
         assert held["optimizer"] == 2 * held["weights"]
+        # the update's end holds the mean gradients, their squares, the new weights and slots
+        assert held["working"] >= 4 * held["weights"]
+    for held in plan.training["memory"]:   # in row blocks, half of each of those
+        assert 2 * held["weights"] <= held["working"] < 3 * held["weights"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
