@@ -130,12 +130,17 @@ def test_timeline_plays_the_schedule(tmp_path, schedule):
     assert total == pytest.approx(plan.estimate["step_seconds"], rel=0.25)
 
 
-def test_plan_parts_in_process_equal_torch(tmp_path):
-    """The written parts (files), run stage by stage in this process, train as torch."""
-    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x2", 2)
+@pytest.mark.parametrize("name,mesh", [("gpt_adamw", "1x2"), ("gpt_adamw", "1x4"), ("gpt2_tied", "1x4")])
+def test_plan_parts_in_process_equal_torch(tmp_path, name, mesh):
+    """The written parts (files), run stage by stage in this process, train as torch; on 1x4
+    each stage's two replicas (threads) take half of every microbatch and update their row
+    blocks of the weights."""
+    case, plan_dir, _ = _plan(tmp_path, name, mesh, 2)
     plan = read_plan(plan_dir)
     pipeline = read_pipeline(plan_dir, plan.training)
-    runner = PipelineRunner(pipeline, 4, case["initial"], plan.training["pipeline"]["schedule"])
+    replicas = plan.training["pipeline"]["replicas"]
+    assert replicas == int(mesh[2]) // 2 and bool(pipeline.sharded) is (replicas > 1)
+    runner = PipelineRunner(pipeline, 4, case["initial"], plan.training["pipeline"]["schedule"], replicas=replicas)
     settings = case["settings"]
     losses = []
     for k, batch in enumerate(batches(case)):

@@ -321,6 +321,29 @@ def test_a_stage_that_fails_ends_the_step_with_its_error(monkeypatch):
         _train(case, runner)
 
 
+def test_a_replica_that_fails_in_the_update_ends_the_step(monkeypatch):
+    """Two replicas a stage updating in row blocks: replica 1 of stage 0 fails in its update,
+    where its stage's other replica waits to gather the new weights from it; the step ends
+    with that failure."""
+    from meshplan.runtime import pipeline_stage
+    from meshplan.training.sharded_update import update_shards
+
+    case, _, pipeline = _pipeline("gpt_adamw", 2, 4)
+    pipeline.sharded = update_shards(pipeline, 2)
+    assert pipeline.sharded
+    runner = PipelineRunner(pipeline, 4, case["initial"], ONE_F_ONE_B, replicas=2)
+    run = pipeline_stage.StageRunner.run
+
+    def failing(self, phase, mb, links=None):
+        if self.stage == 0 and self.replica == 1 and phase == "update":
+            raise ValueError("replica 1 fails here")
+        run(self, phase, mb, links)
+
+    monkeypatch.setattr(pipeline_stage.StageRunner, "run", failing)
+    with pytest.raises(ValueError, match="replica 1 fails here"):
+        _train(case, runner)
+
+
 @pytest.mark.parametrize("kind", [ONE_F_ONE_B, GPIPE])
 def test_the_played_step_is_alpas_time_at_equal_stages_and_waits_on_sends_and_the_norm(kind):
     """``timed_step`` plays the lists' runs against each other: at equal stages without sends

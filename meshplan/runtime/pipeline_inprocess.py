@@ -1,6 +1,7 @@
 """A pipelined training step run in one process: each stage's instruction list carried out by
-the job's interpreter (``Interpreter.step``) on the stage's ``StageRunner``, each stage in a
-thread of its own, the crossings between them on queues (``pipeline_links.LocalLinks``).
+the job's interpreter (``Interpreter.step``) on the stage's ``StageRunner``, each stage (each
+of its data-parallel replicas, where it has several) in a thread of its own, the crossings
+between them on queues and the replicas' sums at barriers (``pipeline_links.LocalLinks``).
 
 The check that a pipeline computes what one device computes, and the measure of what each
 stage keeps in flight: ``PipelineRunner.step`` returns the step's loss and gradient norm;
@@ -12,39 +13,58 @@ microbatches they belonged to.
 
 from __future__ import annotations
 
-import numpy as np
-
 import threading
 import time
+
+import numpy as np
+import onnx
 
 from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import ONE_F_ONE_B, play, training_schedule
 from meshplan.runtime.interpreter import CallRecord, Interpreter
 from meshplan.runtime.pipeline_links import LocalLinks, StageStopped
 from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
-from meshplan.training.pipeline_step import PipelineStep
+from meshplan.training.pipeline_step import NORM, UPDATE_PHASE, PipelineStep
+from meshplan.training.sharded_update import relaxed
 
 
 class PipelineRunner:
     """``pipeline`` run with ``microbatches`` microbatches a step, scheduled ``kind``, from
     ``weights`` (each trained weight and training statistic by name; slots, accumulated
     gradients and accumulators start at zero); ``device``: where each stage keeps its tensors
-    (``StageRunner``)."""
+    (``StageRunner``); ``replicas``: each stage's data-parallel replicas, each taking its
+    share of every microbatch (as a job's ranks do; in row blocks where ``pipeline.sharded``)."""
 
     def __init__(self, pipeline: PipelineStep, microbatches: int, weights: dict[str, np.ndarray],
-                 kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None):
-        self.pipeline, self.microbatches, self.kind = pipeline, microbatches, kind
-        self.lists = training_schedule(pipeline, microbatches, kind)
+                 kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None, replicas: int = 1):
+        self.pipeline, self.microbatches, self.kind, self.replicas = pipeline, microbatches, kind, replicas
+        self.lists = training_schedule(pipeline, microbatches, kind, replicas)
         play(self.lists)    # (lists that would wait on each other are refused here, not hung on)
-        self.records = [CallRecord() for _ in range(pipeline.stages)]   # each stage's last step
+        S, R = pipeline.stages, replicas
+        self.records = [CallRecord() for _ in range(S * R)]   # each rank's last step, rank s·R + r
         slots = pipeline.step.manifest["slots"]
-        self.stages = []
-        for stage in range(pipeline.stages):
+        self.runners = []       # rank s·R + r: replica r of stage s
+        for rank in range(S * R):
+            stage, replica = divmod(rank, R)
             parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
             names = [n for n, s in pipeline.home.items() if s == stage]
-            self.stages.append(StageRunner(stage, parts, {p: part_session(part.model) for p, part in parts.items()},
-                                           pipeline.crossings, microbatches, starting_state(names, weights, slots),
-                                           device=device))
+            sessions = {p: part_session(self._loose(part)) for p, part in parts.items()}
+            self.runners.append(StageRunner(stage, parts, sessions, pipeline.crossings, microbatches,
+                                            starting_state(names, weights, slots), pipeline.loss_count, device,
+                                            replica=(replica, R), sharded=pipeline.sharded))
+
+    def _loose(self, part):
+        """A part as its session loads it: a norm or update given in memory made to take row
+        blocks where the replicas update in them (a plan's files already are)."""
+        if self.replicas > 1 and self.pipeline.sharded and part.phase in (NORM, UPDATE_PHASE) \
+                and isinstance(part.model, onnx.ModelProto):
+            return relaxed(part.model, self.pipeline.sharded)
+        return part.model
+
+    @property
+    def stages(self) -> list[StageRunner]:
+        """Each stage's first replica."""
+        return self.runners[::self.replicas]
 
     @property
     def peak_kept(self) -> list[int]:
@@ -56,26 +76,31 @@ class PipelineRunner:
 
     def step(self, batch: dict[str, np.ndarray], controls: dict[str, float]) -> dict[str, float]:
         """One step on ``batch`` (each data input's samples on axis 0, split into the
-        microbatches); ``controls``: each hyperparameter's value (``train.apply`` is set here)."""
-        B = self.microbatches
+        microbatches, each of those into the replicas' shares); ``controls``: each
+        hyperparameter's value (``train.apply`` is set here)."""
+        B, S, R = self.microbatches, self.pipeline.stages, self.replicas
         size = len(next(iter(batch.values()))) // B
-        slices = [{n: v[m * size:(m + 1) * size] for n, v in batch.items()} for m in range(B)]
-        for runner in self.stages:
-            runner.begin_step(slices, controls)
-        links = LocalLinks()
-        schedule = Schedule(self.kind, B, self.lists)
+        share = size // R
+        for rank, runner in enumerate(self.runners):
+            r = rank % R
+            runner.begin_step([{n: v[m * size + r * share:m * size + (r + 1) * share] for n, v in batch.items()}
+                               for m in range(B)], controls)
+        links = LocalLinks(S, R)
+        schedule = Schedule(self.kind, B, [self.lists[rank // R] for rank in range(S * R)])
         failures: list[BaseException] = []
         origin = time.perf_counter()
 
-        def carry_out(stage: int) -> None:
+        def carry_out(rank: int) -> None:
             try:
-                self.records[stage].start()
-                Interpreter(None, stage, schedule, links, self.stages[stage], record=self.records[stage]).step(origin)
+                self.records[rank].start()
+                Interpreter(None, rank, schedule, links.of(*divmod(rank, R)), self.runners[rank],
+                            record=self.records[rank]).step(origin)
             except BaseException as exc:   # (the others stop waiting for this stage)
                 failures.append(exc)
-                links.failed.set()
+                links.stop()
 
-        threads = [threading.Thread(target=carry_out, args=(s,), name=f"stage {s}") for s in range(len(self.stages))]
+        threads = [threading.Thread(target=carry_out, args=(rank,), name=f"stage {rank // R} replica {rank % R}")
+                   for rank in range(S * R)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -85,10 +110,17 @@ class PipelineRunner:
         if links.unreceived():
             raise RuntimeError(f"a step left sends unreceived: {links.unreceived()[:3]}")
         results: dict[str, float] = {}
-        for runner in self.stages:
+        for runner in self.runners:     # (a stage's replicas end with the same loss and norm)
             results.update(runner.end_step())
         return results
 
     def state_values(self) -> dict[str, np.ndarray]:
-        """Every stage's state by name: the weights, the optimizer's slots, ..."""
-        return {name: value for runner in self.stages for name, value in runner.host_state().items()}
+        """Every stage's state by name, whole: the weights, the optimizer's slots (put
+        together from the replicas' row blocks), ..."""
+        found = {}
+        for first in range(0, len(self.runners), self.replicas):
+            replicas = self.runners[first:first + self.replicas]
+            held = [runner.host_state() for runner in replicas]
+            for name, value in held[0].items():
+                found[name] = np.concatenate([h[name] for h in held]) if name in replicas[0].in_blocks else value
+        return found

@@ -5,7 +5,11 @@ part (forward or backward for a microbatch, then norm, clip and update) on onnxr
 ``take`` what a ``send`` sends (a tensor a run made, or a state another stage reads) and
 ``give`` what a ``receive`` brought. It holds the stage's state (updated by the runs that
 make ``NAME.updated``) and, between runs, the tensors a later run or send of this stage
-still needs, dropping each when the last one has used it. The in-process runner
+still needs, dropping each when the last one has used it. Replica r of R of a stage that
+updates in row blocks (``replica`` and ``sharded``: ``meshplan.replica_shards``) keeps only
+its blocks of the optimizer's slots, feeds its norm and update their blocks of every
+weight's tensors, adds the norm's partial sums up over the replicas and gathers the updated
+weights whole again (its ``links``: ``runtime.pipeline_links``). The in-process runner
 (``runtime.pipeline_inprocess``) drives every stage's runner in one process; a pipelined
 training job (``trainer.pipeline_driver``) drives one per rank, the sends and receives over
 MPI.
