@@ -37,7 +37,8 @@ class PipelineLinks:
         self.stage, self.replica = divmod(comm.Get_rank(), replicas)
         self.group = comm.Split(self.stage, self.replica)    # the stage's replicas
         # tensors as pickle's out-of-band buffers (mpi4py's pkl5): an array's bytes go as they
-        # are, not copied into a pickle (a 256 KiB activation: 0.2 ms against 4 ms pickled)
+        # are, not copied into a pickle (16 MiB between two ranks of a machine: 2.1 ms, against
+        # 9.6 ms pickled whole; alike at 256 KiB)
         self.messages = pkl5.Intracomm(comm.Dup())
         self._waitall = pkl5.Request.waitall
         self._posted: list = []
