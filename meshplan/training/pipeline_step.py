@@ -407,9 +407,41 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
         if missing:
             raise TrainError(f"tensor '{missing[0]}' of the training step has no known type")
         part_model = set_ir_version(extractor.extract_model(inputs, outputs))   # one onnxruntime loads
+        if where[1] == UPDATE_PHASE:
+            _output_by_output(part_model)
         parts[where] = Part(where[0], where[1], part_model, inputs, outputs)
     return PipelineStep(stages, parts, crossings, home, placement, step, data_inputs, controls,
                         recomputed=recomputed)
+
+
+def _output_by_output(model: onnx.ModelProto) -> None:
+    """Order ``model``'s nodes output by output, each after what it reads (depth first): an
+    update computes one weight's new values and slots before the next weight's, so that
+    onnxruntime holds one weight's temporaries at a time rather than every weight's of a
+    step of the chain (a 68 MiB stage's AdamW update: 271 MiB at its peak, against 318 in
+    the step model's order)."""
+    producer = {o: node for node in model.graph.node for o in node.output if o}
+    placed: set[int] = set()
+    ordered = []
+    for start in [producer[v.name] for v in model.graph.output if v.name in producer] + list(model.graph.node):
+        stack = [(start, False)]
+        while stack:
+            node, ready = stack.pop()
+            if id(node) in placed:
+                continue
+            if ready:
+                placed.add(id(node))
+                ordered.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((producer[name], False) for name in reversed(node.input)
+                         if name in producer and id(producer[name]) not in placed)
+    copies = []
+    for node in ordered:
+        copies.append(onnx.NodeProto())
+        copies[-1].CopyFrom(node)
+    del model.graph.node[:]
+    model.graph.node.extend(copies)
 
 
 _RANDOM = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
