@@ -103,12 +103,15 @@ def test_replicas_of_a_stage_hold_the_optimizer_state_in_row_blocks(tmp_path):
     _, one_dir, said = _plan(tmp_path, "gpt_adamw", "1x2", 2, out="one")
     one = read_plan(one_dir)
     assert one.training["pipeline"]["sharded"] == [] and "ZeRO-1" not in said
-    for held in one.training["memory"]:
+    chunks = read_pipeline(one_dir, one.training).chunks
+    for stage, held in enumerate(one.training["memory"]):
         assert held["optimizer"] == 2 * held["weights"]
-        # the update's end holds the mean gradients, their squares, the new weights and slots
-        assert held["working"] >= 4 * held["weights"]
-    for held in plan.training["memory"]:   # in row blocks, half of each of those
-        assert 2 * held["weights"] <= held["working"] < 3 * held["weights"]
+        # the update holds the norm's mean gradients and their squares, and one group's new
+        # weights and slots at a time: less than all of them
+        assert len(chunks[stage]) > 1
+        assert 2 * held["weights"] <= held["working"] < 5 * held["weights"]
+    for held in plan.training["memory"]:   # in row blocks, half of the norm's
+        assert held["weights"] <= held["working"] < 2.5 * held["weights"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

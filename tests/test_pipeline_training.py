@@ -369,3 +369,28 @@ def test_the_played_step_is_alpas_time_at_equal_stages_and_waits_on_sends_and_th
     norms = [next(r for r in row if r[0] == NORM) for row in rows]
     assert clip[2] == pytest.approx(max(n[3] + (0.05 if s != S - 1 else 0.0) for s, n in enumerate(norms)))
     assert ended == pytest.approx(max(clip[3] + 0.05 + 0.3, last_backward + 0.5 + 0.3))
+
+
+@pytest.mark.parametrize("name", ["gpt_adamw", "mlp_sgd"])
+def test_an_update_run_group_by_group_trains_the_same(name):
+    """A stage's update cut into groups of its outputs (``update_chunks``: each weight's new
+    value with its slots', at most 8 groups of about equal bytes, every output once) and run
+    group by group trains exactly as the whole update run at once."""
+    from meshplan.training.pipeline_step import UPDATE_CHUNKS, UPDATE_PHASE, update_chunks
+
+    case, _, pipeline = _pipeline(name, 2, 4)
+    weights = pipeline.step.manifest["weights"]
+    for stage in range(2):
+        part = pipeline.parts[(stage, UPDATE_PHASE)]
+        groups = pipeline.chunks[stage]
+        assert groups == update_chunks(part.model)
+        flat = [n for group in groups for n in group]
+        assert sorted(flat) == sorted(part.outputs) and len(flat) == len(set(flat))
+        assert 1 < len(groups) <= UPDATE_CHUNKS
+        for group in groups:
+            for weight in (o[:-len(".updated")] for o in group if o[:-len(".updated")] in weights):
+                assert {o for o in part.outputs if o.startswith(weight + ".")} <= set(group)
+    grouped = _train(case, PipelineRunner(pipeline, 4, case["initial"], ONE_F_ONE_B))
+    _, _, whole = _pipeline(name, 2, 4)
+    whole.chunks = {}
+    assert grouped == _train(case, PipelineRunner(whole, 4, case["initial"], ONE_F_ONE_B))

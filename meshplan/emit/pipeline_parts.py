@@ -7,7 +7,8 @@ record holds each part's file, digest, inputs and outputs, the crossings (tensor
 makes and another reads), the stage that holds each state input, the schedule's kind and
 the replicas of each stage (each stage data-parallel over that many devices) and the tensors
 those replicas hold in row blocks (``training.sharded_update``: the norm and update parts
-written to take them in any number of rows).
+written to take them in any number of rows), and the groups each stage's update is run in
+(``training.pipeline_step.update_chunks``).
 ``read_pipeline`` gives back the ``PipelineStep`` a runner needs, the parts as paths.
 """
 
@@ -43,7 +44,8 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
     return {"stages": pipeline.stages, "replicas": replicas, "schedule": kind, "microbatches": microbatches,
             "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
             "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count,
-            "sharded": sorted(pipeline.sharded)}
+            "sharded": sorted(pipeline.sharded),
+            "update_chunks": {str(stage): groups for stage, groups in sorted(pipeline.chunks.items())}}
 
 
 def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> PipelineStep:
@@ -70,7 +72,8 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
         step = StepModel(None, {}, {k: v for k, v in training.items() if k != "pipeline"})
         return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
                             {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"),
-                            sharded=set(record.get("sharded", ())))
+                            sharded=set(record.get("sharded", ())),
+                            chunks={int(k): [list(g) for g in v] for k, v in record.get("update_chunks", {}).items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None

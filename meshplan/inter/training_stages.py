@@ -118,8 +118,8 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
     (what its backward reads of one microbatch's forward, times the microbatches in flight;
     sizes from ``graph``, the forward model at one microbatch's dims; a replica holds its
     1/``replicas`` of each), ``working`` (the more of: while a backward runs, the gradients
-    of one microbatch's activations; at the end of the update, what the norm and update
-    made) and ``process``, on each of its devices."""
+    of one microbatch's activations; while the update runs, what the norm made and the
+    largest group of the update's new values) and ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
@@ -145,27 +145,32 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             again = sum(graph.tensors[n].nbytes for n in pipeline.recomputed.get(stage, ())
                         if n in graph.tensors and not graph.tensors[n].is_param)
             held["working"] = float(one + 2 * again) / replicas
-        # once a step: the tensors its norm and update make per weight, all alive at the update's end
+        # once a step: the tensors its norm makes and a group of its update's new values
         held["working"] = max(held["working"], _update_bytes(pipeline, stage, replicas))
         found.append(held)
     return found
 
 
 def _update_bytes(pipeline: PipelineStep, stage: int, replicas: int) -> float:
-    """The bytes of what stage ``stage``'s norm and update parts make (the mean gradients,
-    the new weights and slots), a replica's share of them where it updates in row blocks."""
+    """The most bytes stage ``stage``'s norm and update make and hold at once: what the norm
+    makes (the mean gradients, their squares) and the largest group's new weights and slots
+    of the update, which runs group by group (``pipeline.chunks``); a replica's share of
+    them where it updates in row blocks."""
     total = 0.0
     for phase in (NORM, UPDATE_PHASE):
         part = pipeline.parts.get((stage, phase))
         if part is None or not isinstance(part.model, onnx.ModelProto):
             continue
+        made = {}
         for value in part.model.graph.output:
             kind = value.type.tensor_type
             shape = [d.dim_value for d in kind.shape.dim]
             if not shape or not all(shape):
                 continue
             itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
-            total += held_bytes(shape, itemsize, replicas if value.name in pipeline.sharded else 1)
+            made[value.name] = held_bytes(shape, itemsize, replicas if value.name in pipeline.sharded else 1)
+        groups = pipeline.chunks.get(stage) if phase == UPDATE_PHASE else None
+        total += max(sum(made.get(n, 0.0) for n in group) for group in groups) if groups else sum(made.values())
     return total
 
 

@@ -23,7 +23,7 @@ from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import ONE_F_ONE_B, play, training_schedule
 from meshplan.runtime.interpreter import CallRecord, Interpreter
 from meshplan.runtime.pipeline_links import LocalLinks, StageStopped
-from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
+from meshplan.runtime.pipeline_stage import StageRunner, part_session, stage_sessions, starting_state
 from meshplan.training.pipeline_step import NORM, UPDATE_PHASE, PipelineStep
 from meshplan.training.sharded_update import relaxed
 
@@ -48,7 +48,7 @@ class PipelineRunner:
             stage, replica = divmod(rank, R)
             parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
             names = [n for n, s in pipeline.home.items() if s == stage]
-            sessions = {p: part_session(self._loose(part)) for p, part in parts.items()}
+            sessions = stage_sessions(parts, pipeline.chunks.get(stage), part_session, self._loose)
             self.runners.append(StageRunner(stage, parts, sessions, pipeline.crossings, microbatches,
                                             starting_state(names, weights, slots), pipeline.loss_count, device,
                                             replica=(replica, R), sharded=pipeline.sharded))

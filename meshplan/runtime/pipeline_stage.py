@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import onnx
 
 from meshplan.emit.train_schedule import per_microbatch
 from meshplan.errors import TrainError
@@ -54,6 +55,45 @@ def starting_state(names, weights: dict[str, np.ndarray], slots) -> dict[str, np
                 raise TrainError(f"no starting value for the state {name!r}")
             state[name] = np.zeros_like(weights[weight])
     return state
+
+
+def stage_sessions(parts: dict[str, Part], chunks, make, model_of=None) -> dict:
+    """Each part's session (``make(model)``), by phase; the update, where ``chunks`` (its
+    outputs in groups: ``training.pipeline_step.update_chunks``) has more than one group, a
+    list of (session, inputs, outputs), one a group, each cut from the part with the nodes
+    its outputs need (``onnx.utils.Extractor``). ``model_of(part)``: the model a part's
+    session runs (default: ``part.model``)."""
+    found = {}
+    for phase, part in parts.items():
+        model = part.model if model_of is None else model_of(part)
+        if phase != UPDATE_PHASE or not chunks or len(chunks) < 2:
+            found[phase] = make(model)
+            continue
+        if isinstance(model, str):
+            model = onnx.load(model)
+        found[phase] = [(make(piece), inputs, group) for piece, inputs, group in _cut(model, part.inputs, chunks)]
+    return found
+
+
+def _cut(model, inputs: list[str], groups: list[list[str]]):
+    """(model, its inputs, its outputs) of each group of ``model``'s outputs."""
+    from onnx.utils import Extractor
+
+    from meshplan.model.opsets import set_ir_version
+
+    producer = {o: node for node in model.graph.node for o in node.output if o}
+    extractor = Extractor(model)
+    for group in groups:
+        reached, stack = set(), list(group)
+        while stack:
+            name = stack.pop()
+            if name in reached:
+                continue
+            reached.add(name)
+            if name in producer:
+                stack.extend(producer[name].input)
+        needed = [n for n in inputs if n in reached]
+        yield set_ir_version(extractor.extract_model(needed, list(group))), needed, list(group)
 
 
 def part_session(model, threads: int = 1, providers: list | None = None):
@@ -149,11 +189,34 @@ class StageRunner:
 
     def run(self, phase: str, mb: int, links=None) -> None:
         """Run ``phase``'s part for microbatch ``mb``. ``links``: the stage's replicas (their
-        ``summed`` and ``gathered``), which the norm and update of a sharded stage need."""
+        ``summed`` and ``gathered``), which the norm and update of a sharded stage need. An
+        update given as chunks (``chunk_sessions``) runs chunk after chunk, each chunk's new
+        weights and slots taking their old values' place before the next chunk runs."""
         part = self.parts[phase]
+        in_blocks = bool(self.sharded) and phase in (NORM, UPDATE_PHASE)
+        session = self.sessions[phase]
+        chunks = session if isinstance(session, list) else [(session, part.inputs, part.outputs)]
+        for index, (chunk, inputs, outputs) in enumerate(chunks):
+            values = self._run_one(chunk, phase, mb, inputs, outputs, in_blocks)
+            self._keep(phase, mb, outputs, values, in_blocks, links)
+            del values
+            if len(chunks) > 1:   # what no later chunk reads is let go now
+                later = {n for _, names, _ in chunks[index + 1:] for n in names}
+                for name in inputs:
+                    if name not in later and self.readers.get(name) == {phase} and not self.sends_of.get(name):
+                        self.held.pop((name, mb), None)
+        self.ran.add((phase, mb))
+        for name in list(part.inputs) + list(part.outputs):
+            if (name, mb) in self.held:
+                self._release(name, mb)
+        self.peak_kept = max(self.peak_kept, sum(_nbytes(v) for v in self.held.values()))
+        self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
+
+    def _run_one(self, session, phase: str, mb: int, inputs, outputs, in_blocks: bool) -> list:
+        """One session's run of ``outputs`` on what the stage holds of ``inputs``."""
         last_mb = self.microbatches - 1
         feeds = {}
-        for name in part.inputs:
+        for name in inputs:
             if name in self.state:
                 feeds[name] = self.state[name]
             elif name in self.borrowed:
@@ -166,21 +229,20 @@ class StageRunner:
                 feeds[name] = np.asarray(self.controls[name], np.float32)
             else:
                 feeds[name] = self.held[(name, mb)]
-        in_blocks = bool(self.sharded) and phase in (NORM, UPDATE_PHASE)
-        if in_blocks:   # this replica's row blocks of every weight's tensors
-            for name in part.inputs:
-                if name in self.sharded and name not in self.in_blocks and (name, mb) not in self.blocks:
-                    feeds[name] = self._placed(self._block(feeds[name]))
+            # this replica's row blocks of every weight's tensors
+            if in_blocks and name in self.sharded and name not in self.in_blocks and (name, mb) not in self.blocks:
+                feeds[name] = self._placed(self._block(feeds[name]))
         if self.device is None:
-            values = self.sessions[phase].run(part.outputs, feeds)
-        else:   # (a numpy feed goes in as it is: onnxruntime copies it where its node runs)
-            from onnxruntime import OrtValue
+            return session.run(list(outputs), feeds)
+        from onnxruntime import OrtValue   # (a numpy feed goes in as it is: copied where its node runs)
 
-            values = self.sessions[phase].run_with_ort_values(
-                part.outputs, {n: v if isinstance(v, OrtValue) else OrtValue.ortvalue_from_numpy(np.asarray(v))
-                               for n, v in feeds.items()})
-        self.ran.add((phase, mb))
-        for name, value in zip(part.outputs, values):
+        return session.run_with_ort_values(
+            list(outputs), {n: v if isinstance(v, OrtValue) else OrtValue.ortvalue_from_numpy(np.asarray(v))
+                            for n, v in feeds.items()})
+
+    def _keep(self, phase: str, mb: int, outputs, values, in_blocks: bool, links) -> None:
+        """A run's ``values``: the step's results, the state's new values, tensors held."""
+        for name, value in zip(outputs, values):
             state = name[:-len(UPDATED)] if name.endswith(UPDATED) else None
             if name in RESULTS:
                 self.results[name] = _scalar(value)
@@ -194,11 +256,6 @@ class StageRunner:
                 self.held[(name, mb)] = value
                 if in_blocks:
                     self.blocks.add((name, mb))
-        for name in list(part.inputs) + list(part.outputs):
-            if (name, mb) in self.held:
-                self._release(name, mb)
-        self.peak_kept = max(self.peak_kept, sum(_nbytes(v) for v in self.held.values()))
-        self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
 
     def reduce(self, links) -> None:
         """Sum over the stage's replicas (``links.summed``: an array → the sum of every

@@ -40,7 +40,7 @@ from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
 from meshplan.runtime.interpreter import CallRecord, Interpreter, event
 from meshplan.runtime.pipeline_links import PipelineLinks
-from meshplan.runtime.pipeline_stage import StageRunner, part_session, starting_state
+from meshplan.runtime.pipeline_stage import StageRunner, part_session, stage_sessions, starting_state
 from meshplan.runtime.state_files import rank_file, write_pieces
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
@@ -178,9 +178,9 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     device = None
     if on_device or on_device is None and on_cuda:
         device = ("cuda", device_id) if on_cuda else ("cpu", 0)
-    runner = StageRunner(stage, parts, {p: part_session(part.model, threads, providers) for p, part in parts.items()},
-                         pipeline.crossings, plan.microbatches, state, pipeline.loss_count, device,
-                         provider_name(providers[0]), (rank % R, R), pipeline.sharded)
+    sessions = stage_sessions(parts, pipeline.chunks.get(stage), lambda model: part_session(model, threads, providers))
+    runner = StageRunner(stage, parts, sessions, pipeline.crossings, plan.microbatches, state, pipeline.loss_count,
+                         device, provider_name(providers[0]), (rank % R, R), pipeline.sharded)
     return pipeline, lists, batches, runner, first
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 from onnx import helper
 from onnx.utils import Extractor
@@ -48,7 +49,7 @@ from meshplan.errors import TrainError
 from meshplan.model.opsets import set_ir_version
 from meshplan.training.autodiff import WEIGHT, tensor_types
 from meshplan.training.losses import LOSS
-from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, GRAD_ACC, GRAD_NORM, slot, updated
+from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, GRAD_ACC, GRAD_NORM, SLOTS, UPDATED, slot, updated
 from meshplan.training.step_model import BACKWARD, FORWARD, StepModel
 
 NORM, CLIP, UPDATE_PHASE = "norm", "clip", "update"
@@ -95,6 +96,7 @@ class PipelineStep:
     loss_count: str | None = None          # what the last stage divides the loss's sum by (a step's count)
     recomputed: dict[int, set[str]] = field(default_factory=dict)   # stage → what its backward makes again
     sharded: set[str] = field(default_factory=set)   # what a stage's replicas hold in row blocks (sharded_update)
+    chunks: dict[int, list[list[str]]] = field(default_factory=dict)   # stage → its update's outputs, in chunks
 
 
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int, recompute: bool = False) -> PipelineStep:
@@ -397,7 +399,7 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
                                       list(shapes[name]) if name in shapes else None)
         for name, dtype in dtypes.items() if name not in known and name not in constants)
     extractor = Extractor(typed)
-    parts = {}
+    parts, chunks = {}, {}
     for where in sorted(set(placement.values())):
         inputs = sorted(reads[where])
         outputs = sorted(wanted[where])
@@ -409,9 +411,42 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
         part_model = set_ir_version(extractor.extract_model(inputs, outputs))   # one onnxruntime loads
         if where[1] == UPDATE_PHASE:
             _output_by_output(part_model)
+            chunks[where[0]] = update_chunks(part_model)
         parts[where] = Part(where[0], where[1], part_model, inputs, outputs)
     return PipelineStep(stages, parts, crossings, home, placement, step, data_inputs, controls,
-                        recomputed=recomputed)
+                        recomputed=recomputed, chunks=chunks)
+
+
+UPDATE_CHUNKS = 8   # the runs a stage's update is cut into (what its new values hold at once: 1/8)
+
+
+def update_chunks(model: onnx.ModelProto, count: int = UPDATE_CHUNKS) -> list[list[str]]:
+    """An update part's outputs in at most ``count`` groups of about equal bytes, each
+    weight's new value with its slots' (``NAME.updated``, ``NAME.KIND.updated``), in the
+    part's order. A job runs the groups one after another, each group's new values taking
+    their old values' place before the next runs, so that a stage holds the new values of
+    one group at a time rather than of all its weights (``pipeline_stage.chunk_sessions``)."""
+    kinds = {kind for slots in SLOTS.values() for kind in slots} | {GRAD_ACC}
+    owners: dict[str, list[str]] = {}
+    sizes: dict[str, float] = defaultdict(float)
+    for value in model.graph.output:
+        name = value.name[:-len(UPDATED)] if value.name.endswith(UPDATED) else value.name
+        base, _, kind = name.rpartition(".")
+        owner = base if base and kind in kinds else name
+        owners.setdefault(owner, []).append(value.name)
+        kind_of = value.type.tensor_type
+        elements = float(np.prod([d.dim_value or 1 for d in kind_of.shape.dim], dtype=np.float64))
+        sizes[owner] += elements * np.dtype(helper.tensor_dtype_to_np_dtype(kind_of.elem_type)).itemsize
+    target = max([sum(sizes.values()) / max(count, 1)] + list(sizes.values()))
+    groups: list[list[str]] = []
+    held = target
+    for owner, names in owners.items():
+        if held + sizes[owner] > target * 1.0001 and len(groups) < count:
+            groups.append([])
+            held = 0.0
+        groups[-1].extend(names)
+        held += sizes[owner]
+    return groups
 
 
 def _output_by_output(model: onnx.ModelProto) -> None:
