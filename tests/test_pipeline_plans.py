@@ -106,12 +106,10 @@ def test_replicas_of_a_stage_hold_the_optimizer_state_in_row_blocks(tmp_path):
     chunks = read_pipeline(one_dir, one.training).chunks
     for stage, held in enumerate(one.training["memory"]):
         assert held["optimizer"] == 2 * held["weights"]
-        # the update holds the norm's mean gradients and their squares, and one group's new
-        # weights and slots at a time: less than all of them
+        # a backward makes new accumulated gradients while the old are held; the update, run
+        # group by group, holds one group's new weights and slots at a time, not all 3 W
         assert len(chunks[stage]) > 1
-        assert 2 * held["weights"] <= held["working"] < 5 * held["weights"]
-    for held in plan.training["memory"]:   # in row blocks, half of the norm's
-        assert held["weights"] <= held["working"] < 2.5 * held["weights"]
+        assert held["weights"] <= held["working"] < 3 * held["weights"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -371,11 +371,16 @@ def test_the_played_step_is_alpas_time_at_equal_stages_and_waits_on_sends_and_th
     assert ended == pytest.approx(max(clip[3] + 0.05 + 0.3, last_backward + 0.5 + 0.3))
 
 
+def _partial(part) -> str:
+    return next(n for n in part.outputs if n.endswith(f"/stage{part.stage}"))
+
+
 @pytest.mark.parametrize("name", ["gpt_adamw", "mlp_sgd"])
 def test_an_update_run_group_by_group_trains_the_same(name):
     """A stage's update cut into groups of its outputs (``update_chunks``: each weight's new
     value with its slots', at most 8 groups of about equal bytes, every output once) and run
-    group by group trains exactly as the whole update run at once."""
+    group by group, computing the mean gradients again from the accumulated ones, trains
+    exactly as the whole update run at once."""
     from meshplan.training.pipeline_step import UPDATE_CHUNKS, UPDATE_PHASE, update_chunks
 
     case, _, pipeline = _pipeline(name, 2, 4)
@@ -390,6 +395,11 @@ def test_an_update_run_group_by_group_trains_the_same(name):
         for group in groups:
             for weight in (o[:-len(".updated")] for o in group if o[:-len(".updated")] in weights):
                 assert {o for o in part.outputs if o.startswith(weight + ".")} <= set(group)
+        # the update computes the mean gradients again from what the norm read: the norm
+        # hands on its partial sum alone
+        norm = pipeline.parts[(stage, "norm")]
+        assert norm.outputs == [f"{_partial(norm)}"]
+        assert set(part.inputs) >= {n for n in norm.inputs if n.startswith("train.update/Add")}
     grouped = _train(case, PipelineRunner(pipeline, 4, case["initial"], ONE_F_ONE_B))
     _, _, whole = _pipeline(name, 2, 4)
     whole.chunks = {}

@@ -118,8 +118,9 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
     (what its backward reads of one microbatch's forward, times the microbatches in flight;
     sizes from ``graph``, the forward model at one microbatch's dims; a replica holds its
     1/``replicas`` of each), ``working`` (the more of: while a backward runs, the gradients
-    of one microbatch's activations; while the update runs, what the norm made and the
-    largest group of the update's new values) and ``process``, on each of its devices."""
+    of one microbatch's activations and the new accumulated gradients; while the update
+    runs, what the norm made and the largest group of the update's new values) and
+    ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
@@ -144,7 +145,8 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             # a backward's gradients of one microbatch's activations (and what it computes again)
             again = sum(graph.tensors[n].nbytes for n in pipeline.recomputed.get(stage, ())
                         if n in graph.tensors and not graph.tensors[n].is_param)
-            held["working"] = float(one + 2 * again) / replicas
+            # and the microbatch's new accumulated gradients, made while the old are held
+            held["working"] = float(one + 2 * again) / replicas + held["gradients"]
         # once a step: the tensors its norm makes and a group of its update's new values
         held["working"] = max(held["working"], _update_bytes(pipeline, stage, replicas))
         found.append(held)

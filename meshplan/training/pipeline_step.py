@@ -379,6 +379,7 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
         for name in again:
             if not readers[name] and name not in graph_outputs:
                 wanted[(stage, FORWARD)].discard(name)
+    _update_computes_again(nodes, placement, made_in, reads, wanted, readers, stages, graph_outputs | constants)
     crossings = []
     for name, parts in readers.items():
         src, made_phase = made_in[name]
@@ -447,6 +448,54 @@ def update_chunks(model: onnx.ModelProto, count: int = UPDATE_CHUNKS) -> list[li
         groups[-1].extend(names)
         held += sizes[owner]
     return groups
+
+
+# What an update computes again of its stage's norm rather than hold it between the two: a
+# weight's mean gradient and its square (a division by the step's count, a product, a cast).
+_AGAIN_IN_UPDATE = {"Div", "Mul", "Cast"}
+
+
+def _update_computes_again(nodes: list, placement: dict, made_in: dict, reads: dict, wanted: dict, readers: dict,
+                           stages: int, kept: set) -> None:
+    """Each stage's update reads what its norm read (the accumulated gradients, the count)
+    and computes the mean gradients and their squares again, instead of the norm handing
+    them on: the norm then keeps nothing per weight, and the update, which runs group by
+    group, lets each weight's accumulated gradient go once its group has run. Only where
+    every node between is a division, a product or a cast of the norm's (``reads``,
+    ``wanted`` and ``readers`` are changed in place; ``kept``: the step's outputs and
+    constants, which stay as they are)."""
+    producer = {o: node for node in nodes for o in node.output if o}
+    for stage in range(stages):
+        norm, update = (stage, NORM), (stage, UPDATE_PHASE)
+        handed = sorted(n for n in reads.get(update, ()) if made_in.get(n) == norm)
+        sources: set[str] = set()
+        ok = bool(handed)
+        for name in handed:
+            stack = [name]
+            while stack and ok:
+                tensor = stack.pop()
+                node = producer.get(tensor)
+                if node is None or placement.get(node.name) != norm:
+                    sources.add(tensor)
+                    continue
+                if node.op_type not in _AGAIN_IN_UPDATE:
+                    ok = False
+                stack.extend(i for i in node.input if i)
+        if not ok:
+            continue
+        for name in handed:
+            reads[update].discard(name)
+            readers[name].discard(update)
+            if not readers[name] and name not in kept:
+                wanted[norm].discard(name)
+        for name in sources - kept:
+            if name in made_in and made_in[name] != update:
+                reads[update].add(name)
+                readers[name].add(update)
+                if made_in[name][1] != STATE:
+                    wanted[made_in[name]].add(name)
+            elif name not in made_in:
+                reads[update].add(name)
 
 
 def _output_by_output(model: onnx.ModelProto) -> None:
