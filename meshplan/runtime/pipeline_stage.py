@@ -200,10 +200,11 @@ class StageRunner:
             values = self._run_one(chunk, phase, mb, inputs, outputs, in_blocks)
             self._keep(phase, mb, outputs, values, in_blocks, links)
             del values
-            if len(chunks) > 1:   # what no later chunk reads is let go now
+            if len(chunks) > 1:   # what no later chunk, and no run still to come, reads is let go now
                 later = {n for _, names, _ in chunks[index + 1:] for n in names}
                 for name in inputs:
-                    if name not in later and self.readers.get(name) == {phase} and not self.sends_of.get(name):
+                    pending = {p for p in self.readers.get(name, ()) if p != phase and (p, mb) not in self.ran}
+                    if name not in later and not pending and not self.sends_of.get(name):
                         self.held.pop((name, mb), None)
         self.ran.add((phase, mb))
         for name in list(part.inputs) + list(part.outputs):

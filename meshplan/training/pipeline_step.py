@@ -426,7 +426,7 @@ def update_chunks(model: onnx.ModelProto, count: int = UPDATE_CHUNKS) -> list[li
     weight's new value with its slots' (``NAME.updated``, ``NAME.KIND.updated``), in the
     part's order. A job runs the groups one after another, each group's new values taking
     their old values' place before the next runs, so that a stage holds the new values of
-    one group at a time rather than of all its weights (``pipeline_stage.chunk_sessions``)."""
+    one group at a time rather than of all its weights (``runtime.pipeline_stage.stage_sessions``)."""
     kinds = {kind for slots in SLOTS.values() for kind in slots} | {GRAD_ACC}
     owners: dict[str, list[str]] = {}
     sizes: dict[str, float] = defaultdict(float)
