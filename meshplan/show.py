@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from meshplan.emit.annotate import ANNOTATED_FILE, COSTS_KEY, HINTED_KEY, LAYER_KEY, PLAN_KEY
@@ -92,9 +93,11 @@ def show_plan(directory: str | Path, operators: int = OPERATORS_SHOWN, weights: 
     ``operators`` per layer and ``weights`` heaviest weights (0: all)."""
     directory = Path(directory)
     plan = read_plan(directory)
-    model, note = _read_annotated(directory, plan)
     if stage is not None and not 0 <= stage < len(plan.stages):
         raise PlanError(f"the plan has no stage {stage} (it has {len(plan.stages)})")
+    if plan.training.get("pipeline"):
+        return _pipeline_training_text(plan, directory, stage)
+    model, note = _read_annotated(directory, plan)
     est = plan.estimate
     mesh = plan.cluster["mesh"]
     memory = plan.cluster["device"]["memory_bytes"] if "memory_bytes" in plan.cluster["device"] else None
@@ -180,6 +183,40 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
                 when = f"mb {item.mb}" if _per_mb(c) else "once a step"
                 text = f"{item.op} {c.tensor} {when} {peer} ({c.made_in} -> {'/'.join(c.read_in)})"
             lines.append(f"  {i:3d}  {text}")
+    return "\n".join(lines)
+
+
+def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> str:
+    """A pipelined training plan: its report, then each stage's (or only ``stage``'s) ranks,
+    the state it holds and its parts (programs a person can open)."""
+    from meshplan.emit.pipeline_parts import read_pipeline
+    from meshplan.emit.report import pipeline_training_report
+    from meshplan.training.pipeline_step import PHASES
+
+    pipeline = read_pipeline(directory, plan.training, check=False)
+    record = plan.training["pipeline"]
+    R = int(record.get("replicas", 1))
+    shapes = {w: (info["shape"], info["dtype"]) for w, info in plan.training["weights"].items()}
+    lines = [pipeline_training_report(plan), "", "`show --schedule` prints each stage's instruction list."]
+    files = {(int(p["stage"]), p["phase"]): p["file"] for p in record["parts"]}
+    for s in plan.stages:
+        if stage is not None and s.index != stage:
+            continue
+        held = sorted(w for w, home in pipeline.home.items() if home == s.index and w in shapes)
+        nbytes = sum(int(np.prod(shapes[w][0], dtype=np.int64)) * np.dtype(shapes[w][1]).itemsize for w in held)
+        lines.append("")
+        lines.append(f"stage {s.index}: layers {s.layers[0]}-{s.layers[1] - 1}, rank(s) {device_ranges(s.devices)}"
+                     + (f" ({R} data-parallel replicas)" if R > 1 else ""))
+        lines.append(f"  holds {len(held)} trained weight(s), {human_bytes(nbytes)}"
+                     + ("; each replica its row blocks of their optimizer slots" if pipeline.sharded else ""))
+        for phase in PHASES:
+            part = pipeline.parts.get((s.index, phase))
+            if part is None:
+                continue
+            groups = pipeline.chunks.get(s.index) if phase == "update" else None
+            lines.append(f"  {phase:<8} {files[(s.index, phase)]}: {len(part.inputs)} input(s), "
+                         f"{len(part.outputs)} output(s)"
+                         + (f", run in {len(groups)} groups of weights" if groups and len(groups) > 1 else ""))
     return "\n".join(lines)
 
 

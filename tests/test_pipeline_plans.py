@@ -100,6 +100,12 @@ def test_replicas_of_a_stage_hold_the_optimizer_state_in_row_blocks(tmp_path):
     shown = run_cli("show", plan_dir, "--schedule", "--stage", 0)
     assert shown.returncode == 0, shown.stderr
     assert "ranks 0-1 (stage 0)" in shown.stdout and "reduce-scatter the accumulated gradients" in shown.stdout
+    shown = run_cli("show", plan_dir)    # the report, then each stage's ranks, state and parts
+    assert shown.returncode == 0, shown.stderr
+    assert "reduce-scatter and weight all-gather" in shown.stdout and "no annotated.onnx" not in shown.stdout
+    assert "stage 1: layers" in shown.stdout and "rank(s) 2,3 (2 data-parallel replicas)" in shown.stdout
+    assert "row blocks of their optimizer slots" in shown.stdout and "groups of weights" in shown.stdout
+    assert shown.stdout.count("training/stage") == 9
     _, one_dir, said = _plan(tmp_path, "gpt_adamw", "1x2", 2, out="one")
     one = read_plan(one_dir)
     assert one.training["pipeline"]["sharded"] == [] and "ZeRO-1" not in said

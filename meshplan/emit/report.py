@@ -174,8 +174,9 @@ def pipeline_training_report(plan: Plan) -> str:
     update = max(est.get("update_seconds") or [0.0])
     how = ("its schedule played with each part's and send's time" if est.get("timing")
            else "sum of the stages + (B - 1) x the slowest")
+    summing = "reduce-scatter and weight all-gather" if record.get("sharded") else "all-reduce"
     lines.append(f"estimate: step {human_seconds(est['step_seconds'])} ({how}"
-                 + (f"; the replicas' gradient all-reduce, {human_seconds(reduce)}" if R > 1 else "")
+                 + (f"; the replicas' gradient {summing}, {human_seconds(reduce)}" if R > 1 else "")
                  + f"; the update, {human_seconds(update)}), "
                  f"{plan.batch['size'] * B / est['step_seconds']:.1f} samples/s "
                  f"({est.get('cost_model', 'analytic')} costs)")
