@@ -59,3 +59,29 @@ def test_only_an_update_computed_element_by_element_is_cut_into_row_blocks():
             for v in list(loose.graph.input) + list(loose.graph.output)}
     assert dims == {"g": ["g.d0", "g.d1"], "w": ["w.d0", "w.d1"], "lr": [], "w2": ["w2.d0", "w2.d1"],
                     "partial": []}
+
+
+def test_no_row_blocks_for_one_replica_or_a_weight_without_dims():
+    """One replica a stage, or a trained weight of no dims (its square would be counted by
+    every replica in the norm), or an update that is not element by element: every replica
+    updates whole."""
+    from meshplan.testing.train_reference import even_stages
+    from meshplan.training.pipeline_step import split_step
+    from meshplan.training.sharded_update import update_shards
+    from meshplan.training.step_model import TrainSpec, build_step_model
+    from sample_models.training import load_case
+
+    case = load_case("mlp_sgd")
+    settings = case["settings"]
+    step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"], microbatches=4,
+                                                          stages=2))
+    pipeline = split_step(step, even_stages(step, case["model_path"], 2), 2)
+    assert update_shards(pipeline, 2) and not update_shards(pipeline, 1)
+    weights = step.manifest["weights"]
+    name = next(iter(weights))
+    step.manifest["weights"] = {**weights, name: {**weights[name], "shape": []}}
+    assert update_shards(pipeline, 2) == set()
+    step.manifest["weights"] = weights
+    update = next(part for (_, phase), part in pipeline.parts.items() if phase == "update")
+    update.model.graph.node.append(helper.make_node("MatMul", [update.inputs[0], update.inputs[0]], ["extra"]))
+    assert update_shards(pipeline, 2) == set()
