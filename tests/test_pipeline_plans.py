@@ -18,6 +18,7 @@ from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.report import training_timeline
 from meshplan.emit.schedule import read_lists
 from meshplan.emit.train_schedule import read_training_schedule, training_schedule
+from meshplan.errors import PlanError
 from meshplan.plan_format import read_plan
 from meshplan.providers import cuda_usable
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
@@ -100,6 +101,13 @@ def test_replicas_of_a_stage_hold_the_optimizer_state_in_row_blocks(tmp_path):
     shown = run_cli("show", plan_dir, "--schedule", "--stage", 0)
     assert shown.returncode == 0, shown.stderr
     assert "ranks 0-1 (stage 0)" in shown.stdout and "reduce-scatter the accumulated gradients" in shown.stdout
+    damaged = json.loads((plan_dir / "plan.json").read_text())   # a group of the update that is not its own
+    damaged["training"]["pipeline"]["update_chunks"]["0"][0].append("no.such.updated")
+    with pytest.raises(PlanError, match="update groups of stage 0"):
+        read_pipeline(plan_dir, damaged["training"])
+    damaged["training"]["pipeline"]["update_chunks"] = [["a"]]
+    with pytest.raises(PlanError, match="malformed"):
+        read_pipeline(plan_dir, damaged["training"])
     shown = run_cli("show", plan_dir)    # the report, then each stage's ranks, state and parts
     assert shown.returncode == 0, shown.stderr
     assert "reduce-scatter and weight all-gather" in shown.stdout and "no annotated.onnx" not in shown.stdout

@@ -70,10 +70,15 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
             raise PlanError(f"plan.json names an unknown pipeline schedule {record['schedule']!r}",
                             hint="re-run meshplan plan")
         step = StepModel(None, {}, {k: v for k, v in training.items() if k != "pipeline"})
+        chunks = {int(k): [list(g) for g in v] for k, v in dict(record.get("update_chunks", {})).items()}
+        for stage, groups in chunks.items():   # each output of the stage's update in one group
+            update = parts.get((stage, UPDATE_PHASE))
+            if update is None or sorted(n for g in groups for n in g) != sorted(update.outputs):
+                raise PlanError(f"plan.json's update groups of stage {stage} are not its update's outputs",
+                                hint="re-run meshplan plan")
         return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
                             {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"),
-                            sharded=set(record.get("sharded", ())),
-                            chunks={int(k): [list(g) for g in v] for k, v in record.get("update_chunks", {}).items()})
+                            sharded=set(record.get("sharded", ())), chunks=chunks)
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None
