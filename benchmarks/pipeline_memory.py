@@ -6,7 +6,7 @@ Usage (from the repository root)::
         [--batch 32] [--json PATH]
     python benchmarks/pipeline_memory.py --mpi [--stages 4] [--microbatches 8] [--batch 32]
         [--layers 8] [--hidden 256] [--heads 4] [--vocab 2048] [--seq 128] [--steps 2] [--replicas 1]
-        [--workdir DIR] [--json PATH]
+        [--tensor-parallel 1] [--workdir DIR] [--json PATH]
 
 In process (the default): the case is one of sample_models/training's (a GPT with AdamW by
 default), its forward graph cut into ``--stages`` runs of nodes of equal length, one step of
@@ -19,9 +19,11 @@ held. Both schedules' loss is printed (the same step, so the same loss).
 ``--mpi``: a GPT written with onnx.helper (``benchmarks/train.py``'s, at the sizes given) is
 planned with ``meshplan plan --train --stages S --schedule 1f1b|gpipe`` (and 1F1B with
 ``--recompute``) on a 1xS mesh of CPU devices (1x(S·R) with ``--replicas R``: each stage R
-data-parallel replicas, which hold the optimizer's state in row blocks) and trained for
-``--steps`` steps by ``mpiexec -n S·R meshplan train``; each rank's peak RSS as the command
-reports it, next to the plan's estimate of its stage.
+data-parallel replicas, which hold the optimizer's state in row blocks; with
+``--tensor-parallel T``, replicas of T devices that shard the stage's operators, on a
+1x(S·R·T) mesh, and no recomputing row) and trained for ``--steps`` steps by ``mpiexec -n
+S·R·T meshplan train``; each rank's peak RSS as the command reports it, next to the plan's
+estimate of its stage, and the step's median time.
 """
 
 from __future__ import annotations
@@ -115,20 +117,23 @@ def _mpi_rows(args, work: Path) -> dict:
     meshplan = [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
     beside = Path(sys.executable).parent / "mpiexec"     # the mpich wheel's, else the PATH's
     mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+    T = args.tensor_parallel
+    ranks_count = args.stages * args.replicas * T
     print(f"GPT of {built['parameters'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}, "
           f"sequence {args.seq}); {args.stages} stages, {args.microbatches} microbatches of "
-          f"{args.batch // args.microbatches} samples, {args.replicas} replica(s) a stage, under mpiexec")
+          f"{args.batch // args.microbatches} samples, {args.replicas} replica(s) of {T} device(s) that shard its "
+          "operators a stage, under mpiexec")
     print(f"{'schedule':8} {'rank':>4} {'peak RSS MiB':>12} {'estimate MiB':>12}")
     rows = {}
-    for kind in (ONE_F_ONE_B, GPIPE, RECOMPUTED):
+    for kind in (ONE_F_ONE_B, GPIPE) + ((RECOMPUTED,) if T == 1 else ()):
         plan_dir = work / f"plan-{kind}"
         _run([*meshplan, "plan", model, "--train", "--loss", "cross_entropy:logits:targets", "--optimizer", "adamw",
-              "--mesh", f"1x{args.stages * args.replicas}", "--stages", args.stages, "--schedule",
-              kind.split("+")[0],
+              "--mesh", f"1x{ranks_count}", "--stages", args.stages, "--schedule",
+              kind.split("+")[0], "--tensor-parallel", T,
               *(["--recompute"] if kind == RECOMPUTED else []), "--microbatches",
               args.microbatches, "--dim", f"batch={args.batch}", "--device", "cpu", "-o", plan_dir])
         log = work / f"log-{kind}.json"
-        done = _run([mpiexec, "-n", args.stages * args.replicas, *meshplan, "train", plan_dir, "--data", data,
+        done = _run([mpiexec, "-n", ranks_count, *meshplan, "train", plan_dir, "--data", data,
                      "--steps", args.steps,
                      "--lr", 3e-4, "--log", log, "-q"])
         ranks = []
@@ -144,9 +149,11 @@ def _mpi_rows(args, work: Path) -> dict:
     ratio = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(rows[ONE_F_ONE_B]["ranks"], rows[GPIPE]["ranks"])]
     print("1F1B over GPipe, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in ratio))
     again = [a["peak_rss_mib"] / b["peak_rss_mib"]
-             for a, b in zip(rows[RECOMPUTED]["ranks"], rows[ONE_F_ONE_B]["ranks"])]
-    print("1F1B recomputing over 1F1B, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in again))
-    return {"sizes": sizes, "parameters": built["parameters"], "replicas": args.replicas, "schedules": rows,
+             for a, b in zip(rows[RECOMPUTED]["ranks"], rows[ONE_F_ONE_B]["ranks"])] if RECOMPUTED in rows else []
+    if again:
+        print("1F1B recomputing over 1F1B, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in again))
+    return {"sizes": sizes, "parameters": built["parameters"], "replicas": args.replicas, "tensor_parallel": T,
+            "schedules": rows,
             "ratio_1f1b_over_gpipe": ratio,
             "ratio_recomputed_over_1f1b": again}
 
@@ -172,6 +179,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=1, help="with --mpi: data-parallel replicas a stage")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="with --mpi: devices of each replica that shard the stage's operators")
     parser.add_argument("--workdir", help="where the model, data and plans go [default: a temporary folder, removed]")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

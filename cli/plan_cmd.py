@@ -37,6 +37,10 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
                    "inputs of a microbatch in flight and runs its forward again in its backward; a training "
                    "estimate (--no-programs) keeps what enters each layer. A forward more a step, far fewer "
                    "bytes in flight.")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="A pipelined training plan (--train --stages S): each stage's devices in groups of this many "
+                   "that shard its operators (the sharding ILP over the forward, backward and update together), "
+                   "the groups data-parallel replicas of the stage.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -83,7 +87,7 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, stages, pipeline_schedule,
-         recompute, all_devices,
+         recompute, tensor_parallel, all_devices,
          shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
          max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
@@ -111,7 +115,11 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
-                              all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute)
+                              all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute,
+                              tensor_parallel=tensor_parallel)
+        if tensor_parallel > 1 and not (train and stages and stages > 1 and not no_programs):
+            raise click.UsageError("--tensor-parallel goes with --train and --stages S (S > 1): a pipelined training "
+                                   "plan with programs")
         if recompute and not (train and (stages or max_stages)):
             raise click.UsageError("--recompute goes with --train and --stages or --max-stages (a pipelined "
                                    "training plan or estimate)")

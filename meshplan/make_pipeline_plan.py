@@ -10,7 +10,10 @@ mesh's devices over S), each a data-parallel replica of the stage that takes 1/R
 microbatch; the replicas sum their accumulated gradients once a step, after the last
 microbatch's backward (the lists' ``reduce``), each into its own row blocks of them where the
 update allows (ZeRO-1, ``training.sharded_update``: each replica keeps and updates 1/R of
-the optimizer's slots, and the updated weights are gathered whole). The directory appears complete or not at all.
+the optimizer's slots, and the updated weights are gathered whole). With
+``--tensor-parallel T``, a stage's devices are replicas of T that shard its operators
+(``make_stage_programs``: the sharding ILP over the whole step on a [1, T] mesh, each
+device's program cut into its parts). The directory appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
                            notes: list[str] = ()) -> Plan:
     """``dims``: one microbatch's; ``spec`` accumulates over ``microbatches``. ``replace_dir``
     moves the finished directory into place; ``notes``: lines for the report."""
-    stages = options.stages
+    stages, tensor = options.stages, options.tensor_parallel
     step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
@@ -58,12 +61,21 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         graph = _forward_graph(model_path, dims, staging / ".work")
         pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
         costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
+        if tensor > 1:
+            memory, costs = _sharded_stages(step, step_path, pipeline, memory, costs, cluster,
+                                            _replica_dims(step, dims, replicas), options, cost_model,
+                                            staging / ".tensor", folder)
+            shutil.rmtree(staging / ".tensor", ignore_errors=True)
         check_fits(memory, cluster.device.memory_bytes)
         record = write_parts(pipeline, folder, options.schedule, microbatches, replicas)
         plan = _plan(model_path, step, step_path, cluster, dims, microbatches, pipeline, cut, memory, record,
                      replicas, costs)
         plan.estimate.update((cost_model or CostModel(cluster)).summary())   # which costs the estimate took
         plan.training["recompute"] = options.recompute
+        if tensor > 1:
+            plan.notes.append(f"each stage's {tensor * replicas} device(s): {replicas} data-parallel replica(s) of "
+                              f"{tensor} that shard its operators (the sharding ILP over the whole step on a "
+                              f"[1, {tensor}] mesh)")
         if options.recompute:
             plan.notes.append("activations recomputed: each stage keeps its inputs of a microbatch in flight, and its "
                               "backward runs its forward again")
@@ -86,6 +98,8 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     """The step seconds and the most bytes a device needs of the pipelined plan of
     ``options.stages`` stages, planned but not written. Raises ``PlanError`` where there is
     no such plan (the stages do not divide the mesh, a microbatch does not split, ...)."""
+    if options.tensor_parallel > 1:
+        raise PlanError("--tensor-parallel goes with --stages: the stage count is not weighed with it yet")
     step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
     workdir.mkdir(parents=True, exist_ok=True)
     step_path = save_step_model(step, model_path, workdir / "step" / "step.onnx")
@@ -106,7 +120,18 @@ def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanO
         raise PlanError(f"--stages {stages} does not divide the mesh's {cluster.num_devices} devices: each stage "
                         "has the same number of devices, data-parallel replicas of it, for now",
                         hint=f"a number of stages that divides {cluster.num_devices}")
-    replicas = cluster.num_devices // stages
+    tensor = options.tensor_parallel
+    if (cluster.num_devices // stages) % tensor:
+        raise PlanError(f"--tensor-parallel {tensor} does not divide a stage's {cluster.num_devices // stages} "
+                        f"device(s) ({cluster.num_devices} over {stages} stages)",
+                        hint=f"a divisor of {cluster.num_devices // stages}")
+    if tensor > 1 and (tensor > cluster.devices_per_host or cluster.devices_per_host % tensor):
+        raise PlanError(f"--tensor-parallel {tensor} does not divide a host's {cluster.devices_per_host} device(s): "
+                        "the devices that shard a stage's operators are on one host",
+                        hint=f"a divisor of {cluster.devices_per_host}")
+    if tensor > 1 and options.recompute:
+        raise PlanError("--recompute does not go with --tensor-parallel yet", hint="one or the other")
+    replicas = cluster.num_devices // stages // tensor
     step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
     if replicas > 1 and step.manifest.get("statistics"):
         raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
@@ -133,8 +158,62 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
     cut = cut_stages(graph, seconds, options.stages, options.num_layers)
     pipeline = split_step(step, cut.forward_stage, options.stages, options.recompute)
-    pipeline.sharded = update_shards(pipeline, replicas)
+    # (where operators are sharded, the ILP chose the slots' layouts: no row blocks on top)
+    pipeline.sharded = update_shards(pipeline, replicas) if options.tensor_parallel == 1 else set()
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
+
+
+def _sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
+                    options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path):
+    """``pipeline`` made the pipeline of each stage's devices sharding its operators
+    (``make_stage_programs``: each device's parts, the inputs' layouts); the memory and the
+    part seconds as they become: the state each device holds of its stage by the layouts the
+    ILP chose, the activations a device's 1/T; each part's seconds scaled by the ILP's
+    estimate of the whole step on T devices against one device's."""
+    from meshplan.make_stage_programs import stage_programs
+
+    tensor = options.tensor_parallel
+    programs = stage_programs(step, step_path, pipeline, cluster, dims, tensor, options, cost_model, workdir, folder)
+    first = programs.devices[0]
+    pipeline.device_parts = [d.parts for d in programs.devices]
+    pipeline.parts, pipeline.crossings, pipeline.loss_count = first.parts, first.crossings, first.loss_count
+    pipeline.chunks, pipeline.specs = {}, dict(programs.specs)
+    one_device = sum(costs.values())
+    scale = programs.step_seconds / one_device if one_device else 1.0 / tensor
+    return sharded_memory(memory, pipeline, tensor), {k: v * scale for k, v in costs.items()}
+
+
+def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
+    """Each stage's bytes a device (``stage_memory``'s) where T devices shard its operators:
+    its weights, accumulated gradients and optimizer slots as the layouts of
+    ``pipeline.specs`` hold them on the [1, T] mesh; its activations and working memory 1/T."""
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+    from meshplan.training.optimizers import GRAD_ACC, slot
+
+    mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
+    manifest = pipeline.step.manifest
+
+    def held(name: str, shape, itemsize: int) -> float:
+        text = pipeline.specs.get(name)
+        whole = float(np.prod(shape, dtype=np.int64)) * itemsize
+        return float(ShardingSpec.parse(text).local_bytes(tuple(shape), itemsize, mesh)) if text else whole
+
+    found = []
+    for stage, before in enumerate(memory):
+        kinds = dict(before)
+        kinds.update(weights=0.0, gradients=0.0, optimizer=0.0)
+        for name, info in manifest["weights"].items():
+            if pipeline.home.get(name) != stage:
+                continue
+            itemsize = np.dtype(info["dtype"]).itemsize
+            kinds["weights"] += held(name, info["shape"], itemsize)
+            kinds["gradients"] += held(slot(name, GRAD_ACC), info["shape"], itemsize)
+            kinds["optimizer"] += sum(held(slot(name, k), info["shape"], itemsize)
+                                      for k in manifest["slots"] if k != GRAD_ACC)
+        kinds["activations"] = before["activations"] / tensor
+        kinds["working"] = before["working"] / tensor
+        found.append(kinds)
+    return found
 
 
 def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, cost_model: CostModel | None,
@@ -166,8 +245,9 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
     a reduce-scatter and an all-gather cost the all-reduce's time); each stage's all-reduce
     and update; and what the step was played with (``timing``: the timeline draws it
     again)."""
-    R, S = replicas, len(cut.seconds)
-    reduce = [_allreduce_seconds(cluster, list(range(s * R, (s + 1) * R)), memory[s]["gradients"])
+    R, S, T = replicas, len(cut.seconds), pipeline.tensor
+    RT = R * T      # a stage's devices: R replicas of T that shard its operators
+    reduce = [_allreduce_seconds(cluster, list(range(s * RT, (s + 1) * RT, T)), memory[s]["gradients"])
               for s in range(S)]
     seconds, sent = [], {}
     for s in range(S):
@@ -175,7 +255,7 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
         for made_in, peer, cut_index in ((FORWARD, s + 1, s), (BACKWARD, s - 1, s - 1)):
             count = sum(1 for c in pipeline.crossings if c.src == s and c.made_in == made_in and per_microbatch(c))
             if count and 0 <= peer < S:
-                link = cluster.link(s * R, peer * R)
+                link = cluster.link(s * RT, peer * RT)
                 sent[(s, made_in)] = count * link.latency + cut.cut_bytes[cut_index] / R / link.bandwidth
                 sends += sent[(s, made_in)]
         seconds.append((costs.get((s, FORWARD), 0.0) + costs.get((s, BACKWARD), 0.0)) / R + sends)
@@ -186,7 +266,7 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
     took.update({(s, CLIP): costs.get((s, CLIP), 0.0) for s in range(S)})
     took.update({(s, UPDATE_PHASE): costs.get((s, UPDATE_PHASE), 0.0) / shared for s in range(S)})
     took.update({(s, NORM): reduce[s] + costs.get((s, NORM), 0.0) / shared for s in range(S)})
-    scalar = max((cluster.link(s * R, (s + 1) * R).latency for s in range(S - 1)), default=0.0)
+    scalar = max((cluster.link(s * RT, (s + 1) * RT).latency for s in range(S - 1)), default=0.0)
     _, step = timed_step(S, microbatches, kind, took, sent, scalar)
     timing = {"took": [[s, p, t] for (s, p), t in sorted(took.items())],
               "sent": [[s, p, t] for (s, p), t in sorted(sent.items())], "scalar": scalar}
@@ -262,6 +342,17 @@ def _microbatch_size(step, dims: dict) -> int:
     return int(dim.dim_value) if dim.HasField("dim_value") else int(dims.get(dim.dim_param, 1))
 
 
+def _replica_dims(step, dims: dict, replicas: int) -> dict:
+    """One replica's dims of a microbatch: the leading dim of the data inputs 1/R."""
+    graph = step.model.graph
+    initializers = {t.name for t in graph.initializer}
+    first = next((v for v in graph.input if v.name not in initializers), None)
+    dim = first.type.tensor_type.shape.dim[0] if first is not None and first.type.tensor_type.shape.dim else None
+    if replicas == 1 or dim is None or not dim.dim_param or dim.dim_param not in dims:
+        return dict(dims)
+    return {**dims, dim.dim_param: int(dims[dim.dim_param]) // replicas}
+
+
 def _allreduce_seconds(cluster: Cluster, devices: list[int], nbytes: float) -> float:
     """A ring all-reduce of ``nbytes`` over ``devices`` (their slowest link)."""
     R = len(devices)
@@ -279,16 +370,18 @@ def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict,
                       for d in v.type.tensor_type.shape.dim[:1] if d.dim_param), None)
     size = inputs[0].shape[0] if inputs and inputs[0].shape else 1
     stages = []
-    R = replicas
+    R, T = replicas, pipeline.tensor
+    RT = R * T
     per_host = cluster.devices_per_host
-    submesh = [1, R] if R <= per_host else [R // per_host, per_host]
+    submesh = [1, RT] if RT <= per_host else [RT // per_host, per_host]
     seconds, step_seconds, reduce_seconds, update_seconds, timing = _timing(
         cut, memory, cluster, replicas, microbatches, pipeline, costs, record["schedule"])
     for s in range(pipeline.stages):
         into = sorted({c.tensor for c in pipeline.crossings if c.dst == s})
         out = sorted({c.tensor for c in pipeline.crossings if c.src == s})
         stages.append(Stage(s, sorted(n for n, k in cut.forward_stage.items() if k == s), cut.layers[s],
-                            list(range(s * R, (s + 1) * R)), submesh, [1, R], into, out, seconds[s],
+                            list(range(s * RT, (s + 1) * RT)), submesh, [R, T] if T > 1 else [1, R], into, out,
+                            seconds[s],
                             float(sum(memory[s].values()))))
     estimate = {"latency_seconds": step_seconds, "step_seconds": step_seconds,
                 "throughput_per_second": size * microbatches / step_seconds if step_seconds else 0.0,

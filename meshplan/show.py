@@ -164,6 +164,9 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
     lists = read_training_schedule(plan.to_dict()["checksum"], directory, pipeline, plan.microbatches,
                                    record["schedule"], R)
     each = "one rank" if R == 1 else f"{R} ranks (data-parallel replicas running one list)"
+    R *= pipeline.tensor      # (a stage's ranks)
+    if pipeline.tensor > 1:
+        each = f"{R} ranks ({pipeline.tensor} that shard its operators, each running its own parts of one list)"
     lines = [f"schedule: {record['schedule']}, {plan.microbatches} microbatch(es), {len(lists)} stage(s) of {each}, "
              "a step (schedule.json)"]
     for s, items in enumerate(lists):
@@ -195,10 +198,10 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
 
     pipeline = read_pipeline(directory, plan.training, check=False)
     record = plan.training["pipeline"]
-    R = int(record.get("replicas", 1))
+    R, T = int(record.get("replicas", 1)), pipeline.tensor
     shapes = {w: (info["shape"], info["dtype"]) for w, info in plan.training["weights"].items()}
     lines = [pipeline_training_report(plan), "", "`show --schedule` prints each stage's instruction list."]
-    files = {(int(p["stage"]), p["phase"]): p["file"] for p in record["parts"]}
+    files = {(int(p["stage"]), p["phase"]): p["file"] for p in record["parts"] if int(p.get("device", 0)) == 0}
     for s in plan.stages:
         if stage is not None and s.index != stage:
             continue
@@ -206,9 +209,11 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
         nbytes = sum(int(np.prod(shapes[w][0], dtype=np.int64)) * np.dtype(shapes[w][1]).itemsize for w in held)
         lines.append("")
         lines.append(f"stage {s.index}: layers {s.layers[0]}-{s.layers[1] - 1}, rank(s) {device_ranges(s.devices)}"
-                     + (f" ({R} data-parallel replicas)" if R > 1 else ""))
+                     + (f" ({R} data-parallel replicas)" if R > 1 else "")
+                     + (f"; {T} that shard its operators, each its own parts (.d0 ... .d{T - 1})" if T > 1 else ""))
         lines.append(f"  holds {len(held)} trained weight(s), {human_bytes(nbytes)}"
-                     + ("; each replica its row blocks of their optimizer slots" if pipeline.sharded else ""))
+                     + ("; each replica its row blocks of their optimizer slots" if pipeline.sharded else "")
+                     + ("; each device its pieces of them, in the layouts the ILP chose" if T > 1 else ""))
         for phase in PHASES:
             part = pipeline.parts.get((s.index, phase))
             if part is None:

@@ -8,7 +8,10 @@ makes and another reads), the stage that holds each state input, the schedule's 
 the replicas of each stage (each stage data-parallel over that many devices) and the tensors
 those replicas hold in row blocks (``training.sharded_update``: the norm and update parts
 written to take them in any number of rows), and the groups each stage's update is run in
-(``training.pipeline_step.update_chunks``).
+(``training.pipeline_step.update_chunks``). Where T devices shard each stage's operators
+(``emit.rank_parts``) each device has its own parts (``stage{S}.{phase}.d{J}.onnx``, the
+record's ``device``), and the record holds T (``tensor``) and each input's layout on their
+[1, T] mesh (``specs``).
 ``read_pipeline`` gives back the ``PipelineStep`` a runner needs, the parts as paths.
 """
 
@@ -26,26 +29,36 @@ from meshplan.training.sharded_update import relaxed
 from meshplan.training.step_model import StepModel
 
 
-def part_file(stage: int, phase: str) -> str:
-    return f"stage{stage}.{phase}.onnx"
+def part_file(stage: int, phase: str, device: int | None = None) -> str:
+    return f"stage{stage}.{phase}.onnx" if device is None else f"stage{stage}.{phase}.d{device}.onnx"
 
 
 def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: int, replicas: int = 1) -> dict:
     """Each part of ``pipeline`` into ``folder`` (a plan directory's ``training/``, being
-    written); returns plan.json's record of them."""
+    written); returns plan.json's record of them. A pipeline whose stages shard their
+    operators (``pipeline.device_parts``) has each device's parts, each with its ``device``."""
     parts = []
-    for (stage, phase), part in sorted(pipeline.parts.items()):
-        path = Path(folder) / part_file(stage, phase)
-        model = relaxed(part.model, pipeline.sharded) if pipeline.sharded and phase in (NORM, UPDATE_PHASE) \
-            else part.model
-        onnx.save(model, str(path))
-        parts.append({"stage": stage, "phase": phase, "file": f"{Path(folder).name}/{path.name}",
-                      "sha256": file_sha256(path), "inputs": part.inputs, "outputs": part.outputs})
-    return {"stages": pipeline.stages, "replicas": replicas, "schedule": kind, "microbatches": microbatches,
-            "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
-            "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count,
-            "sharded": sorted(pipeline.sharded),
-            "update_chunks": {str(stage): groups for stage, groups in sorted(pipeline.chunks.items())}}
+    devices = list(enumerate(pipeline.device_parts)) if pipeline.device_parts else [(None, pipeline.parts)]
+    for device, found in devices:
+        for (stage, phase), part in sorted(found.items()):
+            path = Path(folder) / part_file(stage, phase, device)
+            model = relaxed(part.model, pipeline.sharded) if pipeline.sharded and phase in (NORM, UPDATE_PHASE) \
+                else part.model
+            onnx.save(model, str(path))
+            entry = {"stage": stage, "phase": phase, "file": f"{Path(folder).name}/{path.name}",
+                     "sha256": file_sha256(path), "inputs": part.inputs, "outputs": part.outputs}
+            if device is not None:
+                entry["device"] = device
+            parts.append(entry)
+    record = {"stages": pipeline.stages, "replicas": replicas, "schedule": kind, "microbatches": microbatches,
+              "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
+              "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count,
+              "sharded": sorted(pipeline.sharded),
+              "update_chunks": {str(stage): groups for stage, groups in sorted(pipeline.chunks.items())}}
+    if pipeline.device_parts:
+        record["tensor"] = pipeline.tensor
+        record["specs"] = dict(pipeline.specs)
+    return record
 
 
 def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> PipelineStep:
@@ -53,7 +66,8 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
     (checked against its digest, unless ``check`` is False)."""
     record = training.get("pipeline")
     try:
-        parts = {}
+        tensor = int(record.get("tensor", 1))
+        devices: list[dict] = [{} for _ in range(tensor)]
         for entry in record["parts"]:
             if entry["phase"] not in PHASES:
                 raise PlanError(f"plan.json names an unknown part {entry['phase']!r}", hint="re-run meshplan plan")
@@ -62,8 +76,15 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
                 raise PlanError(f"the plan's program {path} is missing", hint="re-run meshplan plan")
             if check and file_sha256(path) != entry["sha256"]:
                 raise PlanError(f"the plan's program {path} changed since planning", hint="re-run meshplan plan")
-            parts[(int(entry["stage"]), entry["phase"])] = Part(int(entry["stage"]), entry["phase"], str(path),
-                                                                list(entry["inputs"]), list(entry["outputs"]))
+            device = int(entry.get("device", 0)) if tensor > 1 else 0
+            if not 0 <= device < tensor:
+                raise PlanError(f"plan.json names a part of device {device} of a stage of {tensor}",
+                                hint="re-run meshplan plan")
+            devices[device][(int(entry["stage"]), entry["phase"])] = Part(
+                int(entry["stage"]), entry["phase"], str(path), list(entry["inputs"]), list(entry["outputs"]))
+        parts = devices[0]
+        if any(set(found) != set(parts) for found in devices):
+            raise PlanError("plan.json's devices of a stage have different parts", hint="re-run meshplan plan")
         crossings = [Crossing(c["tensor"], int(c["src"]), c["made_in"], int(c["dst"]), tuple(c["read_in"]))
                      for c in record["crossings"]]
         if record["schedule"] not in SCHEDULES:
@@ -78,7 +99,8 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
                                 hint="re-run meshplan plan")
         return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
                             {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"),
-                            sharded=set(record.get("sharded", ())), chunks=chunks)
+                            sharded=set(record.get("sharded", ())), chunks=chunks,
+                            device_parts=devices if tensor > 1 else [], specs=dict(record.get("specs", {})))
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None

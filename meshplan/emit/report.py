@@ -144,8 +144,12 @@ def pipeline_training_report(plan: Plan) -> str:
     kind, B, S, R = record["schedule"], plan.microbatches, len(plan.stages), int(record.get("replicas", 1))
     summed = "each summing its row blocks of the gradients once a step and keeping and updating 1/" \
         f"{R} of the optimizer's state (ZeRO-1)" if record.get("sharded") else "their gradients summed once a step"
+    T = int(record.get("tensor", 1))
     each = "one device a stage" if R == 1 else f"{R} devices a stage (data-parallel replicas, each 1/{R} of every " \
         f"microbatch, {summed})"
+    if T > 1:
+        each = f"{R * T} devices a stage ({T} that shard its operators" \
+            + (f", {R} data-parallel replicas of them, their gradients summed once a step)" if R > 1 else ")")
     lines = [f"plan: pipelined training, {S} stages on a {mesh[0]}x{mesh[1]} mesh of "
              f"{plan.cluster['device']['name']}, {each}, {kind.upper() if kind == '1f1b' else 'GPipe'}, "
              f"{B} microbatch(es) of {plan.batch['microbatch_size']}",

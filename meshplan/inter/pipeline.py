@@ -45,6 +45,7 @@ class PlanOptions:
     all_devices: bool = False          # --all-devices: every device holds a stage (none left idle)
     schedule: str = "1f1b"             # a pipelined training plan's schedule: 1f1b or gpipe
     recompute: bool = False            # a training estimate recomputes activations (--recompute)
+    tensor_parallel: int = 1           # a pipelined training plan's stages shard their operators over this many devices
     training: TrainingCosting | None = None   # weigh a training step, not a forward call (inter.training_costs)
 
 

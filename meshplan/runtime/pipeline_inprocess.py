@@ -23,7 +23,8 @@ from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import ONE_F_ONE_B, play, training_schedule
 from meshplan.runtime.interpreter import CallRecord, Interpreter
 from meshplan.runtime.pipeline_links import LocalLinks, StageStopped
-from meshplan.runtime.pipeline_stage import StageRunner, part_session, stage_sessions, starting_state
+from meshplan.runtime.pipeline_stage import (ShardedPart, StageRunner, device_piece, part_session, stage_sessions,
+                                             starting_state, whole_of)
 from meshplan.training.pipeline_step import NORM, UPDATE_PHASE, PipelineStep
 from meshplan.training.sharded_update import relaxed
 
@@ -40,18 +41,32 @@ class PipelineRunner:
         self.pipeline, self.microbatches, self.kind, self.replicas = pipeline, microbatches, kind, replicas
         self.lists = training_schedule(pipeline, microbatches, kind, replicas)
         play(self.lists)    # (lists that would wait on each other are refused here, not hung on)
-        S, R = pipeline.stages, replicas
-        self.records = [CallRecord() for _ in range(S * R)]   # each rank's last step, rank s·R + r
+        S, R, T = pipeline.stages, replicas, pipeline.tensor
+        self.width = R * T      # a stage's ranks: R replicas of T devices that shard its operators
+        self.records = [CallRecord() for _ in range(S * R * T)]   # each rank's last step
         slots = pipeline.step.manifest["slots"]
-        self.runners = []       # rank s·R + r: replica r of stage s
-        for rank in range(S * R):
-            stage, replica = divmod(rank, R)
-            parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
+        self.runners = []       # rank s·R·T + r·T + j: device j of replica r of stage s
+        for rank in range(S * R * T):
+            stage, place = divmod(rank, self.width)
+            replica, j = divmod(place, T)
             names = [n for n, s in pipeline.home.items() if s == stage]
-            sessions = stage_sessions(parts, pipeline.chunks.get(stage), part_session, self._loose)
-            self.runners.append(StageRunner(stage, parts, sessions, pipeline.crossings, microbatches,
-                                            starting_state(names, weights, slots), pipeline.loss_count, device,
+            state = starting_state(names, weights, slots)
+            if T > 1:
+                parts = {phase: part for (s, phase), part in pipeline.device_parts[j].items() if s == stage}
+                sessions = stage_sessions(parts, None, self._sharded)
+                state = {n: device_piece(v, pipeline.specs.get(n), T, j) for n, v in state.items()}
+            else:
+                parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
+                sessions = stage_sessions(parts, pipeline.chunks.get(stage), part_session, self._loose)
+            self.runners.append(StageRunner(stage, parts, sessions, pipeline.crossings, microbatches, state,
+                                            pipeline.loss_count, device if T == 1 else None,
                                             replica=(replica, R), sharded=pipeline.sharded))
+
+    @staticmethod
+    def _sharded(model):
+        if not isinstance(model, str):
+            raise TypeError("a stage that shards its operators runs its parts from a plan's files")
+        return ShardedPart(model)
 
     def _loose(self, part):
         """A part as its session loads it: a norm or update given in memory made to take row
@@ -63,8 +78,8 @@ class PipelineRunner:
 
     @property
     def stages(self) -> list[StageRunner]:
-        """Each stage's first replica."""
-        return self.runners[::self.replicas]
+        """Each stage's first rank."""
+        return self.runners[::self.width]
 
     @property
     def peak_kept(self) -> list[int]:
@@ -78,29 +93,31 @@ class PipelineRunner:
         """One step on ``batch`` (each data input's samples on axis 0, split into the
         microbatches, each of those into the replicas' shares); ``controls``: each
         hyperparameter's value (``train.apply`` is set here)."""
-        B, S, R = self.microbatches, self.pipeline.stages, self.replicas
+        B, S, R, T = self.microbatches, self.pipeline.stages, self.replicas, self.pipeline.tensor
         size = len(next(iter(batch.values()))) // B
         share = size // R
+        specs = self.pipeline.specs
         for rank, runner in enumerate(self.runners):
-            r = rank % R
-            runner.begin_step([{n: v[m * size + r * share:m * size + (r + 1) * share] for n, v in batch.items()}
-                               for m in range(B)], controls)
-        links = LocalLinks(S, R)
-        schedule = Schedule(self.kind, B, [self.lists[rank // R] for rank in range(S * R)])
+            r, j = divmod(rank % self.width, T)
+            runner.begin_step([{n: device_piece(v[m * size + r * share:m * size + (r + 1) * share], specs.get(n), T, j)
+                                for n, v in batch.items()} for m in range(B)], controls)
+        links = LocalLinks(S, R, T)
+        schedule = Schedule(self.kind, B, [self.lists[rank // self.width] for rank in range(S * self.width)])
         failures: list[BaseException] = []
         origin = time.perf_counter()
 
         def carry_out(rank: int) -> None:
             try:
                 self.records[rank].start()
-                Interpreter(None, rank, schedule, links.of(*divmod(rank, R)), self.runners[rank],
+                stage, place = divmod(rank, self.width)
+                Interpreter(None, rank, schedule, links.of(stage, *divmod(place, T)), self.runners[rank],
                             record=self.records[rank]).step(origin)
             except BaseException as exc:   # (the others stop waiting for this stage)
                 failures.append(exc)
                 links.stop()
 
-        threads = [threading.Thread(target=carry_out, args=(rank,), name=f"stage {rank // R} replica {rank % R}")
-                   for rank in range(S * R)]
+        threads = [threading.Thread(target=carry_out, args=(rank,), name=f"stage {rank // self.width} rank {rank}")
+                   for rank in range(S * self.width)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -118,7 +135,13 @@ class PipelineRunner:
         """Every stage's state by name, whole: the weights, the optimizer's slots (put
         together from the replicas' row blocks), ..."""
         found = {}
-        for first in range(0, len(self.runners), self.replicas):
+        T = self.pipeline.tensor
+        for first in range(0, len(self.runners), self.width):
+            if T > 1:   # the devices of the first replica, their pieces put together
+                held = [runner.host_state() for runner in self.runners[first:first + T]]
+                for name in held[0]:
+                    found[name] = whole_of([h[name] for h in held], self.pipeline.specs.get(name))
+                continue
             replicas = self.runners[first:first + self.replicas]
             held = [runner.host_state() for runner in replicas]
             for name, value in held[0].items():

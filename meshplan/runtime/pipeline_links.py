@@ -28,14 +28,23 @@ from meshplan import replica_shards
 
 class PipelineLinks:
     """This rank's links in ``comm`` (the job's world), ``crossings`` the pipeline's, R
-    ``replicas`` a stage."""
+    ``replicas`` a stage, each of ``tensor`` devices that shard the stage's operators: rank
+    s·R·T + r·T + j is device j of replica r of stage s. Its crossings go to and come from
+    the rank of the same place in the other stage; its sums are over the replicas (among the
+    devices j alike); its ``collective`` is among the devices of its replica."""
 
-    def __init__(self, comm, MPI, crossings, replicas: int):
+    def __init__(self, comm, MPI, crossings, replicas: int, tensor: int = 1):
         from mpi4py.util import pkl5
 
+        from meshplan.runtime.collectives import AxisGroup
+
         self.comm, self.MPI, self.crossings, self.replicas = comm, MPI, crossings, replicas
-        self.stage, self.replica = divmod(comm.Get_rank(), replicas)
-        self.group = comm.Split(self.stage, self.replica)    # the stage's replicas
+        self.width = replicas * tensor      # a stage's ranks
+        self.stage, self.place = divmod(comm.Get_rank(), self.width)
+        self.replica, device = divmod(self.place, tensor)
+        self.group = comm.Split(self.stage * tensor + device, self.replica)    # the replicas
+        self.devices = AxisGroup(comm.Split(self.stage * replicas + self.replica, device), MPI) \
+            if tensor > 1 else None
         # tensors as pickle's out-of-band buffers (mpi4py's pkl5): an array's bytes go as they
         # are, not copied into a pickle (16 MiB between two ranks of a machine: 2.1 ms, against
         # 9.6 ms pickled whole; alike at 256 KiB)
@@ -47,12 +56,16 @@ class PipelineLinks:
         """Send what crossing ``crossing`` carries for microbatch ``mb``, without waiting
         (``finish`` waits); a crossing's microbatches go in the order both lists give."""
         c = self.crossings[crossing]
-        self._posted.append(self.messages.isend(value, dest=c.dst * self.replicas + self.replica, tag=crossing + 1))
+        self._posted.append(self.messages.isend(value, dest=c.dst * self.width + self.place, tag=crossing + 1))
 
     def receive(self, crossing: int, mb: int) -> np.ndarray:
         """What crossing ``crossing`` brings for microbatch ``mb``, waited for."""
         c = self.crossings[crossing]
-        return self.messages.recv(source=c.src * self.replicas + self.replica, tag=crossing + 1)
+        return self.messages.recv(source=c.src * self.width + self.place, tag=crossing + 1)
+
+    def collective(self, step, x):
+        """This device's part of a collective of its replica's devices (a part's)."""
+        return step.kind.perform(step, x, self.devices)
 
     def summed(self, array) -> np.ndarray:
         """``array`` summed over the stage's replicas (of its own shape: a 0-d one stays 0-d)."""
@@ -94,21 +107,23 @@ class LocalLinks:
 
     WAIT = 0.05    # seconds between looks at whether another stage failed
 
-    def __init__(self, stages: int = 1, replicas: int = 1):
-        self.replicas = replicas
+    def __init__(self, stages: int = 1, replicas: int = 1, tensor: int = 1):
+        self.replicas, self.tensor = replicas, tensor
         self._queues: dict[tuple[int, int, int], queue.SimpleQueue] = {}
         self._lock = threading.Lock()
         self.failed = threading.Event()
-        self._meetings = [_Meeting(replicas) for _ in range(stages)]
+        # a stage's replicas meet among the devices j alike; a replica's devices among themselves
+        self._meetings = {(s, j): _Meeting(replicas) for s in range(stages) for j in range(tensor)}
+        self._devices = {(s, r): _Meeting(tensor) for s in range(stages) for r in range(replicas)}
 
-    def of(self, stage: int, replica: int = 0) -> "_ReplicaLinks":
-        """The links of replica ``replica`` of stage ``stage``."""
-        return _ReplicaLinks(self, stage, replica)
+    def of(self, stage: int, replica: int = 0, device: int = 0) -> "_ReplicaLinks":
+        """The links of device ``device`` of replica ``replica`` of stage ``stage``."""
+        return _ReplicaLinks(self, stage, replica, device)
 
     def stop(self) -> None:
         """A stage failed: every other stops waiting (for a crossing or its replicas)."""
         self.failed.set()
-        for meeting in self._meetings:
+        for meeting in list(self._meetings.values()) + list(self._devices.values()):
             meeting.barrier.abort()
 
     def _queue(self, crossing: int, mb: int, replica: int) -> queue.SimpleQueue:
@@ -144,18 +159,33 @@ class _Meeting:
 
 
 class _ReplicaLinks:
-    """One replica's links in a ``LocalLinks``: its crossings go to and come from the same
-    replica of the other stages; its sums are over its stage's replicas."""
+    """One device's links in a ``LocalLinks``: its crossings go to and come from the same
+    device of the same replica of the other stages; its sums are over its stage's replicas;
+    its collectives among its replica's devices."""
 
-    def __init__(self, links: LocalLinks, stage: int, replica: int):
-        self.links, self.replica, self.replicas = links, replica, links.replicas
-        self.meeting = links._meetings[stage]
+    def __init__(self, links: LocalLinks, stage: int, replica: int, device: int = 0):
+        self.links, self.replica, self.replicas, self.device = links, replica, links.replicas, device
+        self.place = replica * links.tensor + device
+        self.meeting = links._meetings[(stage, device)]
+        self.devices = links._devices[(stage, replica)]
+
+    def collective(self, step, x):
+        """This device's part of a collective of its replica's devices, computed in memory
+        (``apply_steps``) once every device has given its tensor."""
+        from meshplan.reshard.steps import apply_steps
+        from meshplan.sharding import LogicalMesh
+
+        tensor = self.links.tensor
+        mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
+        values = self.devices.trade(self.device, x)
+        done = apply_steps({(0, j): v for j, v in enumerate(values)}, [step], mesh)
+        return done[(0, self.device)]
 
     def post(self, crossing: int, mb: int, value) -> None:
-        self.links._queue(crossing, mb, self.replica).put(value)
+        self.links._queue(crossing, mb, self.place).put(value)
 
     def receive(self, crossing: int, mb: int):
-        waiting = self.links._queue(crossing, mb, self.replica)
+        waiting = self.links._queue(crossing, mb, self.place)
         while True:
             try:
                 return waiting.get(timeout=LocalLinks.WAIT)

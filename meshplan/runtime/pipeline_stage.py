@@ -57,6 +57,29 @@ def starting_state(names, weights: dict[str, np.ndarray], slots) -> dict[str, np
     return state
 
 
+def device_piece(value: np.ndarray, spec: str | None, tensor: int, device: int) -> np.ndarray:
+    """Device ``device``'s piece of ``value`` held in layout ``spec`` on the [1, ``tensor``]
+    mesh of a stage's devices that shard its operators (the whole of it without a spec)."""
+    if spec is None or tensor == 1 or np.ndim(value) == 0:
+        return value
+    from meshplan.runtime.state_layout import piece_of
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
+    return np.ascontiguousarray(piece_of(np.asarray(value), ShardingSpec.parse(spec), mesh, device))
+
+
+def whole_of(pieces: list[np.ndarray], spec: str | None) -> np.ndarray:
+    """A tensor put together from each device's piece (``device_piece``'s inverse)."""
+    if spec is None or len(pieces) == 1 or np.ndim(pieces[0]) == 0:
+        return pieces[0]
+    from meshplan.runtime.state_layout import assemble
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    mesh = LogicalMesh((1, len(pieces)), tuple(range(len(pieces))))
+    return assemble(dict(enumerate(pieces)), ShardingSpec.parse(spec), mesh)
+
+
 def stage_sessions(parts: dict[str, Part], chunks, make, model_of=None) -> dict:
     """Each part's session (``make(model)``), by phase; the update, where ``chunks`` (its
     outputs in groups: ``training.pipeline_step.update_chunks``) has more than one group, a
@@ -113,6 +136,23 @@ def part_session(model, threads: int = 1, providers: list | None = None):
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, options, providers=providers or ["CPUExecutionProvider"],
                                 disabled_optimizers=["ConstantFolding"])
+
+
+class ShardedPart:
+    """The session of a part whose stage's devices shard its operators: its segments between
+    collectives run by a ``ProgramRunner`` on the host, each collective by the stage's devices
+    together (``links.collective``: an MPI communicator of them, or a meeting of threads)."""
+
+    def __init__(self, path, providers: list | None = None, threads: int = 1):
+        from pathlib import Path
+
+        from meshplan.runtime.program import ProgramRunner
+
+        self.program = ProgramRunner(Path(path), providers or ["CPUExecutionProvider"], threads)
+
+    def run(self, outputs: list[str], feeds: dict, collective) -> list:
+        values = self.program.run(feeds, collective)
+        return [values[name] for name in outputs]
 
 
 def _host(value) -> np.ndarray:
@@ -197,7 +237,7 @@ class StageRunner:
         session = self.sessions[phase]
         chunks = session if isinstance(session, list) else [(session, part.inputs, part.outputs)]
         for index, (chunk, inputs, outputs) in enumerate(chunks):
-            values = self._run_one(chunk, phase, mb, inputs, outputs, in_blocks)
+            values = self._run_one(chunk, phase, mb, inputs, outputs, in_blocks, links)
             self._keep(phase, mb, outputs, values, in_blocks, links)
             del values
             if len(chunks) > 1:   # what no later chunk, and no run still to come, reads is let go now
@@ -213,8 +253,9 @@ class StageRunner:
         self.peak_kept = max(self.peak_kept, sum(_nbytes(v) for v in self.held.values()))
         self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
 
-    def _run_one(self, session, phase: str, mb: int, inputs, outputs, in_blocks: bool) -> list:
-        """One session's run of ``outputs`` on what the stage holds of ``inputs``."""
+    def _run_one(self, session, phase: str, mb: int, inputs, outputs, in_blocks: bool, links) -> list:
+        """One session's run of ``outputs`` on what the stage holds of ``inputs`` (a
+        ``ShardedPart``'s collectives with the stage's other devices, through ``links``)."""
         last_mb = self.microbatches - 1
         feeds = {}
         for name in inputs:
@@ -233,6 +274,8 @@ class StageRunner:
             # this replica's row blocks of every weight's tensors
             if in_blocks and name in self.sharded and name not in self.in_blocks and (name, mb) not in self.blocks:
                 feeds[name] = self._placed(self._block(feeds[name]))
+        if isinstance(session, ShardedPart):
+            return session.run(list(outputs), feeds, links.collective)
         if self.device is None:
             return session.run(list(outputs), feeds)
         from onnxruntime import OrtValue   # (a numpy feed goes in as it is: copied where its node runs)

@@ -40,7 +40,8 @@ from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
 from meshplan.runtime.interpreter import CallRecord, Interpreter, event
 from meshplan.runtime.pipeline_links import PipelineLinks
-from meshplan.runtime.pipeline_stage import StageRunner, part_session, stage_sessions, starting_state
+from meshplan.runtime.pipeline_stage import (ShardedPart, StageRunner, device_piece, part_session, stage_sessions,
+                                             starting_state)
 from meshplan.runtime.state_files import rank_file, write_pieces
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
@@ -77,11 +78,12 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
             raise failure if failure is not None else TrainError(next(s for s in said if s))
         raise ReportedElsewhere(str(failure or ""))
     stages = len(lists)
-    R = int(plan.training["pipeline"].get("replicas", 1))
-    replica = rank % R
+    R, T = int(plan.training["pipeline"].get("replicas", 1)), pipeline.tensor
+    replica, device = divmod(rank % (R * T), T)
     record = CallRecord()
-    schedule = Schedule(plan.training["pipeline"]["schedule"], plan.microbatches, [lists[r // R] for r in range(size)])
-    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, R), runner,
+    schedule = Schedule(plan.training["pipeline"]["schedule"], plan.microbatches,
+                        [lists[r // (R * T)] for r in range(size)])
+    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, R, T), runner,
                               record=record)
     reads = {n for part in runner.parts.values() for n in part.inputs}
     B = plan.microbatches
@@ -99,8 +101,9 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         batch = batches.next()
         per = len(next(iter(batch.values()))) // B
         share = per // R       # this replica's part of every microbatch
-        slices = [{n: v[m * per + replica * share:m * per + (replica + 1) * share] for n, v in batch.items()
-                   if n in reads} for m in range(B)]
+        slices = [{n: device_piece(v[m * per + replica * share:m * per + (replica + 1) * share],
+                                   pipeline.specs.get(n), T, device)
+                   for n, v in batch.items() if n in reads} for m in range(B)]
         started = time.perf_counter()
         runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(k + 1)})
         record.start()
@@ -109,7 +112,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         if k > first or end - first == 1:    # the first of several steps warms up
             timing[0] += record.program_seconds
             timing[1] += time.perf_counter() - started
-        reporter = (stages - 1) * R      # the last stage's first replica
+        reporter = (stages - 1) * R * T      # the last stage's first rank
         if rank == reporter and rank != 0:
             comm.send((results["train.loss"], results["train.grad_norm"]), dest=0, tag=RESULT_TAG)
         if rank == 0:
@@ -142,10 +145,10 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     from meshplan.runtime.sessions import provider_name, providers_for
 
     record = plan.training["pipeline"]
-    stages, R = int(record["stages"]), int(record.get("replicas", 1))
-    if size != stages * R:
-        raise TrainError(f"the plan has {stages} pipeline stages of {R} device(s): start it with mpiexec -n "
-                         f"{stages * R} (this job has {size} rank(s))")
+    stages, R, T = int(record["stages"]), int(record.get("replicas", 1)), int(record.get("tensor", 1))
+    if size != stages * R * T:
+        raise TrainError(f"the plan has {stages} pipeline stages of {R * T} device(s): start it with mpiexec -n "
+                         f"{stages * R * T} (this job has {size} rank(s))")
     device_id = local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
     providers = providers_for(provider, device_id)
     on_cuda = provider_name(providers[0]) == CUDA
@@ -158,8 +161,10 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, plan.microbatches,
                                    record["schedule"], R)
     batches = Batches(options.data, plan, options.shuffle, options.seed)
-    stage = rank // R
-    parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
+    stage, place = divmod(rank, R * T)
+    device_index = place % T
+    found = pipeline.device_parts[device_index] if T > 1 else pipeline.parts
+    parts = {phase: part for (s, phase), part in found.items() if s == stage}
     held = [n for n, s in pipeline.home.items() if s == stage]
     starting = [n for n in held if n in plan.training["weights"] or n in plan.training.get("statistics", {})]
     checkpoint = Checkpoint(options.resume) if options.resume is not None else None
@@ -176,11 +181,16 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
             batches.set_state(checkpoint.manifest["data"])
     threads = max(1, (os.cpu_count() or 1) // size)
     device = None
-    if on_device or on_device is None and on_cuda:
-        device = ("cuda", device_id) if on_cuda else ("cpu", 0)
-    sessions = stage_sessions(parts, pipeline.chunks.get(stage), lambda model: part_session(model, threads, providers))
+    if T > 1:   # each device's piece of its stage's state, its parts with collectives (on the host, for now)
+        state = {n: device_piece(v, pipeline.specs.get(n), T, device_index) for n, v in state.items()}
+        sessions = stage_sessions(parts, None, lambda path: ShardedPart(path, providers, threads))
+    else:
+        if on_device or on_device is None and on_cuda:
+            device = ("cuda", device_id) if on_cuda else ("cpu", 0)
+        sessions = stage_sessions(parts, pipeline.chunks.get(stage),
+                                  lambda model: part_session(model, threads, providers))
     runner = StageRunner(stage, parts, sessions, pipeline.crossings, plan.microbatches, state, pipeline.loss_count,
-                         device, provider_name(providers[0]), (rank % R, R), pipeline.sharded)
+                         device, provider_name(providers[0]), (place // T, R), pipeline.sharded)
     return pipeline, lists, batches, runner, first
 
 
@@ -190,6 +200,9 @@ def _layouts(plan: Plan) -> dict[str, dict]:
     ``runtime.state_files`` reads them."""
     training, home = plan.training, plan.training["pipeline"]["home"]
     R = int(plan.training["pipeline"].get("replicas", 1))
+    T = int(plan.training["pipeline"].get("tensor", 1))
+    if T > 1:
+        return _device_layouts(plan, R, T)
     sharded = set(plan.training["pipeline"].get("sharded", ())) if R > 1 else set()
     shapes = {**{w: info["shape"] for w, info in training["weights"].items()},
               **{n: info["shape"] for n, info in training.get("statistics", {}).items()}}
@@ -199,6 +212,24 @@ def _layouts(plan: Plan) -> dict[str, dict]:
         first = int(home[name]) * R      # the stage's first replica
         found[name] = replica_shards.layout(shapes.get(weight, []), list(range(first, first + R))) \
             if name not in shapes and name in sharded else replica_shards.layout(shapes.get(weight, []), [first])
+    return found
+
+
+def _device_layouts(plan: Plan, R: int, T: int) -> dict[str, dict]:
+    """Each state as the devices of its stage's first replica hold it, in the layout the plan
+    gives it on their [1, T] mesh (each device that holds a distinct piece writes it)."""
+    from meshplan.sharding import ShardingSpec
+
+    training = plan.training
+    home, specs = training["pipeline"]["home"], training["pipeline"].get("specs", {})
+    found = {}
+    for name in state_names(training):
+        first = int(home[name]) * R * T
+        spec = specs.get(name, "()")
+        devices = list(range(first, first + T))
+        whole = ShardingSpec.parse(spec).is_replicated
+        found[name] = {"spec": spec, "segments": None, "logical_mesh": [1, T], "devices": devices,
+                       "holders": devices[:1] if whole else devices}
     return found
 
 

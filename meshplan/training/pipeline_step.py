@@ -97,6 +97,15 @@ class PipelineStep:
     recomputed: dict[int, set[str]] = field(default_factory=dict)   # stage → what its backward makes again
     sharded: set[str] = field(default_factory=set)   # what a stage's replicas hold in row blocks (sharded_update)
     chunks: dict[int, list[list[str]]] = field(default_factory=dict)   # stage → its update's outputs, in chunks
+    # stages whose T devices shard their operators (``emit.rank_parts``): device j's parts of
+    # every stage (``parts`` is device 0's), and each input's layout on the [1, T] mesh
+    device_parts: list[dict[tuple[int, str], Part]] = field(default_factory=list)
+    specs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tensor(self) -> int:
+        """The devices that shard each stage's operators (1: each stage's parts run whole)."""
+        return max(1, len(self.device_parts))
 
 
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int, recompute: bool = False) -> PipelineStep:

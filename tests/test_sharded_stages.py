@@ -1,0 +1,166 @@
+"""Pipelined training plans whose stages shard their operators (``meshplan plan --train
+--stages S --tensor-parallel T``): the step planned by the sharding ILP on a [1, T] mesh,
+each device's program cut into its stages' parts (``emit.rank_parts``), run in process
+(a thread a device, collectives in memory) and under ``mpiexec`` (collectives on MPI),
+equal to torch and to the whole step on one device; checkpoints, resume, export and what
+such a plan refuses."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import run_cli, run_mpi
+from meshplan.emit.pipeline_parts import read_pipeline
+from meshplan.emit.rank_parts import _placed, _rename
+from meshplan.plan_format import COLLECTIVE_DOMAIN, read_plan
+from meshplan.runtime.pipeline_inprocess import PipelineRunner
+from meshplan.testing.train_reference import run_step_model
+from meshplan.trainer.checkpoint import Checkpoint
+from meshplan.training.optimizers import DEFAULTS
+from meshplan.training.step_model import StepModel, TrainSpec, build_step_model
+from sample_models.training import TRAINING_DIR, load_case
+from test_cli_errors import _one_error_line
+from tests.training_cases import assert_final_like_torch, batches, hyper
+
+
+def _plan(tmp_path, name: str, mesh: str, stages: int, tensor: int, *more, microbatches: int = 4):
+    case = load_case(name)
+    settings = case["settings"]
+    done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer",
+                   settings["optimizer"], "--mesh", mesh, "--stages", stages, "--tensor-parallel", tensor,
+                   "--microbatches", microbatches, "--dim", f"batch={settings['batch']}", "--device", "cpu", *more,
+                   "-o", tmp_path / "plan")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return case, tmp_path / "plan", done.stdout
+
+
+def _collectives(plan_dir) -> set[str]:
+    found = set()
+    for path in (plan_dir / "training").glob("*.d0.onnx"):
+        found.update(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node
+                     if n.domain == COLLECTIVE_DOMAIN)
+    return found
+
+
+@pytest.mark.parametrize("name,mesh,tensor,more,microbatches", [
+    ("gpt_adamw", "1x4", 2, ("--schedule", "1f1b"), 4),
+    ("gpt2_tied", "1x4", 2, ("--schedule", "gpipe"), 4),
+    ("gpt_adamw", "2x4", 2, (), 4),                         # 2 replicas of 2 devices a stage
+    ("gpt_adamw", "1x4", 2, ("--policy", "data"), 1),       # other collectives: all-reduces
+])
+def test_stages_that_shard_their_operators_train_as_torch_in_process(tmp_path, name, mesh, tensor, more,
+                                                                     microbatches):
+    """Each device of each stage in a thread, its collectives with its replica's devices in
+    memory: each step's loss within 1e-3 of torch's and 1e-5 of the whole step on one
+    device; the final weights, put together from the devices' pieces, as torch's."""
+    case, plan_dir, said = _plan(tmp_path, name, mesh, 2, tensor, *more, microbatches=microbatches)
+    assert f"{tensor} that shard its operators" in said
+    plan = read_plan(plan_dir)
+    pipeline = read_pipeline(plan_dir, plan.training)
+    assert pipeline.tensor == tensor and len(pipeline.device_parts) == tensor
+    assert _collectives(plan_dir), "the parts shard nothing"
+    replicas = int(plan.training["pipeline"]["replicas"])
+    assert replicas * tensor * 2 == int(mesh[0]) * int(mesh[2])
+    runner = PipelineRunner(pipeline, plan.microbatches, case["initial"], plan.training["pipeline"]["schedule"],
+                            replicas=replicas)
+    settings = case["settings"]
+    losses = []
+    for k, batch in enumerate(batches(case)):
+        controls = {**DEFAULTS, **hyper(settings), "train.lr": case["lrs"][k], "train.step": k + 1}
+        losses.append(runner.step(batch, controls)["train.loss"])
+    np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
+    whole = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
+                                                           microbatches=plan.microbatches))
+    one_device, _ = run_step_model(whole, case["initial"], batches(case), hyper(settings), list(case["lrs"]))
+    np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+    assert_final_like_torch(case, plan.training["tied"], runner.state_values())
+
+
+def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
+    """``mpiexec -n 4 meshplan train`` on 2 stages of 2 devices that shard their operators:
+    each step's loss as torch's; the checkpoint holds each device's pieces in the layouts
+    the ILP chose and gives torch's final weights; resumed after 6 steps it gives the same
+    steps as one job; ``meshplan export`` writes the trained model."""
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 2, 2)
+    settings = case["settings"]
+    options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
+               "--weight-decay", settings["weight_decay"], "--clip-norm", settings["clip_norm"],
+               "--betas", ",".join(str(b) for b in settings["betas"]), "--eps", settings["eps"],
+               "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps", settings["steps"]]
+    done = run_mpi(4, "train", plan_dir, "--steps", settings["steps"], "--checkpoint", tmp_path / "ck",
+                   "--log", tmp_path / "log.json", *options)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = json.loads((tmp_path / "log.json").read_text())
+    np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
+    checkpoint = Checkpoint(tmp_path / "ck")
+    layouts = checkpoint.manifest["layouts"]
+    pieces = [n for n, entry in layouts.items() if entry["holders"] == [0, 1]]
+    assert pieces and all(layouts[n]["logical_mesh"] == [1, 2] for n in pieces)
+    assert_final_like_torch(case, read_plan(plan_dir).training["tied"], dict(checkpoint.tensors()))
+    half = settings["steps"] // 2
+    first = run_mpi(4, "train", plan_dir, "--steps", half, "--checkpoint", tmp_path / "half", "-q", *options)
+    assert first.returncode == 0, first.stderr
+    second = run_mpi(4, "train", plan_dir, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
+                     "--log", tmp_path / "resumed.json", "-q", *options)
+    assert second.returncode == 0, second.stderr
+    resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
+    np.testing.assert_allclose(resumed, log["losses"][half:], rtol=1e-6)
+    exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "trained.onnx").is_file()
+
+
+def test_what_a_plan_of_stages_that_shard_their_operators_refuses(tmp_path):
+    """A tensor parallelism that does not divide a stage's devices, or one wider than a
+    host, or with --recompute; a job of the wrong size: one line each. The option without
+    stages: a usage error."""
+    case = load_case("mlp_sgd")
+    settings = case["settings"]
+    base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
+            f"batch={settings['batch']}", "--device", "cpu", "--microbatches", 2]
+    _one_error_line(run_cli(*base, "--mesh", "1x4", "--stages", 2, "--tensor-parallel", 4, "-o", tmp_path / "a"),
+                    "--tensor-parallel 4", "stage's 2")
+    _one_error_line(run_cli(*base, "--mesh", "4x1", "--stages", 2, "--tensor-parallel", 2, "-o", tmp_path / "a"),
+                    "one host")
+    _one_error_line(run_cli(*base, "--mesh", "1x4", "--stages", 2, "--tensor-parallel", 2, "--recompute",
+                            "-o", tmp_path / "a"), "--recompute")
+    usage = run_cli(*base, "--mesh", "1x4", "--tensor-parallel", 2, "-o", tmp_path / "a")
+    assert usage.returncode == 2 and "--tensor-parallel goes with --train and --stages" in usage.stderr
+    assert not (tmp_path / "a").exists()
+    done = run_cli(*base, "--mesh", "1x4", "--stages", 2, "--tensor-parallel", 2, "-o", tmp_path / "p")
+    assert done.returncode == 0, done.stderr
+    wrong = run_mpi(2, "train", tmp_path / "p", "--data", TRAINING_DIR / "mlp_sgd.data.npz", "--steps", 1)
+    _one_error_line(wrong, "mpiexec -n 4")
+
+
+def _model(nodes, inputs, outputs) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in inputs],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in outputs])
+    return helper.make_model(graph)
+
+
+def test_an_input_gathered_for_two_phases_is_gathered_in_each_and_names_do_not_collide():
+    """A weight's shard gathered whole (under the weight's own name) and read by the forward
+    and the backward: the gather is made again in each, under names of its own; the shard
+    takes the weight's name and the gathered tensor becomes ``w@whole``."""
+    nodes = [helper.make_node("AllGather", ["w@S1"], ["w"], name="w/all_gather", domain=COLLECTIVE_DOMAIN),
+             helper.make_node("Mul", ["x", "w"], ["y"], name="fwd"),
+             helper.make_node("Mul", ["y", "w"], ["g"], name="bwd")]
+    step_nodes = [helper.make_node("Mul", ["x", "w"], ["y"], name="fwd"),
+                  helper.make_node("Mul", ["y", "w"], ["g"], name="bwd")]
+    model = _model(nodes, ["w@S1", "x"], ["g"])
+    _rename(model, {"w@S1": "w"})
+    assert [list(n.input) for n in model.graph.node][0] == ["w"] and model.graph.node[0].output[0] == "w@whole"
+    step = StepModel(_model(step_nodes, ["w", "x"], ["g"]), {})
+    out, places, copies = _placed(list(model.graph.node), {"fwd": (0, "forward"), "bwd": (0, "backward")}, step)
+    gathers = [n for n in out if n.op_type == "AllGather"]
+    assert sorted(places[n.name] for n in gathers) == [(0, "backward"), (0, "forward")]
+    assert len({n.output[0] for n in gathers}) == 2
+    by_name = {n.name: n for n in out}
+    assert by_name["fwd"].input[1] == copies[("w@whole", (0, "forward"))]
+    assert by_name["bwd"].input[1] == copies[("w@whole", (0, "backward"))]
