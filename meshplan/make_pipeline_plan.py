@@ -129,8 +129,6 @@ def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanO
         raise PlanError(f"--tensor-parallel {tensor} does not divide a host's {cluster.devices_per_host} device(s): "
                         "the devices that shard a stage's operators are on one host",
                         hint=f"a divisor of {cluster.devices_per_host}")
-    if tensor > 1 and options.recompute:
-        raise PlanError("--recompute does not go with --tensor-parallel yet", hint="one or the other")
     replicas = cluster.num_devices // stages // tensor
     step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
     if replicas > 1 and step.manifest.get("statistics"):
@@ -183,10 +181,34 @@ def _sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: 
     return sharded_memory(memory, pipeline, tensor), {k: v * scale for k, v in costs.items()}
 
 
+def run_held_bytes(model: onnx.ModelProto) -> float:
+    """The bytes a sharded part's run holds until it ends beyond its inputs: what its
+    collectives take in and give out (a ``ProgramRunner`` run keeps each segment's results
+    and each collective's, a weight gathered whole among them, until the run returns)."""
+    from meshplan.plan_format import COLLECTIVE_DOMAIN
+
+    graph = model.graph
+    typed = {v.name: v.type.tensor_type for v in list(graph.value_info) + list(graph.output)}
+    inputs = {v.name for v in graph.input}
+    names = {name for node in graph.node if node.domain == COLLECTIVE_DOMAIN
+             for name in list(node.input) + list(node.output) if name and name not in inputs}
+    total = 0.0
+    for name in names:
+        kind = typed.get(name)
+        if kind is None or not kind.elem_type:
+            continue
+        dims = [d.dim_value for d in kind.shape.dim]
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
+        total += float(np.prod(dims, dtype=np.int64)) * itemsize
+    return total
+
+
 def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
     """Each stage's bytes a device (``stage_memory``'s) where T devices shard its operators:
     its weights, accumulated gradients and optimizer slots as the layouts of
-    ``pipeline.specs`` hold them on the [1, T] mesh; its activations and working memory 1/T."""
+    ``pipeline.specs`` hold them on the [1, T] mesh; its activations and working memory 1/T,
+    the working memory with the most a part's run holds of its collectives' tensors
+    (``run_held_bytes``; ``pipeline.parts``: device 0's, as models)."""
     from meshplan.sharding import LogicalMesh, ShardingSpec
     from meshplan.training.optimizers import GRAD_ACC, slot
 
@@ -211,7 +233,10 @@ def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
             kinds["optimizer"] += sum(held(slot(name, k), info["shape"], itemsize)
                                       for k in manifest["slots"] if k != GRAD_ACC)
         kinds["activations"] = before["activations"] / tensor
-        kinds["working"] = before["working"] / tensor
+        # and the largest of what its parts' runs hold of their collectives (a weight gathered whole)
+        held_in_runs = [run_held_bytes(part.model) for (s, _), part in pipeline.parts.items()
+                        if s == stage and isinstance(part.model, onnx.ModelProto)]
+        kinds["working"] = before["working"] / tensor + max(held_in_runs, default=0.0)
         found.append(kinds)
     return found
 

@@ -19,6 +19,7 @@ from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.rank_parts import _placed, _rename
 from meshplan.plan_format import COLLECTIVE_DOMAIN, read_plan
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
+from meshplan.sharding import ShardingSpec
 from meshplan.testing.train_reference import run_step_model
 from meshplan.trainer.checkpoint import Checkpoint
 from meshplan.training.optimizers import DEFAULTS
@@ -52,6 +53,7 @@ def _collectives(plan_dir) -> set[str]:
     ("gpt2_tied", "1x4", 2, ("--schedule", "gpipe"), 4),
     ("gpt_adamw", "2x4", 2, (), 4),                         # 2 replicas of 2 devices a stage
     ("gpt_adamw", "1x4", 2, ("--policy", "data"), 1),       # other collectives: all-reduces
+    ("gpt_adamw", "1x4", 2, ("--recompute",), 4),           # each backward runs its forward's parts again
 ])
 def test_stages_that_shard_their_operators_train_as_torch_in_process(tmp_path, name, mesh, tensor, more,
                                                                      microbatches):
@@ -117,8 +119,7 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
 
 def test_what_a_plan_of_stages_that_shard_their_operators_refuses(tmp_path):
     """A tensor parallelism that does not divide a stage's devices, or one wider than a
-    host, or with --recompute; a job of the wrong size: one line each. The option without
-    stages: a usage error."""
+    host; a job of the wrong size: one line each. The option without stages: a usage error."""
     case = load_case("mlp_sgd")
     settings = case["settings"]
     base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
@@ -127,8 +128,6 @@ def test_what_a_plan_of_stages_that_shard_their_operators_refuses(tmp_path):
                     "--tensor-parallel 4", "stage's 2")
     _one_error_line(run_cli(*base, "--mesh", "4x1", "--stages", 2, "--tensor-parallel", 2, "-o", tmp_path / "a"),
                     "one host")
-    _one_error_line(run_cli(*base, "--mesh", "1x4", "--stages", 2, "--tensor-parallel", 2, "--recompute",
-                            "-o", tmp_path / "a"), "--recompute")
     usage = run_cli(*base, "--mesh", "1x4", "--tensor-parallel", 2, "-o", tmp_path / "a")
     assert usage.returncode == 2 and "--tensor-parallel goes with --train and --stages" in usage.stderr
     assert not (tmp_path / "a").exists()
@@ -136,6 +135,25 @@ def test_what_a_plan_of_stages_that_shard_their_operators_refuses(tmp_path):
     assert done.returncode == 0, done.stderr
     wrong = run_mpi(2, "train", tmp_path / "p", "--data", TRAINING_DIR / "mlp_sgd.data.npz", "--steps", 1)
     _one_error_line(wrong, "mpiexec -n 4")
+
+
+def test_the_memory_of_a_stage_that_shards_its_operators(tmp_path):
+    """Each device holds its pieces of its stage's weights, gradients and slots (the layouts
+    the plan records), less than the stage's whole weights; its working memory counts the
+    weights its parts gather whole while they run."""
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 2, 2)
+    plan = read_plan(plan_dir)
+    training = plan.training
+    specs, home = training["pipeline"]["specs"], training["pipeline"]["home"]
+    for stage, held in enumerate(training["memory"]):
+        mine = {w: info for w, info in training["weights"].items() if home[w] == stage}
+        whole = sum(int(np.prod(info["shape"])) * np.dtype(info["dtype"]).itemsize for info in mine.values())
+        assert held["weights"] < whole
+        assert held["gradients"] < whole
+        sharded = [w for w in mine if not ShardingSpec.parse(specs[w]).is_replicated]
+        largest = max(int(np.prod(mine[w]["shape"])) * np.dtype(mine[w]["dtype"]).itemsize for w in sharded)
+        assert held["working"] >= largest
+        assert plan.stages[stage].memory_bytes == pytest.approx(sum(held.values()))
 
 
 def _model(nodes, inputs, outputs) -> onnx.ModelProto:
