@@ -61,6 +61,25 @@ def test_megatron_narrowing_is_row_parallel():
     assert all(s.outputs[0].partial for s in allowed)
 
 
+def test_megatron_splits_a_trained_weight_that_is_a_state_input():
+    """In a training step a trained weight is a graph input the step updates (state), not
+    an initializer: Megatron's pattern applies to its products all the same."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Identity", ["w"], ["w.updated"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16]),
+              helper.make_tensor_value_info("w", TensorProto.FLOAT, [16, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 64]),
+         helper.make_tensor_value_info("w.updated", TensorProto.FLOAT, [16, 64])])
+    built = build_graph(infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                       ir_version=8)))
+    node = built.nodes[0]
+    everything = node_strategies(node, built, MESH)
+    assert apply_policy("megatron", node, built, everything) == everything   # an input like any other
+    built.state = {"w.updated": "w"}
+    allowed = apply_policy("megatron", node, built, everything)
+    assert allowed and all(str(s.inputs[1]) == "RS1" for s in allowed)
+
+
 def test_unknown_policy_or_scheduler_is_a_plan_error(tmp_path):
     sample = SAMPLES["mlp"]
     for options, message in ((PlanOptions(policy="fsdp"), "unknown policy"),

@@ -54,6 +54,7 @@ def _collectives(plan_dir) -> set[str]:
     ("gpt_adamw", "2x4", 2, (), 4),                         # 2 replicas of 2 devices a stage
     ("gpt_adamw", "1x4", 2, ("--policy", "data"), 1),       # other collectives: all-reduces
     ("gpt_adamw", "1x4", 2, ("--recompute",), 4),           # each backward runs its forward's parts again
+    ("gpt_adamw", "1x4", 2, ("--policy", "megatron"), 4),   # the products split Megatron's way
 ])
 def test_stages_that_shard_their_operators_train_as_torch_in_process(tmp_path, name, mesh, tensor, more,
                                                                      microbatches):
