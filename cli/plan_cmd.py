@@ -37,10 +37,11 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
                    "inputs of a microbatch in flight and runs its forward again in its backward; a training "
                    "estimate (--no-programs) keeps what enters each layer. A forward more a step, far fewer "
                    "bytes in flight.")
-@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
-              help="A pipelined training plan (--train --stages S): each stage's devices in groups of this many "
-                   "that shard its operators (the sharding ILP over the forward, backward and update together), "
-                   "the groups data-parallel replicas of the stage.")
+@click.option("--tensor-parallel", default="1", show_default=True, metavar="T|auto",
+              help="A pipelined training plan (--train --stages S or --max-stages N): each stage's devices in "
+                   "groups of T that shard its operators (the sharding ILP over the forward, backward and update "
+                   "together), the groups data-parallel replicas of the stage; auto weighs every T that divides a "
+                   "stage's devices and a host's, by the estimated step.")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -112,14 +113,20 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         if shared_host:
             cluster = replace(cluster, host_shares=cluster.devices_per_host)
         started = time.perf_counter()
+        if tensor_parallel == "auto":
+            tensor_parallel = 0
+        elif not tensor_parallel.isdigit() or int(tensor_parallel) < 1:
+            raise click.BadParameter(f"{tensor_parallel!r} is not a positive number or auto",
+                                     param_hint="'--tensor-parallel'")
+        tensor_parallel = int(tensor_parallel)
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
                               all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute,
                               tensor_parallel=tensor_parallel)
-        if tensor_parallel > 1 and not (train and stages and stages > 1 and not no_programs):
-            raise click.UsageError("--tensor-parallel goes with --train and --stages S (S > 1): a pipelined training "
-                                   "plan with programs")
+        if tensor_parallel != 1 and not (train and ((stages and stages > 1) or max_stages) and not no_programs):
+            raise click.UsageError("--tensor-parallel goes with --train and --stages S (S > 1) or --max-stages N: a "
+                                   "pipelined training plan with programs")
         if recompute and not (train and (stages or max_stages)):
             raise click.UsageError("--recompute goes with --train and --stages or --max-stages (a pipelined "
                                    "training plan or estimate)")

@@ -43,6 +43,7 @@ from meshplan.training.sharded_update import update_shards
 from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model, save_step_model
 
 TRAINING_DIR = "training"
+AUTO = 0     # ``PlanOptions.tensor_parallel`` to weigh (``--tensor-parallel auto``)
 
 
 def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_dir: Path, options: PlanOptions,
@@ -50,9 +51,16 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
                            notes: list[str] = ()) -> Plan:
     """``dims``: one microbatch's; ``spec`` accumulates over ``microbatches``. ``replace_dir``
     moves the finished directory into place; ``notes``: lines for the report."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if options.tensor_parallel == AUTO:
+        trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tensor.", dir=out_dir.parent))
+        try:
+            tensor, weighed = weigh_tensor(model_path, cluster, dims, options, spec, microbatches, cost_model, trial)
+        finally:
+            shutil.rmtree(trial, ignore_errors=True)
+        options, notes = replace(options, tensor_parallel=tensor), list(notes) + weighed
     stages, tensor = options.stages, options.tensor_parallel
     step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
     try:
         folder = staging / TRAINING_DIR
@@ -98,16 +106,53 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     """The step seconds and the most bytes a device needs of the pipelined plan of
     ``options.stages`` stages, planned but not written. Raises ``PlanError`` where there is
     no such plan (the stages do not divide the mesh, a microbatch does not split, ...)."""
-    if options.tensor_parallel > 1:
-        raise PlanError("--tensor-parallel goes with --stages: the stage count is not weighed with it yet")
     step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
+    tensor = options.tensor_parallel
     workdir.mkdir(parents=True, exist_ok=True)
     step_path = save_step_model(step, model_path, workdir / "step" / "step.onnx")
     graph = _forward_graph(model_path, dims, workdir / "forward")
     pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
     costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
-    step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule)[1]
+    if tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
+        (workdir / "parts").mkdir(exist_ok=True)
+        memory, costs = _sharded_stages(step, step_path, pipeline, memory, costs, cluster,
+                                        _replica_dims(step, dims, replicas), options, cost_model,
+                                        workdir / "tensor", workdir / "parts")
+    step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule,
+                           tensor)[1]
     return step_seconds, max(sum(m.values()) for m in memory)
+
+
+def tensor_choices(cluster: Cluster, stages: int) -> list[int]:
+    """The T a pipeline of ``stages`` stages may shard each stage's operators over: the
+    divisors of a stage's devices that divide a host's."""
+    per = cluster.num_devices // stages if cluster.num_devices % stages == 0 else 0
+    return [t for t in range(1, per + 1) if per % t == 0 and cluster.devices_per_host % t == 0]
+
+
+def weigh_tensor(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
+                 microbatches: int, cost_model: CostModel | None, workdir: Path) -> tuple[int, list[str]]:
+    """``--tensor-parallel auto`` with ``--stages S``: each T of ``tensor_choices`` estimated
+    (``pipeline_estimate``); the fastest step that fits its devices, and the report's line."""
+    device = cluster.device.memory_bytes
+    weighed, lines = [], []
+    for tensor in tensor_choices(cluster, options.stages):
+        what = f"{tensor} device(s) that shard" if tensor > 1 else "replicas"
+        try:
+            step, need = pipeline_estimate(model_path, cluster, dims, replace(options, tensor_parallel=tensor), spec,
+                                           microbatches, cost_model, workdir / f"t{tensor}")
+        except PlanError as exc:
+            lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
+            continue
+        fits = need <= device
+        lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device" + ("" if fits else " (does not fit)"))
+        if fits:
+            weighed.append((step, tensor))
+    if not weighed:
+        raise PlanError(f"no tensor parallelism of the {options.stages} stages fits the devices (" + "; ".join(lines)
+                        + ")", hint="more devices, more stages, or more microbatches")
+    best = min(weighed)[1]
+    return best, [f"tensor parallelism weighed (--tensor-parallel auto): {'; '.join(lines)}; chosen: T = {best}"]
 
 
 def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
@@ -259,7 +304,7 @@ def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, 
 
 
 def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatches: int, pipeline,
-            costs: dict[tuple[int, str], float], kind: str):
+            costs: dict[tuple[int, str], float], kind: str, tensor: int | None = None):
     """Each stage's seconds a microbatch: its forward and backward parts' (its replicas share
     them) and its sends, the activations on and the gradients back (the bytes crossing the
     cut, a message's latency for each tensor); the step's, as its ``kind`` schedule plays
@@ -270,7 +315,7 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
     a reduce-scatter and an all-gather cost the all-reduce's time); each stage's all-reduce
     and update; and what the step was played with (``timing``: the timeline draws it
     again)."""
-    R, S, T = replicas, len(cut.seconds), pipeline.tensor
+    R, S, T = replicas, len(cut.seconds), tensor or pipeline.tensor
     RT = R * T      # a stage's devices: R replicas of T that shard its operators
     reduce = [_allreduce_seconds(cluster, list(range(s * RT, (s + 1) * RT, T)), memory[s]["gradients"])
               for s in range(S)]
@@ -303,10 +348,11 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
                            one_stage) -> Plan:
     """``--max-stages N`` for training: the one-stage plan (``one_stage(directory)`` plans it
     there: sharded by the ILP over the whole mesh) and the pipelined plans of every stage
-    count up to N that divides the mesh; the fastest estimated step that fits its devices
-    is written, the report says what was weighed."""
+    count up to N that divides the mesh (with ``--tensor-parallel auto``, each with every T
+    of ``tensor_choices``; else with the T given); the fastest estimated step that fits its
+    devices is written, the report says what was weighed."""
     device = cluster.device.memory_bytes
-    weighed: list[tuple[float, int, str]] = []     # (step seconds, stages, what)
+    weighed: list[tuple] = []     # (step seconds, stages, what, T)
     lines = []
     trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stages.", dir=out_dir.parent))
     try:
@@ -315,7 +361,7 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
             need = max([st.memory_bytes for st in one.stages] or [0.0])
             step = one.estimate["latency_seconds"] * microbatches
             if need <= device:
-                weighed.append((step, 1, "one stage over the mesh"))
+                weighed.append((step, 1, "one stage over the mesh", 1))
             lines.append(f"1 stage: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
                          + ("" if need <= device else " (does not fit)"))
         except PlanError as exc:
@@ -323,17 +369,21 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
         for stages in range(2, min(options.max_stages, cluster.num_devices) + 1):
             if cluster.num_devices % stages:
                 continue
-            try:
-                step, need = pipeline_estimate(model_path, cluster, dims, replace(options, stages=stages), spec,
-                                               microbatches, cost_model, trial / f"work{stages}")
-            except PlanError as exc:
-                lines.append(f"{stages} stages: no plan ({str(exc).splitlines()[0]})")
-                continue
-            fits = need <= device
-            lines.append(f"{stages} stages: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
-                         + ("" if fits else " (does not fit)"))
-            if fits:
-                weighed.append((step, stages, f"{stages} pipeline stages"))
+            given = options.tensor_parallel
+            for tensor in (tensor_choices(cluster, stages) if given == AUTO else [given]):
+                what = f"{stages} stages" + (f" of {tensor} that shard" if tensor > 1 else "")
+                try:
+                    step, need = pipeline_estimate(model_path, cluster, dims,
+                                                   replace(options, stages=stages, tensor_parallel=tensor), spec,
+                                                   microbatches, cost_model, trial / f"work{stages}.{tensor}")
+                except PlanError as exc:
+                    lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
+                    continue
+                fits = need <= device
+                lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
+                             + ("" if fits else " (does not fit)"))
+                if fits:
+                    weighed.append((step, stages, f"{what}" if tensor > 1 else f"{stages} pipeline stages", tensor))
         if not weighed:
             raise PlanError("no plan of at most " f"{options.max_stages} stages fits the devices ("
                             + "; ".join(lines) + ")", hint="more devices, more stages, or more microbatches")
@@ -346,7 +396,8 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
             one.notes.extend(notes)
             (out_dir / REPORT_FILE).write_text(text_report(one) + "\n")
             return one
-        return plan_pipeline_training(model_path, cluster, dims, out_dir, replace(options, stages=best[1]), spec,
+        return plan_pipeline_training(model_path, cluster, dims, out_dir,
+                                      replace(options, stages=best[1], tensor_parallel=best[3]), spec,
                                       microbatches, cost_model, replace_dir, notes)
     finally:
         shutil.rmtree(trial, ignore_errors=True)

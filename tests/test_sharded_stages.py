@@ -157,6 +157,56 @@ def test_the_memory_of_a_stage_that_shards_its_operators(tmp_path):
         assert plan.stages[stage].memory_bytes == pytest.approx(sum(held.values()))
 
 
+def test_auto_weighs_each_tensor_parallelism_and_takes_the_fastest_that_fits(tmp_path):
+    """``--tensor-parallel auto``: each T that divides a stage's devices estimated as its plan
+    would be (``pipeline_estimate``: the programs' runs counted); with room for both, the
+    faster estimate is planned; with room for only one (a device's memory between their
+    needs), that one, and the report says the other does not fit; where microbatches of one
+    sample leave the replicas nothing to split, the sharded stages."""
+    from meshplan.cost.cluster import make_cluster
+    from meshplan.inter.pipeline import PlanOptions
+    from meshplan.make_pipeline_plan import pipeline_estimate
+
+    case = load_case("gpt_adamw")
+    settings = case["settings"]
+    spec = TrainSpec(settings["loss"], settings["optimizer"], microbatches=4)
+    cluster = make_cluster((1, 4), "cpu")
+    needs = {}
+    for tensor in (1, 2):
+        options = PlanOptions(stages=2, tensor_parallel=tensor, microbatches=1)
+        needs[tensor] = pipeline_estimate(case["model_path"], cluster, {"batch": 2}, options, spec, 4, None,
+                                          tmp_path / f"w{tensor}")
+    assert needs[1][1] != needs[2][1]
+    common = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", settings["optimizer"],
+              "--stages", 2, "--tensor-parallel", "auto", "--microbatches", 4, "--dim", f"batch={settings['batch']}"]
+    done = run_cli(*common, "--mesh", "1x4", "--device", "cpu", "-o", tmp_path / "roomy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tensor parallelism weighed" in done.stdout
+    faster = min((1, 2), key=lambda t: needs[t][0])
+    assert int(read_plan(tmp_path / "roomy").training["pipeline"].get("tensor", 1)) == faster
+    room = (needs[1][1] + needs[2][1]) / 2 / 2 ** 30
+    (tmp_path / "small.toml").write_text(f"hosts = 1\ndevices_per_host = 4\n[device]\npreset = \"cpu\"\n"
+                                         f"memory_gb = {room!r}\n")
+    done = run_cli(*common, "--cluster", tmp_path / "small.toml", "-o", tmp_path / "small")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(does not fit)" in done.stdout
+    smaller = min((1, 2), key=lambda t: needs[t][1])
+    assert int(read_plan(tmp_path / "small").training["pipeline"].get("tensor", 1)) == smaller
+    # microbatches of one sample: no replicas can split them, so the devices shard instead
+    ones = [str(c) if not str(c).startswith("batch=") else "batch=4" for c in common]
+    done = run_cli(*ones, "--mesh", "1x4", "--device", "cpu", "-o", tmp_path / "ones")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "replicas: no plan" in done.stdout and "chosen: T = 2" in done.stdout
+    assert read_plan(tmp_path / "ones").training["pipeline"]["tensor"] == 2
+    # --max-stages weighs each stage count with each T
+    capped = [c if c != "--stages" else "--max-stages" for c in ones]
+    done = run_cli(*capped, "--mesh", "1x4", "--device", "cpu", "-o", tmp_path / "capped")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 stages of 2 that shard: step" in done.stdout and "stages weighed" in done.stdout
+    bad = run_cli(*common, "--mesh", "1x4", "--device", "cpu", "--tensor-parallel", "two", "-o", tmp_path / "bad")
+    assert bad.returncode == 2 and "--tensor-parallel" in bad.stderr
+
+
 def _model(nodes, inputs, outputs) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in inputs],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in outputs])
