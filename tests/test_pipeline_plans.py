@@ -23,10 +23,9 @@ from meshplan.plan_format import read_plan
 from meshplan.providers import cuda_usable
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
 from meshplan.trainer.checkpoint import Checkpoint
-from meshplan.training.optimizers import DEFAULTS
 from sample_models.training import load_case
 from test_cli_errors import _one_error_line
-from tests.training_cases import assert_final_like_torch, batches, hyper
+from tests.training_cases import assert_final_like_torch, train_in_process
 
 SAMPLES = REPO / "sample_models" / "training"
 
@@ -156,11 +155,7 @@ def test_plan_parts_in_process_equal_torch(tmp_path, name, mesh):
     replicas = plan.training["pipeline"]["replicas"]
     assert replicas == int(mesh[2]) // 2 and bool(pipeline.sharded) is (replicas > 1)
     runner = PipelineRunner(pipeline, 4, case["initial"], plan.training["pipeline"]["schedule"], replicas=replicas)
-    settings = case["settings"]
-    losses = []
-    for k, batch in enumerate(batches(case)):
-        controls = {**DEFAULTS, **hyper(settings), "train.lr": case["lrs"][k], "train.step": k + 1}
-        losses.append(runner.step(batch, controls)["train.loss"])
+    losses = train_in_process(case, runner)
     np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
     assert_final_like_torch(case, plan.training["tied"], runner.state_values())
 

@@ -26,7 +26,7 @@ from meshplan.training.optimizers import DEFAULTS
 from meshplan.training.step_model import StepModel, TrainSpec, build_step_model
 from sample_models.training import TRAINING_DIR, load_case
 from test_cli_errors import _one_error_line
-from tests.training_cases import assert_final_like_torch, batches, hyper
+from tests.training_cases import assert_final_like_torch, batches, hyper, train_in_process
 
 
 def _plan(tmp_path, name: str, mesh: str, stages: int, tensor: int, *more, microbatches: int = 4):
@@ -72,10 +72,7 @@ def test_stages_that_shard_their_operators_train_as_torch_in_process(tmp_path, n
     runner = PipelineRunner(pipeline, plan.microbatches, case["initial"], plan.training["pipeline"]["schedule"],
                             replicas=replicas)
     settings = case["settings"]
-    losses = []
-    for k, batch in enumerate(batches(case)):
-        controls = {**DEFAULTS, **hyper(settings), "train.lr": case["lrs"][k], "train.step": k + 1}
-        losses.append(runner.step(batch, controls)["train.loss"])
+    losses = train_in_process(case, runner)
     np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
     whole = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
                                                            microbatches=plan.microbatches))
@@ -116,6 +113,44 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()
+
+
+def test_a_device_that_fails_ends_the_step_and_its_partner_stops_waiting(tmp_path, monkeypatch):
+    """In process: stage 0's device 1 fails in its backward, where device 0 waits for it in
+    a collective; the step ends with that failure (no thread left waiting)."""
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 2, 2)
+    plan = read_plan(plan_dir)
+    runner = PipelineRunner(read_pipeline(plan_dir, plan.training), plan.microbatches, case["initial"])
+    failing = runner.runners[1].sessions["backward"]     # rank 1: device 1 of stage 0
+
+    def fail(outputs, feeds, collective):
+        raise ValueError("device 1 fails here")
+
+    monkeypatch.setattr(failing, "run", fail)
+    controls = {**DEFAULTS, **hyper(case["settings"]), "train.lr": 1e-3, "train.step": 1}
+    with pytest.raises(ValueError, match="device 1 fails here"):
+        runner.step(batches(case)[0], controls)
+
+
+def test_a_rank_that_dies_mid_step_ends_the_sharded_job_and_leaves_the_last_checkpoint(tmp_path):
+    """Under mpiexec: device 1 of stage 0 killed in the middle of step 3 (a checkpoint after
+    every step): the job ends, no process of it is left, and the last checkpoint (step 2) is
+    whole: a job resumes from it."""
+    from meshplan.emit.schedule import read_lists
+    from tests.jobs import run_marked
+
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 2, 2)
+    plan = read_plan(plan_dir)
+    lists = read_lists(plan_dir / "schedule.json", plan.to_dict()["checksum"], (plan.training["pipeline"]["schedule"],),
+                       plan.microbatches).ranks
+    runs = sum(1 for i in lists[0] if i.op == "run")       # stage 0's runs a step
+    common = ["--data", TRAINING_DIR / "gpt_adamw.data.npz", "--lr", 1e-3]
+    ended = run_marked(4, "train", plan_dir, "--steps", 5, "--checkpoint", tmp_path / "ck", "--checkpoint-every", 1,
+                       "-q", *common, failure=f"rank-1-dies-at-part-{2 * runs + 3}", timeout=120)
+    assert ended.returncode not in (None, 0) and not ended.left, ended.stderr
+    assert Checkpoint(tmp_path / "ck").step == 2
+    resumed = run_mpi(4, "train", plan_dir, "--steps", 1, "--resume", tmp_path / "ck", "-q", *common)
+    assert resumed.returncode == 0, resumed.stderr
 
 
 def test_what_a_plan_of_stages_that_shard_their_operators_refuses(tmp_path):

@@ -24,6 +24,18 @@ def batches(case: dict) -> list[dict]:
     return found
 
 
+def train_in_process(case: dict, runner) -> list[float]:
+    """Each of the case's steps on ``runner`` (a ``PipelineRunner``) at the reference's
+    learning rates: the losses."""
+    from meshplan.training.optimizers import DEFAULTS
+
+    losses = []
+    for k, batch in enumerate(batches(case)):
+        controls = {**DEFAULTS, **hyper(case["settings"]), "train.lr": case["lrs"][k], "train.step": k + 1}
+        losses.append(runner.step(batch, controls)["train.loss"])
+    return losses
+
+
 def assert_final_like_torch(case: dict, tied: dict, state: dict) -> None:
     """The state after the case's steps against torch's final weights: every element within
     1e-4 of the tensor's scale (SGD); AdamW moves an element whose gradient is at rounding
