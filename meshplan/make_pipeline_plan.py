@@ -40,6 +40,7 @@ from meshplan.model.load import canonicalize
 from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
 from meshplan.training.pipeline_step import CLIP, NORM, SCHEDULES, UPDATE_PHASE, split_step
 from meshplan.training.sharded_update import update_shards
+from meshplan.make_stage_programs import sharded_stages
 from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model, save_step_model
 
 TRAINING_DIR = "training"
@@ -70,9 +71,9 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
         costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
         if tensor > 1:
-            memory, costs = _sharded_stages(step, step_path, pipeline, memory, costs, cluster,
-                                            _replica_dims(step, dims, replicas), options, cost_model,
-                                            staging / ".tensor", folder)
+            memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
+                                           _replica_dims(step, dims, replicas), options, cost_model,
+                                           staging / ".tensor", folder)
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         check_fits(memory, cluster.device.memory_bytes)
         record = write_parts(pipeline, folder, options.schedule, microbatches, replicas)
@@ -115,11 +116,10 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
     if tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
         (workdir / "parts").mkdir(exist_ok=True)
-        memory, costs = _sharded_stages(step, step_path, pipeline, memory, costs, cluster,
-                                        _replica_dims(step, dims, replicas), options, cost_model,
-                                        workdir / "tensor", workdir / "parts")
-    step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule,
-                           tensor)[1]
+        memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
+                                       _replica_dims(step, dims, replicas), options, cost_model,
+                                       workdir / "tensor", workdir / "parts")
+    step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule)[1]
     return step_seconds, max(sum(m.values()) for m in memory)
 
 
@@ -206,86 +206,6 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
-def _sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
-                    options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path):
-    """``pipeline`` made the pipeline of each stage's devices sharding its operators
-    (``make_stage_programs``: each device's parts, the inputs' layouts); the memory and the
-    part seconds as they become: the state each device holds of its stage by the layouts the
-    ILP chose, the activations a device's 1/T; each part's seconds scaled by the ILP's
-    estimate of the whole step on T devices against one device's."""
-    from meshplan.make_stage_programs import stage_programs
-
-    tensor = options.tensor_parallel
-    programs = stage_programs(step, step_path, pipeline, cluster, dims, tensor, options, cost_model, workdir, folder)
-    first = programs.devices[0]
-    pipeline.device_parts = [d.parts for d in programs.devices]
-    pipeline.parts, pipeline.crossings, pipeline.loss_count = first.parts, first.crossings, first.loss_count
-    pipeline.chunks, pipeline.specs = {}, dict(programs.specs)
-    one_device = sum(costs.values())
-    scale = programs.step_seconds / one_device if one_device else 1.0 / tensor
-    return sharded_memory(memory, pipeline, tensor), {k: v * scale for k, v in costs.items()}
-
-
-def run_held_bytes(model: onnx.ModelProto) -> float:
-    """The bytes a sharded part's run holds until it ends beyond its inputs: what its
-    collectives take in and give out (a ``ProgramRunner`` run keeps each segment's results
-    and each collective's, a weight gathered whole among them, until the run returns)."""
-    from meshplan.plan_format import COLLECTIVE_DOMAIN
-
-    graph = model.graph
-    typed = {v.name: v.type.tensor_type for v in list(graph.value_info) + list(graph.output)}
-    inputs = {v.name for v in graph.input}
-    names = {name for node in graph.node if node.domain == COLLECTIVE_DOMAIN
-             for name in list(node.input) + list(node.output) if name and name not in inputs}
-    total = 0.0
-    for name in names:
-        kind = typed.get(name)
-        if kind is None or not kind.elem_type:
-            continue
-        dims = [d.dim_value for d in kind.shape.dim]
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
-        total += float(np.prod(dims, dtype=np.int64)) * itemsize
-    return total
-
-
-def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
-    """Each stage's bytes a device (``stage_memory``'s) where T devices shard its operators:
-    its weights, accumulated gradients and optimizer slots as the layouts of
-    ``pipeline.specs`` hold them on the [1, T] mesh; its activations and working memory 1/T,
-    the working memory with the most a part's run holds of its collectives' tensors
-    (``run_held_bytes``; ``pipeline.parts``: device 0's, as models)."""
-    from meshplan.sharding import LogicalMesh, ShardingSpec
-    from meshplan.training.optimizers import GRAD_ACC, slot
-
-    mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
-    manifest = pipeline.step.manifest
-
-    def held(name: str, shape, itemsize: int) -> float:
-        text = pipeline.specs.get(name)
-        whole = float(np.prod(shape, dtype=np.int64)) * itemsize
-        return float(ShardingSpec.parse(text).local_bytes(tuple(shape), itemsize, mesh)) if text else whole
-
-    found = []
-    for stage, before in enumerate(memory):
-        kinds = dict(before)
-        kinds.update(weights=0.0, gradients=0.0, optimizer=0.0)
-        for name, info in manifest["weights"].items():
-            if pipeline.home.get(name) != stage:
-                continue
-            itemsize = np.dtype(info["dtype"]).itemsize
-            kinds["weights"] += held(name, info["shape"], itemsize)
-            kinds["gradients"] += held(slot(name, GRAD_ACC), info["shape"], itemsize)
-            kinds["optimizer"] += sum(held(slot(name, k), info["shape"], itemsize)
-                                      for k in manifest["slots"] if k != GRAD_ACC)
-        kinds["activations"] = before["activations"] / tensor
-        # and the largest of what its parts' runs hold of their collectives (a weight gathered whole)
-        held_in_runs = [run_held_bytes(part.model) for (s, _), part in pipeline.parts.items()
-                        if s == stage and isinstance(part.model, onnx.ModelProto)]
-        kinds["working"] = before["working"] / tensor + max(held_in_runs, default=0.0)
-        found.append(kinds)
-    return found
-
-
 def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, cost_model: CostModel | None,
                   pipeline) -> dict[tuple[int, str], float]:
     """Each part's seconds: its nodes' in the step model at one microbatch's dims, costed as
@@ -304,7 +224,7 @@ def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, 
 
 
 def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatches: int, pipeline,
-            costs: dict[tuple[int, str], float], kind: str, tensor: int | None = None):
+            costs: dict[tuple[int, str], float], kind: str):
     """Each stage's seconds a microbatch: its forward and backward parts' (its replicas share
     them) and its sends, the activations on and the gradients back (the bytes crossing the
     cut, a message's latency for each tensor); the step's, as its ``kind`` schedule plays
@@ -315,7 +235,7 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatch
     a reduce-scatter and an all-gather cost the all-reduce's time); each stage's all-reduce
     and update; and what the step was played with (``timing``: the timeline draws it
     again)."""
-    R, S, T = replicas, len(cut.seconds), tensor or pipeline.tensor
+    R, S, T = replicas, len(cut.seconds), pipeline.tensor
     RT = R * T      # a stage's devices: R replicas of T that shard its operators
     reduce = [_allreduce_seconds(cluster, list(range(s * RT, (s + 1) * RT, T)), memory[s]["gradients"])
               for s in range(S)]

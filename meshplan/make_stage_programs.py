@@ -10,6 +10,9 @@ T programs it writes are cut into every stage's parts (``emit.rank_parts``): dev
 each stage runs coordinate j's parts, and a crossing goes from device j of one stage to
 device j of the next, in the layout the ILP chose. The ILP sees the whole step on one mesh,
 so its memory budget is the mesh's over the S stages (each stage holds about 1/S of it).
+``sharded_stages`` makes a pipeline so and gives its stages' memory (``sharded_memory``: the
+state by the ILP's layouts, and what the parts' runs hold of their collectives) and its
+parts' seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from meshplan.cost.analytic import CostModel
@@ -25,8 +29,9 @@ from meshplan.cost.cluster import Cluster
 from meshplan.emit.rank_parts import rank_pipeline, same_structure
 from meshplan.errors import PlanError
 from meshplan.inter.pipeline import PlanOptions
-from meshplan.plan_format import local_name
-from meshplan.sharding import ShardingSpec
+from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.training.optimizers import GRAD_ACC, slot
 from meshplan.training.pipeline_step import PipelineStep
 from meshplan.training.step_model import save_step_model
 
@@ -80,4 +85,77 @@ def stage_programs(step, step_path: Path, pipeline: PipelineStep, cluster: Clust
     return StagePrograms(devices, specs, float(plan.estimate["latency_seconds"]), memory, files)
 
 
-__all__ = ["StagePrograms", "stage_programs", "tensor_cluster"]
+def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
+                    options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path):
+    """``pipeline`` made the pipeline of each stage's devices sharding its operators
+    (``make_stage_programs``: each device's parts, the inputs' layouts); the memory and the
+    part seconds as they become: the state each device holds of its stage by the layouts the
+    ILP chose, the activations a device's 1/T; each part's seconds scaled by the ILP's
+    estimate of the whole step on T devices against one device's."""
+    tensor = options.tensor_parallel
+    programs = stage_programs(step, step_path, pipeline, cluster, dims, tensor, options, cost_model, workdir, folder)
+    first = programs.devices[0]
+    pipeline.device_parts = [d.parts for d in programs.devices]
+    pipeline.parts, pipeline.crossings, pipeline.loss_count = first.parts, first.crossings, first.loss_count
+    pipeline.chunks, pipeline.specs = {}, dict(programs.specs)
+    one_device = sum(costs.values())
+    scale = programs.step_seconds / one_device if one_device else 1.0 / tensor
+    return sharded_memory(memory, pipeline, tensor), {k: v * scale for k, v in costs.items()}
+
+
+def run_held_bytes(model: onnx.ModelProto) -> float:
+    """The bytes a sharded part's run holds until it ends beyond its inputs: what its
+    collectives take in and give out (a ``ProgramRunner`` run keeps each segment's results
+    and each collective's, a weight gathered whole among them, until the run returns)."""
+    graph = model.graph
+    typed = {v.name: v.type.tensor_type for v in list(graph.value_info) + list(graph.output)}
+    inputs = {v.name for v in graph.input}
+    names = {name for node in graph.node if node.domain == COLLECTIVE_DOMAIN
+             for name in list(node.input) + list(node.output) if name and name not in inputs}
+    total = 0.0
+    for name in names:
+        kind = typed.get(name)
+        if kind is None or not kind.elem_type:
+            continue
+        dims = [d.dim_value for d in kind.shape.dim]
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
+        total += float(np.prod(dims, dtype=np.int64)) * itemsize
+    return total
+
+
+def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
+    """Each stage's bytes a device (``stage_memory``'s) where T devices shard its operators:
+    its weights, accumulated gradients and optimizer slots as the layouts of
+    ``pipeline.specs`` hold them on the [1, T] mesh; its activations and working memory 1/T,
+    the working memory with the most a part's run holds of its collectives' tensors
+    (``run_held_bytes``; ``pipeline.parts``: device 0's, as models)."""
+    mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
+    manifest = pipeline.step.manifest
+
+    def held(name: str, shape, itemsize: int) -> float:
+        text = pipeline.specs.get(name)
+        whole = float(np.prod(shape, dtype=np.int64)) * itemsize
+        return float(ShardingSpec.parse(text).local_bytes(tuple(shape), itemsize, mesh)) if text else whole
+
+    found = []
+    for stage, before in enumerate(memory):
+        kinds = dict(before)
+        kinds.update(weights=0.0, gradients=0.0, optimizer=0.0)
+        for name, info in manifest["weights"].items():
+            if pipeline.home.get(name) != stage:
+                continue
+            itemsize = np.dtype(info["dtype"]).itemsize
+            kinds["weights"] += held(name, info["shape"], itemsize)
+            kinds["gradients"] += held(slot(name, GRAD_ACC), info["shape"], itemsize)
+            kinds["optimizer"] += sum(held(slot(name, k), info["shape"], itemsize)
+                                      for k in manifest["slots"] if k != GRAD_ACC)
+        kinds["activations"] = before["activations"] / tensor
+        # and the largest of what its parts' runs hold of their collectives (a weight gathered whole)
+        held_in_runs = [run_held_bytes(part.model) for (s, _), part in pipeline.parts.items()
+                        if s == stage and isinstance(part.model, onnx.ModelProto)]
+        kinds["working"] = before["working"] / tensor + max(held_in_runs, default=0.0)
+        found.append(kinds)
+    return found
+
+
+__all__ = ["StagePrograms", "run_held_bytes", "sharded_memory", "sharded_stages", "stage_programs", "tensor_cluster"]
