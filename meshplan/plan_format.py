@@ -260,7 +260,8 @@ def require_programs(plan: Plan, directory: str | os.PathLike) -> None:
     pipelined training plan (its stages' parts run under ``meshplan train``)."""
     if plan.training.get("pipeline"):
         raise PlanError(f"plan {directory} is a pipelined training plan: start it with mpiexec -n "
-                        f"{len(plan.stages)} meshplan train {directory} --data DATA.npz --steps K")
+                        f"{sum(len(s.devices) for s in plan.stages)} meshplan train {directory} --data DATA.npz "
+                        "--steps K")
     if not plan.programs:
         raise PlanError(f"plan {directory} has no programs: it was planned with --no-programs",
                         hint="plan again without --no-programs, with the model's weights, to run it")

@@ -171,6 +171,7 @@ def test_what_a_plan_of_stages_that_shard_their_operators_refuses(tmp_path):
     assert done.returncode == 0, done.stderr
     wrong = run_mpi(2, "train", tmp_path / "p", "--data", TRAINING_DIR / "mlp_sgd.data.npz", "--steps", 1)
     _one_error_line(wrong, "mpiexec -n 4")
+    _one_error_line(run_cli("run", tmp_path / "p", "--inputs", TRAINING_DIR / "mlp_sgd.data.npz"), "mpiexec -n 4")
 
 
 def test_the_memory_of_a_stage_that_shards_its_operators(tmp_path):
