@@ -104,23 +104,35 @@ def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: d
 
 
 def run_held_bytes(model: onnx.ModelProto) -> float:
-    """The bytes a sharded part's run holds until it ends beyond its inputs: what its
-    collectives take in and give out (a ``ProgramRunner`` run keeps each segment's results
-    and each collective's, a weight gathered whole among them, until the run returns)."""
+    """The most bytes a sharded part's run holds at once of what its collectives take in and
+    give out (a weight gathered whole among them): each such tensor from the node that makes
+    it to the last that reads it (the run lets each go then: ``ProgramRunner.run(release=
+    True)``), or to the run's end where the part hands it on."""
     graph = model.graph
     typed = {v.name: v.type.tensor_type for v in list(graph.value_info) + list(graph.output)}
-    inputs = {v.name for v in graph.input}
-    names = {name for node in graph.node if node.domain == COLLECTIVE_DOMAIN
+    inputs, outputs = {v.name for v in graph.input}, {v.name for v in graph.output}
+    nodes = list(graph.node)
+    names = {name for node in nodes if node.domain == COLLECTIVE_DOMAIN
              for name in list(node.input) + list(node.output) if name and name not in inputs}
-    total = 0.0
+    born, dies = {}, {}
+    for index, node in enumerate(nodes):
+        for name in node.output:
+            if name in names:
+                born[name] = index
+        for name in node.input:
+            if name in names:
+                dies[name] = index
+    held = [0.0] * (len(nodes) + 1)
     for name in names:
         kind = typed.get(name)
-        if kind is None or not kind.elem_type:
+        if kind is None or not kind.elem_type or name not in born:
             continue
-        dims = [d.dim_value for d in kind.shape.dim]
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
-        total += float(np.prod(dims, dtype=np.int64)) * itemsize
-    return total
+        size = float(np.prod([d.dim_value for d in kind.shape.dim], dtype=np.int64)) * \
+            np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
+        last = len(nodes) if name in outputs else dies.get(name, born[name])
+        for index in range(born[name], last + 1):
+            held[index] += size
+    return max(held)
 
 
 def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:

@@ -269,3 +269,39 @@ def test_an_input_gathered_for_two_phases_is_gathered_in_each_and_names_do_not_c
     by_name = {n.name: n for n in out}
     assert by_name["fwd"].input[1] == copies[("w@whole", (0, "forward"))]
     assert by_name["bwd"].input[1] == copies[("w@whole", (0, "backward"))]
+    # each gather right before the node that reads it (gathered when about to be used)
+    order = [n.name for n in out]
+    for reader in ("fwd", "bwd"):
+        gather = next(n.name for n in gathers if n.output[0] == by_name[reader].input[1])
+        assert order.index(gather) == order.index(reader) - 1
+
+
+def test_a_sharded_part_lets_a_gathered_tensor_go_after_its_last_reader(tmp_path):
+    """``ProgramRunner.run(release=True)``: what no later segment reads is dropped as the run
+    goes, so the result holds the program's outputs (and nothing gathered on the way)."""
+    from meshplan.runtime.program import ProgramRunner
+
+    nodes = [helper.make_node("AllGather", ["w@S1"], ["w"], name="gather", domain=COLLECTIVE_DOMAIN,
+                              axis=1, dim=0),
+             helper.make_node("Mul", ["x", "w"], ["y"], name="use"),
+             helper.make_node("AllReduce", ["y"], ["z"], name="sum", domain=COLLECTIVE_DOMAIN, axis=1),
+             helper.make_node("Neg", ["z"], ["out"], name="neg")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("w@S1", TensorProto.FLOAT, [1]),
+                                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])],
+                              value_info=[helper.make_tensor_value_info(n, TensorProto.FLOAT, [2])
+                                          for n in ("w", "y", "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(COLLECTIVE_DOMAIN, 1)], ir_version=8)
+    onnx.save(model, str(tmp_path / "part.onnx"))
+    runner = ProgramRunner(tmp_path / "part.onnx", ["CPUExecutionProvider"], 1)
+    feeds = {"w@S1": np.array([2.0], np.float32), "x": np.array([1.0, 3.0], np.float32)}
+
+    def collective(step, x):    # one device's view of a [1, 2] mesh whose other device holds the same
+        return np.concatenate([x, x]) if step.kind.name == "all_gather" else 2 * x
+
+    kept = runner.run(dict(feeds), collective)
+    released = runner.run(dict(feeds), collective, release=True)
+    np.testing.assert_array_equal(released["out"], kept["out"])
+    np.testing.assert_array_equal(released["out"], -2 * feeds["x"] * 2.0)
+    assert {"w", "y"} <= set(kept) and not {"w", "y"} & set(released)

@@ -174,7 +174,40 @@ def _placed(nodes: list, placement: dict, step: StepModel) -> tuple[list, dict, 
             raise TrainError(f"node '{node.name}' reads '{next(i for i in node.input if i in split)}', made again in "
                              "each stage that reads it, but is computed in every part")
         out_nodes.append(node)
-    return out_nodes, places, copies
+    return _just_in_time(out_nodes, {n.name for n in out_nodes if n.name in places and _is_copy(n, rooted)}), \
+        places, copies
+
+
+def _is_copy(node, rooted: set[str]) -> bool:
+    """Whether ``node`` is a copy of a node that reads only inputs (its name, or its name
+    less a place's suffix, a rooted node's)."""
+    return node.name in rooted or node.name.rsplit("/", 1)[0] in rooted
+
+
+def _just_in_time(nodes: list, moved: set[str]) -> list:
+    """``nodes`` with each of ``moved`` (the copies of nodes that read only inputs: a weight's
+    all-gather) put right before the first node that reads it, rather than where the emitter
+    put it (before everything that does not wait on it): a run gathers a weight when it is
+    about to use it, and lets it go after, instead of holding every gathered weight from its
+    start (``ProgramRunner.run(release=True)``)."""
+    producer = {o: n for n in nodes if n.name in moved for o in n.output if o}
+    placed: set[str] = set()
+    ordered = []
+
+    def put(node) -> None:
+        for name in node.input:
+            made = producer.get(name)
+            if made is not None and made.name not in placed:
+                placed.add(made.name)
+                put(made)
+        ordered.append(node)
+
+    for node in nodes:
+        if node.name in moved:
+            continue
+        put(node)
+    ordered.extend(n for n in nodes if n.name in moved and n.name not in placed)
+    return ordered
 
 
 def _order(place: tuple[int, str]) -> tuple[int, int]:

@@ -151,7 +151,7 @@ class ShardedPart:
         self.program = ProgramRunner(Path(path), providers or ["CPUExecutionProvider"], threads)
 
     def run(self, outputs: list[str], feeds: dict, collective) -> list:
-        values = self.program.run(feeds, collective)
+        values = self.program.run(feeds, collective, release=True)
         return [values[name] for name in outputs]
 
 

@@ -332,19 +332,22 @@ class ProgramRunner:
                 segment.session.release()
 
     def run(self, feeds: dict, collective_fn, buffers=HOST, observe=None, writable=frozenset(),
-            narrow: dict | None = None, bound: bool = False) -> dict:
+            narrow: dict | None = None, bound: bool = False, release: bool = False) -> dict:
         """Run every segment (``run_lockstep`` with this rank alone); ``collective_fn(step,
         tensor) -> tensor`` performs collectives (``observe(name, tensor)``, when given, sees
         each collective's input first). ``writable``: the feeds the caller owns, which a
         segment may update in place (its output is then that same buffer). ``narrow``: see
         ``run_lockstep``. ``bound``: the caller is done with this run's results before it
-        runs the program again (``StageSession.run``).
+        runs the program again (``StageSession.run``). ``release``: each tensor no later
+        segment or collective reads is let go once its last reader has run (a weight a
+        collective gathered whole, say), so that the result holds the program's outputs only.
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
         and outputs bound on that device."""
         mine = dict(feeds)
-        _run_one(self, mine, collective_fn, buffers, writable, observe, narrow, bound)   # (``run_lockstep``'s)
+        _run_one(self, mine, collective_fn, buffers, writable, observe, narrow, bound,   # (``run_lockstep``'s)
+                 release)
         return mine
 
     def read_after(self, index: int) -> set[str]:
@@ -453,12 +456,16 @@ def run_lockstep(runners: dict[int, ProgramRunner], values: list[dict[int, dict]
 
 
 def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, observe, narrow,
-             bound: bool) -> None:
+             bound: bool, release: bool = False) -> None:
     """``run_lockstep`` for one rank and one microbatch (a job's rank, a decode step): the
     same steps without the loops over ranks and microbatches; ``collective(step, tensor) ->
-    tensor`` is this rank's part of each collective."""
+    tensor`` is this rank's part of each collective (``release``: see ``ProgramRunner.run``)."""
     host = buffers is HOST
     for index, part in enumerate(runner.segments):
+        if release and index:   # what segment index - 1 and its collective were the last to read
+            kept = runner.read_after(index - 1) | runner.graph_outputs
+            for name in [n for n in mine if n not in kept]:
+                del mine[name]
         session = part.session
         c = part.collective
         if session is not None:
