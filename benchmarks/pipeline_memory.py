@@ -6,7 +6,7 @@ Usage (from the repository root)::
         [--batch 32] [--json PATH]
     python benchmarks/pipeline_memory.py --mpi [--stages 4] [--microbatches 8] [--batch 32]
         [--layers 8] [--hidden 256] [--heads 4] [--vocab 2048] [--seq 128] [--steps 2] [--replicas 1]
-        [--tensor-parallel 1] [--workdir DIR] [--json PATH]
+        [--tensor-parallel 1] [--policy auto|data|megatron] [--workdir DIR] [--json PATH]
 
 In process (the default): the case is one of sample_models/training's (a GPT with AdamW by
 default), its forward graph cut into ``--stages`` runs of nodes of equal length, one step of
@@ -23,7 +23,8 @@ data-parallel replicas, which hold the optimizer's state in row blocks; with
 ``--tensor-parallel T``, replicas of T devices that shard the stage's operators, on a
 1x(S·R·T) mesh, and no recomputing row) and trained for ``--steps`` steps by ``mpiexec -n
 S·R·T meshplan train``; each rank's peak RSS as the command reports it, next to the plan's
-estimate of its stage, and the step's median time.
+estimate of its stage, and the step's median time. ``--policy``: the plans' sharding policy
+(what the devices that shard a stage may choose).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _mpi_rows(args, work: Path) -> dict:
         plan_dir = work / f"plan-{kind}"
         _run([*meshplan, "plan", model, "--train", "--loss", "cross_entropy:logits:targets", "--optimizer", "adamw",
               "--mesh", f"1x{ranks_count}", "--stages", args.stages, "--schedule",
-              kind.split("+")[0], "--tensor-parallel", T,
+              kind.split("+")[0], "--tensor-parallel", T, "--policy", args.policy,
               *(["--recompute"] if kind == RECOMPUTED else []), "--microbatches",
               args.microbatches, "--dim", f"batch={args.batch}", "--device", "cpu", "-o", plan_dir])
         log = work / f"log-{kind}.json"
@@ -153,6 +154,7 @@ def _mpi_rows(args, work: Path) -> dict:
     if again:
         print("1F1B recomputing over 1F1B, peak RSS per rank: " + ", ".join(f"{r:.2f}" for r in again))
     return {"sizes": sizes, "parameters": built["parameters"], "replicas": args.replicas, "tensor_parallel": T,
+            "policy": args.policy,
             "schedules": rows,
             "ratio_1f1b_over_gpipe": ratio,
             "ratio_recomputed_over_1f1b": again}
@@ -181,6 +183,8 @@ def main(argv=None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="with --mpi: data-parallel replicas a stage")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="with --mpi: devices of each replica that shard the stage's operators")
+    parser.add_argument("--policy", default="auto", choices=("auto", "data", "megatron"),
+                        help="with --mpi: the plans' sharding policy")
     parser.add_argument("--workdir", help="where the model, data and plans go [default: a temporary folder, removed]")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
