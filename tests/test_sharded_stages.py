@@ -85,7 +85,8 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
     """``mpiexec -n 4 meshplan train`` on 2 stages of 2 devices that shard their operators:
     each step's loss as torch's; the checkpoint holds each device's pieces in the layouts
     the ILP chose and gives torch's final weights; resumed after 6 steps it gives the same
-    steps as one job; ``meshplan export`` writes the trained model."""
+    steps as one job, on its plan and on a plan of replicas; ``meshplan export`` writes the
+    trained model."""
     case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 2, 2)
     settings = case["settings"]
     options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
@@ -110,6 +111,16 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
     assert second.returncode == 0, second.stderr
     resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
     np.testing.assert_allclose(resumed, log["losses"][half:], rtol=1e-6)
+    # and on a plan of the same model whose stages' devices are replicas (each tensor put together)
+    replicas = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer",
+                       settings["optimizer"], "--mesh", "1x4", "--stages", 2, "--microbatches", 4, "--dim",
+                       f"batch={settings['batch']}", "--device", "cpu", "-o", tmp_path / "replicas")
+    assert replicas.returncode == 0, replicas.stderr
+    third = run_mpi(4, "train", tmp_path / "replicas", "--steps", settings["steps"] - half, "--resume",
+                    tmp_path / "half", "--log", tmp_path / "elsewhere.json", "-q", *options)
+    assert third.returncode == 0, third.stderr
+    elsewhere = json.loads((tmp_path / "elsewhere.json").read_text())["losses"]
+    np.testing.assert_allclose(elsewhere, log["losses"][half:], rtol=1e-5)
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()
