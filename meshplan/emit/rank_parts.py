@@ -146,6 +146,7 @@ def _placed(nodes: list, placement: dict, step: StepModel) -> tuple[list, dict, 
     copies: dict[tuple[str, tuple], str] = {}     # (tensor, place) → the copy's name of it
     split: set[str] = set()                        # tensors made again under other names
     out_nodes, places = [], {}
+    made_again: set[str] = set()                   # the copies' names
     for node in nodes:
         if node.name in rooted:
             targets = sorted(wanted.get(node.name, ()), key=_order)
@@ -164,6 +165,7 @@ def _placed(nodes: list, placement: dict, step: StepModel) -> tuple[list, dict, 
                             split.add(name)
                 out_nodes.append(copy)
                 places[copy.name] = place
+                made_again.add(copy.name)
             continue
         if node.name in where:
             place = where[node.name]
@@ -174,14 +176,7 @@ def _placed(nodes: list, placement: dict, step: StepModel) -> tuple[list, dict, 
             raise TrainError(f"node '{node.name}' reads '{next(i for i in node.input if i in split)}', made again in "
                              "each stage that reads it, but is computed in every part")
         out_nodes.append(node)
-    return _just_in_time(out_nodes, {n.name for n in out_nodes if n.name in places and _is_copy(n, rooted)}), \
-        places, copies
-
-
-def _is_copy(node, rooted: set[str]) -> bool:
-    """Whether ``node`` is a copy of a node that reads only inputs (its name, or its name
-    less a place's suffix, a rooted node's)."""
-    return node.name in rooted or node.name.rsplit("/", 1)[0] in rooted
+    return _just_in_time(out_nodes, made_again), places, copies
 
 
 def _just_in_time(nodes: list, moved: set[str]) -> list:

@@ -4,7 +4,11 @@ job's interpreter (``runtime.interpreter``), which carries out its stage's instr
 r of stage s (R replicas a stage): it takes the r-th 1/R of every microbatch, exchanges with
 replica r of the other stages, and sums its accumulated gradients with its stage's other
 replicas once a step (``reduce``, an MPI all-reduce; or a reduce-scatter where the replicas
-update in row blocks, the updated weights all-gathered): ``runtime.pipeline_links``.
+update in row blocks, the updated weights all-gathered): ``runtime.pipeline_links``. Where
+each replica is T devices that shard the stage's operators (``--tensor-parallel T``), rank
+s·R·T + r·T + j is device j of replica r: it runs device j's parts, their collectives with
+its replica's other devices, holds its pieces of the stage's state (``device_piece``) and
+exchanges with device j of the other stages.
 
 Every rank reads the plan, the schedule and the data (the same batches in the same order,
 each taking the inputs its parts read), works out each step's learning rate itself, and
@@ -20,7 +24,8 @@ the data, the rank count, a checkpoint to resume from) fails on every rank alike
 Checkpoints (``--checkpoint``) are written as a single-stage plan's are
 (``trainer.checkpoint``): each stage's first replica writes its stage's state, whole but for
 the optimizer's slots that the replicas hold in row blocks (``meshplan.replica_shards``),
-of which each replica writes its own; rank 0 the manifest,
+of which each replica writes its own (where devices shard the stage, each device of the
+first replica writes its pieces, in the layouts the plan records); rank 0 the manifest,
 and the folder is renamed into place once all have; ``--resume`` reads each state back by
 the layouts of the plan that wrote it, so a checkpoint moves between plans of the same
 model, and ``meshplan export`` reads it.
