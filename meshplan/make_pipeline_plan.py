@@ -327,12 +327,17 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def _microbatch_size(step, dims: dict) -> int:
-    """The samples of one microbatch: the leading dim of the model's first data input."""
+def _leading_dim(step):
+    """The leading dim of the model's first data input (its batch), or None."""
     graph = step.model.graph
     initializers = {t.name for t in graph.initializer}
     first = next((v for v in graph.input if v.name not in initializers), None)
-    dim = first.type.tensor_type.shape.dim[0] if first is not None and first.type.tensor_type.shape.dim else None
+    return first.type.tensor_type.shape.dim[0] if first is not None and first.type.tensor_type.shape.dim else None
+
+
+def _microbatch_size(step, dims: dict) -> int:
+    """The samples of one microbatch: the leading dim of the model's first data input."""
+    dim = _leading_dim(step)
     if dim is None:
         return 1
     return int(dim.dim_value) if dim.HasField("dim_value") else int(dims.get(dim.dim_param, 1))
@@ -340,10 +345,7 @@ def _microbatch_size(step, dims: dict) -> int:
 
 def _replica_dims(step, dims: dict, replicas: int) -> dict:
     """One replica's dims of a microbatch: the leading dim of the data inputs 1/R."""
-    graph = step.model.graph
-    initializers = {t.name for t in graph.initializer}
-    first = next((v for v in graph.input if v.name not in initializers), None)
-    dim = first.type.tensor_type.shape.dim[0] if first is not None and first.type.tensor_type.shape.dim else None
+    dim = _leading_dim(step)
     if replicas == 1 or dim is None or not dim.dim_param or dim.dim_param not in dims:
         return dict(dims)
     return {**dims, dim.dim_param: int(dims[dim.dim_param]) // replicas}

@@ -41,8 +41,6 @@ class StagePrograms:
     devices: list[PipelineStep]     # device j's cut of the step (its parts as models)
     specs: dict[str, str]           # each input's and output's layout on the [1, T] mesh
     step_seconds: float             # the ILP's estimate of one microbatch's whole step on T devices
-    memory_bytes: float             # and of a device's memory for the whole step
-    data_files: list[Path]          # the programs' weight files, which the parts read
 
 
 def tensor_cluster(cluster: Cluster, tensor: int, stages: int) -> Cluster:
@@ -71,7 +69,7 @@ def stage_programs(step, step_path: Path, pipeline: PipelineStep, cluster: Clust
     specs = {**stage.input_specs, **stage.output_specs}
     inputs = {n: local_name(n, ShardingSpec.parse(s)) for n, s in stage.input_specs.items()}
     outputs = {n: local_name(n, ShardingSpec.parse(s)) for n, s in stage.output_specs.items()}
-    devices, files = [], []
+    devices = []
     for program in sorted(plan.programs, key=lambda p: p.rank):
         path = workdir / "plan" / program.file
         devices.append(rank_pipeline(onnx.load(str(path), load_external_data=False), pipeline, inputs, outputs))
@@ -80,9 +78,7 @@ def stage_programs(step, step_path: Path, pipeline: PipelineStep, cluster: Clust
         for entry in program.data_files:
             target = Path(folder) / entry["file"]
             shutil.move(str(workdir / "plan" / entry["file"]), str(target))
-            files.append(target)
-    memory = max([float(st.memory_bytes) for st in plan.stages] or [0.0])
-    return StagePrograms(devices, specs, float(plan.estimate["latency_seconds"]), memory, files)
+    return StagePrograms(devices, specs, float(plan.estimate["latency_seconds"]))
 
 
 def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,

@@ -132,7 +132,7 @@ def _weight_dims(node: Node, graph: Graph) -> tuple[int, int, int, int] | None:
     """(K, N, K's dim, N's dim) of the weight (input 1) of a matrix product, None if it has none:
     a parameter, or a state input the graph updates (a trained weight of a training step)."""
     weight = graph.tensors.get(node.inputs[1])
-    if weight is None or not (weight.is_param or node.inputs[1] in set(getattr(graph, "state", {}).values())):
+    if weight is None or not (weight.is_param or node.inputs[1] in set(graph.state.values())):
         return None
     if node.op_type == "MatMulNBits" and len(weight.shape) == 3:   # packed [N, K blocks, bytes per block]
         return node.attrs["K"], node.attrs["N"], 1, 0
