@@ -42,6 +42,10 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
                    "groups of T that shard its operators (the sharding ILP over the forward, backward and update "
                    "together), the groups data-parallel replicas of the stage; auto weighs every T that divides a "
                    "stage's devices and a host's, by the estimated step.")
+@click.option("--stage-devices", metavar="D0,D1,...",
+              help="A pipelined training plan (--train --stages S): the devices of each stage, in order, adding up "
+                   "to the mesh's (each a data-parallel replica of its stage) [default: the mesh's devices over S "
+                   "where S divides them, else the cut chooses them with the layers].")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
 @click.option("--shared-host", is_flag=True,
@@ -88,7 +92,7 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Plan directory to write.")
 @click.pass_context
 def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, layers, max_stages, stages, pipeline_schedule,
-         recompute, tensor_parallel, all_devices,
+         recompute, tensor_parallel, stage_devices, all_devices,
          shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
          max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
@@ -119,11 +123,20 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             raise click.BadParameter(f"{tensor_parallel!r} is not a positive number or auto",
                                      param_hint="'--tensor-parallel'")
         tensor_parallel = int(tensor_parallel)
+        if stage_devices is not None:
+            counts = stage_devices.split(",")
+            if not all(c.strip().isdigit() and int(c) > 0 for c in counts):
+                raise click.BadParameter(f"{stage_devices!r} is not a list of positive device counts",
+                                         param_hint="'--stage-devices'")
+            if not (train and stages and stages > 1 and not no_programs):
+                raise click.UsageError("--stage-devices goes with --train and --stages S (S > 1): a pipelined "
+                                       "training plan with programs")
+            stage_devices = tuple(int(c) for c in counts)
         options = PlanOptions(microbatches=microbatches, num_layers=layers, solver=solver, max_stages=max_stages,
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
                               all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute,
-                              tensor_parallel=tensor_parallel)
+                              tensor_parallel=tensor_parallel, stage_devices=stage_devices)
         if tensor_parallel != 1 and not (train and ((stages and stages > 1) or max_stages) and not no_programs):
             raise click.UsageError("--tensor-parallel goes with --train and --stages S (S > 1) or --max-stages N: a "
                                    "pipelined training plan with programs")

@@ -38,6 +38,7 @@ from meshplan.inter.training_stages import check_fits, cut_stages, stage_memory
 from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize
 from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
+from meshplan.stage_ranks import StageRanks
 from meshplan.training.pipeline_step import CLIP, NORM, SCHEDULES, UPDATE_PHASE, split_step
 from meshplan.training.sharded_update import update_shards
 from meshplan.make_stage_programs import sharded_stages
@@ -61,18 +62,20 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
             shutil.rmtree(trial, ignore_errors=True)
         options, notes = replace(options, tensor_parallel=tensor), list(notes) + weighed
     stages, tensor = options.stages, options.tensor_parallel
-    step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
+    step, choices = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
     try:
         folder = staging / TRAINING_DIR
         folder.mkdir()
         step_path = save_step_model(step, model_path, folder / "step.onnx")
         graph = _forward_graph(model_path, dims, staging / ".work")
-        pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
+        pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, choices, cost_model)
+        replicas = cut.replicas
+        _split_crossings(step, step_path, dims, pipeline, replicas, staging / ".rows")
         costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
         if tensor > 1:
             memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
-                                           _replica_dims(step, dims, replicas), options, cost_model,
+                                           _replica_dims(step, dims, replicas[0]), options, cost_model,
                                            staging / ".tensor", folder)
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         check_fits(memory, cluster.device.memory_bytes)
@@ -82,9 +85,13 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         plan.estimate.update((cost_model or CostModel(cluster)).summary())   # which costs the estimate took
         plan.training["recompute"] = options.recompute
         if tensor > 1:
-            plan.notes.append(f"each stage's {tensor * replicas} device(s): {replicas} data-parallel replica(s) of "
-                              f"{tensor} that shard its operators (the sharding ILP over the whole step on a "
+            plan.notes.append(f"each stage's {tensor * replicas[0]} device(s): {replicas[0]} data-parallel replica(s) "
+                              f"of {tensor} that shard its operators (the sharding ILP over the whole step on a "
                               f"[1, {tensor}] mesh)")
+        elif len(set(replicas)) > 1:
+            plan.notes.append(f"the stages' devices: {', '.join(map(str, replicas))} (each a data-parallel replica "
+                              "of its stage; " + ("given by --stage-devices" if options.stage_devices else
+                                                  "chosen with the cut: the fastest slowest stage") + ")")
         if options.recompute:
             plan.notes.append("activations recomputed: each stage keeps its inputs of a microbatch in flight, and its "
                               "backward runs its forward again")
@@ -107,17 +114,19 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     """The step seconds and the most bytes a device needs of the pipelined plan of
     ``options.stages`` stages, planned but not written. Raises ``PlanError`` where there is
     no such plan (the stages do not divide the mesh, a microbatch does not split, ...)."""
-    step, replicas = _checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
+    step, choices = _checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
     tensor = options.tensor_parallel
     workdir.mkdir(parents=True, exist_ok=True)
     step_path = save_step_model(step, model_path, workdir / "step" / "step.onnx")
     graph = _forward_graph(model_path, dims, workdir / "forward")
-    pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, replicas, cost_model)
+    pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, choices, cost_model)
+    replicas = cut.replicas
+    _split_crossings(step, step_path, dims, pipeline, replicas, workdir / "rows")
     costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
     if tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
-                                       _replica_dims(step, dims, replicas), options, cost_model,
+                                       _replica_dims(step, dims, replicas[0]), options, cost_model,
                                        workdir / "tensor", workdir / "parts")
     step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule)[1]
     return step_seconds, max(sum(m.values()) for m in memory)
@@ -125,8 +134,11 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
 
 def tensor_choices(cluster: Cluster, stages: int) -> list[int]:
     """The T a pipeline of ``stages`` stages may shard each stage's operators over: the
-    divisors of a stage's devices that divide a host's."""
-    per = cluster.num_devices // stages if cluster.num_devices % stages == 0 else 0
+    divisors of a stage's devices that divide a host's (1 alone where the stages do not
+    divide the mesh: its stages then have different numbers of replicas)."""
+    if cluster.num_devices % stages:
+        return [1]
+    per = cluster.num_devices // stages
     return [t for t in range(1, per + 1) if per % t == 0 and cluster.devices_per_host % t == 0]
 
 
@@ -157,34 +169,86 @@ def weigh_tensor(model_path: Path, cluster: Cluster, dims: dict, options: PlanOp
 
 def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
                   microbatches: int, stages: int):
-    """The step model for ``stages`` stages and the replicas a stage has; ``PlanError`` where
-    the mesh, the model or the batch does not allow them."""
+    """The step model for ``stages`` stages and the replica counts each stage may have (one
+    each where they are given: the mesh's devices over the stages, or ``--stage-devices``;
+    else every count that splits a microbatch, the cut choosing: ``cut_stages``);
+    ``PlanError`` where the mesh, the model or the batch does not allow them."""
     if options.schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {options.schedule!r} (choose from {', '.join(SCHEDULES)})")
-    if cluster.num_devices % stages:
-        raise PlanError(f"--stages {stages} does not divide the mesh's {cluster.num_devices} devices: each stage "
-                        "has the same number of devices, data-parallel replicas of it, for now",
-                        hint=f"a number of stages that divides {cluster.num_devices}")
-    tensor = options.tensor_parallel
-    if (cluster.num_devices // stages) % tensor:
-        raise PlanError(f"--tensor-parallel {tensor} does not divide a stage's {cluster.num_devices // stages} "
-                        f"device(s) ({cluster.num_devices} over {stages} stages)",
-                        hint=f"a divisor of {cluster.num_devices // stages}")
+    N, tensor, given = cluster.num_devices, options.tensor_parallel, options.stage_devices
+    if given is not None:
+        if len(given) != stages or sum(given) != N or min(given) < 1:
+            raise PlanError(f"--stage-devices {','.join(map(str, given))} does not give each of the {stages} stages "
+                            f"devices adding up to the mesh's {N}", hint=f"{stages} counts that add up to {N}")
+        if tensor > 1 and len(set(given)) > 1:
+            raise PlanError("with --tensor-parallel every stage has the same number of devices, not "
+                            f"{','.join(map(str, given))}", hint="--tensor-parallel 1, or equal stages")
+    elif N % stages and tensor > 1:
+        raise PlanError(f"--stages {stages} does not divide the mesh's {N} devices: with --tensor-parallel each "
+                        "stage has the same number of devices", hint=f"a number of stages that divides {N}")
+    elif N < stages:
+        raise PlanError(f"--stages {stages} needs at least {stages} devices, the mesh has {N}",
+                        hint=f"at most {N} stages")
+    if tensor > 1 and (N // stages) % tensor:
+        raise PlanError(f"--tensor-parallel {tensor} does not divide a stage's {N // stages} "
+                        f"device(s) ({N} over {stages} stages)",
+                        hint=f"a divisor of {N // stages}")
     if tensor > 1 and (tensor > cluster.devices_per_host or cluster.devices_per_host % tensor):
         raise PlanError(f"--tensor-parallel {tensor} does not divide a host's {cluster.devices_per_host} device(s): "
                         "the devices that shard a stage's operators are on one host",
                         hint=f"a divisor of {cluster.devices_per_host}")
-    replicas = cluster.num_devices // stages // tensor
     step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
-    if replicas > 1 and step.manifest.get("statistics"):
-        raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
-                        f"of one device a stage only: --stages {stages} on {cluster.num_devices} devices makes "
-                        f"{replicas} replicas of each", hint=f"--stages {cluster.num_devices}")
     size = _microbatch_size(step, dims)
-    if size % replicas:
-        raise PlanError(f"a microbatch of {size} sample(s) does not split over the {replicas} replicas of each stage",
-                        hint="a batch that does, or more stages")
-    return step, replicas
+    if given is not None:
+        choices = [[d // tensor] for d in given]
+    elif N % stages == 0:
+        choices = [[N // stages // tensor]] * stages
+    else:   # the cut gives each stage its devices
+        choices = [[r for r in range(1, N - stages + 2) if size % r == 0]] * stages
+    most = max(max(c) for c in choices)
+    if most > 1 and step.manifest.get("statistics"):
+        raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
+                        f"of one device a stage only: --stages {stages} on {N} devices makes "
+                        f"{most} replicas of a stage", hint=f"--stages {N}")
+    for stage, allowed in enumerate(choices):
+        if len(allowed) == 1 and size % allowed[0]:
+            which = "each stage" if len(set(map(tuple, choices))) == 1 else f"stage {stage}"
+            raise PlanError(f"a microbatch of {size} sample(s) does not split over the {allowed[0]} replicas of "
+                            f"{which}", hint="a batch that does, or more stages")
+    return step, choices
+
+
+def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list[int], workdir: Path) -> None:
+    """Where neighbouring stages have different replica counts, each crossing that carries a
+    microbatch's samples is split by them (``meshplan.stage_ranks``): ``pipeline.rows``, its
+    axis of samples, found by the step's shapes at one microbatch and at two. ``PlanError``
+    where a crossing's samples are not one axis of its own."""
+    pipeline.rows = {}
+    if len(set(replicas)) < 2:
+        return
+    dim = _leading_dim(step)
+    if dim is None or not dim.dim_param or dim.dim_param not in dims:
+        raise PlanError("stages with different device counts split each microbatch among their replicas: the model's "
+                        "batch dim must be a named dim given by --dim", hint="equal stages (--stages dividing the mesh)")
+    size = int(dims[dim.dim_param])
+    shapes = []
+    for k, at in enumerate((dict(dims), {**dims, dim.dim_param: 2 * size})):
+        canonical = canonicalize(step_path, at, workdir / str(k), None, "absent")
+        shapes.append({n: t.shape for n, t in build_graph(canonical.model).tensors.items()})
+        shutil.rmtree(workdir / str(k), ignore_errors=True)
+    for index, c in enumerate(pipeline.crossings):
+        if replicas[c.src] == replicas[c.dst] or not per_microbatch(c):
+            continue
+        one, two = shapes[0].get(c.tensor), shapes[1].get(c.tensor)
+        if one is None or two is None or tuple(one) == tuple(two):
+            continue    # the same whatever the samples
+        grows = [a for a, (x, y) in enumerate(zip(one, two)) if x != y]
+        if len(one) != len(two) or len(grows) != 1 or one[grows[0]] != size or two[grows[0]] != 2 * size:
+            raise PlanError(f"the tensor {c.tensor!r} that stage {c.src} sends stage {c.dst} holds the samples of a "
+                            f"microbatch mixed into other dims ({list(one)} at {size} samples): stages of "
+                            f"{replicas[c.src]} and {replicas[c.dst]} replicas cannot split it",
+                            hint="equal stages (--stages dividing the mesh), or other --stage-devices")
+        pipeline.rows[index] = grows[0]
 
 
 def _forward_graph(model_path: Path, dims: dict, workdir: Path):
@@ -195,14 +259,17 @@ def _forward_graph(model_path: Path, dims: dict, workdir: Path):
     return graph
 
 
-def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: int, replicas: int,
+def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: int, choices: list[list[int]],
             cost_model: CostModel | None):
-    """The cut, the step cut along it, and each stage's memory."""
+    """The cut (each stage's replicas among its ``choices``), the step cut along it, and each
+    stage's memory."""
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
-    cut = cut_stages(graph, seconds, options.stages, options.num_layers)
+    cut = cut_stages(graph, seconds, options.stages, options.num_layers, choices,
+                     cluster.num_devices // options.tensor_parallel)
+    replicas = cut.replicas
     pipeline = split_step(step, cut.forward_stage, options.stages, options.recompute)
     # (where operators are sharded, the ILP chose the slots' layouts: no row blocks on top)
-    pipeline.sharded = update_shards(pipeline, replicas) if options.tensor_parallel == 1 else set()
+    pipeline.sharded = update_shards(pipeline, max(replicas)) if options.tensor_parallel == 1 else set()
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
@@ -223,40 +290,41 @@ def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, 
     return found
 
 
-def _timing(cut, memory: list[dict], cluster: Cluster, replicas: int, microbatches: int, pipeline,
+def _timing(cut, memory: list[dict], cluster: Cluster, replicas: list[int], microbatches: int, pipeline,
             costs: dict[tuple[int, str], float], kind: str):
     """Each stage's seconds a microbatch: its forward and backward parts' (its replicas share
     them) and its sends, the activations on and the gradients back (the bytes crossing the
-    cut, a message's latency for each tensor); the step's, as its ``kind`` schedule plays
-    with those parts and sends (``timed_step``: the stages' runs waiting on each other, the
-    replicas' all-reduce before each stage's norm, the norm's partials and the clipping
-    factor between the stages, each stage's norm and update, which each replica runs on its
-    row blocks of the weights, or whole where the plan has none: ``training.sharded_update``;
-    a reduce-scatter and an all-gather cost the all-reduce's time); each stage's all-reduce
-    and update; and what the step was played with (``timing``: the timeline draws it
-    again)."""
-    R, S, T = replicas, len(cut.seconds), pipeline.tensor
-    RT = R * T      # a stage's devices: R replicas of T that shard its operators
-    reduce = [_allreduce_seconds(cluster, list(range(s * RT, (s + 1) * RT, T)), memory[s]["gradients"])
-              for s in range(S)]
+    cut over the fewer replicas of the two stages, a message's latency for each tensor); the
+    step's, as its ``kind`` schedule plays with those parts and sends (``timed_step``: the
+    stages' runs waiting on each other, the replicas' all-reduce before each stage's norm,
+    the norm's partials and the clipping factor between the stages, each stage's norm and
+    update, which each replica runs on its row blocks of the weights, or whole where the
+    plan has none: ``training.sharded_update``; a reduce-scatter and an all-gather cost the
+    all-reduce's time); each stage's all-reduce and update; and what the step was played
+    with (``timing``: the timeline draws it again)."""
+    S, T = len(cut.seconds), pipeline.tensor
+    ranks = StageRanks.of(replicas, S, T)
+    reduce = [_allreduce_seconds(cluster, ranks.ranks(s)[::T], memory[s]["gradients"]) for s in range(S)]
     seconds, sent = [], {}
     for s in range(S):
-        sends = 0.0
+        R, sends = replicas[s], 0.0
         for made_in, peer, cut_index in ((FORWARD, s + 1, s), (BACKWARD, s - 1, s - 1)):
             count = sum(1 for c in pipeline.crossings if c.src == s and c.made_in == made_in and per_microbatch(c))
             if count and 0 <= peer < S:
-                link = cluster.link(s * RT, peer * RT)
-                sent[(s, made_in)] = count * link.latency + cut.cut_bytes[cut_index] / R / link.bandwidth
+                link = cluster.link(ranks.first(s), ranks.first(peer))
+                sent[(s, made_in)] = count * link.latency + \
+                    cut.cut_bytes[cut_index] / min(R, replicas[peer]) / link.bandwidth
                 sends += sent[(s, made_in)]
         seconds.append((costs.get((s, FORWARD), 0.0) + costs.get((s, BACKWARD), 0.0)) / R + sends)
-    shared = R if pipeline.sharded else 1     # the replicas' row blocks: each updates 1/R of the stage
-    update = [costs.get((s, CLIP), 0.0) + sum(costs.get((s, p), 0.0) for p in (NORM, UPDATE_PHASE)) / shared
+    # the replicas' row blocks: each updates 1/R of the stage
+    shared = [replicas[s] if pipeline.sharded else 1 for s in range(S)]
+    update = [costs.get((s, CLIP), 0.0) + sum(costs.get((s, p), 0.0) for p in (NORM, UPDATE_PHASE)) / shared[s]
               for s in range(S)]
-    took = {(s, p): costs.get((s, p), 0.0) / R for s in range(S) for p in (FORWARD, BACKWARD)}
+    took = {(s, p): costs.get((s, p), 0.0) / replicas[s] for s in range(S) for p in (FORWARD, BACKWARD)}
     took.update({(s, CLIP): costs.get((s, CLIP), 0.0) for s in range(S)})
-    took.update({(s, UPDATE_PHASE): costs.get((s, UPDATE_PHASE), 0.0) / shared for s in range(S)})
-    took.update({(s, NORM): reduce[s] + costs.get((s, NORM), 0.0) / shared for s in range(S)})
-    scalar = max((cluster.link(s * RT, (s + 1) * RT).latency for s in range(S - 1)), default=0.0)
+    took.update({(s, UPDATE_PHASE): costs.get((s, UPDATE_PHASE), 0.0) / shared[s] for s in range(S)})
+    took.update({(s, NORM): reduce[s] + costs.get((s, NORM), 0.0) / shared[s] for s in range(S)})
+    scalar = max((cluster.link(ranks.first(s), ranks.first(s + 1)).latency for s in range(S - 1)), default=0.0)
     _, step = timed_step(S, microbatches, kind, took, sent, scalar)
     timing = {"took": [[s, p, t] for (s, p), t in sorted(took.items())],
               "sent": [[s, p, t] for (s, p), t in sorted(sent.items())], "scalar": scalar}
@@ -287,9 +355,9 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
         except PlanError as exc:
             lines.append(f"1 stage: no plan ({str(exc).splitlines()[0]})")
         for stages in range(2, min(options.max_stages, cluster.num_devices) + 1):
-            if cluster.num_devices % stages:
-                continue
             given = options.tensor_parallel
+            if cluster.num_devices % stages and given > 1:    # (stages of different sizes: no T)
+                continue
             for tensor in (tensor_choices(cluster, stages) if given == AUTO else [given]):
                 what = f"{stages} stages" + (f" of {tensor} that shard" if tensor > 1 else "")
                 try:
@@ -361,24 +429,25 @@ def _allreduce_seconds(cluster: Cluster, devices: list[int], nbytes: float) -> f
 
 
 def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict, microbatches: int, pipeline, cut,
-          memory: list[dict], record: dict, replicas: int, costs: dict) -> Plan:
+          memory: list[dict], record: dict, replicas: list[int], costs: dict) -> Plan:
     graph = step.model.graph
     inputs = [_spec(v, dims) for v in graph.input if v.name in pipeline.data_inputs]
     batch_dim = next((d.dim_param for v in graph.input if v.name in pipeline.data_inputs
                       for d in v.type.tensor_type.shape.dim[:1] if d.dim_param), None)
     size = inputs[0].shape[0] if inputs and inputs[0].shape else 1
     stages = []
-    R, T = replicas, pipeline.tensor
-    RT = R * T
+    T = pipeline.tensor
+    ranks = StageRanks.of(replicas, pipeline.stages, T)
     per_host = cluster.devices_per_host
-    submesh = [1, RT] if RT <= per_host else [RT // per_host, per_host]
     seconds, step_seconds, reduce_seconds, update_seconds, timing = _timing(
-        cut, memory, cluster, replicas, microbatches, pipeline, costs, record["schedule"])
+        cut, memory, cluster, ranks.replicas, microbatches, pipeline, costs, record["schedule"])
     for s in range(pipeline.stages):
         into = sorted({c.tensor for c in pipeline.crossings if c.dst == s})
         out = sorted({c.tensor for c in pipeline.crossings if c.src == s})
+        R, width = ranks.replicas[s], ranks.width(s)
+        submesh = [1, width] if width <= per_host else [width // per_host, per_host]
         stages.append(Stage(s, sorted(n for n, k in cut.forward_stage.items() if k == s), cut.layers[s],
-                            list(range(s * RT, (s + 1) * RT)), submesh, [R, T] if T > 1 else [1, R], into, out,
+                            ranks.ranks(s), submesh, [R, T] if T > 1 else [1, R], into, out,
                             seconds[s],
                             float(sum(memory[s].values()))))
     estimate = {"latency_seconds": step_seconds, "step_seconds": step_seconds,

@@ -25,6 +25,7 @@ from meshplan.errors import PlanError
 from meshplan.onnx_sharding import LayoutProblem, read_metadata
 from meshplan.plan_format import Plan, Stage, read_plan
 from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.stage_ranks import StageRanks, per_stage
 
 OPERATORS_SHOWN = 3
 WEIGHTS_SHOWN = 5
@@ -160,20 +161,25 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
 
     record = plan.training["pipeline"]
     pipeline = read_pipeline(directory, plan.training, check=False)
-    R = int(record.get("replicas", 1))
+    ranks = StageRanks.of(record.get("replicas", 1), pipeline.stages, pipeline.tensor)
     lists = read_training_schedule(plan.to_dict()["checksum"], directory, pipeline, plan.microbatches,
-                                   record["schedule"], R)
-    each = "one rank" if R == 1 else f"{R} ranks (data-parallel replicas running one list)"
-    R *= pipeline.tensor      # (a stage's ranks)
+                                   record["schedule"], list(ranks.replicas))
+    R = ranks.replicas[0]
+    each = "one rank" if ranks.size == pipeline.stages else f"{R} ranks (data-parallel replicas running one list)"
+    if not ranks.uniform:
+        each = f"{', '.join(str(ranks.width(s)) for s in range(pipeline.stages))} ranks (data-parallel replicas " \
+            "running one list)"
     if pipeline.tensor > 1:
-        each = f"{R} ranks ({pipeline.tensor} that shard its operators, each running its own parts of one list)"
+        each = f"{ranks.width(0)} ranks ({pipeline.tensor} that shard its operators, each running its own parts of " \
+            "one list)"
     lines = [f"schedule: {record['schedule']}, {plan.microbatches} microbatch(es), {len(lists)} stage(s) of {each}, "
              "a step (schedule.json)"]
     for s, items in enumerate(lists):
         if stage is not None and s != stage:
             continue
-        ranks = f"rank {s}" if R == 1 else f"ranks {s * R}-{s * R + R - 1}"
-        lines.append(f"{ranks} (stage {s}): {len(items)} instruction(s)")
+        first, width = ranks.first(s), ranks.width(s)
+        lines.append((f"rank {first}" if width == 1 else f"ranks {first}-{first + width - 1}")
+                     + f" (stage {s}): {len(items)} instruction(s)")
         for i, item in enumerate(items):
             if item.op == "run":
                 text = f"run {item.part}" + (f" mb {item.mb}" if item.part in ("forward", "backward") else "")
@@ -198,7 +204,7 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
 
     pipeline = read_pipeline(directory, plan.training, check=False)
     record = plan.training["pipeline"]
-    R, T = int(record.get("replicas", 1)), pipeline.tensor
+    counts, T = per_stage(record.get("replicas", 1), pipeline.stages), pipeline.tensor
     shapes = {w: (info["shape"], info["dtype"]) for w, info in plan.training["weights"].items()}
     lines = [pipeline_training_report(plan), "", "`show --schedule` prints each stage's instruction list."]
     files = {(int(p["stage"]), p["phase"]): p["file"] for p in record["parts"] if int(p.get("device", 0)) == 0}
@@ -209,7 +215,7 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
         nbytes = sum(int(np.prod(shapes[w][0], dtype=np.int64)) * np.dtype(shapes[w][1]).itemsize for w in held)
         lines.append("")
         lines.append(f"stage {s.index}: layers {s.layers[0]}-{s.layers[1] - 1}, rank(s) {device_ranges(s.devices)}"
-                     + (f" ({R} data-parallel replicas)" if R > 1 else "")
+                     + (f" ({counts[s.index]} data-parallel replicas)" if counts[s.index] > 1 else "")
                      + (f"; {T} that shard its operators, each its own parts (.d0 ... .d{T - 1})" if T > 1 else ""))
         lines.append(f"  holds {len(held)} trained weight(s), {human_bytes(nbytes)}"
                      + ("; each replica its row blocks of their optimizer slots" if pipeline.sharded else "")

@@ -5,7 +5,9 @@ The parts lie beside the step model in ``training/`` (``stage{S}.{phase}.onnx``)
 weight a part reads stays in the step model's data file, which the part points to. The
 record holds each part's file, digest, inputs and outputs, the crossings (tensors one stage
 makes and another reads), the stage that holds each state input, the schedule's kind and
-the replicas of each stage (each stage data-parallel over that many devices) and the tensors
+the replicas of each stage (each stage data-parallel over that many devices: one count, or
+one a stage, with ``rows``, the axis of samples of each crossing split between stages of
+different counts: ``meshplan.stage_ranks``) and the tensors
 those replicas hold in row blocks (``training.sharded_update``: the norm and update parts
 written to take them in any number of rows), and the groups each stage's update is run in
 (``training.pipeline_step.update_chunks``). Where T devices shard each stage's operators
@@ -24,6 +26,7 @@ import onnx
 
 from meshplan.errors import PlanError
 from meshplan.files import file_sha256
+from meshplan.stage_ranks import per_stage
 from meshplan.training.pipeline_step import NORM, PHASES, SCHEDULES, UPDATE_PHASE, Crossing, Part, PipelineStep
 from meshplan.training.sharded_update import relaxed
 from meshplan.training.step_model import StepModel
@@ -33,7 +36,7 @@ def part_file(stage: int, phase: str, device: int | None = None) -> str:
     return f"stage{stage}.{phase}.onnx" if device is None else f"stage{stage}.{phase}.d{device}.onnx"
 
 
-def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: int, replicas: int = 1) -> dict:
+def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: int, replicas=1) -> dict:
     """Each part of ``pipeline`` into ``folder`` (a plan directory's ``training/``, being
     written); returns plan.json's record of them. A pipeline whose stages shard their
     operators (``pipeline.device_parts``) has each device's parts, each with its ``device``."""
@@ -50,11 +53,15 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
             if device is not None:
                 entry["device"] = device
             parts.append(entry)
-    record = {"stages": pipeline.stages, "replicas": replicas, "schedule": kind, "microbatches": microbatches,
+    replicas = per_stage(replicas, pipeline.stages)
+    record = {"stages": pipeline.stages, "replicas": replicas[0] if len(set(replicas)) == 1 else replicas,
+              "schedule": kind, "microbatches": microbatches,
               "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
               "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count,
               "sharded": sorted(pipeline.sharded),
               "update_chunks": {str(stage): groups for stage, groups in sorted(pipeline.chunks.items())}}
+    if pipeline.rows:
+        record["rows"] = {str(index): axis for index, axis in sorted(pipeline.rows.items())}
     if pipeline.device_parts:
         record["tensor"] = pipeline.tensor
         record["specs"] = dict(pipeline.specs)
@@ -100,7 +107,8 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
         return PipelineStep(int(record["stages"]), parts, crossings, {k: int(v) for k, v in record["home"].items()},
                             {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"),
                             sharded=set(record.get("sharded", ())), chunks=chunks,
-                            device_parts=devices if tensor > 1 else [], specs=dict(record.get("specs", {})))
+                            device_parts=devices if tensor > 1 else [], specs=dict(record.get("specs", {})),
+                            rows={int(k): int(v) for k, v in dict(record.get("rows", {})).items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None

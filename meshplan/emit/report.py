@@ -12,6 +12,7 @@ from html import escape
 import numpy as np
 
 from meshplan.plan_format import Plan
+from meshplan.stage_ranks import per_stage
 
 TIMELINE_FILE = "timeline.svg"
 REPORT_FILE = "report.txt"
@@ -141,12 +142,16 @@ def pipeline_training_report(plan: Plan) -> str:
     time per microbatch, microbatches in flight and memory by kind; the crossings; the step."""
     mesh, t = plan.cluster["mesh"], plan.training
     record = t["pipeline"]
-    kind, B, S, R = record["schedule"], plan.microbatches, len(plan.stages), int(record.get("replicas", 1))
-    summed = "each summing its row blocks of the gradients once a step and keeping and updating 1/" \
-        f"{R} of the optimizer's state (ZeRO-1)" if record.get("sharded") else "their gradients summed once a step"
+    kind, B, S = record["schedule"], plan.microbatches, len(plan.stages)
+    counts = per_stage(record.get("replicas", 1), S)
+    R = counts[0] if len(set(counts)) == 1 else 0     # (0: the stages differ)
+    share = f"1/{R}" if R else "1/R_s"
+    summed = f"each summing its row blocks of the gradients once a step and keeping and updating {share} of the " \
+        "optimizer's state (ZeRO-1)" if record.get("sharded") else "their gradients summed once a step"
     T = int(record.get("tensor", 1))
     each = "one device a stage" if R == 1 else f"{R} devices a stage (data-parallel replicas, each 1/{R} of every " \
-        f"microbatch, {summed})"
+        f"microbatch, {summed})" if R else f"{', '.join(map(str, counts))} devices a stage (data-parallel " \
+        f"replicas, each 1/R_s of every microbatch, {summed})"
     if T > 1:
         each = f"{R * T} devices a stage ({T} that shard its operators" \
             + (f", {R} data-parallel replicas of them, their gradients summed once a step)" if R > 1 else ")")
@@ -180,7 +185,7 @@ def pipeline_training_report(plan: Plan) -> str:
            else "sum of the stages + (B - 1) x the slowest")
     summing = "reduce-scatter and weight all-gather" if record.get("sharded") else "all-reduce"
     lines.append(f"estimate: step {human_seconds(est['step_seconds'])} ({how}"
-                 + (f"; the replicas' gradient {summing}, {human_seconds(reduce)}" if R > 1 else "")
+                 + (f"; the replicas' gradient {summing}, {human_seconds(reduce)}" if max(counts) > 1 else "")
                  + f"; the update, {human_seconds(update)}), "
                  f"{plan.batch['size'] * B / est['step_seconds']:.1f} samples/s "
                  f"({est.get('cost_model', 'analytic')} costs)")

@@ -27,6 +27,7 @@ from pathlib import Path
 from meshplan.emit.schedule import SCHEDULE_FILE, Instruction, Schedule, read_lists
 from meshplan.errors import PlanError
 from meshplan.files import atomic_write_bytes
+from meshplan.stage_ranks import per_stage
 from meshplan.training.pipeline_step import (CLIP, GPIPE, NORM, ONE_F_ONE_B, PER_MICROBATCH, SCHEDULES, STATE,
                                              UPDATE_PHASE, Crossing, PipelineStep)
 from meshplan.training.step_model import BACKWARD, FORWARD
@@ -106,13 +107,15 @@ def per_microbatch(crossing: Crossing) -> bool:
 
 
 def training_schedule(pipeline: PipelineStep, microbatches: int, kind: str = ONE_F_ONE_B,
-                      replicas: int = 1) -> list[list[Instruction]]:
-    """Each stage's instruction list for one step (see the module); with ``replicas`` > 1
-    (each stage data-parallel over that many devices) a ``reduce`` after the last
-    microbatch's backward sums the stage's accumulated gradients over its replicas."""
+                      replicas=1) -> list[list[Instruction]]:
+    """Each stage's instruction list for one step (see the module); on a stage of
+    ``replicas`` > 1 (one count, or one a stage: each stage data-parallel over that many
+    devices) a ``reduce`` after the last microbatch's backward sums the stage's accumulated
+    gradients over its replicas."""
     if microbatches < 1:
         raise PlanError(f"--microbatches must be 1 or more, not {microbatches}")
     S, last_mb = pipeline.stages, microbatches - 1
+    replicas = per_stage(replicas, S)
     lists: list[list[Instruction]] = []
     for stage in range(S):
         runs = [r for r in run_order(stage, S, microbatches, kind) if (stage, r[0]) in pipeline.parts]
@@ -131,7 +134,7 @@ def training_schedule(pipeline: PipelineStep, microbatches: int, kind: str = ONE
                 received.add(key)
                 out.append(Instruction("receive", key[1], crossing=i))
             out.append(Instruction("run", mb, part=phase))
-            if replicas > 1 and phase == BACKWARD and mb == last_mb:
+            if replicas[stage] > 1 and phase == BACKWARD and mb == last_mb:
                 out.append(Instruction("reduce", mb))
             for i, c in enumerate(pipeline.crossings):
                 if c.src != stage or c.made_in != phase:
@@ -171,7 +174,7 @@ def play(lists: list[list[Instruction]]) -> list[tuple[int, Instruction]]:
 
 
 def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction]], microbatches: int,
-                            kind: str, replicas: int = 1) -> None:
+                            kind: str, replicas=1) -> None:
     """Lists a job can carry out for ``pipeline``: each stage's holds what
     ``training_schedule`` gives it, no more and no less; a stage receives what a run reads
     before the run and sends what a run made after it; and the lists, played against each
@@ -180,6 +183,7 @@ def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction
         raise PlanError(f"{SCHEDULE_FILE} does not fit the plan (it has {len(lists)} lists for {pipeline.stages} "
                         "stages)", hint="re-run meshplan plan")
     whole = training_schedule(pipeline, microbatches, kind, replicas)
+    replicas = per_stage(replicas, pipeline.stages)
     key = lambda i: (i.op, i.mb, i.part or "", -1 if i.crossing is None else i.crossing)   # noqa: E731
     for stage, (given, wanted) in enumerate(zip(lists, whole)):
         if sorted(given, key=key) != sorted(wanted, key=key):
@@ -201,7 +205,8 @@ def check_training_schedule(pipeline: PipelineStep, lists: list[list[Instruction
                 ran.add((item.part, item.mb))
             elif item.op == "send" and pipeline.crossings[item.crossing].made_in != STATE \
                     and ((pipeline.crossings[item.crossing].made_in, item.mb) not in ran
-                         or _reduced_first(pipeline.crossings[item.crossing], item, given, microbatches, replicas)):
+                         or _reduced_first(pipeline.crossings[item.crossing], item, given, microbatches,
+                                            replicas[stage])):
                 raise PlanError(f"{SCHEDULE_FILE}: stage {stage} sends crossing {item.crossing} mb {item.mb} before "
                                 "the run that makes it, or before its replicas' sum", hint="re-run meshplan plan")
             elif item.op == "reduce" and (BACKWARD, microbatches - 1) not in ran:
@@ -234,7 +239,7 @@ def write_training_schedule(plan_checksum: str, lists: list[list[Instruction]], 
 
 
 def read_training_schedule(plan_checksum: str, directory: Path, pipeline: PipelineStep, microbatches: int,
-                           kind: str, replicas: int = 1) -> list[list[Instruction]]:
+                           kind: str, replicas=1) -> list[list[Instruction]]:
     """The stages' lists in ``directory``'s ``schedule.json``, checked
     (``check_training_schedule``) and belonging to the plan.json of ``plan_checksum``."""
     path = Path(directory) / SCHEDULE_FILE

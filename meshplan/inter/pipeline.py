@@ -46,6 +46,7 @@ class PlanOptions:
     schedule: str = "1f1b"             # a pipelined training plan's schedule: 1f1b or gpipe
     recompute: bool = False            # a training estimate recomputes activations (--recompute)
     tensor_parallel: int = 1           # a pipelined training plan's stages shard their operators over this many devices
+    stage_devices: tuple[int, ...] | None = None   # a pipelined training plan's devices of each stage (--stage-devices)
     training: TrainingCosting | None = None   # weigh a training step, not a forward call (inter.training_costs)
 
 

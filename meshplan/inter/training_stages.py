@@ -21,7 +21,7 @@ device is refused with what it needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -31,6 +31,7 @@ from meshplan.inter.step_memory import PROCESS_BYTES
 from meshplan.model.graph import Graph
 from meshplan.model.layers import cluster_layers
 from meshplan.replica_shards import held_bytes
+from meshplan.stage_ranks import per_stage
 from meshplan.training.optimizers import GRAD_ACC
 from meshplan.training.pipeline_step import GPIPE, NORM, UPDATE_PHASE, PipelineStep
 from meshplan.training.step_model import BACKWARD, FORWARD
@@ -45,15 +46,19 @@ class TrainingCut:
     layers: list[list[int]]            # each stage's [first layer, last + 1]
     seconds: list[float]               # each stage's forward and backward of one microbatch
     cut_bytes: list[int]               # bytes the forward sends across each cut
+    replicas: list[int] = field(default_factory=list)   # each stage's data-parallel replicas
 
     def step_seconds(self, microbatches: int) -> float:
         """Alpa's T for ``microbatches`` microbatches."""
         return sum(self.seconds) + (microbatches - 1) * max(self.seconds)
 
 
-def cut_stages(graph: Graph, node_seconds: list[float], stages: int, num_layers: int | None = None) -> TrainingCut:
+def cut_stages(graph: Graph, node_seconds: list[float], stages: int, num_layers: int | None = None,
+               replicas: list[list[int]] | None = None, devices: int = 0) -> TrainingCut:
     """The cut of ``graph`` (the forward model at one microbatch's dims) into ``stages``;
-    ``node_seconds``: each node's forward seconds."""
+    ``node_seconds``: each node's forward seconds. ``replicas``: the replica counts each
+    stage may have (one each: one device a stage), ``devices`` the count they add up to;
+    the cut's ``replicas`` are those chosen and its ``seconds`` a replica's."""
     n = len(graph.nodes)
     layering = cluster_layers(graph, node_seconds, num_layers or max(4 * stages, min(32, n)))
     L = layering.num_layers
@@ -64,15 +69,19 @@ def cut_stages(graph: Graph, node_seconds: list[float], stages: int, num_layers:
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(node_seconds, dtype=np.float64))]) * (1 + BACKWARD_FACTOR)
     layer_seconds = [float(prefix[b] - prefix[a]) for a, b in zip(bounds[:-1], bounds[1:])]
     crossing = [int(layering.cut_bytes[b]) for b in bounds]     # before layer k (k = 0..L)
-    edges = _cut(layer_seconds, crossing, stages)
+    choices = replicas or [[1]] * stages
+    if all(len(c) == 1 for c in choices) and len({c[0] for c in choices}) == 1:   # every stage alike
+        edges, chosen = _cut(layer_seconds, crossing, stages), [choices[0][0]] * stages
+    else:
+        edges, chosen = _cut_over_devices(layer_seconds, crossing, choices, devices or sum(c[0] for c in choices))
     owner = layering.layer_of_node()
     layer_stage = np.empty(L, dtype=np.int64)
     for stage, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
         layer_stage[a:b] = stage
     forward_stage = {node.name: int(layer_stage[owner[i]]) for i, node in enumerate(graph.nodes)}
     return TrainingCut(forward_stage, [[a, b] for a, b in zip(edges[:-1], edges[1:])],
-                       [sum(layer_seconds[a:b]) for a, b in zip(edges[:-1], edges[1:])],
-                       [crossing[e] for e in edges[1:-1]])
+                       [sum(layer_seconds[a:b]) / r for a, b, r in zip(edges[:-1], edges[1:], chosen)],
+                       [crossing[e] for e in edges[1:-1]], chosen)
 
 
 def _cut(seconds: list[float], crossing: list[int], stages: int) -> list[int]:
@@ -106,25 +115,73 @@ def _cut(seconds: list[float], crossing: list[int], stages: int) -> list[int]:
     return edges[::-1]
 
 
+def _cut_over_devices(seconds: list[float], crossing: list[int], choices: list[list[int]],
+                      devices: int) -> tuple[list[int], list[int]]:
+    """Layer indices [0, c1, ..., L] and each stage's replicas (one of its ``choices``,
+    adding up to ``devices``): a stage's time is its layers' over its replicas; the fastest
+    slowest stage, then among those within 1 % of it the least sum of the stages' times (the
+    rest of Alpa's T), then the fewest bytes across the cuts."""
+    L, S = len(seconds), len(choices)
+    prefix = np.concatenate([[0.0], np.cumsum(seconds)])
+    scale = float(prefix[-1]) or 1.0
+
+    def steps(s: int, k: int, d: int):
+        """Stage s's (end layer, replicas, time) after k layers and d devices."""
+        for r in choices[s]:
+            if d + r > devices or (s == S - 1 and d + r != devices):
+                continue
+            for l in ([L] if s == S - 1 else range(k + 1, L - (S - s - 1) + 1)):
+                yield l, r, float(prefix[l] - prefix[k]) / r
+
+    slowest = {(0, 0): 0.0}     # (layers, devices) after s stages → the least slowest stage
+    for s in range(S):
+        found: dict[tuple[int, int], float] = {}
+        for (k, d), worst in slowest.items():
+            for l, r, t in steps(s, k, d):
+                value = max(worst, t)
+                if value < found.get((l, d + r), float("inf")):
+                    found[(l, d + r)] = value
+        slowest = found
+    if (L, devices) not in slowest:
+        raise PlanError(f"no way to give {S} stages {devices} devices as replicas of each (choices "
+                        f"{choices}) over {L} layer(s)", hint="another number of stages or --stage-devices")
+    cap = slowest[(L, devices)] * NEAR_BEST + 1e-15
+    best = {(0, 0): ((0.0, 0), [0], [])}    # → ((sum of times, bytes), edges, replicas)
+    for s in range(S):
+        found = {}
+        for (k, d), ((total, sent), edges, chosen) in best.items():
+            for l, r, t in steps(s, k, d):
+                if t > cap:
+                    continue
+                key = (round(total + t / scale, 9), sent + (crossing[k] if k else 0))
+                if (l, d + r) not in found or key < found[(l, d + r)][0]:
+                    found[(l, d + r)] = (key, edges + [l], chosen + [r])
+        best = found
+    _, edges, chosen = best[(L, devices)]
+    return edges, chosen
+
+
 def in_flight(stage: int, stages: int, microbatches: int, kind: str) -> int:
     """The microbatches stage ``stage`` holds activations of at once."""
     return microbatches if kind == GPIPE else min(stages - stage, microbatches)
 
 
 def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: str,
-                 replicas: int = 1) -> list[dict[str, float]]:
+                 replicas=1) -> list[dict[str, float]]:
     """Each stage's bytes by kind: ``weights``, ``gradients`` (accumulated), ``optimizer``
     (the slots: a replica's row blocks of them where ``pipeline.sharded``), ``activations``
     (what its backward reads of one microbatch's forward, times the microbatches in flight;
     sizes from ``graph``, the forward model at one microbatch's dims; a replica holds its
-    1/``replicas`` of each), ``working`` (the more of: while a backward runs, the gradients
+    1/``replicas`` of each: one count, or one a stage), ``working`` (the more of: while a backward runs, the gradients
     of one microbatch's activations and the new accumulated gradients; while the update
     runs, what the norm made and the largest group of the update's new values) and
     ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
+    counts = per_stage(replicas, pipeline.stages)
     for stage in range(pipeline.stages):
+        replicas = counts[stage]
         held = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "working": 0.0,
                 "process": float(PROCESS_BYTES)}
         for name, info in manifest["weights"].items():

@@ -25,6 +25,7 @@ from meshplan.runtime.interpreter import CallRecord, Interpreter
 from meshplan.runtime.pipeline_links import LocalLinks, StageStopped
 from meshplan.runtime.pipeline_stage import (ShardedPart, StageRunner, device_piece, part_session, stage_sessions,
                                              starting_state, whole_of)
+from meshplan.stage_ranks import StageRanks
 from meshplan.training.pipeline_step import NORM, UPDATE_PHASE, PipelineStep
 from meshplan.training.sharded_update import relaxed
 
@@ -37,18 +38,19 @@ class PipelineRunner:
     share of every microbatch (as a job's ranks do; in row blocks where ``pipeline.sharded``)."""
 
     def __init__(self, pipeline: PipelineStep, microbatches: int, weights: dict[str, np.ndarray],
-                 kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None, replicas: int = 1):
-        self.pipeline, self.microbatches, self.kind, self.replicas = pipeline, microbatches, kind, replicas
-        self.lists = training_schedule(pipeline, microbatches, kind, replicas)
+                 kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None, replicas=1):
+        self.pipeline, self.microbatches, self.kind = pipeline, microbatches, kind
+        T = pipeline.tensor
+        # stage s: R_s replicas of T devices that shard its operators, after the stages before it
+        self.ranks = StageRanks.of(replicas, pipeline.stages, T)
+        self.lists = training_schedule(pipeline, microbatches, kind, list(self.ranks.replicas))
         play(self.lists)    # (lists that would wait on each other are refused here, not hung on)
-        S, R, T = pipeline.stages, replicas, pipeline.tensor
-        self.width = R * T      # a stage's ranks: R replicas of T devices that shard its operators
-        self.records = [CallRecord() for _ in range(S * R * T)]   # each rank's last step
+        self.records = [CallRecord() for _ in range(self.ranks.size)]   # each rank's last step
         slots = pipeline.step.manifest["slots"]
-        self.runners = []       # rank s·R·T + r·T + j: device j of replica r of stage s
-        for rank in range(S * R * T):
-            stage, place = divmod(rank, self.width)
-            replica, j = divmod(place, T)
+        self.runners = []
+        for rank in range(self.ranks.size):
+            stage, replica, j = self.ranks.where(rank)
+            R = self.ranks.replicas[stage]
             names = [n for n, s in pipeline.home.items() if s == stage]
             state = starting_state(names, weights, slots)
             if T > 1:
@@ -60,7 +62,12 @@ class PipelineRunner:
                 sessions = stage_sessions(parts, pipeline.chunks.get(stage), part_session, self._loose)
             self.runners.append(StageRunner(stage, parts, sessions, pipeline.crossings, microbatches, state,
                                             pipeline.loss_count, device if T == 1 else None,
-                                            replica=(replica, R), sharded=pipeline.sharded))
+                                            replica=(replica, R), sharded=pipeline.sharded,
+                                            sum_gradients=self._sums(stage)))
+
+    def _sums(self, stage: int) -> bool:
+        """Whether ``stage`` sends its gradients back as sums (``meshplan.stage_ranks``)."""
+        return not self.ranks.uniform and stage == self.ranks.stages - 1
 
     @staticmethod
     def _sharded(model):
@@ -71,7 +78,7 @@ class PipelineRunner:
     def _loose(self, part):
         """A part as its session loads it: a norm or update given in memory made to take row
         blocks where the replicas update in them (a plan's files already are)."""
-        if self.replicas > 1 and self.pipeline.sharded and part.phase in (NORM, UPDATE_PHASE) \
+        if max(self.ranks.replicas) > 1 and self.pipeline.sharded and part.phase in (NORM, UPDATE_PHASE) \
                 and isinstance(part.model, onnx.ModelProto):
             return relaxed(part.model, self.pipeline.sharded)
         return part.model
@@ -79,7 +86,7 @@ class PipelineRunner:
     @property
     def stages(self) -> list[StageRunner]:
         """Each stage's first rank."""
-        return self.runners[::self.width]
+        return [self.runners[self.ranks.first(s)] for s in range(self.ranks.stages)]
 
     @property
     def peak_kept(self) -> list[int]:
@@ -93,31 +100,31 @@ class PipelineRunner:
         """One step on ``batch`` (each data input's samples on axis 0, split into the
         microbatches, each of those into the replicas' shares); ``controls``: each
         hyperparameter's value (``train.apply`` is set here)."""
-        B, S, R, T = self.microbatches, self.pipeline.stages, self.replicas, self.pipeline.tensor
+        B, T = self.microbatches, self.pipeline.tensor
         size = len(next(iter(batch.values()))) // B
-        share = size // R
         specs = self.pipeline.specs
         for rank, runner in enumerate(self.runners):
-            r, j = divmod(rank % self.width, T)
+            stage, r, j = self.ranks.where(rank)
+            share = size // self.ranks.replicas[stage]
             runner.begin_step([{n: device_piece(v[m * size + r * share:m * size + (r + 1) * share], specs.get(n), T, j)
                                 for n, v in batch.items()} for m in range(B)], controls)
-        links = LocalLinks(S, R, T)
-        schedule = Schedule(self.kind, B, [self.lists[rank // self.width] for rank in range(S * self.width)])
+        links = LocalLinks(self.ranks, self.pipeline.crossings, self.pipeline.rows)
+        schedule = Schedule(self.kind, B, [self.lists[self.ranks.where(rank)[0]] for rank in range(self.ranks.size)])
         failures: list[BaseException] = []
         origin = time.perf_counter()
 
         def carry_out(rank: int) -> None:
             try:
                 self.records[rank].start()
-                stage, place = divmod(rank, self.width)
-                Interpreter(None, rank, schedule, links.of(stage, *divmod(place, T)), self.runners[rank],
+                Interpreter(None, rank, schedule, links.of(*self.ranks.where(rank)), self.runners[rank],
                             record=self.records[rank]).step(origin)
             except BaseException as exc:   # (the others stop waiting for this stage)
                 failures.append(exc)
                 links.stop()
 
-        threads = [threading.Thread(target=carry_out, args=(rank,), name=f"stage {rank // self.width} rank {rank}")
-                   for rank in range(S * self.width)]
+        threads = [threading.Thread(target=carry_out, args=(rank,), name=f"stage {self.ranks.where(rank)[0]} "
+                                                                           f"rank {rank}")
+                   for rank in range(self.ranks.size)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -136,13 +143,14 @@ class PipelineRunner:
         together from the replicas' row blocks), ..."""
         found = {}
         T = self.pipeline.tensor
-        for first in range(0, len(self.runners), self.width):
+        for stage in range(self.ranks.stages):
+            first = self.ranks.first(stage)
             if T > 1:   # the devices of the first replica, their pieces put together
                 held = [runner.host_state() for runner in self.runners[first:first + T]]
                 for name in held[0]:
                     found[name] = whole_of([h[name] for h in held], self.pipeline.specs.get(name))
                 continue
-            replicas = self.runners[first:first + self.replicas]
+            replicas = self.runners[first:first + self.ranks.replicas[stage]]
             held = [runner.host_state() for runner in replicas]
             for name, value in held[0].items():
                 found[name] = np.concatenate([h[name] for h in held]) if name in replicas[0].in_blocks else value

@@ -1,11 +1,13 @@
 """What a pipelined training step's stages exchange (the transport of its instruction lists
 in ``runtime.interpreter``).
 
-``PipelineLinks``, between the ranks of a job: rank s·R + r is replica r of stage s (R
-replicas a stage); crossing i (``PipelineStep.crossings``) goes from replica r of its source
-stage to replica r of its destination stage, through host memory (mpi4py's pickled messages,
-an array's bytes out of band: ``mpi4py.util.pkl5``; tag i + 1), sends posted without
-waiting; a stage's replicas sum what they accumulated once a step (``summed``, an MPI
+``PipelineLinks``, between the ranks of a job (``meshplan.stage_ranks.StageRanks``: stage
+s's R_s replicas after the stages before it); crossing i (``PipelineStep.crossings``) goes
+from replica r of its source stage to replica r of its destination stage where both have as
+many replicas, else split or shared out among them (``stage_ranks``: each destination
+replica's row block put together from the source replicas' pieces), through host memory
+(mpi4py's pickled messages, an array's bytes out of band: ``mpi4py.util.pkl5``; tag i + 1),
+sends posted without waiting; a stage's replicas sum what they accumulated once a step (``summed``, an MPI
 all-reduce among them), or each into its own row blocks of the sum
 (``scattered``, a reduce-scatter) with the updated weights gathered whole again
 (``gathered``, an all-gather) where they update in row blocks (``meshplan.replica_shards``).
@@ -24,26 +26,54 @@ import threading
 import numpy as np
 
 from meshplan import replica_shards
+from meshplan.stage_ranks import ONE, StageRanks, destinations, joined, kinds, piece_for, sources
+
+
+class _Routes:
+    """Where a crossing's pieces go and come from, between the stages' replicas."""
+
+    def __init__(self, crossings, ranks: StageRanks, rows: dict[int, int] | None):
+        self.crossings, self.ranks, self.rows = crossings, ranks, dict(rows or {})
+        self.kinds = kinds(crossings, ranks, self.rows)
+
+    def outgoing(self, index: int, replica: int, value) -> list[tuple[int, object]]:
+        """(destination replica, piece) of what ``replica`` of crossing ``index``'s source sends."""
+        c, kind = self.crossings[index], self.kinds[index]
+        r_src, r_dst = self.ranks.replicas[c.src], self.ranks.replicas[c.dst]
+        if r_src == r_dst and kind != ONE:
+            return [(replica, value)]
+        axis = self.rows.get(index)
+        return [(d, piece_for(kind, value, axis, replica, r_src, d, r_dst))
+                for d in destinations(kind, replica, r_src, r_dst)]
+
+    def incoming(self, index: int, replica: int) -> list[int]:
+        """The source replicas ``replica`` of crossing ``index``'s destination receives from."""
+        c = self.crossings[index]
+        r_src, r_dst = self.ranks.replicas[c.src], self.ranks.replicas[c.dst]
+        return [replica] if r_src == r_dst else sources(self.kinds[index], replica, r_src, r_dst)
+
+    def joined(self, index: int, pieces: list):
+        return joined(self.kinds[index], pieces, self.rows.get(index))
 
 
 class PipelineLinks:
-    """This rank's links in ``comm`` (the job's world), ``crossings`` the pipeline's, R
-    ``replicas`` a stage, each of ``tensor`` devices that shard the stage's operators: rank
-    s·R·T + r·T + j is device j of replica r of stage s. Its crossings go to and come from
-    the rank of the same place in the other stage; its sums are over the replicas (among the
-    devices j alike); its ``collective`` is among the devices of its replica."""
+    """This rank's links in ``comm`` (the job's world), ``crossings`` the pipeline's, its
+    ``ranks`` (``StageRanks``: device j of replica r of stage s is ``ranks.rank(s, r, j)``),
+    ``rows`` each split crossing's axis of samples. Its crossings go to and come from device
+    j of the other stage's replicas (``_Routes``); its sums are over its stage's replicas
+    (among the devices j alike); its ``collective`` is among the devices of its replica."""
 
-    def __init__(self, comm, MPI, crossings, replicas: int, tensor: int = 1):
+    def __init__(self, comm, MPI, crossings, ranks: StageRanks, rows: dict[int, int] | None = None):
         from mpi4py.util import pkl5
 
         from meshplan.runtime.collectives import AxisGroup
 
-        self.comm, self.MPI, self.crossings, self.replicas = comm, MPI, crossings, replicas
-        self.width = replicas * tensor      # a stage's ranks
-        self.stage, self.place = divmod(comm.Get_rank(), self.width)
-        self.replica, device = divmod(self.place, tensor)
-        self.group = comm.Split(self.stage * tensor + device, self.replica)    # the replicas
-        self.devices = AxisGroup(comm.Split(self.stage * replicas + self.replica, device), MPI) \
+        self.comm, self.MPI, self.crossings, self.ranks = comm, MPI, crossings, ranks
+        self.stage, self.replica, self.device = ranks.where(comm.Get_rank())
+        self.replicas, tensor = ranks.replicas[self.stage], ranks.tensor
+        self.routes = _Routes(crossings, ranks, rows)
+        self.group = comm.Split(self.stage * tensor + self.device, self.replica)    # the replicas
+        self.devices = AxisGroup(comm.Split(ranks.first(self.stage) + self.replica, self.device), MPI) \
             if tensor > 1 else None
         # tensors as pickle's out-of-band buffers (mpi4py's pkl5): an array's bytes go as they
         # are, not copied into a pickle (16 MiB between two ranks of a machine: 2.1 ms, against
@@ -56,12 +86,16 @@ class PipelineLinks:
         """Send what crossing ``crossing`` carries for microbatch ``mb``, without waiting
         (``finish`` waits); a crossing's microbatches go in the order both lists give."""
         c = self.crossings[crossing]
-        self._posted.append(self.messages.isend(value, dest=c.dst * self.width + self.place, tag=crossing + 1))
+        for replica, piece in self.routes.outgoing(crossing, self.replica, value):
+            self._posted.append(self.messages.isend(piece, dest=self.ranks.rank(c.dst, replica, self.device),
+                                                    tag=crossing + 1))
 
     def receive(self, crossing: int, mb: int) -> np.ndarray:
         """What crossing ``crossing`` brings for microbatch ``mb``, waited for."""
         c = self.crossings[crossing]
-        return self.messages.recv(source=c.src * self.width + self.place, tag=crossing + 1)
+        return self.routes.joined(crossing, [
+            self.messages.recv(source=self.ranks.rank(c.src, replica, self.device), tag=crossing + 1)
+            for replica in self.routes.incoming(crossing, self.replica)])
 
     def collective(self, step, x):
         """This device's part of a collective of its replica's devices (a part's)."""
@@ -101,20 +135,23 @@ class StageStopped(RuntimeError):
 
 
 class LocalLinks:
-    """The crossings between the stages of one process, and the sums of each stage's
-    ``replicas``: one ``LocalLinks`` a step, shared by the threads of the stages' replicas,
-    each of which talks through its own view (``of(stage, replica)``)."""
+    """The crossings between the stages of one process (``crossings``, split where their
+    ``rows`` say), and the sums of each stage's replicas (``ranks``: ``StageRanks``): one
+    ``LocalLinks`` a step, shared by the threads of the stages' replicas, each of which talks
+    through its own view (``of(stage, replica, device)``)."""
 
     WAIT = 0.05    # seconds between looks at whether another stage failed
 
-    def __init__(self, stages: int = 1, replicas: int = 1, tensor: int = 1):
-        self.replicas, self.tensor = replicas, tensor
-        self._queues: dict[tuple[int, int, int], queue.SimpleQueue] = {}
+    def __init__(self, ranks: StageRanks, crossings=(), rows: dict[int, int] | None = None):
+        self.ranks, self.tensor = ranks, ranks.tensor
+        self.routes = _Routes(list(crossings), ranks, rows)
+        self._queues: dict[tuple, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
         self.failed = threading.Event()
         # a stage's replicas meet among the devices j alike; a replica's devices among themselves
-        self._meetings = {(s, j): _Meeting(replicas) for s in range(stages) for j in range(tensor)}
-        self._devices = {(s, r): _Meeting(tensor) for s in range(stages) for r in range(replicas)}
+        S, T = ranks.stages, ranks.tensor
+        self._meetings = {(s, j): _Meeting(ranks.replicas[s]) for s in range(S) for j in range(T)}
+        self._devices = {(s, r): _Meeting(T) for s in range(S) for r in range(ranks.replicas[s])}
 
     def of(self, stage: int, replica: int = 0, device: int = 0) -> "_ReplicaLinks":
         """The links of device ``device`` of replica ``replica`` of stage ``stage``."""
@@ -126,12 +163,12 @@ class LocalLinks:
         for meeting in list(self._meetings.values()) + list(self._devices.values()):
             meeting.barrier.abort()
 
-    def _queue(self, crossing: int, mb: int, replica: int) -> queue.SimpleQueue:
+    def _queue(self, crossing: int, mb: int, place: int, source: int) -> queue.SimpleQueue:
         with self._lock:
-            return self._queues.setdefault((crossing, mb, replica), queue.SimpleQueue())
+            return self._queues.setdefault((crossing, mb, place, source), queue.SimpleQueue())
 
-    def unreceived(self) -> list[tuple[int, int, int]]:
-        """The (crossing, microbatch, replica) sent and not received (none after a step)."""
+    def unreceived(self) -> list[tuple[int, int, int, int]]:
+        """The (crossing, microbatch, place, source replica) sent and not received (none after a step)."""
         with self._lock:
             return [key for key, waiting in self._queues.items() if not waiting.empty()]
 
@@ -164,8 +201,7 @@ class _ReplicaLinks:
     its collectives among its replica's devices."""
 
     def __init__(self, links: LocalLinks, stage: int, replica: int, device: int = 0):
-        self.links, self.replica, self.replicas, self.device = links, replica, links.replicas, device
-        self.place = replica * links.tensor + device
+        self.links, self.replica, self.replicas, self.device = links, replica, links.ranks.replicas[stage], device
         self.meeting = links._meetings[(stage, device)]
         self.devices = links._devices[(stage, replica)]
 
@@ -182,10 +218,15 @@ class _ReplicaLinks:
         return done[(0, self.device)]
 
     def post(self, crossing: int, mb: int, value) -> None:
-        self.links._queue(crossing, mb, self.place).put(value)
+        for replica, piece in self.links.routes.outgoing(crossing, self.replica, value):
+            self.links._queue(crossing, mb, replica * self.links.tensor + self.device, self.replica).put(piece)
 
     def receive(self, crossing: int, mb: int):
-        waiting = self.links._queue(crossing, mb, self.place)
+        routes, place = self.links.routes, self.replica * self.links.tensor + self.device
+        return routes.joined(crossing, [self._taken(self.links._queue(crossing, mb, place, source))
+                                        for source in routes.incoming(crossing, self.replica)])
+
+    def _taken(self, waiting: queue.SimpleQueue):
         while True:
             try:
                 return waiting.get(timeout=LocalLinks.WAIT)

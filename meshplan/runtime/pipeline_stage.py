@@ -31,7 +31,7 @@ import onnx
 from meshplan.emit.train_schedule import per_microbatch
 from meshplan.errors import TrainError
 from meshplan.replica_shards import piece
-from meshplan.training.losses import LOSS
+from meshplan.training.losses import COUNT, LOSS
 from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_NORM, UPDATED
 from meshplan.training.pipeline_step import NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, Crossing, Part
 from meshplan.training.step_model import BACKWARD
@@ -179,13 +179,18 @@ def _nbytes(value) -> int:
 class StageRunner:
     """Stage ``stage``'s runs: ``parts`` by phase, each with its onnxruntime session in
     ``sessions``; ``state``: the state the stage holds (by name); ``device``: where it keeps
-    its tensors (see the module; None: numpy arrays); ``provider``: the sessions' provider."""
+    its tensors (see the module; None: numpy arrays); ``provider``: the sessions' provider;
+    ``sum_gradients``: the gradients it sends back every microbatch go as sums over its
+    samples, times the loss's count (the last stage where the stages' replica counts differ:
+    ``meshplan.stage_ranks``)."""
 
     def __init__(self, stage: int, parts: dict[str, Part], sessions: dict, crossings: list[Crossing],
                  microbatches: int, state: dict[str, np.ndarray], loss_count: str | None = None,
                  device: tuple[str, int] | None = None, provider: str = "CPUExecutionProvider",
-                 replica: tuple[int, int] = (0, 1), sharded=()):
+                 replica: tuple[int, int] = (0, 1), sharded=(), sum_gradients: bool = False):
         self.stage, self.parts, self.sessions, self.loss_count = stage, parts, sessions, loss_count
+        self.sum_gradients = sum_gradients
+        self.counts: dict[int, float] = {}      # microbatch → the loss's count (with ``sum_gradients``)
         self.crossings, self.microbatches, self.device = crossings, microbatches, device
         self.provider = provider      # the sessions' (what a report names)
         self.replica, self.replicas = replica
@@ -288,6 +293,8 @@ class StageRunner:
         """A run's ``values``: the step's results, the state's new values, tensors held."""
         for name, value in zip(outputs, values):
             state = name[:-len(UPDATED)] if name.endswith(UPDATED) else None
+            if self.sum_gradients and name == COUNT:
+                self.counts[mb] = _scalar(value)
             if name in RESULTS:
                 self.results[name] = _scalar(value)
             elif state in self.state:
@@ -337,6 +344,9 @@ class StageRunner:
         value = self.held[(c.tensor, mb)]
         self.sent.add((index, mb))
         self._release(c.tensor, mb)
+        if self.sum_gradients and c.made_in == BACKWARD and per_microbatch(c):   # the mean's gradient as a sum's
+            value = _host(value)
+            return value * np.asarray(self.counts[mb], dtype=value.dtype)
         return _host(value)
 
     def give(self, index: int, mb: int, value: np.ndarray) -> None:

@@ -1,13 +1,15 @@
 """``meshplan train`` on a pipelined training plan: one rank a device, each a driver of the
 job's interpreter (``runtime.interpreter``), which carries out its stage's instruction list
-(``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``. Rank s·R + r is replica
-r of stage s (R replicas a stage): it takes the r-th 1/R of every microbatch, exchanges with
-replica r of the other stages, and sums its accumulated gradients with its stage's other
-replicas once a step (``reduce``, an MPI all-reduce; or a reduce-scatter where the replicas
-update in row blocks, the updated weights all-gathered): ``runtime.pipeline_links``. Where
-each replica is T devices that shard the stage's operators (``--tensor-parallel T``), rank
-s·R·T + r·T + j is device j of replica r: it runs device j's parts, their collectives with
-its replica's other devices, holds its pieces of the stage's state (``device_piece``) and
+(``schedule.json``) with a ``runtime.pipeline_stage.StageRunner``. Stage s has R_s
+replicas, its ranks after the stages before it (``meshplan.stage_ranks.StageRanks``):
+replica r takes the r-th 1/R_s of every microbatch, exchanges with the replicas of the other
+stages that hold the same samples (replica r, where both stages have as many), and sums its
+accumulated gradients with its stage's other replicas once a step (``reduce``, an MPI
+all-reduce; or a reduce-scatter where the replicas update in row blocks, the updated
+weights all-gathered): ``runtime.pipeline_links``. Where each replica is T devices that
+shard the stage's operators (``--tensor-parallel T``; every stage then has as many
+replicas), device j of replica r runs device j's parts, their collectives with its
+replica's other devices, holds its pieces of the stage's state (``device_piece``) and
 exchanges with device j of the other stages.
 
 Every rank reads the plan, the schedule and the data (the same batches in the same order,
@@ -41,13 +43,14 @@ from meshplan import replica_shards
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.emit.schedule import Schedule
 from meshplan.emit.train_schedule import read_training_schedule
-from meshplan.errors import MeshplanError, ReportedElsewhere, TrainError
+from meshplan.errors import MeshplanError, PlanError, ReportedElsewhere, TrainError
 from meshplan.plan_format import Plan
 from meshplan.runtime.interpreter import CallRecord, Interpreter, event
 from meshplan.runtime.pipeline_links import PipelineLinks
 from meshplan.runtime.pipeline_stage import (ShardedPart, StageRunner, device_piece, part_session, stage_sessions,
                                              starting_state)
 from meshplan.runtime.state_files import rank_file, write_pieces
+from meshplan.stage_ranks import StageRanks
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
 from meshplan.trainer.driver import (TrainReport, _gather_rss, checkpoint_due, source_weights, state_names,
@@ -83,13 +86,15 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
             raise failure if failure is not None else TrainError(next(s for s in said if s))
         raise ReportedElsewhere(str(failure or ""))
     stages = len(lists)
-    R, T = int(plan.training["pipeline"].get("replicas", 1)), pipeline.tensor
-    replica, device = divmod(rank % (R * T), T)
+    ranks = _ranks(plan)
+    T = ranks.tensor
+    stage, replica, device = ranks.where(rank)
+    R = ranks.replicas[stage]
     record = CallRecord()
     schedule = Schedule(plan.training["pipeline"]["schedule"], plan.microbatches,
-                        [lists[r // (R * T)] for r in range(size)])
-    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, R, T), runner,
-                              record=record)
+                        [lists[ranks.where(r)[0]] for r in range(size)])
+    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, ranks, pipeline.rows),
+                              runner, record=record)
     reads = {n for part in runner.parts.values() for n in part.inputs}
     B = plan.microbatches
     end = first + options.steps
@@ -117,7 +122,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         if k > first or end - first == 1:    # the first of several steps warms up
             timing[0] += record.program_seconds
             timing[1] += time.perf_counter() - started
-        reporter = (stages - 1) * R * T      # the last stage's first rank
+        reporter = ranks.first(stages - 1)      # the last stage's first rank
         if rank == reporter and rank != 0:
             comm.send((results["train.loss"], results["train.grad_norm"]), dest=0, tag=RESULT_TAG)
         if rank == 0:
@@ -150,10 +155,12 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     from meshplan.runtime.sessions import provider_name, providers_for
 
     record = plan.training["pipeline"]
-    stages, R, T = int(record["stages"]), int(record.get("replicas", 1)), int(record.get("tensor", 1))
-    if size != stages * R * T:
-        raise TrainError(f"the plan has {stages} pipeline stages of {R * T} device(s): start it with mpiexec -n "
-                         f"{stages * R * T} (this job has {size} rank(s))")
+    stages, ranks = int(record["stages"]), _ranks(plan)
+    if size != ranks.size:
+        each = f"{ranks.width(0)} device(s)" if ranks.uniform else \
+            f"{', '.join(str(ranks.width(s)) for s in range(stages))} device(s)"
+        raise TrainError(f"the plan has {stages} pipeline stages of {each}: start it with mpiexec -n "
+                         f"{ranks.size} (this job has {size} rank(s))")
     device_id = local_rank % cuda_device_count() if provider != "cpu" and cuda_usable() else 0
     providers = providers_for(provider, device_id)
     on_cuda = provider_name(providers[0]) == CUDA
@@ -164,10 +171,10 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
         raise TrainError(f"--steps must be at least 1, got {options.steps}")
     pipeline = read_pipeline(plan_dir, plan.training)
     lists = read_training_schedule(plan.to_dict()["checksum"], plan_dir, pipeline, plan.microbatches,
-                                   record["schedule"], R)
+                                   record["schedule"], list(ranks.replicas))
     batches = Batches(options.data, plan, options.shuffle, options.seed)
-    stage, place = divmod(rank, R * T)
-    device_index = place % T
+    stage, replica, device_index = ranks.where(rank)
+    R, T = ranks.replicas[stage], ranks.tensor
     found = pipeline.device_parts[device_index] if T > 1 else pipeline.parts
     parts = {phase: part for (s, phase), part in found.items() if s == stage}
     held = [n for n, s in pipeline.home.items() if s == stage]
@@ -195,7 +202,8 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
         sessions = stage_sessions(parts, pipeline.chunks.get(stage),
                                   lambda model: part_session(model, threads, providers))
     runner = StageRunner(stage, parts, sessions, pipeline.crossings, plan.microbatches, state, pipeline.loss_count,
-                         device, provider_name(providers[0]), (place // T, R), pipeline.sharded)
+                         device, provider_name(providers[0]), (replica, R), pipeline.sharded,
+                         sum_gradients=not ranks.uniform and stage == stages - 1)
     return pipeline, lists, batches, runner, first
 
 
@@ -204,23 +212,24 @@ def _layouts(plan: Plan) -> dict[str, dict]:
     stage's replicas (a slot of a stage that updates in row blocks: ``replica_shards``), as
     ``runtime.state_files`` reads them."""
     training, home = plan.training, plan.training["pipeline"]["home"]
-    R = int(plan.training["pipeline"].get("replicas", 1))
-    T = int(plan.training["pipeline"].get("tensor", 1))
-    if T > 1:
-        return _device_layouts(plan, R, T)
-    sharded = set(plan.training["pipeline"].get("sharded", ())) if R > 1 else set()
+    ranks = _ranks(plan)
+    if ranks.tensor > 1:
+        return _device_layouts(plan, ranks)
+    sharded = set(plan.training["pipeline"].get("sharded", ()))
     shapes = {**{w: info["shape"] for w, info in training["weights"].items()},
               **{n: info["shape"] for n, info in training.get("statistics", {}).items()}}
     found = {}
     for name in state_names(training):
         weight = name if name in shapes else name.rpartition(".")[0]
-        first = int(home[name]) * R      # the stage's first replica
+        stage = int(home[name])
+        first, R = ranks.first(stage), ranks.replicas[stage]      # the stage's first replica, its replicas
         found[name] = replica_shards.layout(shapes.get(weight, []), list(range(first, first + R))) \
-            if name not in shapes and name in sharded else replica_shards.layout(shapes.get(weight, []), [first])
+            if R > 1 and name not in shapes and name in sharded \
+            else replica_shards.layout(shapes.get(weight, []), [first])
     return found
 
 
-def _device_layouts(plan: Plan, R: int, T: int) -> dict[str, dict]:
+def _device_layouts(plan: Plan, ranks: StageRanks) -> dict[str, dict]:
     """Each state as the devices of its stage's first replica hold it, in the layout the plan
     gives it on their [1, T] mesh (each device that holds a distinct piece writes it)."""
     from meshplan.sharding import ShardingSpec
@@ -228,14 +237,24 @@ def _device_layouts(plan: Plan, R: int, T: int) -> dict[str, dict]:
     training = plan.training
     home, specs = training["pipeline"]["home"], training["pipeline"].get("specs", {})
     found = {}
+    T = ranks.tensor
     for name in state_names(training):
-        first = int(home[name]) * R * T
+        first = ranks.first(int(home[name]))
         spec = specs.get(name, "()")
         devices = list(range(first, first + T))
         whole = ShardingSpec.parse(spec).is_replicated
         found[name] = {"spec": spec, "segments": None, "logical_mesh": [1, T], "devices": devices,
                        "holders": devices[:1] if whole else devices}
     return found
+
+
+def _ranks(plan: Plan) -> StageRanks:
+    """Whose rank is which in ``plan``'s job (``meshplan.stage_ranks``)."""
+    record = plan.training["pipeline"]
+    try:
+        return StageRanks.of(record.get("replicas", 1), int(record["stages"]), int(record.get("tensor", 1)))
+    except ValueError as exc:
+        raise PlanError(f"plan.json's pipeline record is malformed ({exc})", hint="re-run meshplan plan") from None
 
 
 def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: int, batches: Batches) -> Path | None:

@@ -101,6 +101,9 @@ class PipelineStep:
     # every stage (``parts`` is device 0's), and each input's layout on the [1, T] mesh
     device_parts: list[dict[tuple[int, str], Part]] = field(default_factory=list)
     specs: dict[str, str] = field(default_factory=dict)
+    # crossing index → the axis of its tensor that holds a microbatch's samples, where it goes
+    # between stages with different replica counts (``meshplan.stage_ranks``)
+    rows: dict[int, int] = field(default_factory=dict)
 
     @property
     def tensor(self) -> int:
