@@ -253,7 +253,7 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
     base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
             f"batch={settings['batch']}", "--device", "cpu", "--microbatches", 2]
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 3, "-o", tmp_path / "a"),
-                    "--stages 3 does not divide the mesh's 2 devices")
+                    "--stages 3 needs at least 3 devices, the mesh has 2")
     _one_error_line(run_cli(*base[:-1], 8, "--mesh", "1x4", "--stages", 2, "-o", tmp_path / "a"),
                     "a microbatch of 1 sample(s) does not split over the 2 replicas")
     c = 3   # batch normalization in training mode: its running statistics would differ between replicas
@@ -296,8 +296,9 @@ def test_pipelined_plans_refuse_in_one_line(tmp_path):
 
 
 def test_max_stages_weighs_one_stage_and_pipelines(tmp_path):
-    """``--max-stages 4`` on 1x4 weighs the one-stage plan and 2 and 4 pipeline stages, and
-    writes the fastest estimate; on 1x1 only the one-stage plan is there to weigh."""
+    """``--max-stages 4`` on 1x4 weighs the one-stage plan and 2, 3 (stages of different
+    device counts) and 4 pipeline stages, and writes the fastest estimate; on 1x1 only the
+    one-stage plan is there to weigh."""
     case = load_case("gpt_adamw")
     common = ["plan", case["model_path"], "--train", "--loss", case["settings"]["loss"], "--optimizer", "adamw",
               "--microbatches", 4, "--dim", "batch=8", "--device", "cpu", "--max-stages", 4]
@@ -305,7 +306,7 @@ def test_max_stages_weighs_one_stage_and_pipelines(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     line = next(l for l in done.stdout.splitlines() if l.startswith("stages weighed"))
     steps = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"(\d) stages?: step ([\d.]+) ms", line)}
-    assert sorted(steps) == [1, 2, 4]
+    assert sorted(steps) == [1, 2, 3, 4]
     best = min(steps, key=steps.get)
     plan = read_plan(tmp_path / "four")
     assert len(plan.stages) == best and f"chosen: {best} pipeline stages" in line
