@@ -6,7 +6,8 @@ Usage (from the repository root)::
         [--batch 32] [--json PATH]
     python benchmarks/pipeline_memory.py --mpi [--stages 4] [--microbatches 8] [--batch 32]
         [--layers 8] [--hidden 256] [--heads 4] [--vocab 2048] [--seq 128] [--steps 2] [--replicas 1]
-        [--tensor-parallel 1] [--policy auto|data|megatron] [--workdir DIR] [--json PATH]
+        [--tensor-parallel 1] [--policy auto|data|megatron] [--devices N | --stage-devices D0,D1,...]
+        [--workdir DIR] [--json PATH]
 
 In process (the default): the case is one of sample_models/training's (a GPT with AdamW by
 default), its forward graph cut into ``--stages`` runs of nodes of equal length, one step of
@@ -24,7 +25,9 @@ data-parallel replicas, which hold the optimizer's state in row blocks; with
 1x(S·R·T) mesh, and no recomputing row) and trained for ``--steps`` steps by ``mpiexec -n
 S·R·T meshplan train``; each rank's peak RSS as the command reports it, next to the plan's
 estimate of its stage, and the step's median time. ``--policy``: the plans' sharding policy
-(what the devices that shard a stage may choose).
+(what the devices that shard a stage may choose). ``--devices N``: a 1xN mesh whatever the
+stages (where S does not divide N the cut gives each stage its replicas); ``--stage-devices``:
+each stage's devices, given (``plan --stage-devices``).
 """
 
 from __future__ import annotations
@@ -120,10 +123,17 @@ def _mpi_rows(args, work: Path) -> dict:
     mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
     T = args.tensor_parallel
     ranks_count = args.stages * args.replicas * T
+    given = ["--stage-devices", args.stage_devices] if args.stage_devices else []
+    if args.stage_devices:
+        ranks_count = sum(int(d) for d in args.stage_devices.split(","))
+    elif args.devices:
+        ranks_count = args.devices
     print(f"GPT of {built['parameters'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}, "
           f"sequence {args.seq}); {args.stages} stages, {args.microbatches} microbatches of "
-          f"{args.batch // args.microbatches} samples, {args.replicas} replica(s) of {T} device(s) that shard its "
-          "operators a stage, under mpiexec")
+          f"{args.batch // args.microbatches} samples, "
+          + (f"{args.replicas} replica(s) of {T} device(s) that shard its operators a stage"
+             if ranks_count == args.stages * args.replicas * T and not given else f"{ranks_count} devices")
+          + ", under mpiexec")
     print(f"{'schedule':8} {'rank':>4} {'peak RSS MiB':>12} {'estimate MiB':>12}")
     rows = {}
     for kind in (ONE_F_ONE_B, GPIPE) + ((RECOMPUTED,) if T == 1 else ()):
@@ -131,7 +141,7 @@ def _mpi_rows(args, work: Path) -> dict:
         _run([*meshplan, "plan", model, "--train", "--loss", "cross_entropy:logits:targets", "--optimizer", "adamw",
               "--mesh", f"1x{ranks_count}", "--stages", args.stages, "--schedule",
               kind.split("+")[0], "--tensor-parallel", T, "--policy", args.policy,
-              *(["--recompute"] if kind == RECOMPUTED else []), "--microbatches",
+              *(["--recompute"] if kind == RECOMPUTED else []), *given, "--microbatches",
               args.microbatches, "--dim", f"batch={args.batch}", "--device", "cpu", "-o", plan_dir])
         log = work / f"log-{kind}.json"
         done = _run([mpiexec, "-n", ranks_count, *meshplan, "train", plan_dir, "--data", data,
@@ -144,7 +154,12 @@ def _mpi_rows(args, work: Path) -> dict:
             print(f"{kind:14} {ranks[-1]['rank']:>4} {ranks[-1]['peak_rss_mib']:>12.1f} "
                   f"{ranks[-1]['estimate_mib']:>12.1f}")
         record = json.loads(log.read_text())
-        rows[kind] = {"ranks": ranks, "losses": record["losses"], "step_seconds": record["step_seconds"]}
+        planned = json.loads((plan_dir / "plan.json").read_text())
+        rows[kind] = {"ranks": ranks, "losses": record["losses"], "step_seconds": record["step_seconds"],
+                      "stage_devices": [len(stage["devices"]) for stage in planned["stages"]],
+                      "estimate_seconds": planned["estimate"]["step_seconds"]}
+        print(f"{kind:14} stages' devices {', '.join(map(str, rows[kind]['stage_devices']))}; estimated step "
+              f"{rows[kind]['estimate_seconds'] * 1e3:.0f} ms")
         print(f"{kind:14} losses {', '.join(f'{v:.5f}' for v in record['losses'])}; step "
               f"{sorted(record['step_seconds'])[len(record['step_seconds']) // 2] * 1e3:.0f} ms")
     ratio = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(rows[ONE_F_ONE_B]["ranks"], rows[GPIPE]["ranks"])]
@@ -185,6 +200,8 @@ def main(argv=None) -> int:
                         help="with --mpi: devices of each replica that shard the stage's operators")
     parser.add_argument("--policy", default="auto", choices=("auto", "data", "megatron"),
                         help="with --mpi: the plans' sharding policy")
+    parser.add_argument("--devices", type=int, help="with --mpi: a 1xN mesh (the cut gives each stage its devices)")
+    parser.add_argument("--stage-devices", help="with --mpi: each stage's devices, D0,D1,...")
     parser.add_argument("--workdir", help="where the model, data and plans go [default: a temporary folder, removed]")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

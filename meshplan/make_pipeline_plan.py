@@ -199,12 +199,19 @@ def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanO
                         hint=f"a divisor of {cluster.devices_per_host}")
     step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
     size = _microbatch_size(step, dims)
+    equal = N // stages // tensor
     if given is not None:
         choices = [[d // tensor] for d in given]
-    elif N % stages == 0:
-        choices = [[N // stages // tensor]] * stages
-    else:   # the cut gives each stage its devices
-        choices = [[r for r in range(1, N - stages + 2) if size % r == 0]] * stages
+    elif N % stages == 0 and (tensor > 1 or size % equal == 0):
+        choices = [[equal]] * stages
+    else:   # the cut gives each stage its devices: counts that split a microbatch
+        allowed = [r for r in range(1, N - stages + 2) if size % r == 0]
+        if not _adds_up(allowed, stages, N):
+            each = f"the {equal} replicas of each stage" if N % stages == 0 else \
+                f"{stages} stages of {N} devices in any counts"
+            raise PlanError(f"a microbatch of {size} sample(s) does not split over {each}",
+                            hint="a batch that does, or more stages")
+        choices = [allowed] * stages
     most = max(max(c) for c in choices)
     if most > 1 and step.manifest.get("statistics"):
         raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
@@ -216,6 +223,14 @@ def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanO
             raise PlanError(f"a microbatch of {size} sample(s) does not split over the {allowed[0]} replicas of "
                             f"{which}", hint="a batch that does, or more stages")
     return step, choices
+
+
+def _adds_up(counts: list[int], stages: int, total: int) -> bool:
+    """Whether ``stages`` of ``counts`` (each may repeat) add up to ``total``."""
+    reach = {0}
+    for _ in range(stages):
+        reach = {r + c for r in reach for c in counts if r + c <= total}
+    return total in reach
 
 
 def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list[int], workdir: Path) -> None:

@@ -103,12 +103,14 @@ def test_the_cut_gives_more_replicas_to_more_work():
 @pytest.mark.parametrize("name,mesh,microbatches,more", [
     ("gpt_adamw", "1x3", 4, ()),
     ("gpt2_tied", "1x3", 4, ("--stage-devices", "2,1", "--schedule", "gpipe")),
-    ("mlp_sgd", "1x5", 2, ("--stage-devices", "1,4"))])
+    ("mlp_sgd", "1x5", 2, ("--stage-devices", "1,4")),
+    ("mlp_sgd", "1x6", 2, ())])
 def test_stages_of_different_sizes_train_as_torch_in_process(tmp_path, name, mesh, microbatches, more):
     """gpt_adamw (targets of -100 in different numbers in each replica's rows) on 1x3, the
     cut choosing the stages' devices; the tied GPT-2 on 2 + 1 devices (the head's gradient
-    of the embedding crosses back to the stage of two); the MLP on 1 + 4: each step's loss
-    as torch's, the final weights as torch's."""
+    of the embedding crosses back to the stage of two); the MLP on 1 + 4, and on 1x6 where a
+    microbatch of 4 does not split over 3 replicas a stage (the cut gives 2 and 4): each
+    step's loss as torch's, the final weights as torch's."""
     case, plan_dir, said = _plan(tmp_path, name, mesh, 2, *more, microbatches=microbatches)
     plan = read_plan(plan_dir)
     replicas = plan.training["pipeline"]["replicas"]
