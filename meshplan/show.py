@@ -218,7 +218,8 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
                      + (f" ({counts[s.index]} data-parallel replicas)" if counts[s.index] > 1 else "")
                      + (f"; {T} that shard its operators, each its own parts (.d0 ... .d{T - 1})" if T > 1 else ""))
         lines.append(f"  holds {len(held)} trained weight(s), {human_bytes(nbytes)}"
-                     + ("; each replica its row blocks of their optimizer slots" if pipeline.sharded else "")
+                     + ("; each replica its row blocks of their optimizer slots"
+                        if pipeline.sharded and counts[s.index] > 1 else "")
                      + ("; each device its pieces of them, in the layouts the ILP chose" if T > 1 else ""))
         for phase in PHASES:
             part = pipeline.parts.get((s.index, phase))

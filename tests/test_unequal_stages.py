@@ -23,6 +23,7 @@ from meshplan.stage_ranks import ONE, ROWS, SAME, SUM, StageRanks, joined, piece
 from meshplan.trainer.checkpoint import Checkpoint
 from sample_models.training import load_case
 from test_cli_errors import _one_error_line
+from test_pipeline_plans import _train_options as train_options
 from tests.training_cases import assert_final_like_torch, train_in_process
 
 SAMPLES = REPO / "sample_models" / "training"
@@ -39,15 +40,8 @@ def _plan(tmp_path, name: str, mesh: str, stages: int, *more, out: str = "plan",
 
 
 def _train_options(settings: dict) -> list:
-    options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
-               "--weight-decay", settings.get("weight_decay") or 0.0, "--total-steps", settings["steps"]]
-    if settings.get("clip_norm"):
-        options += ["--clip-norm", settings["clip_norm"]]
-    if settings["optimizer"] == "adamw":
-        options += ["--betas", ",".join(str(b) for b in settings["betas"]), "--eps", settings["eps"]]
-    else:
-        options += ["--momentum", settings.get("momentum") or 0.0]
-    return options
+    """The reference's hyperparameters, its learning-rate schedule over all its steps."""
+    return [*train_options(settings), "--total-steps", settings["steps"]]
 
 
 def test_ranks_follow_the_stages_before():

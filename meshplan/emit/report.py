@@ -145,13 +145,13 @@ def pipeline_training_report(plan: Plan) -> str:
     kind, B, S = record["schedule"], plan.microbatches, len(plan.stages)
     counts = per_stage(record.get("replicas", 1), S)
     R = counts[0] if len(set(counts)) == 1 else 0     # (0: the stages differ)
-    share = f"1/{R}" if R else "1/R_s"
+    share = f"1/{R}" if R else "1/R"
     summed = f"each summing its row blocks of the gradients once a step and keeping and updating {share} of the " \
         "optimizer's state (ZeRO-1)" if record.get("sharded") else "their gradients summed once a step"
     T = int(record.get("tensor", 1))
     each = "one device a stage" if R == 1 else f"{R} devices a stage (data-parallel replicas, each 1/{R} of every " \
-        f"microbatch, {summed})" if R else f"{', '.join(map(str, counts))} devices a stage (data-parallel " \
-        f"replicas, each 1/R_s of every microbatch, {summed})"
+        f"microbatch, {summed})" if R else f"stages of {', '.join(map(str, counts[:-1]))} and {counts[-1]} " \
+        f"devices (a stage's R devices data-parallel replicas, each 1/R of every microbatch, {summed})"
     if T > 1:
         each = f"{R * T} devices a stage ({T} that shard its operators" \
             + (f", {R} data-parallel replicas of them, their gradients summed once a step)" if R > 1 else ")")

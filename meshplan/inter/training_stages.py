@@ -1,17 +1,20 @@
 """Pipeline stages of a training plan: where the forward graph is cut, what each stage costs
 and holds.
 
-For now each stage runs on one device. The forward model's operators are clustered into
-layers (``model.layers.cluster_layers``: balanced cost, little traffic across their
-boundaries) and the layers cut into S contiguous stages. A stage's time t_i is its layers'
-forward and backward for one microbatch, the backward taken as twice the forward (the rule
-Alpa's and Megatron-LM's cost models use). B microbatches take Alpa's
+The forward model's operators are clustered into layers (``model.layers.cluster_layers``:
+balanced cost, little traffic across their boundaries) and the layers cut into S contiguous
+stages, stage i on R_i devices, each a data-parallel replica of it. A stage's time t_i is
+its layers' forward and backward for one microbatch over its replicas, the backward taken
+as twice the forward (the rule Alpa's and Megatron-LM's cost models use). B microbatches
+take Alpa's
 
     T = Σ t_i + (B − 1) · max t_j
 
-and with one device a stage Σ t_i is the whole step's work wherever the cuts fall, so the
-best cut is the one whose slowest stage is fastest; among the cuts within 1 % of it, the
-one with the fewest bytes crossing.
+and where every stage has as many devices Σ t_i is the whole step's work over them wherever
+the cuts fall, so the best cut is the one whose slowest stage is fastest; among the cuts
+within 1 % of it, the one with the fewest bytes crossing. Where the stages' devices are
+chosen with the cut (``_cut_over_devices``), the fastest slowest stage, then among those
+within 1 % the least Σ t_i, then the fewest bytes.
 
 A stage holds its weights, their accumulated gradients and the optimizer's slots, the
 activations of the microbatches it keeps in flight (1F1B: stage i of S keeps S − i; GPipe:
@@ -172,10 +175,10 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
     (the slots: a replica's row blocks of them where ``pipeline.sharded``), ``activations``
     (what its backward reads of one microbatch's forward, times the microbatches in flight;
     sizes from ``graph``, the forward model at one microbatch's dims; a replica holds its
-    1/``replicas`` of each: one count, or one a stage), ``working`` (the more of: while a backward runs, the gradients
-    of one microbatch's activations and the new accumulated gradients; while the update
-    runs, what the norm made and the largest group of the update's new values) and
-    ``process``, on each of its devices."""
+    1/``replicas`` of each: one count, or one a stage), ``working`` (the more of: while a
+    backward runs, the gradients of one microbatch's activations and the new accumulated
+    gradients; while the update runs, what the norm made and the largest group of the
+    update's new values) and ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
