@@ -135,8 +135,9 @@ def check_pipeline_memory(body: dict, out: str, genai: bool) -> None:
     schedules = body["schedules"]
     for kind in ("1f1b", "gpipe"):
         ranks = schedules[kind]["ranks"]
-        assert [r["rank"] for r in ranks] == [0, 1]
+        assert [r["rank"] for r in ranks] == [0, 1, 2]
         assert all(r["peak_rss_mib"] > 0 and r["estimate_mib"] > 0 for r in ranks)
+        assert sorted(schedules[kind]["stage_devices"]) == [1, 2] and schedules[kind]["estimate_seconds"] > 0
     assert schedules["1f1b"]["losses"] == pytest.approx(schedules["gpipe"]["losses"], rel=1e-5)
     assert schedules["1f1b+recompute"]["losses"] == pytest.approx(schedules["1f1b"]["losses"], rel=1e-5)
     assert "1F1B over GPipe" in out and "1F1B recomputing over 1F1B" in out
@@ -215,9 +216,10 @@ CASES = {
     "segment_pools": (["--blocks", "1", "--steps", "2", "--pause", "0"], check_segment_pools, ()),
     "small_batch_split": (["--meshes", "1x2", "--rounds", "1", "--repeat", "2", "--cores"], check_small_batch_split,
                           (pytest.mark.mpi,)),
-    # two pipelined training plans of a tiny GPT, each trained a step by two ranks
-    "pipeline_memory": (["--mpi", "--stages", "2", "--microbatches", "4", "--batch", "8", "--layers", "2", "--hidden",
-                         "64", "--vocab", "256", "--seq", "16", "--steps", "1", "--workdir", "{work}"],
+    # three pipelined training plans of a tiny GPT in two stages of 3 devices (one of them two
+    # replicas), each trained a step by three ranks
+    "pipeline_memory": (["--mpi", "--stages", "2", "--devices", "3", "--microbatches", "4", "--batch", "8", "--layers",
+                         "2", "--hidden", "64", "--vocab", "256", "--seq", "16", "--steps", "1", "--workdir", "{work}"],
                         check_pipeline_memory, (pytest.mark.mpi,)),
     "step_overhead": (["--steps", "3", "--rounds", "1", "--capacity", "32"], check_step_overhead, ()),
     "request_sequence": (["{plan}", "--requests", "2", "--new-tokens", "2", "--prompt-length", "4"],
