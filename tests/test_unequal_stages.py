@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import REPO, run_cli, run_mpi
+from conftest import REPO, run_cli, run_mpi, run_mpi_script
 from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.inter.training_stages import _cut_over_devices
 from meshplan.plan_format import read_plan
@@ -148,6 +148,14 @@ def test_stages_of_different_sizes_train_as_torch_under_mpiexec_and_resume_on_eq
     assert exported.returncode == 0, exported.stderr
     wrong = run_mpi(2, "train", plan_dir, "--data", data, "--steps", 1)
     _one_error_line(wrong, "2 pipeline stages of 1, 2 device(s)", "mpiexec -n 3")
+
+
+def test_stages_of_different_sizes_keeping_their_tensors_on_the_device_train_the_same(tmp_path):
+    """``on_device=True`` (a CUDA job's path, OrtValues in host memory here) on 2 + 1 devices:
+    the same losses, norms and checkpoint as on numpy arrays, to the bit."""
+    _, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x3", 2, "--stage-devices", "2,1")
+    lines = run_mpi_script("pipeline_device_case.py", 3, args=(plan_dir, SAMPLES / "gpt_adamw.data.npz", tmp_path))
+    assert lines == ["ok pipeline_device"]
 
 
 def _flattened_model(path):
