@@ -61,6 +61,13 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         finally:
             shutil.rmtree(trial, ignore_errors=True)
         options, notes = replace(options, tensor_parallel=tensor), list(notes) + weighed
+    trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.devices.", dir=out_dir.parent))
+    try:
+        options, weighed = weigh_stage_devices(model_path, cluster, dims, options, spec, microbatches, cost_model,
+                                               trial)
+    finally:
+        shutil.rmtree(trial, ignore_errors=True)
+    notes = list(notes) + weighed
     stages, tensor = options.stages, options.tensor_parallel
     step, choices = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
@@ -90,8 +97,7 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
                               f"[1, {tensor}] mesh)")
         elif len(set(replicas)) > 1:
             plan.notes.append(f"the stages' devices: {', '.join(map(str, replicas))} (each a data-parallel replica "
-                              "of its stage; " + ("given by --stage-devices" if options.stage_devices else
-                                                  "chosen with the cut: the fastest slowest stage") + ")")
+                              "of its stage)")
         if options.recompute:
             plan.notes.append("activations recomputed: each stage keeps its inputs of a microbatch in flight, and its "
                               "backward runs its forward again")
@@ -165,6 +171,49 @@ def weigh_tensor(model_path: Path, cluster: Cluster, dims: dict, options: PlanOp
                         + ")", hint="more devices, more stages, or more microbatches")
     best = min(weighed)[1]
     return best, [f"tensor parallelism weighed (--tensor-parallel auto): {'; '.join(lines)}; chosen: T = {best}"]
+
+
+def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
+                        microbatches: int, cost_model: CostModel | None, workdir: Path) -> tuple[PlanOptions, list[str]]:
+    """Where ``--stages S`` divides the mesh and no devices are given (nor T > 1): the cut's
+    own choice of each stage's devices (its layers over its replicas, counts that split a
+    microbatch: Alpa's stage DP over submesh sizes) estimated beside the stages of equal
+    devices (``pipeline_estimate``), the faster that fits kept (``options.stage_devices``);
+    and the report's line. Unchanged where the cut chooses equal stages itself."""
+    N, S = cluster.num_devices, options.stages
+    if options.tensor_parallel != 1 or options.stage_devices is not None or N % S or N == S:
+        return options, []
+    graph = _forward_graph(model_path, dims, workdir / "forward")
+    first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()
+    size = int(first[0]) if first else 1       # one microbatch's samples
+    allowed = [r for r in range(1, N - S + 2) if size % r == 0]
+    equal = [N // S] * S
+    if size % equal[0] or not _adds_up(allowed, S, N):
+        return options, []
+    seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
+    chosen = cut_stages(graph, seconds, S, options.num_layers, [allowed] * S, N).replicas
+    if chosen == equal:
+        return options, []
+    device = cluster.device.memory_bytes
+    weighed, lines = [], []
+    for counts in (equal, chosen):
+        what = ", ".join(map(str, counts))
+        try:
+            step, need = pipeline_estimate(model_path, cluster, dims, replace(options, stage_devices=tuple(counts)),
+                                           spec, microbatches, cost_model, workdir / what.replace(", ", "-"))
+        except PlanError as exc:
+            lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
+            continue
+        fits = need <= device
+        lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device" + ("" if fits else " (does not fit)"))
+        if fits:
+            weighed.append((step, counts != equal, counts))
+    if not weighed:
+        return options, []      # (the plan of equal stages says why it cannot be)
+    best = min(weighed)[2]
+    return (replace(options, stage_devices=tuple(best)) if best != equal else options,
+            [f"the stages' devices weighed (the cut's own choice against equal stages): {'; '.join(lines)}; chosen: "
+             f"{', '.join(map(str, best))}"])
 
 
 def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,

@@ -8,6 +8,7 @@ of equal stages; what such plans refuse, in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -118,6 +119,26 @@ def test_stages_of_different_sizes_train_as_torch_in_process(tmp_path, name, mes
     losses = train_in_process(case, runner)
     np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
     assert_final_like_torch(case, plan.training["tied"], runner.state_values())
+
+
+@pytest.mark.parametrize("name", ["gpt_adamw", "gpt2_tied"])
+def test_where_equal_stages_are_possible_the_cuts_own_choice_is_weighed_beside_them(tmp_path, name):
+    """1x6, 2 stages, microbatches of 12: the cut would give the stages 2 and 4 devices; both
+    that and 3 + 3 are planned as estimates and the faster written, the report saying so."""
+    case = load_case(name)
+    done = run_cli("plan", case["model_path"], "--train", "--loss", case["settings"]["loss"], "--optimizer", "sgd",
+                   "--mesh", "1x6", "--stages", 2, "--microbatches", 4, "--dim", "batch=48", "--device", "cpu",
+                   "-o", tmp_path / "plan")
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(l for l in done.stdout.splitlines() if l.startswith("the stages' devices weighed"))
+    steps = {tuple(int(d) for d in m.group(1).split(", ")): float(m.group(2))
+             for m in re.finditer(r"(\d+, \d+): step ([\d.]+) ms", line)}
+    assert (3, 3) in steps and len(steps) == 2
+    best = min(steps, key=steps.get)
+    plan = read_plan(tmp_path / "plan")
+    assert [len(s.devices) for s in plan.stages] == list(best) and line.endswith(f"chosen: {best[0]}, {best[1]}")
+    assert plan.estimate["step_seconds"] * 1e3 == pytest.approx(steps[best], rel=1e-3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]     # no trial left behind
 
 
 def test_stages_of_different_sizes_train_as_torch_under_mpiexec_and_resume_on_equal_stages(tmp_path):
