@@ -31,7 +31,7 @@ from meshplan.cost.cluster import Cluster
 from meshplan.emit.pipeline_parts import write_parts
 from meshplan.emit.report import REPORT_FILE, TIMELINE_FILE, render_timeline, text_report
 from meshplan.emit.train_schedule import per_microbatch, timed_step, training_schedule, write_training_schedule
-from meshplan.errors import ModelError, PlanError
+from meshplan.errors import MeshplanError, ModelError, PlanError
 from meshplan.files import file_sha256
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.inter.training_stages import check_fits, cut_stages, stage_memory
@@ -183,7 +183,10 @@ def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options:
     N, S = cluster.num_devices, options.stages
     if options.tensor_parallel != 1 or options.stage_devices is not None or N % S or N == S:
         return options, []
-    graph = _forward_graph(model_path, dims, workdir / "forward")
+    try:
+        graph = _forward_graph(model_path, dims, workdir / "forward")
+    except MeshplanError:      # (the plan itself says why, in its own words)
+        return options, []
     first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()
     size = int(first[0]) if first else 1       # one microbatch's samples
     allowed = [r for r in range(1, N - S + 2) if size % r == 0]
