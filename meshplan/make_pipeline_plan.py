@@ -174,7 +174,8 @@ def weigh_tensor(model_path: Path, cluster: Cluster, dims: dict, options: PlanOp
 
 
 def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
-                        microbatches: int, cost_model: CostModel | None, workdir: Path) -> tuple[PlanOptions, list[str]]:
+                        microbatches: int, cost_model: CostModel | None,
+                        workdir: Path) -> tuple[PlanOptions, list[str]]:
     """Where ``--stages S`` divides the mesh and no devices are given (nor T > 1): the cut's
     own choice of each stage's devices (its layers over its replicas, counts that split a
     microbatch: Alpa's stage DP over submesh sizes) estimated beside the stages of equal
@@ -296,7 +297,8 @@ def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list
     dim = _leading_dim(step)
     if dim is None or not dim.dim_param or dim.dim_param not in dims:
         raise PlanError("stages with different device counts split each microbatch among their replicas: the model's "
-                        "batch dim must be a named dim given by --dim", hint="equal stages (--stages dividing the mesh)")
+                        "batch dim must be a named dim given by --dim",
+                        hint="equal stages (--stages dividing the mesh)")
     size = int(dims[dim.dim_param])
     shapes = []
     for k, at in enumerate((dict(dims), {**dims, dim.dim_param: 2 * size})):

@@ -7,8 +7,8 @@ from replica r of its source stage to replica r of its destination stage where b
 many replicas, else split or shared out among them (``stage_ranks``: each destination
 replica's row block put together from the source replicas' pieces), through host memory
 (mpi4py's pickled messages, an array's bytes out of band: ``mpi4py.util.pkl5``; tag i + 1),
-sends posted without waiting; a stage's replicas sum what they accumulated once a step (``summed``, an MPI
-all-reduce among them), or each into its own row blocks of the sum
+sends posted without waiting; a stage's replicas sum what they accumulated once a step
+(``summed``, an MPI all-reduce among them), or each into its own row blocks of the sum
 (``scattered``, a reduce-scatter) with the updated weights gathered whole again
 (``gathered``, an all-gather) where they update in row blocks (``meshplan.replica_shards``).
 
