@@ -152,19 +152,12 @@ def weigh_tensor(model_path: Path, cluster: Cluster, dims: dict, options: PlanOp
                  microbatches: int, cost_model: CostModel | None, workdir: Path) -> tuple[int, list[str]]:
     """``--tensor-parallel auto`` with ``--stages S``: each T of ``tensor_choices`` estimated
     (``pipeline_estimate``); the fastest step that fits its devices, and the report's line."""
-    device = cluster.device.memory_bytes
     weighed, lines = [], []
     for tensor in tensor_choices(cluster, options.stages):
-        what = f"{tensor} device(s) that shard" if tensor > 1 else "replicas"
-        try:
-            step, need = pipeline_estimate(model_path, cluster, dims, replace(options, tensor_parallel=tensor), spec,
-                                           microbatches, cost_model, workdir / f"t{tensor}")
-        except PlanError as exc:
-            lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
-            continue
-        fits = need <= device
-        lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device" + ("" if fits else " (does not fit)"))
-        if fits:
+        step = _fitting(f"{tensor} device(s) that shard" if tensor > 1 else "replicas", lines, cluster,
+                        lambda: pipeline_estimate(model_path, cluster, dims, replace(options, tensor_parallel=tensor),
+                                                  spec, microbatches, cost_model, workdir / f"t{tensor}"))
+        if step is not None:
             weighed.append((step, tensor))
     if not weighed:
         raise PlanError(f"no tensor parallelism of the {options.stages} stages fits the devices (" + "; ".join(lines)
@@ -198,19 +191,13 @@ def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options:
     chosen = cut_stages(graph, seconds, S, options.num_layers, [allowed] * S, N).replicas
     if chosen == equal:
         return options, []
-    device = cluster.device.memory_bytes
     weighed, lines = [], []
     for counts in (equal, chosen):
-        what = ", ".join(map(str, counts))
-        try:
-            step, need = pipeline_estimate(model_path, cluster, dims, replace(options, stage_devices=tuple(counts)),
-                                           spec, microbatches, cost_model, workdir / what.replace(", ", "-"))
-        except PlanError as exc:
-            lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
-            continue
-        fits = need <= device
-        lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device" + ("" if fits else " (does not fit)"))
-        if fits:
+        step = _fitting(", ".join(map(str, counts)), lines, cluster,
+                        lambda: pipeline_estimate(model_path, cluster, dims,
+                                                  replace(options, stage_devices=tuple(counts)), spec, microbatches,
+                                                  cost_model, workdir / "-".join(map(str, counts))))
+        if step is not None:
             weighed.append((step, counts != equal, counts))
     if not weighed:
         return options, []      # (the plan of equal stages says why it cannot be)
@@ -218,6 +205,19 @@ def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options:
     return (replace(options, stage_devices=tuple(best)) if best != equal else options,
             [f"the stages' devices weighed (the cut's own choice against equal stages): {'; '.join(lines)}; chosen: "
              f"{', '.join(map(str, best))}"])
+
+
+def _fitting(what: str, lines: list[str], cluster: Cluster, estimate) -> float | None:
+    """The step seconds of ``estimate()`` (step seconds, the most bytes a device needs) where
+    its plan fits a device, else None; the report's words for it appended to ``lines``."""
+    try:
+        step, need = estimate()
+    except PlanError as exc:
+        lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
+        return None
+    fits = need <= cluster.device.memory_bytes
+    lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device" + ("" if fits else " (does not fit)"))
+    return step if fits else None
 
 
 def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
@@ -405,41 +405,32 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
                            one_stage) -> Plan:
     """``--max-stages N`` for training: the one-stage plan (``one_stage(directory)`` plans it
     there: sharded by the ILP over the whole mesh) and the pipelined plans of every stage
-    count up to N that divides the mesh (with ``--tensor-parallel auto``, each with every T
-    of ``tensor_choices``; else with the T given); the fastest estimated step that fits its
-    devices is written, the report says what was weighed."""
-    device = cluster.device.memory_bytes
+    count up to N (of different sizes where a count does not divide the mesh; with
+    ``--tensor-parallel auto``, each with every T of ``tensor_choices``; else with the T
+    given); the fastest estimated step that fits its devices is written, the report says
+    what was weighed."""
     weighed: list[tuple] = []     # (step seconds, stages, what, T)
-    lines = []
+    lines: list[str] = []
     trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stages.", dir=out_dir.parent))
+
+    def one_stage_estimate():
+        one = one_stage(trial / "one")
+        return one.estimate["latency_seconds"] * microbatches, max([st.memory_bytes for st in one.stages] or [0.0])
+
     try:
-        try:
-            one = one_stage(trial / "one")
-            need = max([st.memory_bytes for st in one.stages] or [0.0])
-            step = one.estimate["latency_seconds"] * microbatches
-            if need <= device:
-                weighed.append((step, 1, "one stage over the mesh", 1))
-            lines.append(f"1 stage: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
-                         + ("" if need <= device else " (does not fit)"))
-        except PlanError as exc:
-            lines.append(f"1 stage: no plan ({str(exc).splitlines()[0]})")
+        step = _fitting("1 stage", lines, cluster, one_stage_estimate)
+        if step is not None:
+            weighed.append((step, 1, "one stage over the mesh", 1))
         for stages in range(2, min(options.max_stages, cluster.num_devices) + 1):
             given = options.tensor_parallel
             if cluster.num_devices % stages and given > 1:    # (stages of different sizes: no T)
                 continue
             for tensor in (tensor_choices(cluster, stages) if given == AUTO else [given]):
                 what = f"{stages} stages" + (f" of {tensor} that shard" if tensor > 1 else "")
-                try:
-                    step, need = pipeline_estimate(model_path, cluster, dims,
-                                                   replace(options, stages=stages, tensor_parallel=tensor), spec,
-                                                   microbatches, cost_model, trial / f"work{stages}.{tensor}")
-                except PlanError as exc:
-                    lines.append(f"{what}: no plan ({str(exc).splitlines()[0]})")
-                    continue
-                fits = need <= device
-                lines.append(f"{what}: step {_ms(step)}, {need / 2**30:.2f} GiB a device"
-                             + ("" if fits else " (does not fit)"))
-                if fits:
+                step = _fitting(what, lines, cluster, lambda: pipeline_estimate(
+                    model_path, cluster, dims, replace(options, stages=stages, tensor_parallel=tensor), spec,
+                    microbatches, cost_model, trial / f"work{stages}.{tensor}"))
+                if step is not None:
                     weighed.append((step, stages, f"{what}" if tensor > 1 else f"{stages} pipeline stages", tensor))
         if not weighed:
             raise PlanError("no plan of at most " f"{options.max_stages} stages fits the devices ("
