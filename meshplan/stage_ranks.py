@@ -31,6 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshplan.training.losses import COUNT
+from meshplan.training.pipeline_step import per_microbatch
+from meshplan.training.step_model import BACKWARD, FORWARD
+
 ROWS, SAME, SUM, ONE = "rows", "same", "sum", "one"
 
 
@@ -151,10 +155,8 @@ def joined(kind: str, pieces: list, axis: int | None):
 def kinds(crossings, ranks: StageRanks, rows: dict[int, int]) -> list[str]:
     """How each of ``crossings`` goes (``kind_of``); where the stages' replica counts differ,
     a microbatch's loss count that the last stage's forward sends is ``ONE``."""
-    from meshplan.training.losses import COUNT
-
     last = ranks.stages - 1
-    return [ONE if not ranks.uniform and c.tensor == COUNT and c.src == last and c.made_in == "forward"
+    return [ONE if not ranks.uniform and c.tensor == COUNT and c.src == last and c.made_in == FORWARD
             else kind_of(c, rows.get(index)) for index, c in enumerate(crossings)]
 
 
@@ -162,10 +164,6 @@ def kind_of(crossing, axis: int | None) -> str:
     """How ``crossing`` (a ``training.pipeline_step.Crossing``) goes between stages whose
     replicas differ: ``ROWS`` where its tensor has the samples on ``axis``; else ``SUM`` for a
     gradient a backward sends every microbatch, ``SAME`` for the rest."""
-    from meshplan.training.pipeline_step import PER_MICROBATCH
-    from meshplan.training.step_model import BACKWARD
-
     if axis is not None:
         return ROWS
-    every = crossing.made_in in PER_MICROBATCH and any(p in PER_MICROBATCH for p in crossing.read_in)
-    return SUM if every and crossing.made_in == BACKWARD else SAME
+    return SUM if per_microbatch(crossing) and crossing.made_in == BACKWARD else SAME

@@ -29,7 +29,7 @@ from meshplan.errors import PlanError
 from meshplan.files import atomic_write_bytes
 from meshplan.stage_ranks import per_stage
 from meshplan.training.pipeline_step import (CLIP, GPIPE, NORM, ONE_F_ONE_B, PER_MICROBATCH, SCHEDULES, STATE,
-                                             UPDATE_PHASE, Crossing, PipelineStep)
+                                             UPDATE_PHASE, Crossing, PipelineStep, per_microbatch)
 from meshplan.training.step_model import BACKWARD, FORWARD
 
 TRAINING_KINDS = SCHEDULES
@@ -99,11 +99,6 @@ def timed_step(stages: int, microbatches: int, kind: str, took: dict[tuple[int, 
                 at[s] += 1
                 moved = True
     return rows, max(free, default=0.0)
-
-
-def per_microbatch(crossing: Crossing) -> bool:
-    """Whether a crossing carries a tensor every microbatch (else once a step)."""
-    return crossing.made_in in PER_MICROBATCH and any(p in PER_MICROBATCH for p in crossing.read_in)
 
 
 def training_schedule(pipeline: PipelineStep, microbatches: int, kind: str = ONE_F_ONE_B,

@@ -83,6 +83,11 @@ class Crossing:
     read_in: tuple[str, ...]
 
 
+def per_microbatch(crossing: Crossing) -> bool:
+    """Whether a crossing carries a tensor every microbatch (else once a step)."""
+    return crossing.made_in in PER_MICROBATCH and any(p in PER_MICROBATCH for p in crossing.read_in)
+
+
 @dataclass
 class PipelineStep:
     stages: int
