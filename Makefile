@@ -76,6 +76,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_quality.py --json bench-out/plan_quality.json
 	$(BIN)/python benchmarks/reshard.py --json bench-out/reshard.json
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/profile_accuracy.py --json bench-out/profile_accuracy.json
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python benchmarks/mixed_precision.py --json bench-out/mixed_precision.json
 
 samples: $(STAMP)
 	$(BIN)/python -m sample_models

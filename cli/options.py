@@ -105,20 +105,26 @@ def train_options(command: Callable) -> Callable:
                      help="With --train: torch.optim.SGD's or AdamW's update."),
         click.option("--frozen", "frozen", multiple=True, metavar="PATTERN",
                      help="With --train: weights whose names match this glob pattern are not trained (repeatable)."),
+        click.option("--master-weights", "master_weights", is_flag=True,
+                     help="With --train: hold and update the float16/bfloat16 weights in float32 (mixed precision: "
+                          "the forward and backward compute in the model's dtype; meshplan train --loss-scale "
+                          "scales the loss's gradient)."),
     )):
         command = option(command)
     return command
 
 
-def train_spec(train: bool, loss_spec: str | None, optimizer: str, frozen) -> "TrainSpec | None":
+def train_spec(train: bool, loss_spec: str | None, optimizer: str, frozen,
+               master_weights: bool = False) -> "TrainSpec | None":
     """The ``TrainSpec`` the train options give (None without ``--train``); a usage error
-    for ``--loss`` or ``--frozen`` without it, or ``--train`` without ``--loss``."""
+    for ``--loss``, ``--frozen`` or ``--master-weights`` without it, or ``--train`` without
+    ``--loss``."""
     from meshplan.training.step_model import TrainSpec
 
     if not train:
-        if loss_spec is not None or frozen:
-            raise click.UsageError("--loss and --frozen go with --train")
+        if loss_spec is not None or frozen or master_weights:
+            raise click.UsageError("--loss, --frozen and --master-weights go with --train")
         return None
     if loss_spec is None:
         raise click.UsageError("--train needs --loss")
-    return TrainSpec(loss_spec, optimizer, tuple(frozen))
+    return TrainSpec(loss_spec, optimizer, tuple(frozen), master_weights=master_weights)

@@ -95,7 +95,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
          recompute, tensor_parallel, stage_devices, all_devices,
          shared_host, policy,
          solver, reshard_scheduler, profile_path, state_pairs, no_state, no_programs, shapes_only, generate, gen_batch,
-         max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, out_dir):
+         max_length, prefill_chunk, hints_path, no_hints, train, loss_spec, optimizer, frozen, master_weights,
+         out_dir):
     """Find a parallel plan for MODEL and write per-device programs to a plan directory."""
     from meshplan.cost.cluster import DEFAULT_DEVICE
     from meshplan.emit.annotate import ANNOTATED_FILE
@@ -155,7 +156,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
             if not Path(model).is_file():
                 raise ModelError(f"model file not found: {model}")
             profile = load_profile(profile_path, file_sha256(model), cluster,
-                                   training=train_spec(train, loss_spec, optimizer, frozen))
+                                   training=train_spec(train, loss_spec, optimizer, frozen, master_weights))
             cluster, links = with_measured_links(cluster, profile)
             cost_model = ProfiledCostModel(cluster, profile)
         state = None
@@ -184,7 +185,7 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                        f"padded on the {chosen['padding']}")
         elif max_length is not None or prefill_chunk is not None or gen_batch != 1:
             raise click.UsageError("--batch, --max-length and --prefill-chunk go with --generate")
-        training = train_spec(train, loss_spec, optimizer, frozen)
+        training = train_spec(train, loss_spec, optimizer, frozen, master_weights)
         if training is not None and (generate or state is not None or hints_path is not None):
             raise click.UsageError("--train goes without --generate, --state, --no-state and --hints")
         result = make_plan(model, cluster, dims, out_dir, options, cost_model=cost_model, state=state,

@@ -118,7 +118,8 @@ class _Bar:
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path, dir_okay=False), help="Profile file to write (JSON).")
 @click.pass_context
 def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, batch_dim, provider, threads, cache_path, refresh,
-            budget_ms, comm_max, comm_budget_ms, top, train, loss_spec, optimizer, frozen, out_path):
+            budget_ms, comm_max, comm_budget_ms, top, train, loss_spec, optimizer, frozen, master_weights,
+            out_path):
     """Measure what MODEL's operators and the mesh's collectives cost here, for `meshplan plan --profile`.
 
     Under `mpiexec -n N meshplan profile ...` the ranks share the operator timings and
@@ -139,7 +140,7 @@ def profile(ctx, model, mesh, device, cluster_file, dims, microbatch_counts, bat
         cluster = cluster_from_options(mesh, cluster_file, device,
                                        lambda: "cpu" if resolve_provider(provider) == CPU else DEFAULT_DEVICE)
         given = fixed_dims(dims)
-        training = train_spec(train, loss_spec, optimizer, frozen)
+        training = train_spec(train, loss_spec, optimizer, frozen, master_weights)
         if training is not None:   # the step's operators, at one microbatch's dims, as the plan has them
             if len(microbatch_counts) > 1:
                 raise click.UsageError("--train takes one --microbatches count (the plan's)")

@@ -41,6 +41,9 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
 @click.option("--eps", default=1e-8, show_default=True, type=float, help="AdamW's ε.")
 @click.option("--clip-norm", default=0.0, show_default=True, type=float,
               help="Clip the gradients to this global norm (0: no clipping).")
+@click.option("--loss-scale", default=1.0, show_default=True, type=float,
+              help="A plan with --master-weights: the loss's gradient scaled by this in the backward (float16's "
+                   "small gradients kept from zero), each weight's gradient divided by it again in float32.")
 @click.option("--shuffle", is_flag=True, help="Draw each pass over the data in a random order.")
 @click.option("--seed", default=0, show_default=True, type=int, help="The shuffling's seed.")
 @click.option("--log", "log_path", type=click.Path(path_type=Path, dir_okay=False),
@@ -62,7 +65,7 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
 @bind_cores_option
 @click.pass_context
 def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, momentum, weight_decay, betas, eps,
-          clip_norm, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path,
+          clip_norm, loss_scale, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path,
           quiet, bind_cores):
     """Train: start as `mpiexec -n N meshplan train PLAN_DIR --data DATA.npz --steps K`."""
     from meshplan.emit.report import human_seconds
@@ -73,7 +76,7 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
     beta1, beta2 = _floats(betas, 2, "--betas")
     options = TrainOptions(data_path, steps, lr, schedule, warmup,
                            {"momentum": momentum, "weight_decay": weight_decay, "beta1": beta1, "beta2": beta2,
-                            "eps": eps, "clip_norm": clip_norm},
+                            "eps": eps, "clip_norm": clip_norm, "loss_scale": loss_scale},
                            shuffle, seed, checkpoint_dir, checkpoint_every, resume_dir, total_steps,
                            trace=trace_path is not None)
     for path, hint in ((log_path, "--log"), (trace_path, "--trace")):

@@ -25,6 +25,7 @@ from meshplan.emit.report import human_bytes
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.inter.training_costs import TrainingCosting
 from meshplan.plan_format import Plan
+from meshplan.training.master_weights import model_itemsize
 from meshplan.training.step_model import TrainSpec, build_step_model
 
 
@@ -48,7 +49,8 @@ def plan_training_estimate(model_path: Path, cluster: Cluster, dims: dict, out_d
         total = sum(_nbytes(w) for w in weights.values())
         plan.notes.append(
             f"training (estimated, no programs): {spec.optimizer} on {spec.loss}, {len(weights)} weight(s) trained "
-            f"({human_bytes(total)}, held {costing.held_per_weight}x with gradients and optimizer slots), "
+            f"({human_bytes(total)}, held {costing.held_per_weight}x with gradients and optimizer slots"
+            + (", in float32 masters" if costing.widening > 1 else "") + "), "
             f"{options.schedule.upper() if options.schedule == '1f1b' else 'GPipe'} over {options.microbatches} "
             f"microbatch(es), activations in flight per stage {in_flight}"
             + (", each layer's activations recomputed before its backward (only what enters a layer kept)"
@@ -60,4 +62,5 @@ def plan_training_estimate(model_path: Path, cluster: Cluster, dims: dict, out_d
 
 
 def _nbytes(weight: dict) -> int:
-    return int(np.prod(weight["shape"])) * np.dtype(weight["dtype"]).itemsize
+    """A trained weight's bytes in the model (a float32 master's in its float16 or bfloat16)."""
+    return int(np.prod(weight["shape"])) * model_itemsize(weight)

@@ -143,6 +143,19 @@ def check_pipeline_memory(body: dict, out: str, genai: bool) -> None:
     assert "1F1B over GPipe" in out and "1F1B recomputing over 1F1B" in out
 
 
+def check_mixed_precision(body: dict, out: str, genai: bool) -> None:
+    rows = body["rows"]
+    assert sorted(rows) == ["float16", "float16+masters", "float32"]
+    for row in ("float32", "float16+masters"):
+        assert rows[row]["finite"] and len(rows[row]["losses"]) == body["steps"]
+        assert rows[row]["step_seconds"] > 0 and rows[row]["peak_rss_mib"] and rows[row]["estimate_mib"]
+    # float32 masters train as the float32 model does, within float16's rounding of the forward
+    assert rows["float16+masters"]["max_relative_to_float32"] < 1e-2
+    assert rows["float16+masters"]["state_bytes_per_parameter"] == pytest.approx(
+        rows["float32"]["state_bytes_per_parameter"], rel=0.05)
+    assert "float16+masters" in out and "max |Δ|/fp32" in out
+
+
 def check_step_overhead(body, out, genai):
     assert positive(body["onnxruntime_us"], body["job_us"], body["loop_us"])
     assert positive(body["genai_us"]) if genai else "onnxruntime-genai" in out and "not installed" in out
@@ -222,6 +235,8 @@ CASES = {
                          "2", "--hidden", "64", "--vocab", "256", "--seq", "16", "--steps", "1", "--workdir", "{work}"],
                         check_pipeline_memory, (pytest.mark.mpi,)),
     "step_overhead": (["--steps", "3", "--rounds", "1", "--capacity", "32"], check_step_overhead, ()),
+    # a tiny GPT in float32, in float16 and in float16 with float32 masters, each trained 4 steps
+    "mixed_precision": (["--smoke"], check_mixed_precision, (pytest.mark.mpi,)),
     "request_sequence": (["{plan}", "--requests", "2", "--new-tokens", "2", "--prompt-length", "4"],
                          check_request_sequence, ()),
     "decode_phases": (["{plan}", "--new-tokens", "2", "--prompt-length", "4", "--rounds", "1", "--replays", "5",

@@ -68,7 +68,8 @@ def test_files_agree(name):
     case = load_case(name)
     settings = case["settings"]
     proto = onnx.load(str(case["model_path"]))
-    floats = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    kind = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(settings.get("dtype", "float32")))
+    floats = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer if i.data_type == kind}
     assert sorted(settings["trainable"]) == sorted(case["initial"]) == sorted(case["final"]) == sorted(case["grads"])
     assert sorted(settings["trainable"] + settings["frozen"]) == sorted(floats)
     for init in settings["trainable"]:
@@ -103,7 +104,10 @@ def test_first_loss(name):
     assert math.isclose(_Model(case).loss({}), case["losses"][0], rel_tol=1e-4)
 
 
-@pytest.mark.parametrize("name", CASES)
+FLOAT32_CASES = [name for name in CASES if load_case(name)["settings"].get("dtype", "float32") == "float32"]
+
+
+@pytest.mark.parametrize("name", FLOAT32_CASES)
 def test_first_gradients(name):
     """d/dh loss(w + h*u) at h=0, u the gradient's direction, is |grad|: checks the stored
     gradients' layouts. A tied group is one parameter: every initializer in it moves by the
@@ -121,3 +125,22 @@ def test_first_gradients(name):
 
     slope = (model.loss(moved(1)) - model.loss(moved(-1))) / (2 * step)
     assert math.isclose(slope, norm, rel_tol=1e-3), (slope, norm)
+
+
+def test_float16_gradients_are_the_float32_models():
+    """gpt_fp16_master is gpt_adamw's GPT in float16 (its weights gpt_adamw's, rounded): its
+    first gradients, the float32 masters' after unscaling, are gpt_adamw's within float16's
+    rounding, tensor by tensor in the same layouts (a central difference through a float16
+    model could not tell them). The key biases' gradients are zero but for rounding in both."""
+    half, full = load_case("gpt_fp16_master"), load_case("gpt_adamw")
+    assert half["settings"]["dtype"] == "float16" and half["settings"]["master_weights"] == "float32"
+    assert sorted(half["grads"]) == sorted(full["grads"])
+    for name, grad in half["grads"].items():
+        assert grad.dtype == np.float32 and half["final"][name].dtype == np.float32
+        np.testing.assert_array_equal(half["initial"][name], full["initial"][name].astype(np.float16))
+        want = full["grads"][name]
+        if ".k.bias" in name:
+            assert float(np.abs(grad).max()) < 1e-5 and float(np.abs(want).max()) < 1e-5, name
+            continue
+        off = float(np.linalg.norm(grad - want)) / float(np.linalg.norm(want))
+        assert off < 1e-2, (name, off)

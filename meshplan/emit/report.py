@@ -158,7 +158,7 @@ def pipeline_training_report(plan: Plan) -> str:
     lines = [f"plan: pipelined training, {S} stages on a {mesh[0]}x{mesh[1]} mesh of "
              f"{plan.cluster['device']['name']}, {each}, {kind.upper() if kind == '1f1b' else 'GPipe'}, "
              f"{B} microbatch(es) of {plan.batch['microbatch_size']}",
-             f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained",
+             f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained{masters_phrase(t)}",
              f"{'stage':>5}  {'devices':<8} {'layers':<9} {'ops':>5}  {'fwd+bwd/mb':>11}  {'in flight':>9}  "
              f"{'memory':>11}  (weights, gradients, optimizer, activations, working, process)"]
     for stage, held in zip(plan.stages, t.get("memory", [])):
@@ -275,9 +275,16 @@ def training_lines(plan: Plan) -> str:
     memory = training_memory(plan)
     first = memory[min(memory)] if memory else {}
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in first.items())
-    return (f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained, {split} of them split "
-            f"over the mesh (the rest whole on every device)"
+    return (f"training: {t['optimizer']} on {t['loss']}, {len(t['weights'])} weight(s) trained{masters_phrase(t)}, "
+            f"{split} of them split over the mesh (the rest whole on every device)"
             + (f"; per device: {parts}" if parts else ""))
+
+
+def masters_phrase(training: dict) -> str:
+    """``, 70 of them float16 held and updated in float32 (master weights)`` (``--master-weights``), or nothing."""
+    kinds = sorted({w["model_dtype"] for w in training["weights"].values() if "model_dtype" in w})
+    count = sum(1 for w in training["weights"].values() if "model_dtype" in w)
+    return f", {count} of them {'/'.join(kinds)} held and updated in float32 (master weights)" if count else ""
 
 
 def static_batch_line(batch: dict) -> str:

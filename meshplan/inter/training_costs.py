@@ -15,7 +15,8 @@ stands for itself and its backward, as Alpa's and Megatron-LM's cost models take
   microbatch, B the step's microbatches);
 - **memory**: a trained weight is held with its accumulated gradient and its optimizer's
   slots, each in the weight's layout and dtype (as ``training.optimizers`` builds them):
-  ``2 + slots`` times its bytes; a stage keeps, per microbatch in flight, the activations
+  ``2 + slots`` times its bytes (twice that for a float16 weight held as a float32 master:
+  ``--master-weights``, whose gradient's all-reduce is float32 too); a stage keeps, per microbatch in flight, the activations
   its operators make that the step's backward reads (``saved_for_backward``, from the step
   model meshplan would train) and what enters it. 1F1B keeps ``S − i`` microbatches in
   flight on stage ``i`` of ``S``, GPipe all ``B``;
@@ -34,12 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from meshplan.intra.operator_cost import OperatorCosts
 from meshplan.intra.strategies import Strategy
 from meshplan.model.graph import Graph, Node
 from meshplan.reshard.steps import CollectiveModel
 from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.training.master_weights import widening
 from meshplan.training.optimizers import SLOTS
 from meshplan.training.pipeline_step import GPIPE, ONE_F_ONE_B, SCHEDULES
 from meshplan.training.step_model import BACKWARD, FORWARD
@@ -61,13 +62,15 @@ class TrainingCosting:
     # the activations the backward reads (``saved_for_backward``); None: every one
     saved: frozenset[str] | None = None
     recompute: bool = False                    # each layer's forward again before its backward
+    widening: int = 1      # a trained weight's state bytes over its own: 2 for float32 masters of float16
 
     @classmethod
     def of(cls, step, schedule: str = ONE_F_ONE_B, recompute: bool = False) -> "TrainingCosting":
         """The costing of a ``training.step_model.StepModel``: its optimizer, the weights it
         trains (its frozen patterns and unreached weights left out) and what its backward reads."""
-        return cls(step.manifest["optimizer"], schedule, frozenset(step.manifest["weights"]), saved_for_backward(step),
-                   recompute)
+        weights = step.manifest["weights"]
+        return cls(step.manifest["optimizer"], schedule, frozenset(weights), saved_for_backward(step), recompute,
+                   widening(weights))
 
     @property
     def forwards(self) -> float:
@@ -88,8 +91,9 @@ class TrainingCosting:
 
     @property
     def held_per_weight(self) -> int:
-        """Tensors a trained weight is held as: itself, its gradient, its optimizer's slots."""
-        return 2 + len(SLOTS[self.optimizer])
+        """A trained weight's bytes held, in its own bytes in the model: itself, its gradient,
+        its optimizer's slots (each widened to float32 where it is held as a master)."""
+        return (2 + len(SLOTS[self.optimizer])) * self.widening
 
     def in_flight(self, stage: int, stages: int, microbatches: int) -> int:
         """Microbatches whose activations stage ``stage`` of ``stages`` keeps at once."""
@@ -150,7 +154,7 @@ class TrainingOperatorCosts(OperatorCosts):
             if info is None or not info.is_param or not self.trained.intersection(info.sources or (name,)):
                 continue
             spec = spec or ShardingSpec.replicated(len(info.shape))
-            local = spec.local_bytes(info.shape, info.dtype.itemsize, mesh)
+            local = spec.local_bytes(info.shape, info.dtype.itemsize, mesh) * self.training.widening
             for axis in work - set(spec.split_axes()):
                 if mesh.axis_size(axis) > 1:
                     seconds += collectives.all_reduce_seconds(local, axis, mesh)

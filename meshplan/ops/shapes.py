@@ -7,6 +7,7 @@ from __future__ import annotations
 from math import prod
 
 import numpy as np
+from onnx import TensorProto, helper
 
 from meshplan.ops.pointwise import broadcast
 from meshplan.ops.grad_words import GradNode
@@ -414,11 +415,28 @@ def _positions(g: GradNode, name: str) -> str:
 def _scatter_back(g: GradNode, picked: str, dy: str, x: str, add: bool) -> str:
     """dx: zeros of x's shape with dy's elements added (or written) at the flat positions
     ``picked`` (int64, dy's shape) of x."""
-    flat = g.op("ConstantOfShape", _scalar_size(g, x), value=np.zeros(1, dtype=g.dtype(x)))
-    attrs = {"reduction": "add"} if add else {}
-    scattered = g.op("ScatterElements", flat, g.op("Reshape", picked, g.ints([-1])),
-                     g.op("Reshape", dy, g.ints([-1])), axis=0, **attrs)
+    flat = g.op("Reshape", picked, g.ints([-1]))
+    if add:
+        scattered = _scatter_add(g, "ScatterElements", _scalar_size(g, x), flat, g.op("Reshape", dy, g.ints([-1])),
+                                 g.dtype(x), axis=0)
+    else:
+        zeros = g.op("ConstantOfShape", _scalar_size(g, x), value=np.zeros(1, dtype=g.dtype(x)))
+        scattered = g.op("ScatterElements", zeros, flat, g.op("Reshape", dy, g.ints([-1])), axis=0)
     return g.op("Reshape", scattered, g.shape_tensor(x))
+
+
+def _scatter_add(g: GradNode, op: str, shape: str, indices: str, updates: str, dtype, **attrs) -> str:
+    """Zeros of ``shape`` (a shape tensor) in ``dtype`` with ``updates`` added at ``indices``
+    by ``op`` (ScatterND, ScatterElements); float16 and bfloat16 added in float32 and cast
+    back (onnxruntime's CPU provider has no float16 adding scatter, and the sums of many
+    addends keep their digits)."""
+    dtype = np.dtype(dtype)
+    narrow = dtype == np.float16 or dtype.name == "bfloat16"
+    zeros = g.op("ConstantOfShape", shape, value=np.zeros(1, dtype=np.float32 if narrow else dtype))
+    if not narrow:
+        return g.op(op, zeros, indices, updates, reduction="add", **attrs)
+    wide = g.op(op, zeros, indices, g.op("Cast", updates, to=TensorProto.FLOAT), reduction="add", **attrs)
+    return g.op("Cast", wide, to=helper.np_dtype_to_tensor_dtype(dtype))
 
 
 def _scalar_size(g: GradNode, name: str) -> str:
@@ -447,8 +465,8 @@ def _gather_grad(g: GradNode) -> list:
     if g.dtype(ids) != np.int64:
         ids = g.op("Cast", ids, to=7)   # int64
     ids = g.op("Where", g.op("Less", ids, g.const(np.int64(0))), g.op("Add", ids, rows), ids)
-    zeros = g.op("ConstantOfShape", g.shape_tensor(x), value=np.zeros(1, dtype=g.dtype(x)))
-    return [g.op("ScatterND", zeros, g.op("Unsqueeze", ids, g.ints([-1])), g.dy(0), reduction="add"), None]
+    return [_scatter_add(g, "ScatterND", g.shape_tensor(x), g.op("Unsqueeze", ids, g.ints([-1])), g.dy(0),
+                         g.dtype(x)), None]
 
 
 @gradient("GatherElements")
@@ -457,8 +475,8 @@ def _gather_elements_grad(g: GradNode) -> list:
     adjoint on the same axis (and keeps every other dim where it is, so a split batch
     stays split)."""
     x = g.x(0)
-    zeros = g.op("ConstantOfShape", g.shape_tensor(x), value=np.zeros(1, dtype=g.dtype(x)))
-    return [g.op("ScatterElements", zeros, g.x(1), g.dy(0), axis=int(g.attr("axis", 0)), reduction="add"), None]
+    return [_scatter_add(g, "ScatterElements", g.shape_tensor(x), g.x(1), g.dy(0), g.dtype(x),
+                         axis=int(g.attr("axis", 0))), None]
 
 
 @gradient("GatherND")

@@ -178,9 +178,11 @@ def read_profile(path: str | os.PathLike) -> Profile:
 
 def training_record(source_sha256: str, spec) -> dict:
     """What a profile of a training step (``meshplan profile --train``) records of it: the
-    source model's digest and the step's loss, optimizer and frozen patterns."""
+    source model's digest and the step's loss, optimizer and frozen patterns (and whether its
+    weights are float32 masters: ``--master-weights``)."""
     return {"source_sha256": source_sha256, "loss": spec.loss, "optimizer": spec.optimizer,
-            "frozen": list(spec.frozen), "microbatches": int(spec.microbatches)}
+            "frozen": list(spec.frozen), "microbatches": int(spec.microbatches),
+            **({"master_weights": True} if getattr(spec, "master_weights", False) else {})}
 
 
 def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster, training=None) -> Profile:
@@ -201,7 +203,7 @@ def load_profile(path: str | os.PathLike, model_sha256: str, cluster: Cluster, t
                 {k: v for k, v in wanted.items() if k != "microbatches"}:
             raise PlanError(f"profile {path} was measured for another training step ({step['loss']}, "
                             f"{step['optimizer']}, frozen {step['frozen'] or 'none'})",
-                            hint="profile with this plan's --loss, --optimizer and --frozen")
+                            hint="profile with this plan's --loss, --optimizer, --frozen and --master-weights")
         theirs = model_sha256
     if theirs != model_sha256:
         raise PlanError(

@@ -407,6 +407,7 @@ class Job(CallHeaders, HeldState):
         gave them. After it, ``grad_norm`` is the gradients' global norm before clipping and
         ``train_steps`` counts the steps (AdamW's bias correction reads it)."""
         from meshplan.model.weights import read_initializers
+        from meshplan.training.master_weights import as_held
         from meshplan.training.optimizers import DEFAULTS
 
         self._require_driver("train_step")
@@ -418,7 +419,7 @@ class Job(CallHeaders, HeldState):
             source = Path(training["source"]["path"])
             if not source.is_file():
                 raise RunError(f"the source model {source} is gone", hint="set the weights, or resume a checkpoint")
-            for name, value in read_initializers(source, starting):
+            for name, value in as_held(training["weights"], read_initializers(source, starting)):
                 self.set_state({name: value})
         values = {**DEFAULTS, **{"train." + k: float(v) for k, v in hyper.items()}}
         count = int(training.get("microbatches", 1))

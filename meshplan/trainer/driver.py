@@ -8,6 +8,7 @@ checkpoint. ``Trainer`` is the Python interface: ``Trainer(job).step(batch, lr)`
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from meshplan.plan_format import Plan, read_plan
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
 from meshplan.trainer.schedule import learning_rate
-
+from meshplan.training.master_weights import LOSS_SCALE, as_held
 
 
 def require_training(plan: Plan, plan_dir) -> None:
@@ -35,14 +36,15 @@ def require_training(plan: Plan, plan_dir) -> None:
 
 def source_weights(plan: Plan, names) -> "iter":
     """(name, array) of the trained weights' starting values, one at a time, from the source
-    model (which must be the file the plan was made from)."""
+    model (which must be the file the plan was made from); a float32 master's widened from
+    the model's float16 or bfloat16 (``training.master_weights``)."""
     source = plan.training["source"]
     path = Path(source["path"])
     if not path.is_file():
         raise TrainError(f"the source model {path} is gone", hint="resume from a checkpoint, or plan again")
     if file_sha256(path) != source["sha256"]:
         raise TrainError(f"the source model {path} changed since planning", hint="plan again")
-    return read_initializers(path, names)
+    return as_held(plan.training["weights"], read_initializers(path, names))
 
 
 def state_names(training: dict) -> list[str]:
@@ -55,6 +57,16 @@ def trained_record(training: dict) -> dict:
     """What a checkpoint must share with a plan to be resumed by it: weights, slots, optimizer."""
     return {"weights": training["weights"], "slots": training["slots"], "optimizer": training["optimizer"],
             "statistics": training.get("statistics", {})}
+
+
+def check_loss_scale(plan: Plan, scale: float) -> None:
+    """``--loss-scale``: positive and finite, and only for a plan whose step reads it (one
+    with float32 master weights: ``training.master_weights``)."""
+    if not math.isfinite(scale) or scale <= 0:
+        raise TrainError(f"--loss-scale must be a positive number, got {scale}")
+    if scale != 1.0 and LOSS_SCALE not in (plan.training or {}).get("hyperparameters", []):
+        raise TrainError(f"--loss-scale {scale:g}: the plan's step has no loss scale (its weights train in their "
+                         "own dtype)", hint="plan it with --master-weights (a float16 or bfloat16 model)")
 
 
 def checkpoint_due(options, done: int, end: int) -> bool:
@@ -202,6 +214,7 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
 
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
+    check_loss_scale(plan, options.hyper.get("loss_scale", 1.0))
     if plan.training.get("pipeline"):
         from meshplan.trainer.pipeline_driver import train_pipeline_rank
 

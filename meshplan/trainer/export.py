@@ -57,8 +57,9 @@ def export_trained(plan_dir, checkpoint_dir, output) -> Path:
                 elif tensor.name in copies:
                     array = checkpoint.tensor(copies[tensor.name]["of"])
                     value = array.T if copies[tensor.name]["transposed"] else array
-                if value is not None:
-                    fresh = numpy_helper.from_array(np.ascontiguousarray(value), tensor.name)
+                if value is not None:   # (a float32 master in the model's own dtype, rounded to nearest)
+                    stored = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                    fresh = numpy_helper.from_array(np.ascontiguousarray(value, dtype=stored), tensor.name)
                     if len(fresh.raw_data) < EXTERNAL_BYTES:
                         tensor.CopyFrom(fresh)
                         continue

@@ -32,7 +32,8 @@ HYPER = {"sgd": ("train.lr", "train.momentum", "train.weight_decay", "train.clip
                    "train.clip_norm")}
 # torch's defaults, used where the command line gives none
 DEFAULTS = {"train.lr": 1e-3, "train.momentum": 0.0, "train.weight_decay": 0.0, "train.clip_norm": 0.0,
-            "train.beta1": 0.9, "train.beta2": 0.999, "train.eps": 1e-8}
+            "train.beta1": 0.9, "train.beta2": 0.999, "train.eps": 1e-8,
+            "train.loss_scale": 1.0}   # (a plan with --master-weights: ``master_weights``)
 SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}   # torch's state names
 GRAD_NORM = "train.grad_norm"
 UPDATED = ".updated"

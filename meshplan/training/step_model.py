@@ -13,7 +13,9 @@ runs like any other:
   betas, ...) are inputs of every step; ``train.loss`` and ``train.grad_norm`` its outputs;
 - frozen weights stay initializers (sliced by the emitter as any weight);
 - a weight the exporter stored twice (a tied embedding and its transposed copy) is trained
-  once, the copy a node of it (``ties.py``).
+  once, the copy a node of it (``ties.py``);
+- with ``master_weights``, a float16/bfloat16 weight is float32 state read through a cast,
+  and the loss's gradient is scaled (``master_weights.py``).
 
 The forward graph is brought to opset 18 first (the gradient rules are written in its
 operator forms). The trained weights' values are not in the step model: a job starts from
@@ -35,6 +37,7 @@ from meshplan.model.load import name_nodes
 from meshplan.ops.grad_words import GradientError
 from meshplan.training.autodiff import gradients, is_float
 from meshplan.training.losses import COUNT, LOSS, TOTAL, LossSpec, build_loss
+from meshplan.training.master_weights import LOSS_SCALE, hold_in_float32, scaled_loss, unscaled
 from meshplan.training.ties import retie
 from meshplan.training.optimizers import (ACC_COUNT, ACC_TOTAL, APPLY, GRAD_ACC, GRAD_NORM, HYPER, SLOTS,
                                           build_update, slot, updated)
@@ -51,6 +54,7 @@ class TrainSpec:
     frozen: tuple[str, ...] = ()
     microbatches: int = 1        # calls a step's batch is split into (gradients accumulated)
     stages: int = 1              # pipeline stages (> 1: accumulated even over one microbatch)
+    master_weights: bool = False  # float16/bfloat16 weights held and updated in float32 (``master_weights``)
 
     @property
     def accumulate(self) -> bool:
@@ -158,17 +162,24 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     statistics = {t.name: t for t in model.graph.initializer if t.name in stats.values()}
     graph.node.extend(loss.nodes)
     graph.initializer.extend(loss.constants)
+    masters = _masters(model, candidates) if spec.master_weights else {}
+    start = seed
+    if masters:
+        node, start = scaled_loss(seed)
+        graph.node.append(node)
     name_nodes(model)
     if loss.target is not None:
         graph.input.append(loss.target)
-    controls = list(HYPER[spec.optimizer]) + ([APPLY] if accumulate else [])
+    controls = list(HYPER[spec.optimizer]) + ([APPLY] if accumulate else []) + ([LOSS_SCALE] if masters else [])
+    held = {t.name: TensorProto.FLOAT if t.name in masters else t.data_type for t in candidates}
     graph.input.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in controls)
     # trained weights become inputs (before shape inference, so it sees them as such)
     kept = [t for t in graph.initializer if t.name not in by_name]
     del graph.initializer[:]
     graph.initializer.extend(kept)
     for tensor in candidates + list(statistics.values()):
-        graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        graph.input.append(helper.make_tensor_value_info(tensor.name, held.get(tensor.name, tensor.data_type),
+                                                         list(tensor.dims)))
     kept = [t for t in graph.initializer if t.name not in statistics]
     del graph.initializer[:]
     graph.initializer.extend(kept)
@@ -177,10 +188,11 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     except Exception as exc:
         raise TrainError(f"shape inference of the training graph failed: {str(exc).splitlines()[0]}") from None
     try:
-        found = gradients(inferred, seed, list(by_name))
+        found = gradients(inferred, start, list(by_name))
     except GradientError:
         raise
     reached = {n: g for n, g in found.of.items() if g is not None}
+    rescale, reached, origin = unscaled(reached, masters)
     if not reached:
         hint = "every float weight is frozen or does not reach the loss" if candidates else \
             "the model has no float weight of two or more elements outside --frozen"
@@ -189,13 +201,13 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     for name in [n for n in by_name if n not in reached]:
         graph.input.remove(next(v for v in graph.input if v.name == name))
         graph.initializer.append(by_name.pop(name))
-    dtypes = {n: np.dtype(helper.tensor_dtype_to_np_dtype(by_name[n].data_type)) for n in reached}
+    dtypes = {n: np.dtype(helper.tensor_dtype_to_np_dtype(held[n])) for n in reached}
     update = build_update(spec.optimizer, {n: (reached[n], dtypes[n]) for n in reached},
                           (seed, TOTAL, COUNT) if accumulate else None)
     roles = {node.name: FORWARD for node in graph.node}
-    roles.update({node.name: BACKWARD for node in found.nodes})
+    roles.update({node.name: BACKWARD for node in found.nodes + rescale})
     roles.update({node.name: UPDATE for node in update.nodes})
-    graph.node.extend(found.nodes)
+    graph.node.extend(found.nodes + rescale)
     graph.initializer.extend(found.constants)
     graph.node.extend(update.nodes)
     graph.initializer.extend(update.constants)
@@ -204,7 +216,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
     for name in reached:
         tensor = by_name[name]
         for kind in slots:
-            graph.input.append(helper.make_tensor_value_info(slot(name, kind), tensor.data_type, list(tensor.dims)))
+            graph.input.append(helper.make_tensor_value_info(slot(name, kind), held[name], list(tensor.dims)))
             state[updated(slot(name, kind))] = slot(name, kind)
         state[updated(name)] = name
     state.update(stats)
@@ -220,12 +232,15 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
             graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
             continue
         tensor = statistics.get(name) or by_name.get(name) or by_name[name.rsplit(".", 1)[0]]
-        graph.output.append(helper.make_tensor_value_info(out, tensor.data_type, list(tensor.dims)))
+        graph.output.append(helper.make_tensor_value_info(out, held.get(tensor.name, tensor.data_type),
+                                                          list(tensor.dims)))
     del graph.value_info[:]
     manifest = {
         "loss": str(loss_spec), "optimizer": spec.optimizer, "frozen": list(spec.frozen),
         "target": loss_spec.target, "hyperparameters": controls,
-        "weights": {name: {"shape": list(by_name[name].dims), "dtype": dtypes[name].name} for name in reached},
+        "weights": {name: {"shape": list(by_name[name].dims), "dtype": dtypes[name].name,
+                           **({"model_dtype": _dtype_name(masters[name])} if name in masters else {})}
+                    for name in reached},
         "slots": list(slots), "microbatches": spec.microbatches, "accumulators": accumulators,
         "not_reached": sorted(set(t.name for t in candidates) - set(reached)),
         "tied": tied,
@@ -233,7 +248,24 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
                               "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name}
                        for name, t in statistics.items()},
     }
-    return StepModel(model, state, manifest, roles, found.origin, dict(reached))
+    return StepModel(model, state, manifest, roles, {**found.origin, **origin}, dict(reached))
+
+
+def _masters(model: onnx.ModelProto, candidates: list) -> dict[str, int]:
+    """``--master-weights``: the float16/bfloat16 ones of ``candidates`` read through casts of
+    float32 masters (``master_weights``); one error line where there are none."""
+    try:
+        masters = hold_in_float32(model, candidates)
+    except ValueError as exc:
+        raise TrainError(f"--master-weights: {exc}") from None
+    if not masters:
+        raise TrainError("--master-weights: no trained weight is float16 or bfloat16",
+                         hint="the weights already train in their own dtype; leave --master-weights out")
+    return masters
+
+
+def _dtype_name(data_type: int) -> str:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).name
 
 
 def save_step_model(step: StepModel, source: str | Path, path: str | Path) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 TRAINING_DIR = Path(__file__).resolve().parent
-CASES = ("mlp_sgd", "mlp_sgd_dynamo", "gpt_adamw", "cnn_sgd", "gpt2_tied")
+CASES = ("mlp_sgd", "mlp_sgd_dynamo", "gpt_adamw", "cnn_sgd", "gpt2_tied", "gpt_fp16_master")
 
 
 def load_case(name: str, folder: str | Path = TRAINING_DIR) -> dict:
