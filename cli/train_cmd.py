@@ -41,9 +41,18 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
 @click.option("--eps", default=1e-8, show_default=True, type=float, help="AdamW's ε.")
 @click.option("--clip-norm", default=0.0, show_default=True, type=float,
               help="Clip the gradients to this global norm (0: no clipping).")
-@click.option("--loss-scale", default=1.0, show_default=True, type=float,
-              help="A plan with --master-weights: the loss's gradient scaled by this in the backward (float16's "
-                   "small gradients kept from zero), each weight's gradient divided by it again in float32.")
+@click.option("--loss-scale", default="1", show_default=True, metavar="S|dynamic[:S]",
+              help="A plan with --master-weights: the loss's gradient scaled by S in the backward (float16's "
+                   "small gradients kept from zero), each weight's gradient divided by it again in float32; a step "
+                   "whose gradients overflow is skipped. dynamic: torch's GradScaler (from S, default 65536: times "
+                   "--backoff-factor at each skipped step, times --growth-factor after --growth-interval steps "
+                   "without one).")
+@click.option("--growth-interval", default=2000, show_default=True, type=int,
+              help="With --loss-scale dynamic: steps without an overflow before the scale grows.")
+@click.option("--growth-factor", default=2.0, show_default=True, type=float,
+              help="With --loss-scale dynamic: what the scale is multiplied by when it grows.")
+@click.option("--backoff-factor", default=0.5, show_default=True, type=float,
+              help="With --loss-scale dynamic: what the scale is multiplied by at a skipped step.")
 @click.option("--shuffle", is_flag=True, help="Draw each pass over the data in a random order.")
 @click.option("--seed", default=0, show_default=True, type=int, help="The shuffling's seed.")
 @click.option("--log", "log_path", type=click.Path(path_type=Path, dir_okay=False),
@@ -65,30 +74,33 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
 @bind_cores_option
 @click.pass_context
 def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, momentum, weight_decay, betas, eps,
-          clip_norm, loss_scale, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path,
+          clip_norm, loss_scale, growth_interval, growth_factor, backoff_factor, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path,
           quiet, bind_cores):
     """Train: start as `mpiexec -n N meshplan train PLAN_DIR --data DATA.npz --steps K`."""
     from meshplan.emit.report import human_seconds
     from meshplan.files import atomic_write_bytes
     from meshplan.runtime.threads import set_binding
     from meshplan.trainer.driver import TrainOptions, train_rank
+    from meshplan.trainer.loss_scale import LossScale
 
     beta1, beta2 = _floats(betas, 2, "--betas")
     options = TrainOptions(data_path, steps, lr, schedule, warmup,
                            {"momentum": momentum, "weight_decay": weight_decay, "beta1": beta1, "beta2": beta2,
-                            "eps": eps, "clip_norm": clip_norm, "loss_scale": loss_scale},
+                            "eps": eps, "clip_norm": clip_norm},
                            shuffle, seed, checkpoint_dir, checkpoint_every, resume_dir, total_steps,
                            trace=trace_path is not None)
     for path, hint in ((log_path, "--log"), (trace_path, "--trace")):
         if path is not None and not path.parent.is_dir():
             raise click.BadParameter(f"directory does not exist: {path.parent}", param_hint=hint)
 
-    def progress(step, end, loss, rate, norm, samples):
+    def progress(step, end, loss, rate, norm, samples, scale=None, skipped=False):
         if not quiet:
-            click.echo(f"step {step}/{end}  loss {loss:.6g}  lr {rate:.4g}  grad_norm {norm:.4g}  "
+            scaled = "" if scale is None else f"  loss_scale {scale:g}" + ("  skipped (overflow)" if skipped else "")
+            click.echo(f"step {step}/{end}  loss {loss:.6g}  lr {rate:.4g}  grad_norm {norm:.4g}{scaled}  "
                        f"{samples:.1f} samples/s")
 
     with rank_guard(debugging(ctx)):
+        options.loss_scale = LossScale.parse(loss_scale, growth_interval, growth_factor, backoff_factor)
         set_binding(bind_cores, pin=True)
         report = train_rank(plan_dir, options, provider, transfer, progress)
     if report is None:

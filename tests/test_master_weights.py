@@ -188,6 +188,9 @@ def test_bad_input(tmp_path):
     done = run_mpi(1, "train", tmp_path / "m", "--data", _data(tmp_path / "h.npz"), "--steps", 1,
                    "--loss-scale", -1)
     assert done.returncode == 1 and "--loss-scale must be a positive number" in done.stderr
+    for bad in (("--loss-scale", "dynamic:x"), ("--loss-scale", "dynamic", "--growth-factor", "0.5")):
+        done = run_mpi(1, "train", tmp_path / "m", "--data", tmp_path / "h.npz", "--steps", 1, *bad)
+        assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 @pytest.mark.parametrize("how", ["pipeline", "megatron"])
@@ -244,3 +247,92 @@ def test_estimates_count_the_masters_float32_state(tmp_path):
                    "--device", "cpu", "--dim", "batch=8", "--no-programs", "-o", tmp_path / "estimate")
     assert done.returncode == 0, done.stderr
     assert "held 8x with gradients and optimizer slots, in float32 masters" in done.stdout
+
+
+def test_the_loss_scale_follows_grad_scalers_rule():
+    """Halved at an overflow (the step skipped), doubled after the growth interval's finite
+    steps, kept as given where static; its state carried by a checkpoint."""
+    from meshplan.errors import TrainError
+    from meshplan.trainer.loss_scale import LossScale
+
+    scale = LossScale.parse("dynamic:1024", growth_interval=2)
+    seen = [(scale.after(norm), scale.scale) for norm in (np.inf, 1.0, np.nan, 1.0, 1.0, 1.0, 1.0)]
+    assert seen == [(False, 512), (True, 512), (False, 256), (True, 256), (True, 512), (True, 512), (True, 1024)]
+    again = LossScale.parse("dynamic", growth_interval=2)
+    assert again.scale == 65536.0
+    again.resume(scale.state())
+    assert (again.scale, again.good_steps) == (1024, 0)
+    static = LossScale.parse("8")
+    assert [static.after(n) for n in (np.inf, 1.0)] == [False, True] and static.scale == 8 and static.given
+    assert not LossScale.parse("1").given
+    for bad in ("abc", "0", "-2", "dynamic:x", "inf"):
+        with pytest.raises(TrainError):
+            LossScale.parse(bad)
+    with pytest.raises(TrainError):
+        LossScale.parse("dynamic", growth_interval=0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["1x1", "pipeline"])
+def test_a_dynamic_loss_scale_skips_and_scales_as_torchs_grad_scaler(tmp_path, how):
+    """Torch's reference with GradScaler's rule (gpt_fp16_dynamic: from 2^22, which
+    overflows, backed off to 2^19, grown again after three finite steps, and so on: steps 0,
+    4 and 8 skipped): under mpiexec on 1x1 and on two pipeline stages, the same steps skipped
+    at the same scales, each step's loss within 1e-3 of torch's, AdamW counting only the
+    steps it took (the final masters by the float16 rule)."""
+    from meshplan.plan_format import read_plan
+    from meshplan.trainer.checkpoint import Checkpoint
+    from sample_models.training import load_case
+    from test_pipeline_plans import _train_options
+    from tests.training_cases import assert_final_like_torch
+
+    case = load_case("gpt_fp16_dynamic")
+    settings = case["settings"]
+    shape = ("--mesh", "1x1") if how == "1x1" else ("--mesh", "1x2", "--stages", 2, "--microbatches", 1)
+    done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "adamw",
+                   "--master-weights", "--device", "cpu", "--dim", f"batch={settings['batch']}", *shape,
+                   "-o", tmp_path / "plan")
+    assert done.returncode == 0, done.stderr
+    data = tmp_path / "data.npz"
+    np.savez(data, **case["data"])
+    done = run_mpi(1 if how == "1x1" else 2, "train", tmp_path / "plan", "--data", data, "--steps", settings["steps"],
+                   *_train_options(settings), "--total-steps", settings["steps"],
+                   "--loss-scale", f"dynamic:{settings['init_scale']!r}", "--growth-interval",
+                   settings["growth_interval"], "--growth-factor", settings["growth_factor"], "--backoff-factor",
+                   settings["backoff_factor"], "--log", tmp_path / "log.json", "--checkpoint", tmp_path / "ck")
+    assert done.returncode == 0, done.stderr
+    assert "skipped (overflow)" in done.stdout
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["skipped"] == [bool(s) for s in case["skipped"]]
+    assert log["loss_scale"] == [float(s) for s in case["scales"]]
+    assert all((norm is None) == skipped for norm, skipped in zip(log["grad_norm"], log["skipped"]))
+    np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
+    checkpoint = Checkpoint(tmp_path / "ck")
+    assert checkpoint.manifest["optimizer_steps"] == int(np.sum(~case["skipped"]))
+    state = {name: checkpoint.tensor(name) for name in case["final"]}
+    assert_final_like_torch(case, read_plan(tmp_path / "plan").training["tied"], state)
+
+
+@pytest.mark.mpi
+def test_a_sharded_plan_skips_the_steps_the_whole_step_skips(tmp_path):
+    """A 1x2 plan whose update the ILP shards, under mpiexec with a dynamic scale that starts
+    far too high: the same steps skipped, at the same scales, with the same losses, as on
+    1x1; a skipped step leaves the weights as they were (its batch's loss comes back the
+    same when the data wraps around)."""
+    model, data = _mlp(tmp_path / "mlp.onnx"), _data(tmp_path / "d.npz")
+    logs = {}
+    for mesh, ranks in (("1x1", 1), ("1x2", 2)):
+        out = tmp_path / mesh
+        done = run_cli("plan", model, "--train", "--loss", "mse:y:t", "--optimizer", "adamw", "--master-weights",
+                       "--mesh", mesh, "--device", "cpu", "--dim", "batch=8", "--policy", "megatron", "-o", out)
+        assert done.returncode == 0, done.stderr
+        done = run_mpi(ranks, "train", out, "--data", data, "--steps", 10, "--lr", 0.01, "--loss-scale",
+                       "dynamic:1.6e7", "--growth-interval", 2, "--log", tmp_path / f"{mesh}.json", "-q")
+        assert done.returncode == 0, done.stderr
+        logs[mesh] = json.loads((tmp_path / f"{mesh}.json").read_text())
+    one, two = logs["1x1"], logs["1x2"]
+    assert one["skipped"][:4] == [True] * 4 and not all(one["skipped"])
+    assert two["skipped"] == one["skipped"] and two["loss_scale"] == one["loss_scale"]
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    for log in (one, two):      # four batches of 8 in 32 samples: step 4 is step 0's, nothing applied between
+        assert log["losses"][4] == log["losses"][0]

@@ -15,7 +15,12 @@ from sample_models.training import CASES, load_case
 from tests.training_cases import assert_final_like_torch, batches, hyper
 
 
-@pytest.mark.parametrize("name,microbatches", [(name, 1) for name in CASES]
+# (gpt_fp16_dynamic's scale changes with the steps' overflows: a job's driver keeps it,
+# test_master_weights.py runs it so)
+STATIC = [name for name in CASES if load_case(name)["settings"].get("loss_scale") != "dynamic"]
+
+
+@pytest.mark.parametrize("name,microbatches", [(name, 1) for name in STATIC]
                          + [("gpt_adamw", 4), ("mlp_sgd", 2), ("gpt_fp16_master", 2)])
 def test_training_equals_torch(name, microbatches):
     """A step of several microbatches accumulates their gradients: the same step (the

@@ -10,7 +10,13 @@ def hyper(settings: dict) -> dict:
     betas = settings.get("betas") or (0.9, 0.999)
     return {"train.momentum": settings.get("momentum") or 0.0, "train.weight_decay": settings.get("weight_decay") or 0.0,
             "train.clip_norm": settings.get("clip_norm") or 0.0, "train.beta1": betas[0], "train.beta2": betas[1],
-            "train.eps": settings.get("eps") or 1e-8, "train.loss_scale": settings.get("loss_scale") or 1.0}
+            "train.eps": settings.get("eps") or 1e-8, "train.loss_scale": _static_scale(settings)}
+
+
+def _static_scale(settings: dict) -> float:
+    """A case's loss scale (a dynamic one's starting value)."""
+    given = settings.get("loss_scale") or 1.0
+    return float(settings["init_scale"]) if given == "dynamic" else float(given)
 
 
 def batches(case: dict) -> list[dict]:

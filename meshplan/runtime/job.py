@@ -46,6 +46,7 @@ logits.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import contextmanager
@@ -230,6 +231,7 @@ class Job(CallHeaders, HeldState):
             raise JobFailure(f"rank {self.rank} failed: {first_line(exc)}") from exc
         self.closed = False
         self.train_steps, self.grad_norm = 0, None   # a training plan's steps (``train_step``)
+        self.optimizer_steps = 0     # of them, those that updated the weights (AdamW's t)
 
     # --- set-up shared by every rank -------------------------------------------------------
 
@@ -404,8 +406,11 @@ class Job(CallHeaders, HeldState):
         update. ``hyper``: the optimizer's other settings (momentum, weight_decay, beta1,
         beta2, eps, clip_norm; torch's defaults where not given). The first step starts the
         weights from the plan's source model unless ``set_state`` or ``load_state_files``
-        gave them. After it, ``grad_norm`` is the gradients' global norm before clipping and
-        ``train_steps`` counts the steps (AdamW's bias correction reads it)."""
+        gave them. After it, ``grad_norm`` is the gradients' global norm before clipping,
+        ``train_steps`` counts the steps and ``optimizer_steps`` those that updated the weights
+        (AdamW's bias correction reads it): a plan with float32 master weights skips the
+        update of a step whose gradients are not finite (``loss_scale`` too large), as torch's
+        ``GradScaler`` does."""
         from meshplan.model.weights import read_initializers
         from meshplan.training.master_weights import as_held
         from meshplan.training.optimizers import DEFAULTS
@@ -432,7 +437,7 @@ class Job(CallHeaders, HeldState):
                 elif name == "train.lr":
                     value = lr
                 elif name == "train.step":
-                    value = self.train_steps + 1
+                    value = self.optimizer_steps + 1
                 elif name in values:
                     value = values[name]
                 else:
@@ -441,6 +446,8 @@ class Job(CallHeaders, HeldState):
             out = self.run(feeds, outputs=[TRAIN_LOSS, TRAIN_GRAD_NORM])
         self.train_steps += 1
         self.grad_norm = float(out[TRAIN_GRAD_NORM])
+        if math.isfinite(self.grad_norm) or not training.get("guarded"):
+            self.optimizer_steps += 1
         return float(out[TRAIN_LOSS])
 
     def stats(self) -> CallStats:

@@ -22,6 +22,7 @@ from meshplan.model.weights import read_initializers
 from meshplan.plan_format import Plan, read_plan
 from meshplan.trainer.checkpoint import Checkpoint, finish_checkpoint, plan_digest, staging_folder
 from meshplan.trainer.data import Batches
+from meshplan.trainer.loss_scale import LossScale
 from meshplan.trainer.schedule import learning_rate
 from meshplan.training.master_weights import LOSS_SCALE, as_held
 
@@ -59,13 +60,12 @@ def trained_record(training: dict) -> dict:
             "statistics": training.get("statistics", {})}
 
 
-def check_loss_scale(plan: Plan, scale: float) -> None:
-    """``--loss-scale``: positive and finite, and only for a plan whose step reads it (one
-    with float32 master weights: ``training.master_weights``)."""
-    if not math.isfinite(scale) or scale <= 0:
-        raise TrainError(f"--loss-scale must be a positive number, got {scale}")
-    if scale != 1.0 and LOSS_SCALE not in (plan.training or {}).get("hyperparameters", []):
-        raise TrainError(f"--loss-scale {scale:g}: the plan's step has no loss scale (its weights train in their "
+def check_loss_scale(plan: Plan, scale: LossScale) -> None:
+    """``--loss-scale`` only for a plan whose step reads it (one with float32 master weights:
+    ``training.master_weights``)."""
+    if scale.given and LOSS_SCALE not in (plan.training or {}).get("hyperparameters", []):
+        said = "dynamic" if scale.dynamic else f"{scale.scale:g}"
+        raise TrainError(f"--loss-scale {said}: the plan's step has no loss scale (its weights train in their "
                          "own dtype)", hint="plan it with --master-weights (a float16 or bfloat16 model)")
 
 
@@ -78,11 +78,13 @@ def checkpoint_due(options, done: int, end: int) -> bool:
 class Trainer:
     """Steps of a training plan's job (rank 0)."""
 
-    def __init__(self, job, hyper: dict[str, float] | None = None):
+    def __init__(self, job, hyper: dict[str, float] | None = None, loss_scale: LossScale | None = None):
         require_training(job.plan, job.plan_dir)
         self.job, self.plan = job, job.plan
         self.training = job.plan.training
         self.hyper = {k.removeprefix("train."): float(v) for k, v in (hyper or {}).items()}
+        self.loss_scale = loss_scale or LossScale()
+        self.skipped = False      # whether the last step left the weights as they were (``loss_scale``)
 
     @property
     def steps_done(self) -> int:
@@ -109,7 +111,8 @@ class Trainer:
     def step(self, batch: dict[str, np.ndarray], lr: float) -> tuple[float, float]:
         """One step on ``batch`` at learning rate ``lr``: the loss (before the update) and the
         gradients' global norm (before clipping)."""
-        loss = self.job.train_step(batch, lr, **self.hyper)
+        loss = self.job.train_step(batch, lr, **{**self.hyper, "loss_scale": self.loss_scale.scale})
+        self.skipped = not self.loss_scale.after(self.job.grad_norm) and bool(self.training.get("guarded"))
         return loss, self.job.grad_norm
 
     def save(self, directory, batches: Batches | None) -> Path:
@@ -124,6 +127,7 @@ class Trainer:
             raise
         manifest = {"plan_sha256": plan_digest(self.job.plan_dir), "weights": self._trained_record(),
                     "data": batches.get_state() if batches is not None else None,
+                    "optimizer_steps": self.job.optimizer_steps, "loss_scale": self.loss_scale.state(),
                     "layouts": {n: v for n, v in layouts(self.plan).items() if n in set(self.state_names())}}
         return finish_checkpoint(staging, directory, self.steps_done, manifest)
 
@@ -140,6 +144,8 @@ class Trainer:
             for name in self.state_names():
                 self.job.set_state({name: checkpoint.tensor(name)})
         self.job.train_steps = checkpoint.step
+        self.job.optimizer_steps = int(checkpoint.manifest.get("optimizer_steps", checkpoint.step))
+        self.loss_scale.resume(checkpoint.manifest.get("loss_scale"))
         if batches is not None and checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])
         return checkpoint
@@ -162,6 +168,7 @@ class TrainOptions:
     checkpoint_every: int = 0
     resume: Path | None = None
     total_steps: int | None = None     # the schedule's length (default: where this run ends)
+    loss_scale: LossScale = field(default_factory=LossScale)   # a plan with float32 master weights'
     trace: bool = False                # keep the last step's trace events (``TrainReport.trace_events``)
 
 
@@ -185,21 +192,31 @@ class TrainReport:
     busy_fractions: list = field(default_factory=list)
     bubble: float | None = None
     trace_events: list = field(default_factory=list)   # the last step's, every rank's (``TrainOptions.trace``)
+    loss_scales: list = field(default_factory=list)    # each step's, where one was given (``--loss-scale``)
+    skipped: list = field(default_factory=list)        # and whether its update was skipped
 
     def add_step(self, loss: float, lr: float, norm: float, seconds: float, done: int, end: int,
-                 progress=None) -> None:
-        """Record a step (``done`` of ``end`` now done) and tell ``progress``."""
+                 progress=None, loss_scale: float | None = None, skipped: bool = False) -> None:
+        """Record a step (``done`` of ``end`` now done) and tell ``progress``; ``loss_scale``:
+        the scale the step ran at (a plan with master weights), ``skipped``: whether its
+        update was skipped."""
         self.losses.append(loss)
         self.lrs.append(lr)
         self.grad_norms.append(norm)
         self.step_seconds.append(seconds)
+        if loss_scale is not None:
+            self.loss_scales.append(loss_scale)
+            self.skipped.append(bool(skipped))
         if progress is not None:
-            progress(done, end, loss, lr, norm, self.batch / seconds)
+            progress(done, end, loss, lr, norm, self.batch / seconds, loss_scale, skipped)
 
     def log(self) -> dict:
-        return {"first_step": self.first_step, "losses": self.losses, "lr": self.lrs, "grad_norm": self.grad_norms,
+        """The ``--log`` JSON (a norm that is not finite, a skipped step's, as null)."""
+        norms = [n if math.isfinite(n) else None for n in self.grad_norms]
+        return {"first_step": self.first_step, "losses": self.losses, "lr": self.lrs, "grad_norm": norms,
                 "step_seconds": self.step_seconds, "batch": self.batch, "ranks": self.ranks,
                 "estimate_seconds": self.estimate_seconds,
+                **({"loss_scale": self.loss_scales, "skipped": self.skipped} if self.loss_scales else {}),
                 **({"busy_fractions": self.busy_fractions, "bubble": self.bubble} if self.busy_fractions else {})}
 
 
@@ -214,7 +231,7 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
 
     plan_dir = Path(plan_dir)
     plan = read_plan(plan_dir)
-    check_loss_scale(plan, options.hyper.get("loss_scale", 1.0))
+    check_loss_scale(plan, options.loss_scale)
     if plan.training.get("pipeline"):
         from meshplan.trainer.pipeline_driver import train_pipeline_rank
 
@@ -236,7 +253,7 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
         return None
     plan = job.plan
     batches: Batches = held["batches"]
-    trainer = Trainer(job, options.hyper)
+    trainer = Trainer(job, options.hyper, options.loss_scale)
     report = TrainReport(batch=batches.batch, ranks=job.size, provider=job.provider,
                          transfer_path=job.transfer_path,
                          estimate_seconds=plan.estimate["latency_seconds"] * plan.training.get("microbatches", 1))
@@ -252,8 +269,10 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
             lr = learning_rate(options.schedule, options.lr, k, options.total_steps or end, options.warmup)
             batch = batches.next()
             started = time.perf_counter()
+            scale = trainer.loss_scale.scale
             loss, norm = trainer.step(batch, lr)
-            report.add_step(loss, lr, norm, time.perf_counter() - started, trainer.steps_done, end, progress)
+            report.add_step(loss, lr, norm, time.perf_counter() - started, trainer.steps_done, end, progress,
+                            scale if trainer.loss_scale.given else None, trainer.skipped)
             if checkpoint_due(options, trainer.steps_done, end):
                 report.checkpoints.append(str(trainer.save(options.checkpoint, batches)))
         if options.trace:

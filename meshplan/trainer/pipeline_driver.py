@@ -74,7 +74,8 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank = gather_layout(comm, MPI).local_rank
     try:
-        pipeline, lists, batches, runner, first = _start(plan_dir, plan, options, provider, rank, size, transfer,
+        pipeline, lists, batches, runner, first, resumed = _start(plan_dir, plan, options, provider, rank, size,
+                                                                  transfer,
                                                          local_rank, on_device)
         failure = None
     except MeshplanError as exc:
@@ -103,6 +104,10 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
                          transfer_path="host (MPI)" + (kept[runner.device[0]] if runner.device else ""),
                          estimate_seconds=float(plan.estimate.get("step_seconds", 0.0))) if rank == 0 else None
     hyper = {**DEFAULTS, **{"train." + k: float(v) for k, v in options.hyper.items()}}
+    scaler = options.loss_scale          # (every rank keeps it alike, from each step's norm)
+    scaler.resume(resumed.get("loss_scale"))
+    optimizer_steps = int(resumed.get("optimizer_steps", first))    # AdamW's t: the steps not skipped
+    guarded = bool(plan.training.get("guarded"))
     if report is not None:
         report.first_step = first
     timing = [0.0, 0.0]     # seconds running parts, seconds of the steps (this rank's own lists)
@@ -115,7 +120,9 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
                                    pipeline.specs.get(n), T, device)
                    for n, v in batch.items() if n in reads} for m in range(B)]
         started = time.perf_counter()
-        runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(k + 1)})
+        scale = scaler.scale
+        runner.begin_step(slices, {**hyper, "train.lr": lr, "train.step": float(optimizer_steps + 1),
+                                   "train.loss_scale": scale})
         record.start()
         interpreter.step(started)
         results = runner.end_step()
@@ -123,14 +130,23 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
             timing[0] += record.program_seconds
             timing[1] += time.perf_counter() - started
         reporter = ranks.first(stages - 1)      # the last stage's first rank
-        if rank == reporter and rank != 0:
-            comm.send((results["train.loss"], results["train.grad_norm"]), dest=0, tag=RESULT_TAG)
+        loss = norm = None
+        if rank == reporter:
+            loss, norm = results["train.loss"], results["train.grad_norm"]
+        if guarded:   # every rank learns whether the step updated (a skipped one is not AdamW's), and the scale
+            loss, norm = comm.bcast((loss, norm), root=reporter)
+        elif rank == reporter and rank != 0:
+            comm.send((loss, norm), dest=0, tag=RESULT_TAG)
+        elif rank == 0 and reporter != 0:
+            loss, norm = comm.recv(source=reporter, tag=RESULT_TAG)
+        applied = scaler.after(float(norm)) if guarded else True
+        optimizer_steps += int(applied)
         if rank == 0:
-            loss, norm = (results["train.loss"], results["train.grad_norm"]) if reporter == 0 else \
-                comm.recv(source=reporter, tag=RESULT_TAG)
-            report.add_step(loss, lr, norm, time.perf_counter() - started, k + 1, end, progress)
+            report.add_step(loss, lr, norm, time.perf_counter() - started, k + 1, end, progress,
+                            scale if scaler.given else None, not applied)
         if checkpoint_due(options, k + 1, end):
-            written = _save(comm, plan_dir, plan, runner.host_state(), options.checkpoint, k + 1, batches)
+            written = _save(comm, plan_dir, plan, runner.host_state(), options.checkpoint, k + 1, batches,
+                            {"optimizer_steps": optimizer_steps, "loss_scale": scaler.state()})
             if report is not None:
                 report.checkpoints.append(str(written))
     rss = _gather_rss(comm, peak_rss_bytes())
@@ -180,7 +196,7 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     held = [n for n, s in pipeline.home.items() if s == stage]
     starting = [n for n in held if n in plan.training["weights"] or n in plan.training.get("statistics", {})]
     checkpoint = Checkpoint(options.resume) if options.resume is not None else None
-    first = 0
+    first, resumed = 0, {}
     if checkpoint is None:
         state = starting_state(held, dict(source_weights(plan, starting)), plan.training["slots"])
     else:
@@ -188,7 +204,7 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
             raise TrainError(f"{checkpoint.path} is a checkpoint of another model or optimizer (its weights and "
                              "slots differ from the plan's)")
         state = {name: checkpoint.tensor(name) for name in held}
-        first = checkpoint.step
+        first, resumed = checkpoint.step, checkpoint.manifest
         if checkpoint.manifest.get("data"):
             batches.set_state(checkpoint.manifest["data"])
     threads = max(1, (os.cpu_count() or 1) // size)
@@ -204,7 +220,7 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     runner = StageRunner(stage, parts, sessions, pipeline.crossings, plan.microbatches, state, pipeline.loss_count,
                          device, provider_name(providers[0]), (replica, R), pipeline.sharded,
                          sum_gradients=not ranks.uniform and stage == stages - 1)
-    return pipeline, lists, batches, runner, first
+    return pipeline, lists, batches, runner, first, resumed
 
 
 def _layouts(plan: Plan) -> dict[str, dict]:
@@ -257,9 +273,11 @@ def _ranks(plan: Plan) -> StageRanks:
         raise PlanError(f"plan.json's pipeline record is malformed ({exc})", hint="re-run meshplan plan") from None
 
 
-def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: int, batches: Batches) -> Path | None:
+def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: int, batches: Batches,
+          counts: dict) -> Path | None:
     """A checkpoint of every stage's state (each stage's first replica writes its own file,
-    each other replica its row blocks of the slots); rank 0 returns its path."""
+    each other replica its row blocks of the slots); rank 0 returns its path. ``counts``: the
+    optimizer's steps and the loss scale's state, into the manifest."""
     staging = comm.bcast(str(staging_folder(directory, step)) if comm.Get_rank() == 0 else None, root=0)
     rank = comm.Get_rank()
     holds = {n for n, entry in _layouts(plan).items() if rank in entry["holders"]}
@@ -269,5 +287,5 @@ def _save(comm, plan_dir: Path, plan: Plan, state: dict, directory: Path, step: 
     if comm.Get_rank() != 0:
         return None
     manifest = {"plan_sha256": plan_digest(plan_dir), "weights": trained_record(plan.training),
-                "data": batches.get_state(), "layouts": _layouts(plan)}
+                "data": batches.get_state(), "layouts": _layouts(plan), **counts}
     return finish_checkpoint(Path(staging), directory, step, manifest)

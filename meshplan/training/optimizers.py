@@ -72,19 +72,26 @@ class _Emit:
 
 
 def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], accumulate: tuple[str, str, str] | None
-                 = None) -> _Emit:
+                 = None, guard: bool = False) -> _Emit:
     """The nodes of one step's update: ``weights`` maps each trained weight to (its gradient's
     name, its dtype); the new values are the outputs ``updated(name)`` (weights and slots).
 
     ``accumulate`` = (the microbatch's loss, its sum, its count): the gradient is of the
     microbatch's mean; it is accumulated as a sum (× count) with the loss's sum and count
     (``GRAD_ACC``, ``ACC_TOTAL``, ``ACC_COUNT``), and every state keeps its value unless
-    ``APPLY``; the loss output ``train.loss`` is then the accumulated mean."""
+    ``APPLY``; the loss output ``train.loss`` is then the accumulated mean.
+
+    ``guard``: a step whose gradients' global norm is not finite (a loss scale that made a
+    float16 gradient overflow: ``master_weights``) leaves the weights and slots as they were,
+    as torch's ``GradScaler`` skips ``optimizer.step()``; the accumulated gradients start
+    again at 0 all the same."""
     if optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     e = _Emit()
     f32 = np.float32
     finals: dict[str, str] = {}     # output → its new value before the APPLY mask
+    masked = accumulate is not None or guard
+    apply = None
     if accumulate is not None:
         _, total, count = accumulate
         apply = e("Greater", APPLY, e.const(0.5, f32))
@@ -133,7 +140,7 @@ def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], accum
         step_size = e("Mul", e("Div", "train.lr", correction1), correction2)
     for name, (grad, dtype) in weights.items():
         h = lambda n: hyper(n, dtype)
-        out = (lambda n: updated(n)) if accumulate is None else (lambda n: finals.setdefault(updated(n), f"{n}.new"))
+        out = (lambda n: finals.setdefault(updated(n), f"{n}.new")) if masked else (lambda n: updated(n))
         if optimizer == "sgd":
             g = e("Add", e("Mul", grad, h(scale)), e("Mul", h("train.weight_decay"), name))
             buf = e("Add", e("Mul", h("train.momentum"), slot(name, "momentum_buffer")), g,
@@ -148,6 +155,9 @@ def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], accum
               name=out(slot(name, "exp_avg_sq")))
         denom = e("Add", e("Sqrt", v), h(eps))
         e("Sub", decayed, e("Mul", h(step_size), e("Div", m, denom)), name=out(name))
-    for output, new in finals.items():   # unchanged until the step's last microbatch
+    if guard:   # a finite norm less itself is 0; an infinite or NaN one gives NaN
+        finite = e("Equal", e("Sub", norm, norm), e.const(0.0, f32))
+        apply = finite if apply is None else e("And", apply, finite)
+    for output, new in finals.items():   # unchanged until the step's last microbatch (and where skipped)
         e("Where", apply, new, output[:-len(UPDATED)], name=output)
     return e

@@ -203,7 +203,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
         graph.initializer.append(by_name.pop(name))
     dtypes = {n: np.dtype(helper.tensor_dtype_to_np_dtype(held[n])) for n in reached}
     update = build_update(spec.optimizer, {n: (reached[n], dtypes[n]) for n in reached},
-                          (seed, TOTAL, COUNT) if accumulate else None)
+                          (seed, TOTAL, COUNT) if accumulate else None, guard=bool(masters))
     roles = {node.name: FORWARD for node in graph.node}
     roles.update({node.name: BACKWARD for node in found.nodes + rescale})
     roles.update({node.name: UPDATE for node in update.nodes})
@@ -243,6 +243,7 @@ def build_step_model(source: str | Path, spec: TrainSpec) -> StepModel:
                     for name in reached},
         "slots": list(slots), "microbatches": spec.microbatches, "accumulators": accumulators,
         "not_reached": sorted(set(t.name for t in candidates) - set(reached)),
+        "guarded": bool(masters),     # a step whose gradients are not finite is skipped (``build_update``)
         "tied": tied,
         "statistics": {name: {"shape": list(t.dims),
                               "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name}

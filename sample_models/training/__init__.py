@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 TRAINING_DIR = Path(__file__).resolve().parent
-CASES = ("mlp_sgd", "mlp_sgd_dynamo", "gpt_adamw", "cnn_sgd", "gpt2_tied", "gpt_fp16_master")
+CASES = ("mlp_sgd", "mlp_sgd_dynamo", "gpt_adamw", "cnn_sgd", "gpt2_tied", "gpt_fp16_master",
+         "gpt_fp16_dynamic")
 
 
 def load_case(name: str, folder: str | Path = TRAINING_DIR) -> dict:
@@ -25,7 +26,10 @@ def load_case(name: str, folder: str | Path = TRAINING_DIR) -> dict:
     - ``lrs``: float64, the learning rate each step used;
     - ``initial``, ``final``, ``grads``: by ONNX initializer name, the trainable
       initializers' values before training, after the last step, and the first step's
-      gradient (before clipping), each in the initializer's layout.
+      gradient (before clipping), each in the initializer's layout;
+    - any other array the reference holds, by its name: ``gpt_fp16_dynamic``'s ``scales``
+      (float64, the loss scale each step used) and ``skipped`` (bool, the steps whose scaled
+      gradients overflowed and took no update; its ``grads`` are the first applied step's).
     """
     if name not in CASES:
         raise KeyError(f"no training reference {name!r}; the cases are {', '.join(CASES)}")
@@ -41,6 +45,8 @@ def load_case(name: str, folder: str | Path = TRAINING_DIR) -> dict:
             kind, _, initializer = key.partition("/")
             if initializer:
                 case[kind][initializer] = reference[key]
+            elif key not in case:  # a case's own arrays (gpt_fp16_dynamic's scales, skipped)
+                case[key] = reference[key]
     return case
 
 

@@ -16,7 +16,10 @@ writes, for each case in :data:`CASES` (see README.md beside this file):
   ``initial/NAME``, ``final/NAME`` (after the last step) and ``grads/NAME`` (the first step's
   gradient, before clipping) for every ONNX initializer NAME that holds a trainable torch
   parameter, in the initializer's own layout (``initial`` in the initializer's dtype;
-  ``gpt_fp16_master``'s ``grads`` and ``final`` are its float32 master weights);
+  ``gpt_fp16_master``'s and ``gpt_fp16_dynamic``'s ``grads`` and ``final`` are their float32
+  master weights'); ``gpt_fp16_dynamic`` adds ``scales`` (float64, the loss scale each step
+  used) and ``skipped`` (bool, the steps that overflowed and took no update; its ``grads`` are
+  those of the first step applied);
 - ``<case>.json``: the settings (loss spec, optimizer, schedule, steps, batch, exporter,
   trainable, frozen and tied initializers, the parameter each initializer holds and in which
   layout, the graph's op types, versions).
@@ -29,7 +32,10 @@ cross-entropy with ignored targets, AdamW, clipping, cosine schedule with warmup
 SGD with momentum; TorchScript); ``gpt2_tied`` (transformers' GPT2LMHeadModel with tied
 embeddings, next-token cross-entropy, AdamW; dynamo); ``gpt_fp16_master`` (``gpt_adamw``'s
 model, data and optimizer, the model converted to float16 before export, trained with float32
-master weights and a static loss scale of 1024: :func:`train_master`; dynamo).
+master weights and a static loss scale of 1024: :func:`train_master`; dynamo);
+``gpt_fp16_dynamic`` (the same, with a dynamic loss scale, torch.amp.GradScaler's rule written
+out: from 2**22, times 1/8 on a step whose float16 gradients overflow (the step skipped), times
+8 after 3 applied steps in a row: :func:`train_dynamic`; dynamo).
 
 The parameter an initializer holds is found by value at export time: every parameter gets
 seeded noise added after its usual initialization, so that no two parameters (nor a
@@ -40,13 +46,13 @@ a constant of shape [1, 16, 64]). Each case is checked before its
 data, reference and settings files are written: onnxruntime on the first batch with the
 initial weights against torch's output (rtol 1e-4, atol 1e-5), on a batch of 3 (the symbolic
 batch), with the final weights substituted against torch's final model, and ``losses[0]``
-against a float64 numpy loss of onnxruntime's output (rtol 1e-4); the float16 case with rtol
+against a float64 numpy loss of onnxruntime's output (rtol 1e-4); the float16 cases with rtol
 and atol 1e-2, and ``losses[0]`` within 2e-3 (the differences seen are printed).
 
 It needs torch, onnxscript, onnxruntime and transformers (only for the cases with
-``Case.transformers``: all but ``gpt_fp16_master``, which never imports it), none of them
-dependencies of meshplan; install them in a virtual environment outside the repository and
-run from the repository root::
+``Case.transformers``: all but ``gpt_fp16_master`` and ``gpt_fp16_dynamic``, which never
+import it), none of them dependencies of meshplan; install them in a virtual environment
+outside the repository and run from the repository root::
 
     python3 -m venv torch-venv
     torch-venv/bin/pip install torch==2.13.0 numpy onnx onnxscript onnxruntime transformers
@@ -54,10 +60,10 @@ run from the repository root::
 
 The committed files were written with torch 2.13.0+cpu, transformers 5.24.0, onnxscript
 0.7.2, onnx 1.23.2, onnxruntime 1.32.0 and numpy 2.4.6 (Python 3.11), except
-``gpt_fp16_master``'s, written later with torch 2.14.1 (the +cu130 build, on the CPU),
-onnxscript 0.7.2, onnx 1.23.2, onnxruntime 1.32.0 and numpy 2.4.6 (Python 3.11.7), without
-transformers; the run is deterministic on one machine, and other versions may export
-different graphs or names.
+``gpt_fp16_master``'s and ``gpt_fp16_dynamic``'s, written later with torch 2.14.1 (the +cu130
+build, on the CPU), onnxscript 0.7.2, onnx 1.23.2, onnxruntime 1.32.0 and numpy 2.4.6
+(Python 3.11.7), without transformers; the run is deterministic on one machine, and other
+versions may export different graphs or names.
 """
 
 from __future__ import annotations
@@ -98,9 +104,12 @@ class Case:
     batch: int = 8
     notes: list[str] = field(default_factory=list)
     # Mixed precision: dtype "float16" converts the model (.half()) before export and trains
-    # float32 master copies of its parameters with a static loss scale (train_master).
+    # float32 master copies of its parameters with a static loss scale (train_master), or with
+    # a dynamic one where ``scaler`` is set (train_dynamic, torch.amp.GradScaler's rule: its
+    # init_scale, growth_factor, backoff_factor, growth_interval; loss_scale is then "dynamic").
     dtype: str = "float32"
-    loss_scale: float | None = None
+    loss_scale: float | str | None = None
+    scaler: dict | None = None
     # onnxruntime against torch before writing: outputs (rtol, atol), losses[0] (loss_rtol)
     rtol: float = 1e-4
     atol: float = 1e-5
@@ -264,6 +273,10 @@ SGD_MLP = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4
            "schedule": "constant", "warmup": 0}
 ADAMW_GPT = {"optimizer": "adamw", "lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
              "clip_norm": 1.0, "schedule": "cosine", "warmup": 3}
+# factors of 8 keep every step's scale an octave or more from where its float16 backward overflows, in
+# torch (from about 2**20) and in onnxruntime (about 2**21.5: another order of float16 roundings): the same
+# steps overflow in both
+DYNAMIC_SCALER = {"init_scale": 2.0 ** 22, "growth_factor": 8.0, "backoff_factor": 0.125, "growth_interval": 3}
 CASE_LIST = [
     Case("mlp_sgd", build_mlp, mlp_data, ["x"], "prediction", "mse", "torchscript", SGD_MLP),
     Case("mlp_sgd_dynamo", build_mlp, mlp_data, ["x"], "prediction", "mse", "dynamo", SGD_MLP,
@@ -296,6 +309,33 @@ CASE_LIST = [
                 "query's scores); the float16 backward leaves rounding noise (about 4e-7 after unscaling, 1e-10 "
                 "in gpt_adamw), which AdamW's normalization turns into steps of about lr: their final values "
                 "(about 0.016 from gpt_adamw's) follow torch's float16 rounding, not the loss"]),
+    Case("gpt_fp16_dynamic", build_gpt, gpt_data, ["input_ids"], "logits", "cross_entropy", "dynamo",
+         ADAMW_GPT, dtype="float16", loss_scale="dynamic", scaler=DYNAMIC_SCALER, rtol=1e-2, atol=1e-2,
+         loss_rtol=2e-3, transformers=False,
+         notes=["mixed precision as gpt_fp16_master (the same float16 model, export, data, float32 master "
+                "weights, AdamW, clipping and schedule), with a dynamic loss scale instead of a static one: "
+                "torch.amp.GradScaler's rule, written out",
+                "scaler state: scale = init_scale, tracker = 0. Each step k: logits = model(inputs) in "
+                "float16; loss = cross_entropy(float32(logits), target) in float32; losses[k] is the unscaled "
+                "loss, lrs[k] the schedule's lr, scales[k] = scale; (loss * scale).backward() in float16; "
+                "found_inf = any float16 gradient element is inf or nan",
+                "found_inf (skipped[k] true): no unscaling, no clipping, no AdamW step (masters, AdamW's "
+                "moments and its step count unchanged; the float16 model unchanged); scale *= backoff_factor; "
+                "tracker = 0",
+                "otherwise: m.grad = float32(p.grad) / scale (exact: a power of two); clip_grad_norm_ over the "
+                "masters; AdamW step on the masters; p = float16(m); tracker += 1; if tracker == "
+                "growth_interval: scale *= growth_factor, tracker = 0",
+                "the schedule steps every step, skipped or not (LambdaLR.step() after each step, as a torch "
+                "loop with GradScaler does): an applied step k uses lrs[k]; AdamW's bias correction counts "
+                "the applied steps only (its step count is the number of applied steps so far, not k + 1)",
+                "init_scale 2**22 overflows float16 on purpose; growth and backoff factors of 8 (GradScaler's "
+                "growth_factor and backoff_factor) keep each step's scale an octave or more away from where "
+                "its float16 backward overflows (about 2**20 in torch, 2**21.5 in onnxruntime, whose kernels "
+                "round otherwise), so that an implementation of the rule skips the same steps",
+                "final/* are the masters after the last step (float32); the model's float16 weights after "
+                "training are float16(final/*)",
+                "blocks.*.k.bias: the exact gradient is zero; the float16 backward leaves rounding noise that "
+                "AdamW's normalization turns into steps of about lr (see gpt_fp16_master)"]),
 ]
 CASE_BY_NAME = {case.name: case for case in CASE_LIST}
 assert tuple(CASE_BY_NAME) == CASES
@@ -422,6 +462,78 @@ def train_master(case: Case, model, data: dict, settings: dict) -> dict:
     final = {name: m.detach().clone().numpy() for name, m in masters.items()}
     return {"losses": np.array(losses, np.float64), "lrs": np.array(lrs, np.float64), "grads": grads,
             "final": final}
+
+
+def train_dynamic(case: Case, model, data: dict, settings: dict) -> dict:
+    """:func:`train_master` with a dynamic loss scale, torch.amp.GradScaler's rule written out:
+    a step whose scaled float16 gradients hold an inf or a nan is skipped (no unscaling, no
+    clipping, no optimizer step: masters, AdamW's moments and step count and the float16 model
+    unchanged) and halves the scale (``backoff_factor``); ``growth_interval`` applied steps in a
+    row double it (``growth_factor``). The schedule advances every step, skipped or not. Returns
+    what :func:`train_master` does (``grads``: the first applied step's) plus ``scales`` (the
+    scale each step used), ``skipped`` and ``notes`` (the run's sequence, for the settings)."""
+    import torch
+
+    scaler = case.scaler
+    scale, tracker = float(scaler["init_scale"]), 0
+    params = dict(model.named_parameters())  # float16
+    masters = {name: p.detach().float().requires_grad_(True) for name, p in params.items()}
+    opt, sched = optimizer(masters.values(), settings)
+    model.train()
+    losses, lrs, scales, skipped, grads = [], [], [], [], {}
+    for step in range(case.steps):
+        idx = batch_indices(step, case.batch)
+        args = [torch.from_numpy(data[name][idx]) for name in case.inputs]
+        target = torch.from_numpy(data["target"][idx])
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        logits = model(*args)
+        assert logits.dtype == torch.float16, logits.dtype
+        loss = torch_loss(case.loss, logits.float(), target)  # float32
+        losses.append(loss.item())
+        lrs.append(opt.param_groups[0]["lr"])
+        scales.append(scale)
+        (loss * scale).backward()  # float16 gradients of the scaled loss
+        found_inf = any(not bool(torch.isfinite(p.grad).all()) for p in params.values())
+        skipped.append(found_inf)
+        if found_inf:
+            scale *= scaler["backoff_factor"]
+            tracker = 0
+        else:
+            for name, p in params.items():
+                masters[name].grad = p.grad.float() / scale  # exact: the scale is a power of two
+            if not grads:
+                grads = {name: m.grad.detach().clone().numpy() for name, m in masters.items()}
+            if settings["clip_norm"] is not None:
+                torch.nn.utils.clip_grad_norm_(masters.values(), settings["clip_norm"])
+            opt.step()
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.data.copy_(masters[name].data.half())
+            tracker += 1
+            if tracker == scaler["growth_interval"]:
+                scale *= scaler["growth_factor"]
+                tracker = 0
+        with warnings.catch_warnings():  # a skipped first step: the schedule steps before the optimizer
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            sched.step()
+    if not grads:
+        raise AssertionError(f"{case.name}: every step overflowed; no gradient to record")
+    final = {name: m.detach().clone().numpy() for name, m in masters.items()}
+    applied = [k for k, skip in enumerate(skipped) if not skip]
+    sequence = ", ".join(f"{k}: 2**{math.log2(scales[k]):g}{' skipped' if skipped[k] else ''}"
+                         for k in range(case.steps))
+    print(f"  {case.name} steps (scale, skipped): {sequence}")
+    first = applied[0]
+    same = np.array_equal(batch_indices(first, case.batch), batch_indices(0, case.batch))
+    notes = [f"this run, step: scale (skipped): {sequence}; AdamW took {len(applied)} steps",
+             f"grads/* are step {first}'s (the first applied): at the initial weights (no step before it "
+             f"was applied), on step {first}'s batch"
+             + (" (the same samples as step 0's: the first batch's gradient at the initial weights, as in "
+                "the other cases)" if same else "")]
+    return {"losses": np.array(losses, np.float64), "lrs": np.array(lrs, np.float64), "grads": grads,
+            "final": final, "scales": np.array(scales, np.float64), "skipped": np.array(skipped, bool),
+            "notes": notes}
 
 
 # ----------------------------------------------------------------------------- export
@@ -630,7 +742,11 @@ def make_case(case: Case, out: Path) -> dict:
     settings.update({"steps": case.steps, "batch": case.batch, "exporter": case.exporter})
     if case.dtype != "float32":
         settings.update({"dtype": case.dtype, "master_weights": "float32", "loss_scale": case.loss_scale})
-        run = train_master(case, module, data, settings)
+        if case.scaler is not None:
+            settings.update(case.scaler)
+            run = train_dynamic(case, module, data, settings)
+        else:
+            run = train_master(case, module, data, settings)
     else:
         run = train(case, module, data, settings)
 
@@ -656,6 +772,8 @@ def make_case(case: Case, out: Path) -> dict:
                                                         {n: data[n][first] for n in case.inputs}), want_final, **tol)
 
     reference = {"losses": run["losses"], "lrs": run["lrs"]}
+    if case.scaler is not None:  # the scale each step used, and which steps were skipped
+        reference.update({"scales": run["scales"], "skipped": run["skipped"]})
     exported = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer if i.name in mapping}
     for onnx_name, entry in mapping.items():
         reference[f"initial/{onnx_name}"] = in_layout(params[entry["param"]], entry)
@@ -694,7 +812,10 @@ def make_case(case: Case, out: Path) -> dict:
         "versions": ver,
         "notes": [
             "losses[k] is the loss on step k's batch before step k's update; final/* are after the last step",
-            "grads/* are the first step's gradients before clipping, in the initializer's layout",
+            "grads/* are the first step's gradients before clipping, in the initializer's layout"
+            if case.scaler is None else
+            "grads/* are the gradients of the first step applied (the first not skipped), before clipping, "
+            "in the initializer's layout",
             "frozen: the float initializers that hold no trainable parameter (constants of the graph)",
             "initializers: the torch parameter each trainable initializer holds; transposed: it holds the "
             "transpose; rows k: it holds the first k rows reshaped to shape",
@@ -707,6 +828,7 @@ def make_case(case: Case, out: Path) -> dict:
                "(global L2 norm; gradients scaled by min(1, clip_norm / (norm + 1e-6)))"]
               if settings["clip_norm"] else []),
             *case.notes,
+            *run.get("notes", []),
         ],
     })
     if tied:
