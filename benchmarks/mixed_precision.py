@@ -21,8 +21,9 @@ weights on the same batches:
 
 For each: the first and last loss, the largest relative distance of a step's loss from the
 float32 row's, whether every loss was finite, the median step, each rank's peak RSS next to
-the plan's estimate, and the bytes of state (weights, gradients, optimizer) per parameter
-the plan counts.
+the plan's estimate, and the bytes the plan counts on a device at the step's peak (weights,
+gradients, the optimizer's slots, old and new, and the step's other tensors; the process
+apart), per parameter of the model.
 """
 
 from __future__ import annotations
@@ -103,11 +104,11 @@ def run_row(row: str, model: Path, data: Path, args, work: Path) -> dict:
     parameters = sum(int(np.prod(w["shape"])) for w in training["weights"].values())
     memory = training.get("memory", {})        # a device's bytes by kind (a list of them: a stage's each)
     held = memory if isinstance(memory, dict) else (memory[0] if memory else {})
-    state = sum(float(held.get(k, 0.0)) for k in ("weights", "gradients", "optimizer"))
+    step = sum(float(v) for k, v in held.items() if k != "process")   # the step's tensors at its peak
     steps = record["step_seconds"][1:] or record["step_seconds"]
     return {"losses": record["losses"], "step_seconds": float(np.median(steps)), "peak_rss_mib": [r for r, _ in rss],
             "estimate_mib": [e for _, e in rss], "parameters": parameters,
-            "state_bytes_per_parameter": state / parameters if parameters and state else None,
+            "plan_bytes_per_parameter": step / parameters if parameters and step else None,
             "finite": bool(all(math.isfinite(x) for x in record["losses"]))}
 
 
@@ -147,13 +148,13 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     reference = np.asarray(rows["float32"]["losses"])
     print(f"{'row':17} {'loss first -> last':>22} {'max |Δ|/fp32':>12} {'step':>9} {'peak RSS MiB':>14} "
-          f"{'estimate MiB':>13} {'state B/param':>13}")
+          f"{'estimate MiB':>13} {'plan B/param':>13}")
     for row, found in rows.items():
         losses = np.asarray(found["losses"])
         found["max_relative_to_float32"] = float(np.max(np.abs(losses - reference) / np.abs(reference))) \
             if found["finite"] else None
         gap = f"{found['max_relative_to_float32']:.2e}" if found["finite"] else "not finite"
-        per = found["state_bytes_per_parameter"]
+        per = found["plan_bytes_per_parameter"]
         print(f"{row:17} {losses[0]:>10.5g} -> {losses[-1]:<9.5g} {gap:>12} {found['step_seconds'] * 1e3:>7.1f}ms "
               f"{'/'.join(f'{r:.0f}' for r in found['peak_rss_mib']):>14} "
               f"{'/'.join(f'{e:.0f}' for e in found['estimate_mib']):>13} "

@@ -151,8 +151,8 @@ def check_mixed_precision(body: dict, out: str, genai: bool) -> None:
         assert rows[row]["step_seconds"] > 0 and rows[row]["peak_rss_mib"] and rows[row]["estimate_mib"]
     # float32 masters train as the float32 model does, within float16's rounding of the forward
     assert rows["float16+masters"]["max_relative_to_float32"] < 1e-2
-    assert rows["float16+masters"]["state_bytes_per_parameter"] == pytest.approx(
-        rows["float32"]["state_bytes_per_parameter"], rel=0.05)
+    assert rows["float16+masters"]["plan_bytes_per_parameter"] == pytest.approx(
+        rows["float32"]["plan_bytes_per_parameter"], rel=0.05)
     assert "float16+masters" in out and "max |Δ|/fp32" in out
 
 
