@@ -425,47 +425,21 @@ def train(case: Case, model, data: dict, settings: dict) -> dict:
 
 def train_master(case: Case, model, data: dict, settings: dict) -> dict:
     """Mixed-precision training of a float16 model with float32 master weights and a static
-    loss scale; returns what :func:`train` does, grads and final being the masters' (float32)."""
-    import torch
-
-    scale = case.loss_scale
-    params = dict(model.named_parameters())  # float16
-    masters = {name: p.detach().float().requires_grad_(True) for name, p in params.items()}
-    opt, sched = optimizer(masters.values(), settings)
-    model.train()
-    losses, lrs, grads = [], [], {}
-    for step in range(case.steps):
-        idx = batch_indices(step, case.batch)
-        args = [torch.from_numpy(data[name][idx]) for name in case.inputs]
-        target = torch.from_numpy(data["target"][idx])
-        opt.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        logits = model(*args)
-        assert logits.dtype == torch.float16, logits.dtype
-        loss = torch_loss(case.loss, logits.float(), target)  # float32
-        (loss * scale).backward()  # float16 gradients of the scaled loss
-        for name, p in params.items():
-            if not torch.isfinite(p.grad).all():
-                raise AssertionError(f"{case.name} step {step}: {name}'s scaled float16 gradient overflowed")
-            masters[name].grad = p.grad.float() / scale
-        losses.append(loss.item())
-        lrs.append(opt.param_groups[0]["lr"])
-        if step == 0:
-            grads = {name: m.grad.detach().clone().numpy() for name, m in masters.items()}
-        if settings["clip_norm"] is not None:
-            torch.nn.utils.clip_grad_norm_(masters.values(), settings["clip_norm"])
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            for name, p in params.items():
-                p.data.copy_(masters[name].data.half())
-    final = {name: m.detach().clone().numpy() for name, m in masters.items()}
-    return {"losses": np.array(losses, np.float64), "lrs": np.array(lrs, np.float64), "grads": grads,
-            "final": final}
+    loss scale (:func:`train_dynamic`'s loop with a scale that never changes, every step's
+    scaled gradients finite); returns what :func:`train` does, grads and final being the
+    masters' (float32)."""
+    static = {"init_scale": case.loss_scale, "growth_factor": 1.0, "backoff_factor": 1.0,
+              "growth_interval": case.steps + 1}
+    run = train_dynamic(case, model, data, settings, static)
+    if run["skipped"].any():
+        raise AssertionError(f"{case.name}: a scaled float16 gradient overflowed at step "
+                             f"{int(np.argmax(run['skipped']))}")
+    return {key: run[key] for key in ("losses", "lrs", "grads", "final")}
 
 
-def train_dynamic(case: Case, model, data: dict, settings: dict) -> dict:
-    """:func:`train_master` with a dynamic loss scale, torch.amp.GradScaler's rule written out:
+def train_dynamic(case: Case, model, data: dict, settings: dict, scaler: dict | None = None) -> dict:
+    """Mixed-precision training of a float16 model with float32 master weights and a dynamic
+    loss scale (``scaler``, by default ``case.scaler``), torch.amp.GradScaler's rule written out:
     a step whose scaled float16 gradients hold an inf or a nan is skipped (no unscaling, no
     clipping, no optimizer step: masters, AdamW's moments and step count and the float16 model
     unchanged) and halves the scale (``backoff_factor``); ``growth_interval`` applied steps in a
@@ -474,7 +448,7 @@ def train_dynamic(case: Case, model, data: dict, settings: dict) -> dict:
     scale each step used), ``skipped`` and ``notes`` (the run's sequence, for the settings)."""
     import torch
 
-    scaler = case.scaler
+    scaler = scaler or case.scaler
     scale, tracker = float(scaler["init_scale"]), 0
     params = dict(model.named_parameters())  # float16
     masters = {name: p.detach().float().requires_grad_(True) for name, p in params.items()}
