@@ -9,6 +9,7 @@
 # OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/train.py --provider cuda (a 219 M GPT's
 # training step against torch eager on the GPU, TF32 off in both; losses step for step, GPU memory, MFU; its 1x2 row
 # again under CUDA MPS: train_mps); a pipelined training plan on CUDA against the CPU (train_pipeline);
+# benchmarks/mixed_precision.py --provider cuda (float16 and bfloat16 GPTs with float32 master weights);
 # benchmarks/serve.py --provider cuda on the fp16 folder (continuous batching against onnxruntime-genai one request at
 # a time, logprobs' cost, a shared system prompt with and without prefix caching); benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
 # ranks on the one GPU, onnxruntime-genai; TTFT, ms/token, GPU memory per rank next to the plan's estimate);
@@ -22,7 +23,7 @@ set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
 left() { echo $((BUDGET - SECONDS)); }
-save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=serve_work --exclude=train_pipeline/plan \
+save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=mp_work --exclude=serve_work --exclude=train_pipeline/plan \
   --exclude=mps_pipe "$(basename "$O")" 2> /dev/null \
   && mv "$ARCHIVE.part" "$ARCHIVE"; return 0; }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
@@ -55,6 +56,11 @@ import json; a, b = (json.load(open('$TP/' + n + '.json'))['losses'] for n in ('
 print('== train_pipeline: losses on CUDA against the CPU, largest relative difference',
       max(abs(x - y) / abs(y) for x, y in zip(a, b)), '; steps', len(a))"
 fi
+# mixed precision on the GPU: a GPT in float16 (own dtype, and with float32 master weights and a loss scale) and in
+# bfloat16 with float32 masters, against the same GPT in float32: losses step for step, step time, memory
+TAIL=8 step mixed_precision 300 python3 benchmarks/mixed_precision.py --provider cuda --device "$DEVICE" \
+  --mpiexec "$MPIRUN" --layers 12 --hidden 1024 --heads 16 --vocab 32768 --seq 512 --batch 8 --steps 20 \
+  --workdir "$O/mp_work" --json "$O/mixed_precision.json"
 # serving on the GPU (the fp16 folder): continuous batching against one request at a time, logprobs' cost; then a
 # shared system prompt with and without prefix caching
 TAIL=14 step serve 150 python3 benchmarks/serve.py --folder "$FP16" --provider cuda --device "$DEVICE" \
