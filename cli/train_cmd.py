@@ -74,8 +74,8 @@ def _floats(text: str, count: int, name: str) -> tuple[float, ...]:
 @bind_cores_option
 @click.pass_context
 def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, momentum, weight_decay, betas, eps,
-          clip_norm, loss_scale, growth_interval, growth_factor, backoff_factor, shuffle, seed, log_path, checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path,
-          quiet, bind_cores):
+          clip_norm, loss_scale, growth_interval, growth_factor, backoff_factor, shuffle, seed, log_path,
+          checkpoint_dir, checkpoint_every, resume_dir, provider, transfer, trace_path, quiet, bind_cores):
     """Train: start as `mpiexec -n N meshplan train PLAN_DIR --data DATA.npz --steps K`."""
     from meshplan.emit.report import human_seconds
     from meshplan.files import atomic_write_bytes

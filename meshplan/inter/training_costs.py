@@ -16,9 +16,9 @@ stands for itself and its backward, as Alpa's and Megatron-LM's cost models take
 - **memory**: a trained weight is held with its accumulated gradient and its optimizer's
   slots, each in the weight's layout and dtype (as ``training.optimizers`` builds them):
   ``2 + slots`` times its bytes (twice that for a float16 weight held as a float32 master:
-  ``--master-weights``, whose gradient's all-reduce is float32 too); a stage keeps, per microbatch in flight, the activations
-  its operators make that the step's backward reads (``saved_for_backward``, from the step
-  model meshplan would train) and what enters it. 1F1B keeps ``S − i`` microbatches in
+  ``--master-weights``, whose gradient's all-reduce is float32 too); a stage keeps, per
+  microbatch in flight, the activations its operators make that the step's backward reads
+  (``saved_for_backward``, from the step model meshplan would train) and what enters it. 1F1B keeps ``S − i`` microbatches in
   flight on stage ``i`` of ``S``, GPipe all ``B``;
 - **recomputation** (``recompute``, Alpa's and Megatron-LM's activation checkpointing): a
   stage keeps only what enters each of its layers per microbatch in flight, and recomputes
