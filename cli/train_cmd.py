@@ -120,6 +120,9 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
     click.echo(f"loss {report.losses[0]:.6g} -> {report.losses[-1]:.6g}; step {human_seconds(measured)} measured "
                f"(median), {human_seconds(report.estimate_seconds)} estimated; "
                f"{report.batch / measured:.1f} samples/s")
+    if report.loss_scales:
+        click.echo(f"loss scale {report.loss_scales[0]:g} -> {report.loss_scales[-1]:g}; "
+                   f"{sum(report.skipped)} of {len(report.skipped)} step(s) skipped (their gradients overflowed)")
     on_gpu = report.provider == "CUDAExecutionProvider"   # (the estimate is of the GPU's memory, not measured)
     for rank, rss in enumerate(report.peak_rss_bytes or []):
         estimate = report.memory_estimates[rank] if rank < len(report.memory_estimates) else 0

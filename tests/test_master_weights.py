@@ -302,6 +302,7 @@ def test_a_dynamic_loss_scale_skips_and_scales_as_torchs_grad_scaler(tmp_path, h
                    settings["backoff_factor"], "--log", tmp_path / "log.json", "--checkpoint", tmp_path / "ck")
     assert done.returncode == 0, done.stderr
     assert "skipped (overflow)" in done.stdout
+    assert f"{int(np.sum(case['skipped']))} of {settings['steps']} step(s) skipped" in done.stdout
     log = json.loads((tmp_path / "log.json").read_text())
     assert log["skipped"] == [bool(s) for s in case["skipped"]]
     assert log["loss_scale"] == [float(s) for s in case["scales"]]
