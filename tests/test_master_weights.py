@@ -193,12 +193,13 @@ def test_bad_input(tmp_path):
         assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-@pytest.mark.parametrize("how", ["pipeline", "megatron"])
+@pytest.mark.parametrize("how", ["pipeline", "megatron", "sharded stages"])
 def test_the_float16_gpt_trains_as_torch_in_process(tmp_path, how):
     """Torch's mixed-precision reference (gpt_fp16_master: the GPT in float16, float32
-    masters, a loss scale of 1024) against two stages of four microbatches and a 1x2
-    Megatron plan, every rank in this process: each step's loss within 1e-3 of torch's, the
-    final masters by the float16 rule (tests/training_cases.py)."""
+    masters, a loss scale of 1024) against two stages of four microbatches, a 1x2 Megatron
+    plan, and two stages of two devices that shard their operators Megatron's way, every
+    rank in this process: each step's loss within 1e-3 of torch's, the final masters by the
+    float16 rule (tests/training_cases.py)."""
     from meshplan.emit.pipeline_parts import read_pipeline
     from meshplan.plan_format import read_plan
     from meshplan.runtime.pipeline_inprocess import PipelineRunner
@@ -208,17 +209,21 @@ def test_the_float16_gpt_trains_as_torch_in_process(tmp_path, how):
 
     case = load_case("gpt_fp16_master")
     settings = case["settings"]
-    extra = ("--stages", 2, "--microbatches", 4) if how == "pipeline" else ("--policy", "megatron")
+    extra = {"pipeline": ("--mesh", "1x2", "--stages", 2, "--microbatches", 4),
+             "megatron": ("--mesh", "1x2", "--policy", "megatron"),
+             "sharded stages": ("--mesh", "1x4", "--stages", 2, "--microbatches", 4, "--tensor-parallel", 2,
+                                "--policy", "megatron")}[how]
     done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "adamw",
-                   "--master-weights", "--mesh", "1x2", "--device", "cpu", "--dim", f"batch={settings['batch']}",
-                   *extra, "-o", tmp_path / "plan")
+                   "--master-weights", "--device", "cpu", "--dim", f"batch={settings['batch']}", *extra,
+                   "-o", tmp_path / "plan")
     assert done.returncode == 0, done.stderr
     assert "held and updated in float32 (master weights)" in done.stdout
     plan = read_plan(tmp_path / "plan")
     initial = dict(as_held(plan.training["weights"], case["initial"].items()))
-    if how == "pipeline":
-        runner = PipelineRunner(read_pipeline(tmp_path / "plan", plan.training), plan.microbatches, initial,
-                                plan.training["pipeline"]["schedule"])
+    if how != "megatron":
+        pipeline = read_pipeline(tmp_path / "plan", plan.training)
+        assert pipeline.tensor == (2 if how == "sharded stages" else 1)
+        runner = PipelineRunner(pipeline, plan.microbatches, initial, plan.training["pipeline"]["schedule"])
         losses, state = train_in_process(case, runner), runner.state_values()
     else:
         data = tmp_path / "data.npz"
