@@ -99,6 +99,10 @@ def train(ctx, plan_dir, data_path, steps, lr, schedule, warmup, total_steps, mo
             click.echo(f"step {step}/{end}  loss {loss:.6g}  lr {rate:.4g}  grad_norm {norm:.4g}{scaled}  "
                        f"{samples:.1f} samples/s")
 
+    given = [f"--{name.replace('_', '-')}" for name in ("growth_interval", "growth_factor", "backoff_factor")
+             if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+    if given and not loss_scale.strip().startswith("dynamic"):
+        raise click.UsageError(f"{' and '.join(given)} {'goes' if len(given) == 1 else 'go'} with --loss-scale dynamic")
     with rank_guard(debugging(ctx)):
         options.loss_scale = LossScale.parse(loss_scale, growth_interval, growth_factor, backoff_factor)
         set_binding(bind_cores, pin=True)

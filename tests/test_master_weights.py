@@ -191,6 +191,9 @@ def test_bad_input(tmp_path):
     for bad in (("--loss-scale", "dynamic:x"), ("--loss-scale", "dynamic", "--growth-factor", "0.5")):
         done = run_mpi(1, "train", tmp_path / "m", "--data", tmp_path / "h.npz", "--steps", 1, *bad)
         assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    done = run_cli("train", tmp_path / "m", "--data", tmp_path / "h.npz", "--steps", 1, "--loss-scale", "8",
+                   "--growth-interval", "10")
+    assert done.returncode == 2 and "--growth-interval goes with --loss-scale dynamic" in done.stderr
 
 
 @pytest.mark.parametrize("how", ["pipeline", "megatron", "sharded stages"])
