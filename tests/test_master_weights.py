@@ -345,3 +345,47 @@ def test_a_sharded_plan_skips_the_steps_the_whole_step_skips(tmp_path):
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
     for log in (one, two):      # four batches of 8 in 32 samples: step 4 is step 0's, nothing applied between
         assert log["losses"][4] == log["losses"][0]
+
+
+@pytest.mark.parametrize("op", ["Gather0", "Gather1", "GatherElements", "GatherND"])
+def test_float16_scatter_add_gradients_run_on_the_cpu_and_add_in_float32(op):
+    """The gradients of Gather (an embedding's and another axis'), GatherElements and
+    GatherND are scatter-adds, which onnxruntime's CPU provider has no float16 kernel for:
+    the step adds them in float32 and casts back, so a float16 weight's gradient runs and is
+    the float32 one's rounded to float16 (indices repeat, so addends meet)."""
+    import onnxruntime as ort
+
+    from meshplan.training.autodiff import gradients
+
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((6, 5)).astype(np.float32)
+    if op == "Gather0":
+        node, index = helper.make_node("Gather", ["w", "i"], ["y"], axis=0), np.array([[0, 2, 2], [5, 0, 2]])
+    elif op == "Gather1":
+        node, index = helper.make_node("Gather", ["w", "i"], ["y"], axis=1), np.array([1, 1, 4, 0])
+    elif op == "GatherElements":
+        node, index = helper.make_node("GatherElements", ["w", "i"], ["y"], axis=1), rng.integers(0, 5, (6, 7))
+    else:
+        node, index = helper.make_node("GatherND", ["w", "i"], ["y"]), np.array([[0, 1], [3, 4], [0, 1], [5, 0]])
+    found = {}
+    for dtype in (np.float32, np.float16):
+        kind = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        nodes = [node, helper.make_node("Mul", ["y", "y"], ["sq"]),
+                 helper.make_node("ReduceSum", ["sq"], ["total"], keepdims=0),
+                 helper.make_node("Cast", ["total"], ["loss"], to=TensorProto.FLOAT)]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("w", kind, list(table.shape))],
+                                  [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                                  [numpy_helper.from_array(index.astype(np.int64), "i")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+        model = onnx.shape_inference.infer_shapes(model)
+        grads = gradients(model, "loss", ["w"])
+        model.graph.node.extend(grads.nodes)
+        model.graph.initializer.extend(grads.constants)
+        model.graph.output.append(helper.make_tensor_value_info(grads.of["w"], kind, list(table.shape)))
+        if dtype == np.float16:
+            assert any(n.op_type.startswith("Scatter") for n in grads.nodes)
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        found[dtype] = session.run([grads.of["w"]], {"w": table.astype(dtype)})[0]
+    assert found[np.float16].dtype == np.float16 and np.abs(found[np.float32]).max() > 0
+    want = found[np.float32]
+    np.testing.assert_allclose(found[np.float16].astype(np.float32), want, rtol=4e-3, atol=4e-3 * np.abs(want).max())

@@ -75,8 +75,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
     local_rank = gather_layout(comm, MPI).local_rank
     try:
         pipeline, lists, batches, runner, first, resumed = _start(plan_dir, plan, options, provider, rank, size,
-                                                                  transfer,
-                                                         local_rank, on_device)
+                                                                  transfer, local_rank, on_device)
         failure = None
     except MeshplanError as exc:
         failure = exc

@@ -9,8 +9,10 @@
 - the loss's gradient is seeded with ``train.loss_scale`` (a float32 input of every step,
   1 unless the job sets it: ``meshplan train --loss-scale S``) rather than 1, so that
   float16's small gradients do not flush to zero in the backward, and each master's
-  gradient is divided by it again in float32 (``scaled_loss``, ``unscaled``). The scale
-  is static: a step whose gradients overflow gives an infinite ``grad_norm``.
+  gradient is divided by it again in float32 (``scaled_loss``, ``unscaled``). A step whose
+  scaled gradients overflow (an infinite or NaN ``grad_norm``) leaves the weights as they
+  were (``optimizers.build_update``'s guard); ``trainer.loss_scale`` keeps a static scale
+  or GradScaler's dynamic one.
 
 The source model's values start the masters (``as_held``: widened exactly), and
 ``meshplan export`` writes the trained masters back in the model's dtype, rounded to nearest.
