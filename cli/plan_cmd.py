@@ -37,10 +37,11 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
                    "inputs of a microbatch in flight and runs its forward again in its backward; a training "
                    "estimate (--no-programs) keeps what enters each layer. A forward more a step, far fewer "
                    "bytes in flight.")
-@click.option("--tensor-parallel", default="1", show_default=True, metavar="T|auto",
+@click.option("--tensor-parallel", default="1", show_default=True, metavar="T|T0,T1,...|auto",
               help="A pipelined training plan (--train --stages S or --max-stages N): each stage's devices in "
                    "groups of T that shard its operators (the sharding ILP over the forward, backward and update "
-                   "together), the groups data-parallel replicas of the stage; auto weighs every T that divides a "
+                   "together), the groups data-parallel replicas of the stage; one T a stage (with --stages S) "
+                   "gives each stage its own, as many replicas each; auto weighs every T that divides a "
                    "stage's devices and a host's, by the estimated step.")
 @click.option("--stage-devices", metavar="D0,D1,...",
               help="A pipelined training plan (--train --stages S): the devices of each stage, in order, adding up "
@@ -118,8 +119,20 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
         if shared_host:
             cluster = replace(cluster, host_shares=cluster.devices_per_host)
         started = time.perf_counter()
+        stage_tensors = None
         if tensor_parallel == "auto":
             tensor_parallel = 0
+        elif "," in tensor_parallel:
+            counts = tensor_parallel.split(",")
+            if not all(c.strip().isdigit() and int(c) > 0 for c in counts):
+                raise click.BadParameter(f"{tensor_parallel!r} is not a list of positive numbers",
+                                         param_hint="'--tensor-parallel'")
+            if not stages or len(counts) != stages:
+                raise click.UsageError(f"--tensor-parallel {tensor_parallel} gives {len(counts)} stages their T: it "
+                                       f"goes with --stages {len(counts)}")
+            stage_tensors = tuple(int(c) for c in counts)
+            tensor_parallel = stage_tensors[0] if len(set(stage_tensors)) == 1 else max(stage_tensors)
+            stage_tensors = stage_tensors if len(set(stage_tensors)) > 1 else None
         elif not tensor_parallel.isdigit() or int(tensor_parallel) < 1:
             raise click.BadParameter(f"{tensor_parallel!r} is not a positive number or auto",
                                      param_hint="'--tensor-parallel'")
@@ -137,7 +150,8 @@ def plan(ctx, model, mesh, device, cluster_file, dims, microbatches, batch_dim, 
                               stages=stages,
                               policy=policy, reshard_scheduler=reshard_scheduler, batch_dim=tuple(batch_dim),
                               all_devices=all_devices, schedule=pipeline_schedule or "1f1b", recompute=recompute,
-                              tensor_parallel=tensor_parallel, stage_devices=stage_devices)
+                              tensor_parallel=tensor_parallel, stage_devices=stage_devices,
+                              stage_tensors=stage_tensors)
         if tensor_parallel != 1 and not (train and ((stages and stages > 1) or max_stages) and not no_programs):
             raise click.UsageError("--tensor-parallel goes with --train and --stages S (S > 1) or --max-stages N: a "
                                    "pipelined training plan with programs")

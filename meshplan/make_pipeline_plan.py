@@ -41,7 +41,7 @@ from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
 from meshplan.stage_ranks import StageRanks
 from meshplan.training.pipeline_step import CLIP, NORM, SCHEDULES, UPDATE_PHASE, split_step
 from meshplan.training.sharded_update import update_shards
-from meshplan.make_stage_programs import sharded_stages
+from meshplan.make_stage_programs import mixed_stages, sharded_stages
 from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model, save_step_model
 
 TRAINING_DIR = "training"
@@ -80,7 +80,12 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         replicas = cut.replicas
         _split_crossings(step, step_path, dims, pipeline, replicas, staging / ".rows")
         costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
-        if tensor > 1:
+        if options.stage_tensors:
+            memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster,
+                                         _replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
+                                         cost_model, staging / ".tensor", folder)
+            shutil.rmtree(staging / ".tensor", ignore_errors=True)
+        elif tensor > 1:
             memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
                                            _replica_dims(step, dims, replicas[0]), options, cost_model,
                                            staging / ".tensor", folder)
@@ -91,7 +96,12 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
                      replicas, costs)
         plan.estimate.update((cost_model or CostModel(cluster)).summary())   # which costs the estimate took
         plan.training["recompute"] = options.recompute
-        if tensor > 1:
+        if options.stage_tensors:
+            each = ", ".join(f"stage {s}: {T}" for s, T in enumerate(options.stage_tensors))
+            plan.notes.append(f"each stage's devices shard its operators ({each}; {replicas[0]} data-parallel "
+                              "replica(s) of each), the sharding ILP over the whole step on a [1, T] mesh for each T; "
+                              f"{len(pipeline.relayouts)} crossing(s) go between stages of different layouts")
+        elif tensor > 1:
             plan.notes.append(f"each stage's {tensor * replicas[0]} device(s): {replicas[0]} data-parallel replica(s) "
                               f"of {tensor} that shard its operators (the sharding ILP over the whole step on a "
                               f"[1, {tensor}] mesh)")
@@ -129,7 +139,12 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     replicas = cut.replicas
     _split_crossings(step, step_path, dims, pipeline, replicas, workdir / "rows")
     costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
-    if tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
+    if options.stage_tensors:
+        (workdir / "parts").mkdir(exist_ok=True)
+        memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster,
+                                     _replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
+                                     cost_model, workdir / "tensor", workdir / "parts")
+    elif tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
                                        _replica_dims(step, dims, replicas[0]), options, cost_model,
@@ -229,6 +244,8 @@ def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanO
     if options.schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {options.schedule!r} (choose from {', '.join(SCHEDULES)})")
     N, tensor, given = cluster.num_devices, options.tensor_parallel, options.stage_devices
+    if options.stage_tensors:
+        return _checked_mixed(model_path, cluster, dims, options, spec, microbatches, stages)
     if given is not None:
         if len(given) != stages or sum(given) != N or min(given) < 1:
             raise PlanError(f"--stage-devices {','.join(map(str, given))} does not give each of the {stages} stages "
@@ -276,6 +293,41 @@ def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanO
             raise PlanError(f"a microbatch of {size} sample(s) does not split over the {allowed[0]} replicas of "
                             f"{which}", hint="a batch that does, or more stages")
     return step, choices
+
+
+def _checked_mixed(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
+                   microbatches: int, stages: int):
+    """``_checked_step`` where each stage has its own T (``--tensor-parallel T0,T1,...``): R
+    replicas of each stage, the mesh's devices over the sum of the T."""
+    tensors, N = list(options.stage_tensors), cluster.num_devices
+    given = ",".join(map(str, tensors))
+    if len(tensors) != stages:
+        raise PlanError(f"--tensor-parallel {given} gives {len(tensors)} stages their T, not {stages}")
+    if options.stage_devices is not None:
+        raise PlanError(f"--tensor-parallel {given} gives each stage its devices (R replicas of its T): leave out "
+                        "--stage-devices", hint="one of the two")
+    if N % sum(tensors):
+        raise PlanError(f"--tensor-parallel {given} needs a multiple of {sum(tensors)} devices (each stage's T, "
+                        f"as many replicas of each), the mesh has {N}", hint=f"a mesh of {sum(tensors)} devices")
+    replicas = N // sum(tensors)
+    ranks = StageRanks.of(replicas, stages, tensors)
+    for s in range(stages):
+        for r in range(replicas):
+            group = [ranks.rank(s, r, j) for j in range(tensors[s])]
+            if cluster.host_of(group[0]) != cluster.host_of(group[-1]):
+                raise PlanError(f"--tensor-parallel {given}: stage {s}'s devices {group[0]}-{group[-1]} that shard its "
+                                "operators would span two hosts (they share a host)",
+                                hint="another order of the stages' T, or hosts of more devices")
+    step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
+    size = _microbatch_size(step, dims)
+    if size % replicas:
+        raise PlanError(f"a microbatch of {size} sample(s) does not split over the {replicas} replicas of each stage",
+                        hint="a batch that does, or a mesh of fewer devices")
+    if replicas > 1 and step.manifest.get("statistics"):
+        raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
+                        f"of one replica a stage only: the mesh's {N} devices make {replicas}",
+                        hint=f"a mesh of {sum(tensors)} devices")
+    return step, [[replicas]] * stages
 
 
 def _adds_up(counts: list[int], stages: int, total: int) -> bool:
@@ -333,12 +385,18 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     """The cut (each stage's replicas among its ``choices``), the step cut along it, and each
     stage's memory."""
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
-    cut = cut_stages(graph, seconds, options.stages, options.num_layers, choices,
-                     cluster.num_devices // options.tensor_parallel)
+    if options.stage_tensors:   # (the layers balanced over each stage's devices; its T are not replicas)
+        cut = cut_stages(graph, seconds, options.stages, options.num_layers,
+                         [[c[0] * T] for c, T in zip(choices, options.stage_tensors)], cluster.num_devices)
+        cut.replicas = [c[0] for c in choices]
+    else:
+        cut = cut_stages(graph, seconds, options.stages, options.num_layers, choices,
+                         cluster.num_devices // options.tensor_parallel)
     replicas = cut.replicas
     pipeline = split_step(step, cut.forward_stage, options.stages, options.recompute)
     # (where operators are sharded, the ILP chose the slots' layouts: no row blocks on top)
-    pipeline.sharded = update_shards(pipeline, max(replicas)) if options.tensor_parallel == 1 else set()
+    pipeline.sharded = update_shards(pipeline, max(replicas)) if options.tensor_parallel == 1 and \
+        not options.stage_tensors else set()
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
@@ -371,9 +429,10 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: list[int], micr
     plan has none: ``training.sharded_update``; a reduce-scatter and an all-gather cost the
     all-reduce's time); each stage's all-reduce and update; and what the step was played
     with (``timing``: the timeline draws it again)."""
-    S, T = len(cut.seconds), pipeline.tensor
-    ranks = StageRanks.of(replicas, S, T)
-    reduce = [_allreduce_seconds(cluster, ranks.ranks(s)[::T], memory[s]["gradients"]) for s in range(S)]
+    S = len(cut.seconds)
+    ranks = StageRanks.of(replicas, S, pipeline.tensors or pipeline.tensor)
+    reduce = [_allreduce_seconds(cluster, ranks.ranks(s)[::ranks.devices(s)], memory[s]["gradients"])
+              for s in range(S)]
     seconds, sent = [], {}
     for s in range(S):
         R, sends = replicas[s], 0.0
@@ -496,15 +555,14 @@ def _plan(model_path: Path, step, step_path: Path, cluster: Cluster, dims: dict,
                       for d in v.type.tensor_type.shape.dim[:1] if d.dim_param), None)
     size = inputs[0].shape[0] if inputs and inputs[0].shape else 1
     stages = []
-    T = pipeline.tensor
-    ranks = StageRanks.of(replicas, pipeline.stages, T)
+    ranks = StageRanks.of(replicas, pipeline.stages, pipeline.tensors or pipeline.tensor)
     per_host = cluster.devices_per_host
     seconds, step_seconds, reduce_seconds, update_seconds, timing = _timing(
         cut, memory, cluster, ranks.replicas, microbatches, pipeline, costs, record["schedule"])
     for s in range(pipeline.stages):
-        into = sorted({c.tensor for c in pipeline.crossings if c.dst == s})
+        into = sorted({c.received for c in pipeline.crossings if c.dst == s})
         out = sorted({c.tensor for c in pipeline.crossings if c.src == s})
-        R, width = ranks.replicas[s], ranks.width(s)
+        R, width, T = ranks.replicas[s], ranks.width(s), ranks.devices(s)
         submesh = [1, width] if width <= per_host else [width // per_host, per_host]
         stages.append(Stage(s, sorted(n for n, k in cut.forward_stage.items() if k == s), cut.layers[s],
                             ranks.ranks(s), submesh, [R, T] if T > 1 else [1, R], into, out,

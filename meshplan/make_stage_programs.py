@@ -32,7 +32,7 @@ from meshplan.inter.pipeline import PlanOptions
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.training.optimizers import GRAD_ACC, slot
-from meshplan.training.pipeline_step import PipelineStep
+from meshplan.training.pipeline_step import STATE, Crossing, PipelineStep
 from meshplan.training.step_model import save_step_model
 
 
@@ -52,15 +52,17 @@ def tensor_cluster(cluster: Cluster, tensor: int, stages: int) -> Cluster:
 
 
 def stage_programs(step, step_path: Path, pipeline: PipelineStep, cluster: Cluster, dims: dict, tensor: int,
-                   options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path) -> StagePrograms:
+                   options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path,
+                   prefix: str = "") -> StagePrograms:
     """Plan ``step`` (saved at ``step_path``, cut as ``pipeline``) on a [1, ``tensor``] mesh
     and cut each device's program into its parts; the programs' weight files are moved into
-    ``folder`` (where the parts are written)."""
+    ``folder`` (where the parts are written), their names after ``prefix``."""
     from meshplan.make_plan import make_plan
 
     workdir.mkdir(parents=True, exist_ok=True)
     copy = save_step_model(step, step_path, workdir / "step.onnx")   # (with the norm's partial sums)
-    inner = replace(options, max_stages=1, stages=None, microbatches=1, tensor_parallel=1, recompute=False)
+    inner = replace(options, max_stages=1, stages=None, microbatches=1, tensor_parallel=1, recompute=False,
+                    stage_tensors=None)
     plan = make_plan(copy, tensor_cluster(cluster, tensor, pipeline.stages), dims, workdir / "plan", inner,
                      cost_model=cost_model, state=step.state)
     if len(plan.stages) != 1 or len(plan.programs) != tensor:
@@ -76,9 +78,20 @@ def stage_programs(step, step_path: Path, pipeline: PipelineStep, cluster: Clust
         if not same_structure(devices[0], devices[-1]):
             raise PlanError(f"device {program.rank}'s program cuts into other parts than device 0's")
         for entry in program.data_files:
-            target = Path(folder) / entry["file"]
+            target = Path(folder) / (prefix + entry["file"])
             shutil.move(str(workdir / "plan" / entry["file"]), str(target))
+            if prefix:
+                for part in devices[-1].parts.values():
+                    _relocated(part.model, entry["file"], target.name)
     return StagePrograms(devices, specs, float(plan.estimate["latency_seconds"]))
+
+
+def _relocated(model: onnx.ModelProto, old: str, new: str) -> None:
+    """``model``'s weights stored in the file ``old`` pointed to ``new`` instead."""
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
 
 
 def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
@@ -96,7 +109,103 @@ def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: d
     pipeline.chunks, pipeline.specs = {}, dict(programs.specs)
     one_device = sum(costs.values())
     scale = programs.step_seconds / one_device if one_device else 1.0 / tensor
-    return sharded_memory(memory, pipeline, tensor), {k: v * scale for k, v in costs.items()}
+    return sharded_memory(memory, pipeline), {k: v * scale for k, v in costs.items()}
+
+
+def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
+                 tensors: list[int], options: PlanOptions, cost_model: CostModel | None, workdir: Path,
+                 folder: Path):
+    """``pipeline`` made the pipeline whose stage s has ``tensors[s]`` devices that shard its
+    operators (``--tensor-parallel 2,1``): the step planned on a [1, T] mesh for each T > 1
+    among them (``stage_programs``), each stage's parts cut from its T's programs (a stage of
+    one device keeps the step's own parts), and each crossing between stages of different T
+    gone from the sender's layout to the receiver's (``crossing_layouts.Relayout``); the
+    memory and the part seconds as ``sharded_stages`` gives them, each stage by its T."""
+    several = len(set(tensors) - {1}) > 1
+    cuts = {T: stage_programs(step, step_path, pipeline, cluster, dims, T, options, cost_model, workdir / f"t{T}",
+                              folder, f"t{T}." if several else "")
+            for T in sorted(set(tensors) - {1})}
+    S = pipeline.stages
+    device_parts: list[dict] = [{} for _ in range(max(tensors))]
+    for s, T in enumerate(tensors):
+        found = [pipeline.parts] if T == 1 else [d.parts for d in cuts[T].devices]
+        for j, parts in enumerate(found):
+            device_parts[j].update({key: part for key, part in parts.items() if key[0] == s})
+    sides = [pipeline if T == 1 else cuts[T].devices[0] for T in tensors]
+    specs = [{} if T == 1 else dict(cuts[T].specs) for T in tensors]
+    pipeline.crossings, pipeline.relayouts = joined_crossings(sides, specs, tensors, pipeline.step.manifest)
+    pipeline.device_parts, pipeline.parts = device_parts, device_parts[0]
+    pipeline.loss_count = sides[S - 1].loss_count
+    pipeline.chunks = {s: c for s, c in pipeline.chunks.items() if tensors[s] == 1}
+    pipeline.tensors, pipeline.stage_specs, pipeline.specs = list(tensors), specs, {}
+    one_device = sum(costs.values())
+    scales = [1.0 if T == 1 else (cuts[T].step_seconds / one_device if one_device else 1.0 / T) for T in tensors]
+    return sharded_memory(memory, pipeline), {k: v * scales[k[0]] for k, v in costs.items()}
+
+
+def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list[int], manifest: dict):
+    """The crossings of a pipeline whose stage s is cut as ``sides[s]`` (its T's device 0 cut,
+    its inputs' and outputs' layouts ``specs[s]``): between two stages of the same T as that
+    cut has them; between stages of different T each crossing the receiver's cut has, sent as
+    the sender's cut makes it (the same tensor, in its layout there), with its
+    ``Relayout``. ``PlanError`` where the receiver reads a tensor the sender's cut does not
+    hand on."""
+    from meshplan.crossing_layouts import Relayout, base_name, spec_of_name
+
+    found, relayouts = [], {}
+    pairs = sorted({(c.src, c.dst) for side in sides for c in side.crossings})
+    for a, b in pairs:
+        received = [c for c in sides[b].crossings if (c.src, c.dst) == (a, b)]
+        if tensors[a] == tensors[b]:
+            found.extend(c for c in sides[a].crossings if (c.src, c.dst) == (a, b))
+            continue
+        sent = [c for c in sides[a].crossings if (c.src, c.dst) == (a, b)]
+        for c in received:
+            base = base_name(c.tensor, specs[b])
+            want = spec_of_name(c.tensor, specs[b])
+            matches = [x for x in sent if base_name(x.tensor, specs[a]) == base and x.made_in == c.made_in]
+            if not matches:
+                raise PlanError(f"stage {b} reads {c.tensor!r} from stage {a}, whose programs on {tensors[a]} "
+                                f"device(s) do not hand it on", hint="the same --tensor-parallel for both stages")
+            x = next((m for m in matches if spec_of_name(m.tensor, specs[a]) == want), matches[0])
+            source = spec_of_name(x.tensor, specs[a])
+            shape, dtype = _whole(x, source, tensors[a], sides[a], manifest, c, want, tensors[b], sides[b])
+            rank = len(shape)
+            relayouts[len(found)] = Relayout(shape, source or str(ShardingSpec.replicated(rank)),
+                                             want or str(ShardingSpec.replicated(rank)), tensors[a], tensors[b], dtype)
+            found.append(Crossing(x.tensor, a, x.made_in, b, c.read_in, c.tensor if c.tensor != x.tensor else ""))
+    return found, relayouts
+
+
+def _whole(crossing, spec: str | None, tensor: int, side: PipelineStep, manifest: dict,
+           received=None, received_spec: str | None = None, receivers: int = 1, receiver=None) -> tuple[tuple, str]:
+    """The whole shape and dtype of what ``crossing`` carries: a state's from the manifest,
+    else from the sender's part (its piece's shape in layout ``spec`` on [1, ``tensor``]) or,
+    where that has dims not fixed (a stage of one device keeps the step's own parts), from
+    the part of ``receiver`` (a cut) that reads it as ``received``."""
+    if crossing.made_in == STATE:
+        info = {**manifest.get("weights", {}), **manifest.get("statistics", {})}.get(crossing.tensor)
+        if info is None:
+            raise PlanError(f"the state {crossing.tensor!r} another stage reads has no record in the step")
+        return tuple(int(d) for d in info["shape"]), str(info.get("dtype", "float32"))
+    looks = [(side.parts[(crossing.src, crossing.made_in)].model.graph.output, crossing.tensor, spec, tensor)]
+    if receiver is not None:
+        looks += [(receiver.parts[(received.dst, phase)].model.graph.input, received.tensor, received_spec, receivers)
+                  for phase in received.read_in if (received.dst, phase) in receiver.parts]
+    for values, name, layout, devices in looks:
+        value = next((v for v in values if v.name == name), None)
+        if value is None:
+            continue
+        kind = value.type.tensor_type
+        local = [int(d.dim_value) if d.HasField("dim_value") else 0 for d in kind.shape.dim]
+        if 0 in local:
+            continue
+        mesh = LogicalMesh((1, devices), tuple(range(devices)))
+        parsed = ShardingSpec.parse(layout) if layout else ShardingSpec.replicated(len(local))
+        shape = tuple(size * parsed.shards(d, mesh) for d, size in enumerate(local))
+        return shape, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).name
+    raise PlanError(f"the shape of {crossing.tensor!r}, which stage {crossing.src} sends stage {crossing.dst}, is not "
+                    "known at one microbatch")
 
 
 def run_held_bytes(model: onnx.ModelProto) -> float:
@@ -131,31 +240,36 @@ def run_held_bytes(model: onnx.ModelProto) -> float:
     return max(held)
 
 
-def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
-    """Each stage's bytes a device (``stage_memory``'s) where T devices shard its operators:
-    its weights, accumulated gradients and optimizer slots as the layouts of
-    ``pipeline.specs`` hold them on the [1, T] mesh; its activations and working memory 1/T,
-    the working memory with the most a part's run holds of its collectives' tensors
-    (``run_held_bytes``; ``pipeline.parts``: device 0's, as models)."""
-    mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
+def sharded_memory(memory: list[dict], pipeline) -> list[dict]:
+    """Each stage's bytes a device (``stage_memory``'s) where T devices shard its operators
+    (``pipeline.tensor_of``; a stage of one device as it was): its weights, accumulated
+    gradients and optimizer slots as the layouts of ``pipeline.specs_of`` it hold them on
+    the [1, T] mesh; its activations and working memory 1/T, the working memory with the most
+    a part's run holds of its collectives' tensors (``run_held_bytes``; ``pipeline.parts``:
+    device 0's, as models)."""
     manifest = pipeline.step.manifest
 
-    def held(name: str, shape, itemsize: int) -> float:
-        text = pipeline.specs.get(name)
+    def held(name: str, shape, itemsize: int, specs: dict, mesh: LogicalMesh) -> float:
+        text = specs.get(name)
         whole = float(np.prod(shape, dtype=np.int64)) * itemsize
         return float(ShardingSpec.parse(text).local_bytes(tuple(shape), itemsize, mesh)) if text else whole
 
     found = []
     for stage, before in enumerate(memory):
+        tensor, specs = pipeline.tensor_of(stage), pipeline.specs_of(stage)
+        if tensor == 1:
+            found.append(dict(before))
+            continue
+        mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
         kinds = dict(before)
         kinds.update(weights=0.0, gradients=0.0, optimizer=0.0)
         for name, info in manifest["weights"].items():
             if pipeline.home.get(name) != stage:
                 continue
             itemsize = np.dtype(info["dtype"]).itemsize
-            kinds["weights"] += held(name, info["shape"], itemsize)
-            kinds["gradients"] += held(slot(name, GRAD_ACC), info["shape"], itemsize)
-            kinds["optimizer"] += sum(held(slot(name, k), info["shape"], itemsize)
+            kinds["weights"] += held(name, info["shape"], itemsize, specs, mesh)
+            kinds["gradients"] += held(slot(name, GRAD_ACC), info["shape"], itemsize, specs, mesh)
+            kinds["optimizer"] += sum(held(slot(name, k), info["shape"], itemsize, specs, mesh)
                                       for k in manifest["slots"] if k != GRAD_ACC)
         kinds["activations"] = before["activations"] / tensor
         # and the largest of what its parts' runs hold of their collectives (a weight gathered whole)
@@ -166,4 +280,5 @@ def sharded_memory(memory: list[dict], pipeline, tensor: int) -> list[dict]:
     return found
 
 
-__all__ = ["StagePrograms", "run_held_bytes", "sharded_memory", "sharded_stages", "stage_programs", "tensor_cluster"]
+__all__ = ["StagePrograms", "joined_crossings", "mixed_stages", "run_held_bytes", "sharded_memory", "sharded_stages",
+           "stage_programs", "tensor_cluster"]

@@ -161,7 +161,7 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
 
     record = plan.training["pipeline"]
     pipeline = read_pipeline(directory, plan.training, check=False)
-    ranks = StageRanks.of(record.get("replicas", 1), pipeline.stages, pipeline.tensor)
+    ranks = StageRanks.of(record.get("replicas", 1), pipeline.stages, pipeline.tensors or pipeline.tensor)
     lists = read_training_schedule(plan.to_dict()["checksum"], directory, pipeline, plan.microbatches,
                                    record["schedule"], list(ranks.replicas))
     R = ranks.replicas[0]
@@ -169,7 +169,10 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
     if not ranks.uniform:
         each = f"{', '.join(str(ranks.width(s)) for s in range(pipeline.stages))} ranks (data-parallel replicas " \
             "running one list)"
-    if pipeline.tensor > 1:
+    if pipeline.tensors:
+        each = f"{', '.join(str(ranks.width(s)) for s in range(pipeline.stages))} ranks (each stage's " \
+            f"{', '.join(map(str, pipeline.tensors))} that shard its operators, each running its own parts of one list)"
+    elif pipeline.tensor > 1:
         each = f"{ranks.width(0)} ranks ({pipeline.tensor} that shard its operators, each running its own parts of " \
             "one list)"
     lines = [f"schedule: {record['schedule']}, {plan.microbatches} microbatch(es), {len(lists)} stage(s) of {each}, "
@@ -191,6 +194,10 @@ def _training_schedule_text(plan: Plan, directory: Path, stage: int | None) -> s
                 peer = f"to stage {c.dst}" if item.op == "send" else f"from stage {c.src}"
                 when = f"mb {item.mb}" if _per_mb(c) else "once a step"
                 text = f"{item.op} {c.tensor} {when} {peer} ({c.made_in} -> {'/'.join(c.read_in)})"
+                relayout = pipeline.relayouts.get(item.crossing)
+                if relayout is not None:
+                    text += (f", {relayout.source} on {relayout.senders} device(s) -> "
+                             f"{c.received} {relayout.target} on {relayout.receivers}")
             lines.append(f"  {i:3d}  {text}")
     return "\n".join(lines)
 
@@ -204,7 +211,7 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
 
     pipeline = read_pipeline(directory, plan.training, check=False)
     record = plan.training["pipeline"]
-    counts, T = per_stage(record.get("replicas", 1), pipeline.stages), pipeline.tensor
+    counts = per_stage(record.get("replicas", 1), pipeline.stages)
     shapes = {w: (info["shape"], info["dtype"]) for w, info in plan.training["weights"].items()}
     lines = [pipeline_training_report(plan), "", "`show --schedule` prints each stage's instruction list."]
     files = {(int(p["stage"]), p["phase"]): p["file"] for p in record["parts"] if int(p.get("device", 0)) == 0}
@@ -212,6 +219,7 @@ def _pipeline_training_text(plan: Plan, directory: Path, stage: int | None) -> s
         if stage is not None and s.index != stage:
             continue
         held = sorted(w for w, home in pipeline.home.items() if home == s.index and w in shapes)
+        T = pipeline.tensor_of(s.index)
         nbytes = sum(int(np.prod(shapes[w][0], dtype=np.int64)) * np.dtype(shapes[w][1]).itemsize for w in held)
         lines.append("")
         lines.append(f"stage {s.index}: layers {s.layers[0]}-{s.layers[1] - 1}, rank(s) {device_ranges(s.devices)}"

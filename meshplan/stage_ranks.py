@@ -51,22 +51,34 @@ def per_stage(replicas, stages: int) -> list[int]:
 
 @dataclass(frozen=True)
 class StageRanks:
-    """The ranks of a pipeline whose stage s has ``replicas[s]`` replicas of ``tensor`` devices."""
+    """The ranks of a pipeline whose stage s has ``replicas[s]`` replicas of ``tensor`` devices
+    (``tensors[s]`` where the stages' differ)."""
 
     replicas: tuple[int, ...]
     tensor: int = 1
+    tensors: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, replicas, stages: int, tensor: int = 1) -> "StageRanks":
-        return cls(tuple(per_stage(replicas, stages)), tensor)
+    def of(cls, replicas, stages: int, tensor=1) -> "StageRanks":
+        """``tensor``: one count for every stage, or one a stage."""
+        if isinstance(tensor, (list, tuple)):
+            found = tuple(per_stage(tensor, stages))
+            if len(set(found)) > 1:
+                return cls(tuple(per_stage(replicas, stages)), max(found), found)
+            tensor = found[0]
+        return cls(tuple(per_stage(replicas, stages)), int(tensor))
 
     @property
     def stages(self) -> int:
         return len(self.replicas)
 
+    def devices(self, stage: int) -> int:
+        """The devices of each replica of stage ``stage`` (that shard its operators)."""
+        return self.tensors[stage] if self.tensors else self.tensor
+
     @property
     def size(self) -> int:
-        return sum(self.replicas) * self.tensor
+        return sum(r * self.devices(s) for s, r in enumerate(self.replicas))
 
     @property
     def uniform(self) -> bool:
@@ -74,17 +86,17 @@ class StageRanks:
 
     def width(self, stage: int) -> int:
         """Stage ``stage``'s ranks."""
-        return self.replicas[stage] * self.tensor
+        return self.replicas[stage] * self.devices(stage)
 
     def first(self, stage: int) -> int:
         """Stage ``stage``'s first rank."""
-        return sum(self.replicas[:stage]) * self.tensor
+        return sum(self.width(s) for s in range(stage))
 
     def ranks(self, stage: int) -> list[int]:
         return list(range(self.first(stage), self.first(stage) + self.width(stage)))
 
     def rank(self, stage: int, replica: int, device: int = 0) -> int:
-        return self.first(stage) + replica * self.tensor + device
+        return self.first(stage) + replica * self.devices(stage) + device
 
     def where(self, rank: int) -> tuple[int, int, int]:
         """(stage, replica, device) of ``rank``."""
@@ -93,7 +105,7 @@ class StageRanks:
         stage = 0
         while rank >= self.first(stage) + self.width(stage):
             stage += 1
-        replica, device = divmod(rank - self.first(stage), self.tensor)
+        replica, device = divmod(rank - self.first(stage), self.devices(stage))
         return stage, replica, device
 
 

@@ -13,7 +13,10 @@ written to take them in any number of rows), and the groups each stage's update 
 (``training.pipeline_step.update_chunks``). Where T devices shard each stage's operators
 (``emit.rank_parts``) each device has its own parts (``stage{S}.{phase}.d{J}.onnx``, the
 record's ``device``), and the record holds T (``tensor``) and each input's layout on their
-[1, T] mesh (``specs``).
+[1, T] mesh (``specs``); where the stages' T differ, each stage's (``tensors``, T the most),
+its layouts (``stage_specs``; a stage of one device has its parts as device 0's) and how each
+crossing between stages of different layouts goes (``relayouts``,
+``meshplan.crossing_layouts``).
 ``read_pipeline`` gives back the ``PipelineStep`` a runner needs, the parts as paths.
 """
 
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import onnx
 
+from meshplan.crossing_layouts import Relayout
 from meshplan.errors import PlanError
 from meshplan.files import file_sha256
 from meshplan.stage_ranks import per_stage
@@ -56,7 +60,7 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
     replicas = per_stage(replicas, pipeline.stages)
     record = {"stages": pipeline.stages, "replicas": replicas[0] if len(set(replicas)) == 1 else replicas,
               "schedule": kind, "microbatches": microbatches,
-              "parts": parts, "crossings": [asdict(c) for c in pipeline.crossings], "home": dict(pipeline.home),
+              "parts": parts, "crossings": [_crossing_record(c) for c in pipeline.crossings], "home": dict(pipeline.home),
               "data_inputs": pipeline.data_inputs, "controls": pipeline.controls, "loss_count": pipeline.loss_count,
               "sharded": sorted(pipeline.sharded),
               "update_chunks": {str(stage): groups for stage, groups in sorted(pipeline.chunks.items())}}
@@ -65,7 +69,18 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
     if pipeline.device_parts:
         record["tensor"] = pipeline.tensor
         record["specs"] = dict(pipeline.specs)
+    if pipeline.tensors:
+        record["tensors"] = list(pipeline.tensors)
+        record["stage_specs"] = [dict(s) for s in pipeline.stage_specs]
+        record["relayouts"] = {str(i): r.to_dict() for i, r in sorted(pipeline.relayouts.items())}
     return record
+
+
+def _crossing_record(crossing: Crossing) -> dict:
+    entry = asdict(crossing)
+    if not crossing.into:
+        del entry["into"]
+    return entry
 
 
 def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> PipelineStep:
@@ -74,6 +89,10 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
     record = training.get("pipeline")
     try:
         tensor = int(record.get("tensor", 1))
+        tensors = [int(t) for t in record.get("tensors", ())]
+        if tensors and (len(tensors) != int(record["stages"]) or max(tensors) != tensor or min(tensors) < 1):
+            raise PlanError(f"plan.json's devices of each stage {tensors} do not fit its {record['stages']} stages of "
+                            f"at most {tensor}", hint="re-run meshplan plan")
         devices: list[dict] = [{} for _ in range(tensor)]
         for entry in record["parts"]:
             if entry["phase"] not in PHASES:
@@ -90,10 +109,11 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
             devices[device][(int(entry["stage"]), entry["phase"])] = Part(
                 int(entry["stage"]), entry["phase"], str(path), list(entry["inputs"]), list(entry["outputs"]))
         parts = devices[0]
-        if any(set(found) != set(parts) for found in devices):
+        if any(set(found) != {(s, p) for s, p in parts if not tensors or tensors[s] > j}
+               for j, found in enumerate(devices)):
             raise PlanError("plan.json's devices of a stage have different parts", hint="re-run meshplan plan")
-        crossings = [Crossing(c["tensor"], int(c["src"]), c["made_in"], int(c["dst"]), tuple(c["read_in"]))
-                     for c in record["crossings"]]
+        crossings = [Crossing(c["tensor"], int(c["src"]), c["made_in"], int(c["dst"]), tuple(c["read_in"]),
+                              str(c.get("into", ""))) for c in record["crossings"]]
         if record["schedule"] not in SCHEDULES:
             raise PlanError(f"plan.json names an unknown pipeline schedule {record['schedule']!r}",
                             hint="re-run meshplan plan")
@@ -108,7 +128,10 @@ def read_pipeline(plan_dir: Path, training: dict, check: bool = True) -> Pipelin
                             {}, step, list(record["data_inputs"]), list(record["controls"]), record.get("loss_count"),
                             sharded=set(record.get("sharded", ())), chunks=chunks,
                             device_parts=devices if tensor > 1 else [], specs=dict(record.get("specs", {})),
-                            rows={int(k): int(v) for k, v in dict(record.get("rows", {})).items()})
+                            rows={int(k): int(v) for k, v in dict(record.get("rows", {})).items()},
+                            tensors=tensors, stage_specs=[dict(s) for s in record.get("stage_specs", ())],
+                            relayouts={int(k): Relayout.from_dict(v)
+                                       for k, v in dict(record.get("relayouts", {})).items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({type(exc).__name__}: {exc})",
                         hint="re-run meshplan plan") from None

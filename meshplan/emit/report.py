@@ -152,7 +152,13 @@ def pipeline_training_report(plan: Plan) -> str:
     each = "one device a stage" if R == 1 else f"{R} devices a stage (data-parallel replicas, each 1/{R} of every " \
         f"microbatch, {summed})" if R else f"stages of {', '.join(map(str, counts[:-1]))} and {counts[-1]} " \
         f"devices (a stage's R devices data-parallel replicas, each 1/R of every microbatch, {summed})"
-    if T > 1:
+    if record.get("tensors"):
+        tensors = [int(x) for x in record["tensors"]]
+        each = f"{', '.join(str(R * x) for x in tensors[:-1])} and {R * tensors[-1]} devices (each stage's " \
+            f"{', '.join(map(str, tensors))} that shard its operators" \
+            + (f", {R} data-parallel replicas of them, their gradients summed once a step" if R > 1 else "") \
+            + f"; {len(record.get('relayouts', {}))} crossing(s) laid out again between stages)"
+    elif T > 1:
         each = f"{R * T} devices a stage ({T} that shard its operators" \
             + (f", {R} data-parallel replicas of them, their gradients summed once a step)" if R > 1 else ")")
     lines = [f"plan: pipelined training, {S} stages on a {mesh[0]}x{mesh[1]} mesh of "

@@ -47,6 +47,7 @@ class PlanOptions:
     recompute: bool = False            # a training estimate recomputes activations (--recompute)
     tensor_parallel: int = 1           # a pipelined training plan's stages shard their operators over this many devices
     stage_devices: tuple[int, ...] | None = None   # a pipelined training plan's devices of each stage (--stage-devices)
+    stage_tensors: tuple[int, ...] | None = None   # each stage's T where they differ (--tensor-parallel 2,1)
     training: TrainingCosting | None = None   # weigh a training step, not a forward call (inter.training_costs)
 
 

@@ -40,9 +40,8 @@ class PipelineRunner:
     def __init__(self, pipeline: PipelineStep, microbatches: int, weights: dict[str, np.ndarray],
                  kind: str = ONE_F_ONE_B, device: tuple[str, int] | None = None, replicas=1):
         self.pipeline, self.microbatches, self.kind = pipeline, microbatches, kind
-        T = pipeline.tensor
-        # stage s: R_s replicas of T devices that shard its operators, after the stages before it
-        self.ranks = StageRanks.of(replicas, pipeline.stages, T)
+        # stage s: R_s replicas of T_s devices that shard its operators, after the stages before it
+        self.ranks = StageRanks.of(replicas, pipeline.stages, pipeline.tensors or pipeline.tensor)
         self.lists = training_schedule(pipeline, microbatches, kind, list(self.ranks.replicas))
         play(self.lists)    # (lists that would wait on each other are refused here, not hung on)
         self.records = [CallRecord() for _ in range(self.ranks.size)]   # each rank's last step
@@ -50,13 +49,13 @@ class PipelineRunner:
         self.runners = []
         for rank in range(self.ranks.size):
             stage, replica, j = self.ranks.where(rank)
-            R = self.ranks.replicas[stage]
+            R, T = self.ranks.replicas[stage], self.ranks.devices(stage)
             names = [n for n, s in pipeline.home.items() if s == stage]
             state = starting_state(names, weights, slots)
             if T > 1:
                 parts = {phase: part for (s, phase), part in pipeline.device_parts[j].items() if s == stage}
                 sessions = stage_sessions(parts, None, self._sharded)
-                state = {n: device_piece(v, pipeline.specs.get(n), T, j) for n, v in state.items()}
+                state = {n: device_piece(v, pipeline.specs_of(stage).get(n), T, j) for n, v in state.items()}
             else:
                 parts = {phase: part for (s, phase), part in pipeline.parts.items() if s == stage}
                 sessions = stage_sessions(parts, pipeline.chunks.get(stage), part_session, self._loose)
@@ -100,15 +99,14 @@ class PipelineRunner:
         """One step on ``batch`` (each data input's samples on axis 0, split into the
         microbatches, each of those into the replicas' shares); ``controls``: each
         hyperparameter's value (``train.apply`` is set here)."""
-        B, T = self.microbatches, self.pipeline.tensor
+        B = self.microbatches
         size = len(next(iter(batch.values()))) // B
-        specs = self.pipeline.specs
         for rank, runner in enumerate(self.runners):
             stage, r, j = self.ranks.where(rank)
-            share = size // self.ranks.replicas[stage]
+            share, T, specs = size // self.ranks.replicas[stage], self.ranks.devices(stage), self.pipeline.specs_of(stage)
             runner.begin_step([{n: device_piece(v[m * size + r * share:m * size + (r + 1) * share], specs.get(n), T, j)
                                 for n, v in batch.items()} for m in range(B)], controls)
-        links = LocalLinks(self.ranks, self.pipeline.crossings, self.pipeline.rows)
+        links = LocalLinks(self.ranks, self.pipeline.crossings, self.pipeline.rows, self.pipeline.relayouts)
         schedule = Schedule(self.kind, B, [self.lists[self.ranks.where(rank)[0]] for rank in range(self.ranks.size)])
         failures: list[BaseException] = []
         origin = time.perf_counter()
@@ -142,13 +140,12 @@ class PipelineRunner:
         """Every stage's state by name, whole: the weights, the optimizer's slots (put
         together from the replicas' row blocks), ..."""
         found = {}
-        T = self.pipeline.tensor
         for stage in range(self.ranks.stages):
-            first = self.ranks.first(stage)
+            first, T = self.ranks.first(stage), self.ranks.devices(stage)
             if T > 1:   # the devices of the first replica, their pieces put together
                 held = [runner.host_state() for runner in self.runners[first:first + T]]
                 for name in held[0]:
-                    found[name] = whole_of([h[name] for h in held], self.pipeline.specs.get(name))
+                    found[name] = whole_of([h[name] for h in held], self.pipeline.specs_of(stage).get(name))
                 continue
             replicas = self.runners[first:first + self.ranks.replicas[stage]]
             held = [runner.host_state() for runner in replicas]

@@ -30,29 +30,45 @@ from meshplan.stage_ranks import ONE, StageRanks, destinations, joined, kinds, p
 
 
 class _Routes:
-    """Where a crossing's pieces go and come from, between the stages' replicas."""
+    """Where a crossing's pieces go and come from, between the stages' replicas and, where
+    the two stages' devices shard it differently (``relayouts``: crossing index →
+    ``crossing_layouts.Relayout``), between their devices."""
 
-    def __init__(self, crossings, ranks: StageRanks, rows: dict[int, int] | None):
+    def __init__(self, crossings, ranks: StageRanks, rows: dict[int, int] | None, relayouts: dict | None = None):
         self.crossings, self.ranks, self.rows = crossings, ranks, dict(rows or {})
+        self.relayouts = dict(relayouts or {})
         self.kinds = kinds(crossings, ranks, self.rows)
 
-    def outgoing(self, index: int, replica: int, value) -> list[tuple[int, object]]:
-        """(destination replica, piece) of what ``replica`` of crossing ``index``'s source sends."""
+    def outgoing(self, index: int, replica: int, device: int, value) -> list[tuple[int, int, object]]:
+        """(destination replica, its device, piece) of what device ``device`` of ``replica``
+        of crossing ``index``'s source sends."""
         c, kind = self.crossings[index], self.kinds[index]
+        relayout = self.relayouts.get(index)
+        if relayout is not None:    # (the stages' replicas alike: replica r to replica r)
+            value = np.asarray(value)
+            return [(replica, j, np.ascontiguousarray(value[cut])) for j, cut in relayout.sends(device)]
         r_src, r_dst = self.ranks.replicas[c.src], self.ranks.replicas[c.dst]
         if r_src == r_dst and kind != ONE:
-            return [(replica, value)]
+            return [(replica, device, value)]
         axis = self.rows.get(index)
-        return [(d, piece_for(kind, value, axis, replica, r_src, d, r_dst))
+        return [(d, device, piece_for(kind, value, axis, replica, r_src, d, r_dst))
                 for d in destinations(kind, replica, r_src, r_dst)]
 
-    def incoming(self, index: int, replica: int) -> list[int]:
-        """The source replicas ``replica`` of crossing ``index``'s destination receives from."""
+    def incoming(self, index: int, replica: int, device: int) -> list[tuple[int, int]]:
+        """The (source replica, its device) device ``device`` of ``replica`` of crossing
+        ``index``'s destination receives from, in order."""
         c = self.crossings[index]
+        relayout = self.relayouts.get(index)
+        if relayout is not None:
+            return [(replica, i) for i in relayout.sources(device)]
         r_src, r_dst = self.ranks.replicas[c.src], self.ranks.replicas[c.dst]
-        return [replica] if r_src == r_dst else sources(self.kinds[index], replica, r_src, r_dst)
+        found = [replica] if r_src == r_dst else sources(self.kinds[index], replica, r_src, r_dst)
+        return [(r, device) for r in found]
 
-    def joined(self, index: int, pieces: list):
+    def joined(self, index: int, device: int, pieces: list):
+        relayout = self.relayouts.get(index)
+        if relayout is not None:
+            return relayout.joined(device, pieces)
         return joined(self.kinds[index], pieces, self.rows.get(index))
 
 
@@ -63,18 +79,21 @@ class PipelineLinks:
     j of the other stage's replicas (``_Routes``); its sums are over its stage's replicas
     (among the devices j alike); its ``collective`` is among the devices of its replica."""
 
-    def __init__(self, comm, MPI, crossings, ranks: StageRanks, rows: dict[int, int] | None = None):
+    def __init__(self, comm, MPI, crossings, ranks: StageRanks, rows: dict[int, int] | None = None,
+                 relayouts: dict | None = None):
         from mpi4py.util import pkl5
 
         from meshplan.runtime.collectives import AxisGroup
 
         self.comm, self.MPI, self.crossings, self.ranks = comm, MPI, crossings, ranks
         self.stage, self.replica, self.device = ranks.where(comm.Get_rank())
-        self.replicas, tensor = ranks.replicas[self.stage], ranks.tensor
-        self.routes = _Routes(crossings, ranks, rows)
-        self.group = comm.Split(self.stage * tensor + self.device, self.replica)    # the replicas
-        self.devices = AxisGroup(comm.Split(ranks.first(self.stage) + self.replica, self.device), MPI) \
-            if tensor > 1 else None
+        self.replicas = ranks.replicas[self.stage]
+        self.routes = _Routes(crossings, ranks, rows, relayouts)
+        first = ranks.first(self.stage)
+        self.group = comm.Split(first + self.device, self.replica)    # the replicas (a stage's devices j alike)
+        # (every rank splits where any stage's devices shard: a split is the whole world's call)
+        devices = comm.Split(first + self.replica, self.device) if ranks.tensor > 1 else None
+        self.devices = AxisGroup(devices, MPI) if ranks.devices(self.stage) > 1 else None
         # tensors as pickle's out-of-band buffers (mpi4py's pkl5): an array's bytes go as they
         # are, not copied into a pickle (16 MiB between two ranks of a machine: 2.1 ms, against
         # 9.6 ms pickled whole; alike at 256 KiB)
@@ -86,16 +105,16 @@ class PipelineLinks:
         """Send what crossing ``crossing`` carries for microbatch ``mb``, without waiting
         (``finish`` waits); a crossing's microbatches go in the order both lists give."""
         c = self.crossings[crossing]
-        for replica, piece in self.routes.outgoing(crossing, self.replica, value):
-            self._posted.append(self.messages.isend(piece, dest=self.ranks.rank(c.dst, replica, self.device),
+        for replica, device, piece in self.routes.outgoing(crossing, self.replica, self.device, value):
+            self._posted.append(self.messages.isend(piece, dest=self.ranks.rank(c.dst, replica, device),
                                                     tag=crossing + 1))
 
     def receive(self, crossing: int, mb: int) -> np.ndarray:
         """What crossing ``crossing`` brings for microbatch ``mb``, waited for."""
         c = self.crossings[crossing]
-        return self.routes.joined(crossing, [
-            self.messages.recv(source=self.ranks.rank(c.src, replica, self.device), tag=crossing + 1)
-            for replica in self.routes.incoming(crossing, self.replica)])
+        return self.routes.joined(crossing, self.device, [
+            self.messages.recv(source=self.ranks.rank(c.src, replica, device), tag=crossing + 1)
+            for replica, device in self.routes.incoming(crossing, self.replica, self.device)])
 
     def collective(self, step, x):
         """This device's part of a collective of its replica's devices (a part's)."""
@@ -142,16 +161,17 @@ class LocalLinks:
 
     WAIT = 0.05    # seconds between looks at whether another stage failed
 
-    def __init__(self, ranks: StageRanks, crossings=(), rows: dict[int, int] | None = None):
-        self.ranks, self.tensor = ranks, ranks.tensor
-        self.routes = _Routes(list(crossings), ranks, rows)
+    def __init__(self, ranks: StageRanks, crossings=(), rows: dict[int, int] | None = None,
+                 relayouts: dict | None = None):
+        self.ranks = ranks
+        self.routes = _Routes(list(crossings), ranks, rows, relayouts)
         self._queues: dict[tuple, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
         self.failed = threading.Event()
         # a stage's replicas meet among the devices j alike; a replica's devices among themselves
-        S, T = ranks.stages, ranks.tensor
-        self._meetings = {(s, j): _Meeting(ranks.replicas[s]) for s in range(S) for j in range(T)}
-        self._devices = {(s, r): _Meeting(T) for s in range(S) for r in range(ranks.replicas[s])}
+        S = ranks.stages
+        self._meetings = {(s, j): _Meeting(ranks.replicas[s]) for s in range(S) for j in range(ranks.devices(s))}
+        self._devices = {(s, r): _Meeting(ranks.devices(s)) for s in range(S) for r in range(ranks.replicas[s])}
 
     def of(self, stage: int, replica: int = 0, device: int = 0) -> "_ReplicaLinks":
         """The links of device ``device`` of replica ``replica`` of stage ``stage``."""
@@ -163,12 +183,12 @@ class LocalLinks:
         for meeting in list(self._meetings.values()) + list(self._devices.values()):
             meeting.barrier.abort()
 
-    def _queue(self, crossing: int, mb: int, place: int, source: int) -> queue.SimpleQueue:
+    def _queue(self, crossing: int, mb: int, place: tuple, source: tuple) -> queue.SimpleQueue:
         with self._lock:
             return self._queues.setdefault((crossing, mb, place, source), queue.SimpleQueue())
 
     def unreceived(self) -> list[tuple[int, int, int, int]]:
-        """The (crossing, microbatch, place, source replica) sent and not received (none after a step)."""
+        """The (crossing, microbatch, place, source) sent and not received (none after a step)."""
         with self._lock:
             return [key for key, waiting in self._queues.items() if not waiting.empty()]
 
@@ -202,6 +222,7 @@ class _ReplicaLinks:
 
     def __init__(self, links: LocalLinks, stage: int, replica: int, device: int = 0):
         self.links, self.replica, self.replicas, self.device = links, replica, links.ranks.replicas[stage], device
+        self.tensor = links.ranks.devices(stage)
         self.meeting = links._meetings[(stage, device)]
         self.devices = links._devices[(stage, replica)]
 
@@ -211,20 +232,21 @@ class _ReplicaLinks:
         from meshplan.reshard.steps import apply_steps
         from meshplan.sharding import LogicalMesh
 
-        tensor = self.links.tensor
+        tensor = self.tensor
         mesh = LogicalMesh((1, tensor), tuple(range(tensor)))
         values = self.devices.trade(self.device, x)
         done = apply_steps({(0, j): v for j, v in enumerate(values)}, [step], mesh)
         return done[(0, self.device)]
 
     def post(self, crossing: int, mb: int, value) -> None:
-        for replica, piece in self.links.routes.outgoing(crossing, self.replica, value):
-            self.links._queue(crossing, mb, replica * self.links.tensor + self.device, self.replica).put(piece)
+        for replica, device, piece in self.links.routes.outgoing(crossing, self.replica, self.device, value):
+            self.links._queue(crossing, mb, (replica, device), (self.replica, self.device)).put(piece)
 
     def receive(self, crossing: int, mb: int):
-        routes, place = self.links.routes, self.replica * self.links.tensor + self.device
-        return routes.joined(crossing, [self._taken(self.links._queue(crossing, mb, place, source))
-                                        for source in routes.incoming(crossing, self.replica)])
+        routes, place = self.links.routes, (self.replica, self.device)
+        return routes.joined(crossing, self.device, [
+            self._taken(self.links._queue(crossing, mb, place, source))
+            for source in routes.incoming(crossing, self.replica, self.device)])
 
     def _taken(self, waiting: queue.SimpleQueue):
         while True:

@@ -354,9 +354,9 @@ class StageRunner:
         c = self.crossings[index]
         value = self._placed(value)
         if c.made_in == STATE:
-            self.borrowed[c.tensor] = value
+            self.borrowed[c.received] = value
         else:
-            self.held[(c.tensor, mb)] = value
+            self.held[(c.received, mb)] = value
 
     def host_state(self) -> dict[str, np.ndarray]:
         """The stage's state in host memory (a checkpoint's, the weights trained): those of

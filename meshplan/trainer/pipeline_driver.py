@@ -87,14 +87,13 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         raise ReportedElsewhere(str(failure or ""))
     stages = len(lists)
     ranks = _ranks(plan)
-    T = ranks.tensor
     stage, replica, device = ranks.where(rank)
-    R = ranks.replicas[stage]
+    R, T, specs = ranks.replicas[stage], ranks.devices(stage), pipeline.specs_of(stage)
     record = CallRecord()
     schedule = Schedule(plan.training["pipeline"]["schedule"], plan.microbatches,
                         [lists[ranks.where(r)[0]] for r in range(size)])
-    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, ranks, pipeline.rows),
-                              runner, record=record)
+    interpreter = Interpreter(plan, rank, schedule, PipelineLinks(comm, MPI, pipeline.crossings, ranks, pipeline.rows,
+                                                                  pipeline.relayouts), runner, record=record)
     reads = {n for part in runner.parts.values() for n in part.inputs}
     B = plan.microbatches
     end = first + options.steps
@@ -116,7 +115,7 @@ def train_pipeline_rank(plan_dir: Path, plan: Plan, options, provider: str, prog
         per = len(next(iter(batch.values()))) // B
         share = per // R       # this replica's part of every microbatch
         slices = [{n: device_piece(v[m * per + replica * share:m * per + (replica + 1) * share],
-                                   pipeline.specs.get(n), T, device)
+                                   specs.get(n), T, device)
                    for n, v in batch.items() if n in reads} for m in range(B)]
         started = time.perf_counter()
         scale = scaler.scale
@@ -189,7 +188,7 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
                                    record["schedule"], list(ranks.replicas))
     batches = Batches(options.data, plan, options.shuffle, options.seed)
     stage, replica, device_index = ranks.where(rank)
-    R, T = ranks.replicas[stage], ranks.tensor
+    R, T = ranks.replicas[stage], ranks.devices(stage)
     found = pipeline.device_parts[device_index] if T > 1 else pipeline.parts
     parts = {phase: part for (s, phase), part in found.items() if s == stage}
     held = [n for n, s in pipeline.home.items() if s == stage]
@@ -209,7 +208,7 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
     threads = max(1, (os.cpu_count() or 1) // size)
     device = None
     if T > 1:   # each device's piece of its stage's state, its parts with collectives (on the host, for now)
-        state = {n: device_piece(v, pipeline.specs.get(n), T, device_index) for n, v in state.items()}
+        state = {n: device_piece(v, pipeline.specs_of(stage).get(n), T, device_index) for n, v in state.items()}
         sessions = stage_sessions(parts, None, lambda path: ShardedPart(path, providers, threads))
     else:
         if on_device or on_device is None and on_cuda:
@@ -230,6 +229,12 @@ def _layouts(plan: Plan) -> dict[str, dict]:
     ranks = _ranks(plan)
     if ranks.tensor > 1:
         return _device_layouts(plan, ranks)
+    return _replica_layouts(plan, ranks)
+
+
+def _replica_layouts(plan: Plan, ranks: StageRanks) -> dict[str, dict]:
+    """``_layouts`` where no stage's devices shard its operators."""
+    training, home = plan.training, plan.training["pipeline"]["home"]
     sharded = set(plan.training["pipeline"].get("sharded", ()))
     shapes = {**{w: info["shape"] for w, info in training["weights"].items()},
               **{n: info["shape"] for n, info in training.get("statistics", {}).items()}}
@@ -251,11 +256,16 @@ def _device_layouts(plan: Plan, ranks: StageRanks) -> dict[str, dict]:
 
     training = plan.training
     home, specs = training["pipeline"]["home"], training["pipeline"].get("specs", {})
+    stage_specs = training["pipeline"].get("stage_specs")
     found = {}
-    T = ranks.tensor
+    one_device = _replica_layouts(plan, ranks) if ranks.tensors else {}
     for name in state_names(training):
-        first = ranks.first(int(home[name]))
-        spec = specs.get(name, "()")
+        stage = int(home[name])
+        first, T = ranks.first(stage), ranks.devices(stage)
+        if T == 1:   # (a stage of one device among stages that shard)
+            found[name] = one_device[name]
+            continue
+        spec = (stage_specs[stage] if stage_specs else specs).get(name, "()")
         devices = list(range(first, first + T))
         whole = ShardingSpec.parse(spec).is_replicated
         found[name] = {"spec": spec, "segments": None, "logical_mesh": [1, T], "devices": devices,
@@ -267,7 +277,8 @@ def _ranks(plan: Plan) -> StageRanks:
     """Whose rank is which in ``plan``'s job (``meshplan.stage_ranks``)."""
     record = plan.training["pipeline"]
     try:
-        return StageRanks.of(record.get("replicas", 1), int(record["stages"]), int(record.get("tensor", 1)))
+        return StageRanks.of(record.get("replicas", 1), int(record["stages"]),
+                             record.get("tensors") or int(record.get("tensor", 1)))
     except ValueError as exc:
         raise PlanError(f"plan.json's pipeline record is malformed ({exc})", hint="re-run meshplan plan") from None
 

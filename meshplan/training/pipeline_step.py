@@ -81,6 +81,11 @@ class Crossing:
     made_in: str
     dst: int
     read_in: tuple[str, ...]
+    into: str = ""      # the name stage ``dst`` reads it by, where its layout there differs (``crossing_layouts``)
+
+    @property
+    def received(self) -> str:
+        return self.into or self.tensor
 
 
 def per_microbatch(crossing: Crossing) -> bool:
@@ -109,11 +114,26 @@ class PipelineStep:
     # crossing index → the axis of its tensor that holds a microbatch's samples, where it goes
     # between stages with different replica counts (``meshplan.stage_ranks``)
     rows: dict[int, int] = field(default_factory=dict)
+    # stages whose numbers of such devices differ (``--tensor-parallel 2,1``): each stage's T,
+    # its inputs' and outputs' layouts, and how each crossing between two of different
+    # layouts goes (crossing index → ``crossing_layouts.Relayout``)
+    tensors: list[int] = field(default_factory=list)
+    stage_specs: list[dict[str, str]] = field(default_factory=list)
+    relayouts: dict = field(default_factory=dict)
 
     @property
     def tensor(self) -> int:
-        """The devices that shard each stage's operators (1: each stage's parts run whole)."""
+        """The devices that shard each stage's operators (1: each stage's parts run whole);
+        where the stages' differ, the most."""
         return max(1, len(self.device_parts))
+
+    def tensor_of(self, stage: int) -> int:
+        """The devices that shard stage ``stage``'s operators."""
+        return self.tensors[stage] if self.tensors else self.tensor
+
+    def specs_of(self, stage: int) -> dict[str, str]:
+        """Stage ``stage``'s layouts of its inputs and outputs on its [1, T] mesh."""
+        return self.stage_specs[stage] if self.stage_specs else self.specs
 
 
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int, recompute: bool = False) -> PipelineStep:

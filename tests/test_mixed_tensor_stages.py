@@ -1,0 +1,183 @@
+"""Pipelined training plans whose stages shard their operators over different numbers of
+devices (``meshplan plan --train --stages S --tensor-parallel T0,T1,...``): each stage's
+parts cut from the step planned on its own [1, T] mesh, each crossing between stages of
+different layouts moved device to device (``meshplan.crossing_layouts``); run in process
+and under ``mpiexec``, equal to torch; checkpoints, resume onto another plan, export; the
+plans it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli, run_mpi
+from meshplan.crossing_layouts import Relayout, base_name, spec_of_name
+from meshplan.emit.pipeline_parts import read_pipeline
+from meshplan.plan_format import read_plan
+from meshplan.runtime.pipeline_inprocess import PipelineRunner
+from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.trainer.checkpoint import Checkpoint
+from sample_models.training import TRAINING_DIR, load_case
+from test_cli_errors import _one_error_line
+from tests.training_cases import assert_final_like_torch, train_in_process
+
+
+def _plan(tmp_path, name: str, mesh: str, tensors: str, *more, microbatches: int = 4, out: str = "plan"):
+    case = load_case(name)
+    settings = case["settings"]
+    done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer",
+                   settings["optimizer"], "--mesh", mesh, "--stages", len(tensors.split(",")), "--tensor-parallel",
+                   tensors, "--microbatches", microbatches, "--dim", f"batch={settings['batch']}", "--device", "cpu",
+                   *more, "-o", tmp_path / out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return case, tmp_path / out, done.stdout
+
+
+def _pieces(value: np.ndarray, spec: str, devices: int) -> list[np.ndarray]:
+    """Each device's piece of ``value`` in ``spec`` on [1, devices] (a partial sum: device 0
+    holds the value plus noise, the others the noise's opposite shares)."""
+    layout = ShardingSpec.parse(spec)
+    mesh = LogicalMesh((1, devices), tuple(range(devices)))
+    whole = ShardingSpec(layout.dims)
+    cut = [np.array(value[whole.local_slices(value.shape, mesh, (0, j))]) for j in range(devices)]
+    if layout.partial and devices > 1:
+        rng = np.random.default_rng(1)
+        noise = [rng.standard_normal(cut[0].shape).astype(value.dtype) for _ in range(devices - 1)]
+        cut = [cut[0] - sum(noise)] + noise
+    return cut
+
+
+@pytest.mark.parametrize("shape,source,senders,target,receivers", [
+    ((4, 6), "S1R", 2, "RR", 1),           # split → whole
+    ((4, 6), "RR", 1, "RS1", 2),           # whole → split
+    ((4, 8), "S1R", 2, "RS1", 4),          # split one way → split the other way, 2 → 4
+    ((8, 4), "RS1", 4, "S1R", 2),
+    ((4, 6), "RR+P1", 2, "S1R", 2),    # addends → split: the receivers add them up
+    ((4, 6), "RR", 2, "S1R", 2),           # whole on both senders: each receiver's from its own
+    ((4, 6), "RR", 2, "RR+P1", 4),         # → addends: the first receiver holds it, the others zeros
+    ((4, 6), "RR+P1", 4, "RR+P1", 2),
+    ((), "()", 2, "()", 1),                # a scalar
+])
+def test_a_relayout_gives_each_receiver_its_piece(shape, source, senders, target, receivers):
+    """Every receiver puts together exactly its piece of the tensor in the target layout
+    (for a target of addends: their sum is the tensor) from what the senders send it; where
+    the senders hold the same piece, they share the sending."""
+    value = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 0.5
+    move = Relayout(tuple(shape), source, target, senders, receivers)
+    held = _pieces(value, source, senders)
+    inbox = {j: {} for j in range(receivers)}
+    for i in range(senders):
+        for j, cut in move.sends(i):
+            inbox[j][i] = np.ascontiguousarray(np.asarray(held[i])[cut])
+    got = []
+    for j in range(receivers):
+        assert sorted(inbox[j]) == move.sources(j)
+        got.append(move.joined(j, [inbox[j][i] for i in move.sources(j)]))
+    layout = ShardingSpec.parse(target)
+    if layout.partial:
+        np.testing.assert_allclose(sum(got), value, rtol=1e-6)
+        assert all(not g.any() for g in got[1:])
+    else:
+        for j, piece in enumerate(got):
+            np.testing.assert_array_equal(piece, _pieces(value, target, receivers)[j])
+    if source == "RR" and senders > 1 and not layout.partial:     # replicated senders share the sending
+        assert len({i for j in range(receivers) for i in move.sources(j)}) == min(senders, receivers)
+
+
+def test_crossing_names_carry_their_layouts():
+    assert spec_of_name("add_1@S1RR", {}) == "S1RR" and base_name("add_1@S1RR", {}) == "add_1"
+    assert spec_of_name("add_1", {}) is None and base_name("add_1", {}) == "add_1"
+    assert spec_of_name("w", {"w": "RS1"}) == "RS1" and base_name("w", {"w": "RS1"}) == "w"
+    assert spec_of_name("w@whole", {}) is None and base_name("w@whole", {}) == "w@whole"
+
+
+@pytest.mark.parametrize("name,mesh,tensors,more", [
+    ("gpt_adamw", "1x3", "2,1", ("--policy", "data")),                      # split batch → one device
+    ("gpt_adamw", "1x3", "1,2", ("--policy", "megatron", "--schedule", "gpipe")),
+    ("gpt2_tied", "1x3", "1,2", ("--policy", "data")),                      # the tie spans stages of 1 and 2
+    ("gpt_adamw", "1x4", "1,2,1", ("--policy", "megatron")),
+    ("gpt_adamw", "1x6", "2,1", ("--policy", "megatron")),                  # 2 replicas of each stage
+])
+def test_stages_of_different_tensor_parallelism_train_as_torch_in_process(tmp_path, name, mesh, tensors, more):
+    """Each device of each stage in a thread: each step's loss within 1e-3 of torch's and the
+    final weights, put together from each stage's pieces in its own layouts, as torch's."""
+    case, plan_dir, said = _plan(tmp_path, name, mesh, tensors, *more)
+    assert "crossing(s) laid out again between stages" in said
+    plan = read_plan(plan_dir)
+    pipeline = read_pipeline(plan_dir, plan.training)
+    assert pipeline.tensors == [int(t) for t in tensors.split(",")]
+    assert pipeline.relayouts, "no crossing changes its layout"
+    replicas = int(plan.training["pipeline"]["replicas"])
+    assert [s.logical_mesh for s in plan.stages] == [[replicas, t] if t > 1 else [1, replicas]
+                                                     for t in pipeline.tensors]
+    runner = PipelineRunner(pipeline, plan.microbatches, case["initial"], plan.training["pipeline"]["schedule"],
+                            replicas=replicas)
+    losses = train_in_process(case, runner)
+    np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
+    assert_final_like_torch(case, plan.training["tied"], runner.state_values())
+
+
+def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
+    """``mpiexec -n 3 meshplan train`` on a stage of 2 devices that shard its operators and a
+    stage of one: each step's loss as torch's, the checkpoint's pieces put together as
+    torch's final weights; resumed after 6 steps on its plan and on a plan of the other
+    order (1,2) the same steps as one job; ``meshplan export`` writes the trained model;
+    ``show --schedule`` names the relayouts."""
+    case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x3", "2,1", "--policy", "megatron")
+    settings = case["settings"]
+    options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
+               "--weight-decay", settings["weight_decay"], "--clip-norm", settings["clip_norm"],
+               "--betas", ",".join(str(b) for b in settings["betas"]), "--eps", settings["eps"],
+               "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps", settings["steps"]]
+    done = run_mpi(3, "train", plan_dir, "--steps", settings["steps"], "--checkpoint", tmp_path / "ck",
+                   "--log", tmp_path / "log.json", *options)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = json.loads((tmp_path / "log.json").read_text())
+    np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
+    checkpoint = Checkpoint(tmp_path / "ck")
+    layouts = checkpoint.manifest["layouts"]
+    assert any(entry.get("logical_mesh") == [1, 2] and entry["holders"] == [0, 1] for entry in layouts.values())
+    assert_final_like_torch(case, read_plan(plan_dir).training["tied"], dict(checkpoint.tensors()))
+    half = settings["steps"] // 2
+    first = run_mpi(3, "train", plan_dir, "--steps", half, "--checkpoint", tmp_path / "half", "-q", *options)
+    assert first.returncode == 0, first.stderr
+    second = run_mpi(3, "train", plan_dir, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
+                     "--log", tmp_path / "resumed.json", "-q", *options)
+    assert second.returncode == 0, second.stderr
+    resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
+    np.testing.assert_allclose(resumed, log["losses"][half:], rtol=1e-6)
+    _, other, _ = _plan(tmp_path, "gpt_adamw", "1x3", "1,2", "--policy", "data", out="other")
+    third = run_mpi(3, "train", other, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
+                    "--log", tmp_path / "elsewhere.json", "-q", *options)
+    assert third.returncode == 0, third.stderr
+    elsewhere = json.loads((tmp_path / "elsewhere.json").read_text())["losses"]
+    np.testing.assert_allclose(elsewhere, log["losses"][half:], rtol=1e-5)
+    exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "trained.onnx").is_file()
+    shown = run_cli("show", plan_dir, "--schedule")
+    assert shown.returncode == 0, shown.stderr
+    assert "on 2 device(s) ->" in shown.stdout and "on 1" in shown.stdout
+
+
+def test_what_a_plan_of_stages_of_different_tensor_parallelism_refuses(tmp_path):
+    """A list of another length than the stages (a usage error), a mesh that is not a
+    multiple of their sum, a stage's devices across two hosts, with --stage-devices, a T
+    that is not a number: one line each, nothing written."""
+    case = load_case("mlp_sgd")
+    settings = case["settings"]
+    base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
+            f"batch={settings['batch']}", "--device", "cpu", "--microbatches", 2]
+    usage = run_cli(*base, "--mesh", "1x3", "--stages", 3, "--tensor-parallel", "2,1", "-o", tmp_path / "a")
+    assert usage.returncode == 2 and "goes with --stages 2" in usage.stderr
+    _one_error_line(run_cli(*base, "--mesh", "1x4", "--stages", 2, "--tensor-parallel", "2,1", "-o", tmp_path / "a"),
+                    "multiple of 3")
+    _one_error_line(run_cli(*base, "--mesh", "3x1", "--stages", 2, "--tensor-parallel", "1,2", "-o", tmp_path / "a"),
+                    "two hosts")
+    _one_error_line(run_cli(*base, "--mesh", "1x6", "--stages", 2, "--tensor-parallel", "2,1", "--stage-devices",
+                            "4,2", "-o", tmp_path / "a"), "--stage-devices")
+    bad = run_cli(*base, "--mesh", "1x3", "--stages", 2, "--tensor-parallel", "2,x", "-o", tmp_path / "a")
+    assert bad.returncode == 2 and "positive numbers" in bad.stderr
+    assert not (tmp_path / "a").exists()
