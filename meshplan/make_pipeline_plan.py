@@ -57,10 +57,11 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
     if options.tensor_parallel == AUTO:
         trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tensor.", dir=out_dir.parent))
         try:
-            tensor, weighed = weigh_tensor(model_path, cluster, dims, options, spec, microbatches, cost_model, trial)
+            tensor, each, weighed = weigh_tensor(model_path, cluster, dims, options, spec, microbatches, cost_model,
+                                                 trial)
         finally:
             shutil.rmtree(trial, ignore_errors=True)
-        options, notes = replace(options, tensor_parallel=tensor), list(notes) + weighed
+        options, notes = replace(options, tensor_parallel=tensor, stage_tensors=each), list(notes) + weighed
     trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.devices.", dir=out_dir.parent))
     try:
         options, weighed = weigh_stage_devices(model_path, cluster, dims, options, spec, microbatches, cost_model,
@@ -164,21 +165,58 @@ def tensor_choices(cluster: Cluster, stages: int) -> list[int]:
 
 
 def weigh_tensor(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
-                 microbatches: int, cost_model: CostModel | None, workdir: Path) -> tuple[int, list[str]]:
+                 microbatches: int, cost_model: CostModel | None,
+                 workdir: Path) -> tuple[int, tuple[int, ...] | None, list[str]]:
     """``--tensor-parallel auto`` with ``--stages S``: each T of ``tensor_choices`` estimated
-    (``pipeline_estimate``); the fastest step that fits its devices, and the report's line."""
+    (``pipeline_estimate``), and the cut's own T for each stage where they differ (one
+    replica a stage: ``cut_tensors``); the fastest step that fits its devices (T, and each
+    stage's where they differ, else None), and the report's line."""
     weighed, lines = [], []
-    for tensor in tensor_choices(cluster, options.stages):
-        step = _fitting(f"{tensor} device(s) that shard" if tensor > 1 else "replicas", lines, cluster,
-                        lambda: pipeline_estimate(model_path, cluster, dims, replace(options, tensor_parallel=tensor),
-                                                  spec, microbatches, cost_model, workdir / f"t{tensor}"))
+    choices = [(t, None) for t in tensor_choices(cluster, options.stages)]
+    own = cut_tensors(model_path, cluster, dims, options, cost_model, workdir / "cut")
+    if own is not None:
+        choices.append((max(own), own))
+    for tensor, each in choices:
+        what = ",".join(map(str, each)) if each else f"{tensor} device(s) that shard" if tensor > 1 else "replicas"
+        step = _fitting(what, lines, cluster,
+                        lambda: pipeline_estimate(model_path, cluster, dims,
+                                                  replace(options, tensor_parallel=tensor, stage_tensors=each),
+                                                  spec, microbatches, cost_model,
+                                                  workdir / ("-".join(map(str, each)) if each else f"t{tensor}")))
         if step is not None:
-            weighed.append((step, tensor))
+            weighed.append((step, tensor, each or ()))
     if not weighed:
         raise PlanError(f"no tensor parallelism of the {options.stages} stages fits the devices (" + "; ".join(lines)
                         + ")", hint="more devices, more stages, or more microbatches")
-    best = min(weighed)[1]
-    return best, [f"tensor parallelism weighed (--tensor-parallel auto): {'; '.join(lines)}; chosen: T = {best}"]
+    _, best, each = min(weighed)
+    chosen = ",".join(map(str, each)) if each else str(best)
+    return best, each or None, [f"tensor parallelism weighed (--tensor-parallel auto): {'; '.join(lines)}; chosen: "
+                                f"T = {chosen}"]
+
+
+def cut_tensors(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, cost_model: CostModel | None,
+                workdir: Path) -> tuple[int, ...] | None:
+    """Each stage's T as the cut chooses them with its layers, one replica a stage (each
+    stage's layers over its devices: Alpa's stage DP over submesh sizes), where they differ
+    and each stage's devices share a host; else None."""
+    N, S, per_host = cluster.num_devices, options.stages, cluster.devices_per_host
+    if N <= S:
+        return None
+    try:
+        graph = _forward_graph(model_path, dims, workdir)
+    except MeshplanError:      # (the plan itself says why, in its own words)
+        return None
+    seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
+    allowed = [t for t in range(1, min(N - S + 1, per_host) + 1)]
+    if not _adds_up(allowed, S, N):
+        return None
+    chosen = tuple(cut_stages(graph, seconds, S, options.num_layers, [allowed] * S, N).replicas)
+    if len(set(chosen)) == 1:
+        return None
+    ranks = StageRanks.of(1, S, chosen)
+    if any(cluster.host_of(ranks.first(s)) != cluster.host_of(ranks.first(s) + chosen[s] - 1) for s in range(S)):
+        return None
+    return chosen
 
 
 def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,

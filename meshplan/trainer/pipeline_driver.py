@@ -224,8 +224,8 @@ def _start(plan_dir: Path, plan: Plan, options, provider: str, rank: int, size: 
 def _layouts(plan: Plan) -> dict[str, dict]:
     """Each state whole on the rank of the stage that holds it, or in row blocks on the
     stage's replicas (a slot of a stage that updates in row blocks: ``replica_shards``), as
-    ``runtime.state_files`` reads them."""
-    training, home = plan.training, plan.training["pipeline"]["home"]
+    ``runtime.state_files`` reads them; where a stage's devices shard its operators, in its
+    layouts (``_device_layouts``)."""
     ranks = _ranks(plan)
     if ranks.tensor > 1:
         return _device_layouts(plan, ranks)
