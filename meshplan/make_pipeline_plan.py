@@ -39,10 +39,11 @@ from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize
 from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
 from meshplan.stage_ranks import StageRanks
-from meshplan.training.pipeline_step import CLIP, NORM, SCHEDULES, UPDATE_PHASE, split_step
+from meshplan.training.pipeline_step import CLIP, NORM, UPDATE_PHASE, split_step
 from meshplan.training.sharded_update import update_shards
 from meshplan.make_stage_programs import mixed_stages, sharded_stages
-from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, build_step_model, save_step_model
+from meshplan.pipeline_devices import adds_up, checked_step, leading_dim, replica_dims
+from meshplan.training.step_model import BACKWARD, FORWARD, TrainSpec, save_step_model
 
 TRAINING_DIR = "training"
 AUTO = 0     # ``PlanOptions.tensor_parallel`` to weigh (``--tensor-parallel auto``)
@@ -70,7 +71,7 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         shutil.rmtree(trial, ignore_errors=True)
     notes = list(notes) + weighed
     stages, tensor = options.stages, options.tensor_parallel
-    step, choices = _checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
+    step, choices = checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
     try:
         folder = staging / TRAINING_DIR
@@ -83,12 +84,12 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
         if options.stage_tensors:
             memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster,
-                                         _replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
+                                         replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
                                          cost_model, staging / ".tensor", folder)
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         elif tensor > 1:
             memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
-                                           _replica_dims(step, dims, replicas[0]), options, cost_model,
+                                           replica_dims(step, dims, replicas[0]), options, cost_model,
                                            staging / ".tensor", folder)
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         check_fits(memory, cluster.device.memory_bytes)
@@ -131,7 +132,7 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     """The step seconds and the most bytes a device needs of the pipelined plan of
     ``options.stages`` stages, planned but not written. Raises ``PlanError`` where there is
     no such plan (the stages do not divide the mesh, a microbatch does not split, ...)."""
-    step, choices = _checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
+    step, choices = checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
     tensor = options.tensor_parallel
     workdir.mkdir(parents=True, exist_ok=True)
     step_path = save_step_model(step, model_path, workdir / "step" / "step.onnx")
@@ -143,12 +144,12 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     if options.stage_tensors:
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster,
-                                     _replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
+                                     replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
                                      cost_model, workdir / "tensor", workdir / "parts")
     elif tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
-                                       _replica_dims(step, dims, replicas[0]), options, cost_model,
+                                       replica_dims(step, dims, replicas[0]), options, cost_model,
                                        workdir / "tensor", workdir / "parts")
     step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule)[1]
     return step_seconds, max(sum(m.values()) for m in memory)
@@ -208,7 +209,7 @@ def cut_tensors(model_path: Path, cluster: Cluster, dims: dict, options: PlanOpt
         return None
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
     allowed = [t for t in range(1, min(N - S + 1, per_host) + 1)]
-    if not _adds_up(allowed, S, N):
+    if not adds_up(allowed, S, N):
         return None
     chosen = tuple(cut_stages(graph, seconds, S, options.num_layers, [allowed] * S, N).replicas)
     if len(set(chosen)) == 1:
@@ -238,7 +239,7 @@ def weigh_stage_devices(model_path: Path, cluster: Cluster, dims: dict, options:
     size = int(first[0]) if first else 1       # one microbatch's samples
     allowed = [r for r in range(1, N - S + 2) if size % r == 0]
     equal = [N // S] * S
-    if size % equal[0] or not _adds_up(allowed, S, N):
+    if size % equal[0] or not adds_up(allowed, S, N):
         return options, []
     seconds = (cost_model or CostModel(cluster)).graph_seconds(graph)
     chosen = cut_stages(graph, seconds, S, options.num_layers, [allowed] * S, N).replicas
@@ -273,109 +274,6 @@ def _fitting(what: str, lines: list[str], cluster: Cluster, estimate) -> float |
     return step if fits else None
 
 
-def _checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
-                  microbatches: int, stages: int):
-    """The step model for ``stages`` stages and the replica counts each stage may have (one
-    each where they are given: the mesh's devices over the stages, or ``--stage-devices``;
-    else every count that splits a microbatch, the cut choosing: ``cut_stages``);
-    ``PlanError`` where the mesh, the model or the batch does not allow them."""
-    if options.schedule not in SCHEDULES:
-        raise PlanError(f"unknown pipeline schedule {options.schedule!r} (choose from {', '.join(SCHEDULES)})")
-    N, tensor, given = cluster.num_devices, options.tensor_parallel, options.stage_devices
-    if options.stage_tensors:
-        return _checked_mixed(model_path, cluster, dims, options, spec, microbatches, stages)
-    if given is not None:
-        if len(given) != stages or sum(given) != N or min(given) < 1:
-            raise PlanError(f"--stage-devices {','.join(map(str, given))} does not give each of the {stages} stages "
-                            f"devices adding up to the mesh's {N}", hint=f"{stages} counts that add up to {N}")
-        if tensor > 1 and len(set(given)) > 1:
-            raise PlanError("with --tensor-parallel every stage has the same number of devices, not "
-                            f"{','.join(map(str, given))}", hint="--tensor-parallel 1, or equal stages")
-    elif N % stages and tensor > 1:
-        raise PlanError(f"--stages {stages} does not divide the mesh's {N} devices: with --tensor-parallel each "
-                        "stage has the same number of devices", hint=f"a number of stages that divides {N}")
-    elif N < stages:
-        raise PlanError(f"--stages {stages} needs at least {stages} devices, the mesh has {N}",
-                        hint=f"at most {N} stages")
-    if tensor > 1 and (N // stages) % tensor:
-        raise PlanError(f"--tensor-parallel {tensor} does not divide a stage's {N // stages} "
-                        f"device(s) ({N} over {stages} stages)",
-                        hint=f"a divisor of {N // stages}")
-    if tensor > 1 and (tensor > cluster.devices_per_host or cluster.devices_per_host % tensor):
-        raise PlanError(f"--tensor-parallel {tensor} does not divide a host's {cluster.devices_per_host} device(s): "
-                        "the devices that shard a stage's operators are on one host",
-                        hint=f"a divisor of {cluster.devices_per_host}")
-    step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
-    size = _microbatch_size(step, dims)
-    equal = N // stages // tensor
-    if given is not None:
-        choices = [[d // tensor] for d in given]
-    elif N % stages == 0 and (tensor > 1 or size % equal == 0):
-        choices = [[equal]] * stages
-    else:   # the cut gives each stage its devices: counts that split a microbatch
-        allowed = [r for r in range(1, N - stages + 2) if size % r == 0]
-        if not _adds_up(allowed, stages, N):
-            each = f"the {equal} replicas of each stage" if N % stages == 0 else \
-                f"{stages} stages of {N} devices in any counts"
-            raise PlanError(f"a microbatch of {size} sample(s) does not split over {each}",
-                            hint="a batch that does, or more stages")
-        choices = [allowed] * stages
-    most = max(max(c) for c in choices)
-    if most > 1 and step.manifest.get("statistics"):
-        raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
-                        f"of one device a stage only: --stages {stages} on {N} devices makes "
-                        f"{most} replicas of a stage", hint=f"--stages {N}")
-    for stage, allowed in enumerate(choices):
-        if len(allowed) == 1 and size % allowed[0]:
-            which = "each stage" if len(set(map(tuple, choices))) == 1 else f"stage {stage}"
-            raise PlanError(f"a microbatch of {size} sample(s) does not split over the {allowed[0]} replicas of "
-                            f"{which}", hint="a batch that does, or more stages")
-    return step, choices
-
-
-def _checked_mixed(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
-                   microbatches: int, stages: int):
-    """``_checked_step`` where each stage has its own T (``--tensor-parallel T0,T1,...``): R
-    replicas of each stage, the mesh's devices over the sum of the T."""
-    tensors, N = list(options.stage_tensors), cluster.num_devices
-    given = ",".join(map(str, tensors))
-    if len(tensors) != stages:
-        raise PlanError(f"--tensor-parallel {given} gives {len(tensors)} stages their T, not {stages}")
-    if options.stage_devices is not None:
-        raise PlanError(f"--tensor-parallel {given} gives each stage its devices (R replicas of its T): leave out "
-                        "--stage-devices", hint="one of the two")
-    if N % sum(tensors):
-        raise PlanError(f"--tensor-parallel {given} needs a multiple of {sum(tensors)} devices (each stage's T, "
-                        f"as many replicas of each), the mesh has {N}", hint=f"a mesh of {sum(tensors)} devices")
-    replicas = N // sum(tensors)
-    ranks = StageRanks.of(replicas, stages, tensors)
-    for s in range(stages):
-        for r in range(replicas):
-            group = [ranks.rank(s, r, j) for j in range(tensors[s])]
-            if cluster.host_of(group[0]) != cluster.host_of(group[-1]):
-                raise PlanError(f"--tensor-parallel {given}: stage {s}'s devices {group[0]}-{group[-1]} that shard its "
-                                "operators would span two hosts (they share a host)",
-                                hint="another order of the stages' T, or hosts of more devices")
-    step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
-    size = _microbatch_size(step, dims)
-    if size % replicas:
-        raise PlanError(f"a microbatch of {size} sample(s) does not split over the {replicas} replicas of each stage",
-                        hint="a batch that does, or a mesh of fewer devices")
-    if replicas > 1 and step.manifest.get("statistics"):
-        raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
-                        f"of one replica a stage only: the mesh's {N} devices make {replicas}",
-                        hint=f"a mesh of {sum(tensors)} devices")
-    return step, [[replicas]] * stages
-
-
-def _adds_up(counts: list[int], stages: int, total: int) -> bool:
-    """Whether ``stages`` of ``counts`` (each may repeat) add up to ``total``."""
-    reach = {0}
-    for _ in range(stages):
-        reach = {r + c for r in reach for c in counts if r + c <= total}
-    return total in reach
-
-
 def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list[int], workdir: Path) -> None:
     """Where neighbouring stages have different replica counts, each crossing that carries a
     microbatch's samples is split by them (``meshplan.stage_ranks``): ``pipeline.rows``, its
@@ -384,7 +282,7 @@ def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list
     pipeline.rows = {}
     if len(set(replicas)) < 2:
         return
-    dim = _leading_dim(step)
+    dim = leading_dim(step)
     if dim is None or not dim.dim_param or dim.dim_param not in dims:
         raise PlanError("stages with different device counts split each microbatch among their replicas: the model's "
                         "batch dim must be a named dim given by --dim",
@@ -550,30 +448,6 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
-
-
-def _leading_dim(step):
-    """The leading dim of the model's first data input (its batch), or None."""
-    graph = step.model.graph
-    initializers = {t.name for t in graph.initializer}
-    first = next((v for v in graph.input if v.name not in initializers), None)
-    return first.type.tensor_type.shape.dim[0] if first is not None and first.type.tensor_type.shape.dim else None
-
-
-def _microbatch_size(step, dims: dict) -> int:
-    """The samples of one microbatch: the leading dim of the model's first data input."""
-    dim = _leading_dim(step)
-    if dim is None:
-        return 1
-    return int(dim.dim_value) if dim.HasField("dim_value") else int(dims.get(dim.dim_param, 1))
-
-
-def _replica_dims(step, dims: dict, replicas: int) -> dict:
-    """One replica's dims of a microbatch: the leading dim of the data inputs 1/R."""
-    dim = _leading_dim(step)
-    if replicas == 1 or dim is None or not dim.dim_param or dim.dim_param not in dims:
-        return dict(dims)
-    return {**dims, dim.dim_param: int(dims[dim.dim_param]) // replicas}
 
 
 def _allreduce_seconds(cluster: Cluster, devices: list[int], nbytes: float) -> float:
