@@ -6,7 +6,7 @@ Usage (from the repository root)::
         [--batch 32] [--json PATH]
     python benchmarks/pipeline_memory.py --mpi [--stages 4] [--microbatches 8] [--batch 32]
         [--layers 8] [--hidden 256] [--heads 4] [--vocab 2048] [--seq 128] [--steps 2] [--replicas 1]
-        [--tensor-parallel 1] [--policy auto|data|megatron] [--devices N | --stage-devices D0,D1,...]
+        [--tensor-parallel T|T0,T1,...] [--policy auto|data|megatron] [--devices N | --stage-devices D0,D1,...]
         [--workdir DIR] [--json PATH]
 
 In process (the default): the case is one of sample_models/training's (a GPT with AdamW by
@@ -22,8 +22,9 @@ planned with ``meshplan plan --train --stages S --schedule 1f1b|gpipe`` (and 1F1
 ``--recompute``) on a 1xS mesh of CPU devices (1x(S·R) with ``--replicas R``: each stage R
 data-parallel replicas, which hold the optimizer's state in row blocks; with
 ``--tensor-parallel T``, replicas of T devices that shard the stage's operators, on a
-1x(S·R·T) mesh, and no recomputing row) and trained for ``--steps`` steps by ``mpiexec -n
-S·R·T meshplan train``; each rank's peak RSS as the command reports it, next to the plan's
+1x(S·R·T) mesh, and no recomputing row; ``--tensor-parallel T0,T1,...``, each stage its
+own T, on a 1x(R·ΣT) mesh) and trained for ``--steps`` steps by ``mpiexec -n S·R·T meshplan
+train``; each rank's peak RSS as the command reports it, next to the plan's
 estimate of its stage, and the step's median time. ``--policy``: the plans' sharding policy
 (what the devices that shard a stage may choose). ``--devices N``: a 1xN mesh whatever the
 stages (where S does not divide N the cut gives each stage its replicas); ``--stage-devices``:
@@ -121,8 +122,9 @@ def _mpi_rows(args, work: Path) -> dict:
     meshplan = [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
     beside = Path(sys.executable).parent / "mpiexec"     # the mpich wheel's, else the PATH's
     mpiexec = str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
+    each = [int(t) for t in str(args.tensor_parallel).split(",")]     # one T, or one a stage
     T = args.tensor_parallel
-    ranks_count = args.stages * args.replicas * T
+    ranks_count = args.replicas * (sum(each) if len(each) > 1 else args.stages * each[0])
     given = ["--stage-devices", args.stage_devices] if args.stage_devices else []
     if args.stage_devices:
         ranks_count = sum(int(d) for d in args.stage_devices.split(","))
@@ -132,11 +134,11 @@ def _mpi_rows(args, work: Path) -> dict:
           f"sequence {args.seq}); {args.stages} stages, {args.microbatches} microbatches of "
           f"{args.batch // args.microbatches} samples, "
           + (f"{args.replicas} replica(s) of {T} device(s) that shard its operators a stage"
-             if ranks_count == args.stages * args.replicas * T and not given else f"{ranks_count} devices")
+             if not given and not args.devices else f"{ranks_count} devices")
           + ", under mpiexec")
     print(f"{'schedule':8} {'rank':>4} {'peak RSS MiB':>12} {'estimate MiB':>12}")
     rows = {}
-    for kind in (ONE_F_ONE_B, GPIPE) + ((RECOMPUTED,) if T == 1 else ()):
+    for kind in (ONE_F_ONE_B, GPIPE) + ((RECOMPUTED,) if each == [1] else ()):
         plan_dir = work / f"plan-{kind}"
         _run([*meshplan, "plan", model, "--train", "--loss", "cross_entropy:logits:targets", "--optimizer", "adamw",
               "--mesh", f"1x{ranks_count}", "--stages", args.stages, "--schedule",
@@ -196,8 +198,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=1, help="with --mpi: data-parallel replicas a stage")
-    parser.add_argument("--tensor-parallel", type=int, default=1,
-                        help="with --mpi: devices of each replica that shard the stage's operators")
+    parser.add_argument("--tensor-parallel", default="1",
+                        help="with --mpi: devices of each replica that shard the stage's operators (T, or T0,T1,... "
+                             "one a stage)")
     parser.add_argument("--policy", default="auto", choices=("auto", "data", "megatron"),
                         help="with --mpi: the plans' sharding policy")
     parser.add_argument("--devices", type=int, help="with --mpi: a 1xN mesh (the cut gives each stage its devices)")
