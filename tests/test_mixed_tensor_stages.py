@@ -21,7 +21,8 @@ from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.trainer.checkpoint import Checkpoint
 from sample_models.training import TRAINING_DIR, load_case
 from test_cli_errors import _one_error_line
-from tests.training_cases import assert_final_like_torch, train_in_process
+from test_pipeline_plans import _train_options
+from tests.training_cases import assert_final_like_torch, assert_resumes, train_in_process
 
 
 def _plan(tmp_path, name: str, mesh: str, tensors: str, *more, microbatches: int = 4, out: str = "plan"):
@@ -127,10 +128,8 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
     ``show --schedule`` names the relayouts."""
     case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x3", "2,1", "--policy", "megatron")
     settings = case["settings"]
-    options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
-               "--weight-decay", settings["weight_decay"], "--clip-norm", settings["clip_norm"],
-               "--betas", ",".join(str(b) for b in settings["betas"]), "--eps", settings["eps"],
-               "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps", settings["steps"]]
+    options = [*_train_options(settings), "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps",
+               settings["steps"]]
     done = run_mpi(3, "train", plan_dir, "--steps", settings["steps"], "--checkpoint", tmp_path / "ck",
                    "--log", tmp_path / "log.json", *options)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -140,20 +139,8 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
     layouts = checkpoint.manifest["layouts"]
     assert any(entry.get("logical_mesh") == [1, 2] and entry["holders"] == [0, 1] for entry in layouts.values())
     assert_final_like_torch(case, read_plan(plan_dir).training["tied"], dict(checkpoint.tensors()))
-    half = settings["steps"] // 2
-    first = run_mpi(3, "train", plan_dir, "--steps", half, "--checkpoint", tmp_path / "half", "-q", *options)
-    assert first.returncode == 0, first.stderr
-    second = run_mpi(3, "train", plan_dir, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
-                     "--log", tmp_path / "resumed.json", "-q", *options)
-    assert second.returncode == 0, second.stderr
-    resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
-    np.testing.assert_allclose(resumed, log["losses"][half:], rtol=1e-6)
     _, other, _ = _plan(tmp_path, "gpt_adamw", "1x3", "1,2", "--policy", "data", out="other")
-    third = run_mpi(3, "train", other, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
-                    "--log", tmp_path / "elsewhere.json", "-q", *options)
-    assert third.returncode == 0, third.stderr
-    elsewhere = json.loads((tmp_path / "elsewhere.json").read_text())["losses"]
-    np.testing.assert_allclose(elsewhere, log["losses"][half:], rtol=1e-5)
+    assert_resumes(3, plan_dir, other, options, log["losses"], tmp_path)
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()

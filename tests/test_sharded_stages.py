@@ -26,7 +26,7 @@ from meshplan.training.optimizers import DEFAULTS
 from meshplan.training.step_model import StepModel, TrainSpec, build_step_model
 from sample_models.training import TRAINING_DIR, load_case
 from test_cli_errors import _one_error_line
-from tests.training_cases import assert_final_like_torch, batches, hyper, train_in_process
+from tests.training_cases import assert_final_like_torch, assert_resumes, batches, hyper, train_in_process
 
 
 def _plan(tmp_path, name: str, mesh: str, stages: int, tensor: int, *more, microbatches: int = 4):
@@ -103,24 +103,12 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
     pieces = [n for n, entry in layouts.items() if entry["holders"] == [0, 1]]
     assert pieces and all(layouts[n]["logical_mesh"] == [1, 2] for n in pieces)
     assert_final_like_torch(case, read_plan(plan_dir).training["tied"], dict(checkpoint.tensors()))
-    half = settings["steps"] // 2
-    first = run_mpi(4, "train", plan_dir, "--steps", half, "--checkpoint", tmp_path / "half", "-q", *options)
-    assert first.returncode == 0, first.stderr
-    second = run_mpi(4, "train", plan_dir, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
-                     "--log", tmp_path / "resumed.json", "-q", *options)
-    assert second.returncode == 0, second.stderr
-    resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
-    np.testing.assert_allclose(resumed, log["losses"][half:], rtol=1e-6)
     # and on a plan of the same model whose stages' devices are replicas (each tensor put together)
     replicas = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer",
                        settings["optimizer"], "--mesh", "1x4", "--stages", 2, "--microbatches", 4, "--dim",
                        f"batch={settings['batch']}", "--device", "cpu", "-o", tmp_path / "replicas")
     assert replicas.returncode == 0, replicas.stderr
-    third = run_mpi(4, "train", tmp_path / "replicas", "--steps", settings["steps"] - half, "--resume",
-                    tmp_path / "half", "--log", tmp_path / "elsewhere.json", "-q", *options)
-    assert third.returncode == 0, third.stderr
-    elsewhere = json.loads((tmp_path / "elsewhere.json").read_text())["losses"]
-    np.testing.assert_allclose(elsewhere, log["losses"][half:], rtol=1e-5)
+    assert_resumes(4, plan_dir, tmp_path / "replicas", options, log["losses"], tmp_path)
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()

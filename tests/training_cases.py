@@ -67,3 +67,22 @@ def assert_final_like_torch(case: dict, tied: dict, state: dict) -> None:
         assert float(off.max()) <= 1e-4 * scale + (lr * settings["steps"] if adam else 0.0), initializer
         silent = float(np.abs(case["grads"][initializer]).max()) <= rounding * loudest
         assert silent or float(np.median(off)) <= median * scale, initializer
+
+
+def assert_resumes(ranks: int, plan_dir, other_dir, options: list, losses: list, folder) -> None:
+    """``mpiexec -n ranks meshplan train`` for half of ``losses``' steps with a checkpoint,
+    then the other half resumed from it on ``plan_dir`` (each loss within 1e-6 of one job's
+    ``losses``) and on ``other_dir`` (a plan of the same model that holds its state another
+    way: within 1e-5)."""
+    import json
+
+    from conftest import run_mpi
+
+    half = len(losses) // 2
+    first = run_mpi(ranks, "train", plan_dir, "--steps", half, "--checkpoint", folder / "half", "-q", *options)
+    assert first.returncode == 0, first.stderr
+    for where, log, rtol in ((plan_dir, "resumed.json", 1e-6), (other_dir, "elsewhere.json", 1e-5)):
+        done = run_mpi(ranks, "train", where, "--steps", len(losses) - half, "--resume", folder / "half",
+                       "--log", folder / log, "-q", *options)
+        assert done.returncode == 0, done.stderr
+        np.testing.assert_allclose(json.loads((folder / log).read_text())["losses"], losses[half:], rtol=rtol)
