@@ -401,10 +401,10 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
     """``--max-stages N`` for training: the one-stage plan (``one_stage(directory)`` plans it
     there: sharded by the ILP over the whole mesh) and the pipelined plans of every stage
     count up to N (of different sizes where a count does not divide the mesh; with
-    ``--tensor-parallel auto``, each with every T of ``tensor_choices``; else with the T
-    given); the fastest estimated step that fits its devices is written, the report says
-    what was weighed."""
-    weighed: list[tuple] = []     # (step seconds, stages, what, T)
+    ``--tensor-parallel auto``, each with every T of ``tensor_choices`` and the cut's own T
+    for each stage where they differ, ``cut_tensors``; else with the T given); the fastest
+    estimated step that fits its devices is written, the report says what was weighed."""
+    weighed: list[tuple] = []     # (step seconds, stages, what, T, each stage's T where they differ)
     lines: list[str] = []
     trial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stages.", dir=out_dir.parent))
 
@@ -415,18 +415,26 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
     try:
         step = _fitting("1 stage", lines, cluster, one_stage_estimate)
         if step is not None:
-            weighed.append((step, 1, "one stage over the mesh", 1))
+            weighed.append((step, 1, "one stage over the mesh", 1, ()))
         for stages in range(2, min(options.max_stages, cluster.num_devices) + 1):
             given = options.tensor_parallel
             if cluster.num_devices % stages and given > 1:    # (stages of different sizes: no T)
                 continue
-            for tensor in (tensor_choices(cluster, stages) if given == AUTO else [given]):
-                what = f"{stages} stages" + (f" of {tensor} that shard" if tensor > 1 else "")
+            choices = [(t, ()) for t in (tensor_choices(cluster, stages) if given == AUTO else [given])]
+            own = cut_tensors(model_path, cluster, dims, replace(options, stages=stages), cost_model,
+                              trial / f"cut{stages}") if given == AUTO else None
+            if own is not None:
+                choices.append((max(own), own))
+            for tensor, each in choices:
+                what = f"{stages} stages" + (f" of {','.join(map(str, each))} that shard" if each else
+                                             f" of {tensor} that shard" if tensor > 1 else "")
                 step = _fitting(what, lines, cluster, lambda: pipeline_estimate(
-                    model_path, cluster, dims, replace(options, stages=stages, tensor_parallel=tensor), spec,
-                    microbatches, cost_model, trial / f"work{stages}.{tensor}"))
+                    model_path, cluster, dims, replace(options, stages=stages, tensor_parallel=tensor,
+                                                       stage_tensors=each or None), spec,
+                    microbatches, cost_model, trial / f"work{stages}.{'-'.join(map(str, each)) or tensor}"))
                 if step is not None:
-                    weighed.append((step, stages, f"{what}" if tensor > 1 else f"{stages} pipeline stages", tensor))
+                    weighed.append((step, stages, f"{what}" if tensor > 1 else f"{stages} pipeline stages", tensor,
+                                    each))
         if not weighed:
             raise PlanError("no plan of at most " f"{options.max_stages} stages fits the devices ("
                             + "; ".join(lines) + ")", hint="more devices, more stages, or more microbatches")
@@ -440,7 +448,8 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
             (out_dir / REPORT_FILE).write_text(text_report(one) + "\n")
             return one
         return plan_pipeline_training(model_path, cluster, dims, out_dir,
-                                      replace(options, stages=best[1], tensor_parallel=best[3]), spec,
+                                      replace(options, stages=best[1], tensor_parallel=best[3],
+                                              stage_tensors=best[4] or None), spec,
                                       microbatches, cost_model, replace_dir, notes)
     finally:
         shutil.rmtree(trial, ignore_errors=True)

@@ -8,6 +8,7 @@ plans it refuses."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -168,3 +169,25 @@ def test_what_a_plan_of_stages_of_different_tensor_parallelism_refuses(tmp_path)
     bad = run_cli(*base, "--mesh", "1x3", "--stages", 2, "--tensor-parallel", "2,x", "-o", tmp_path / "a")
     assert bad.returncode == 2 and "positive numbers" in bad.stderr
     assert not (tmp_path / "a").exists()
+
+
+def test_auto_weighs_the_cuts_own_tensor_parallelism_of_each_stage(tmp_path):
+    """``--tensor-parallel auto`` with ``--stages 2`` on 1x3 (and with ``--max-stages 2``):
+    beside the replicas, the cut's own T for each stage (one replica a stage, 1 and 2), each
+    estimated as its plan would be; the plan written is the fastest, as the report says."""
+    for more in (("--stages", 2), ("--max-stages", 2)):
+        case = load_case("gpt_adamw")
+        settings = case["settings"]
+        out = tmp_path / more[0].strip("-")
+        done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "adamw",
+                       "--mesh", "1x3", *more, "--tensor-parallel", "auto", "--microbatches", 4, "--dim",
+                       f"batch={settings['batch']}", "--device", "cpu", "-o", out)
+        assert done.returncode == 0, done.stderr
+        line = next(line for line in done.stdout.splitlines() if "weighed" in line)
+        steps = {what.strip(): float(ms) for what, ms in re.findall(r"(?:^|; |: )([^:;]+): step ([\d.]+) ms", line)}
+        mixed = next(what for what in steps if "1,2" in what)
+        plan = read_plan(out)
+        written = plan.estimate["step_seconds"] * 1e3
+        assert written == pytest.approx(min(steps.values()), rel=1e-3), (line, written)
+        tensors = plan.training.get("pipeline", {}).get("tensors")
+        assert (tensors == [1, 2]) == (steps[mixed] == min(steps.values()))
