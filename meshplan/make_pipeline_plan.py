@@ -13,7 +13,9 @@ update allows (ZeRO-1, ``training.sharded_update``: each replica keeps and updat
 the optimizer's slots, and the updated weights are gathered whole). With
 ``--tensor-parallel T``, a stage's devices are replicas of T that shard its operators
 (``make_stage_programs``: the sharding ILP over the whole step on a [1, T] mesh, each
-device's program cut into its parts). The directory appears complete or not at all.
+device's program cut into its parts); with ``--tensor-parallel T0,T1,...`` each stage has its
+own T (``make_stage_programs.mixed_stages``), the devices each stage has checked first
+(``pipeline_devices``). The directory appears complete or not at all.
 """
 
 from __future__ import annotations
