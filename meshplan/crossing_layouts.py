@@ -54,8 +54,12 @@ def base_name(name: str, specs: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class Relayout:
-    """A tensor of ``shape`` (whole) going from ``source`` on a [1, ``senders``] mesh to
-    ``target`` on a [1, ``receivers``] mesh (specs' printed forms)."""
+    """A tensor of ``shape`` (whole) going from ``source`` on a [``sender_rows``,
+    ``senders``] mesh to ``target`` on a [``receiver_rows``, ``receivers``] mesh (specs'
+    printed forms). Its devices are numbered row-major. With one row on both sides each
+    replica of a stage sends to the same replica of the other, a row of ``senders`` devices
+    to one of ``receivers``; with rows (stages whose replica counts differ: a row a
+    replica), every device of the one stage to every device of the other."""
 
     shape: tuple[int, ...]
     source: str
@@ -63,21 +67,32 @@ class Relayout:
     senders: int
     receivers: int
     dtype: str = "float32"
+    sender_rows: int = 1
+    receiver_rows: int = 1
 
     def to_dict(self) -> dict:
-        return {"shape": list(self.shape), "from": self.source, "to": self.target, "senders": self.senders,
-                "receivers": self.receivers, "dtype": self.dtype}
+        found = {"shape": list(self.shape), "from": self.source, "to": self.target, "senders": self.senders,
+                 "receivers": self.receivers, "dtype": self.dtype}
+        if (self.sender_rows, self.receiver_rows) != (1, 1):
+            found.update(sender_rows=self.sender_rows, receiver_rows=self.receiver_rows)
+        return found
 
     @classmethod
     def from_dict(cls, data: dict) -> "Relayout":
         return cls(tuple(int(d) for d in data["shape"]), str(data["from"]), str(data["to"]), int(data["senders"]),
-                   int(data["receivers"]), str(data.get("dtype", "float32")))
+                   int(data["receivers"]), str(data.get("dtype", "float32")), int(data.get("sender_rows", 1)),
+                   int(data.get("receiver_rows", 1)))
+
+    @property
+    def across_replicas(self) -> bool:
+        """Whether its devices are all of both stages' (rows), not a replica's."""
+        return (self.sender_rows, self.receiver_rows) != (1, 1)
 
     @cached_property
     def _specs(self) -> tuple[ShardingSpec, ShardingSpec, LogicalMesh, LogicalMesh]:
         src, dst = ShardingSpec.parse(self.source), ShardingSpec.parse(self.target)
-        a = LogicalMesh((1, self.senders), tuple(range(self.senders)))
-        b = LogicalMesh((1, self.receivers), tuple(range(self.receivers)))
+        a = LogicalMesh((self.sender_rows, self.senders), tuple(range(self.sender_rows * self.senders)))
+        b = LogicalMesh((self.receiver_rows, self.receivers), tuple(range(self.receiver_rows * self.receivers)))
         for spec, mesh, side in ((src, a, "sent"), (dst, b, "received")):
             if not ShardingSpec(spec.dims).is_valid_for(self.shape, mesh):
                 raise ValueError(f"a tensor of shape {list(self.shape)} cannot be {side} as {spec} over "
@@ -99,17 +114,17 @@ class Relayout:
     def routes(self) -> dict[int, list[tuple[int, Box]]]:
         """Receiver device → [(sender device, box of the whole tensor)], in sender order."""
         src, dst, a, b = self._specs
-        boxes = [self._box(src, a, i) for i in range(self.senders)]
+        boxes = [self._box(src, a, i) for i in range(a.size)]
         holders: dict[Box, list[int]] = {}
         for i, box in enumerate(boxes):
             holders.setdefault(box, []).append(i)
         found = {}
-        for j in range(self.receivers):
+        for j in range(b.size):
             wanted = self._box(dst, b, j)
             pieces = []
             if self._first_of_sum(dst, b, j):
                 if self._adds(src, a):
-                    chosen = list(range(self.senders))
+                    chosen = list(range(a.size))
                 else:
                     chosen = sorted(group[j % len(group)] for group in holders.values())
                 for i in chosen:

@@ -72,6 +72,7 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
     finally:
         shutil.rmtree(trial, ignore_errors=True)
     notes = list(notes) + weighed
+    options = _stage_tensors(options)
     stages, tensor = options.stages, options.tensor_parallel
     step, choices = checked_step(model_path, cluster, dims, options, spec, microbatches, stages)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.train.", dir=out_dir.parent))
@@ -82,17 +83,17 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         graph = _forward_graph(model_path, dims, staging / ".work")
         pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, choices, cost_model)
         replicas = cut.replicas
-        _split_crossings(step, step_path, dims, pipeline, replicas, staging / ".rows")
+        samples = _split_crossings(step, step_path, dims, pipeline, replicas, staging / ".rows")
         costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
         if options.stage_tensors:
-            memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster,
-                                         replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
-                                         cost_model, staging / ".tensor", folder)
+            memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster, dims, replicas,
+                                         list(options.stage_tensors), options, cost_model, staging / ".tensor",
+                                         folder, samples)
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         elif tensor > 1:
             memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
                                            replica_dims(step, dims, replicas[0]), options, cost_model,
-                                           staging / ".tensor", folder)
+                                           staging / ".tensor", folder, replicas)
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         check_fits(memory, cluster.device.memory_bytes)
         record = write_parts(pipeline, folder, options.schedule, microbatches, replicas)
@@ -134,6 +135,7 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     """The step seconds and the most bytes a device needs of the pipelined plan of
     ``options.stages`` stages, planned but not written. Raises ``PlanError`` where there is
     no such plan (the stages do not divide the mesh, a microbatch does not split, ...)."""
+    options = _stage_tensors(options)
     step, choices = checked_step(model_path, cluster, dims, options, spec, microbatches, options.stages)
     tensor = options.tensor_parallel
     workdir.mkdir(parents=True, exist_ok=True)
@@ -141,20 +143,29 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     graph = _forward_graph(model_path, dims, workdir / "forward")
     pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, choices, cost_model)
     replicas = cut.replicas
-    _split_crossings(step, step_path, dims, pipeline, replicas, workdir / "rows")
+    samples = _split_crossings(step, step_path, dims, pipeline, replicas, workdir / "rows")
     costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
     if options.stage_tensors:
         (workdir / "parts").mkdir(exist_ok=True)
-        memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster,
-                                     replica_dims(step, dims, replicas[0]), list(options.stage_tensors), options,
-                                     cost_model, workdir / "tensor", workdir / "parts")
+        memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster, dims, replicas,
+                                     list(options.stage_tensors), options, cost_model, workdir / "tensor",
+                                     workdir / "parts", samples)
     elif tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
                                        replica_dims(step, dims, replicas[0]), options, cost_model,
-                                       workdir / "tensor", workdir / "parts")
+                                       workdir / "tensor", workdir / "parts", replicas)
     step_seconds = _timing(cut, memory, cluster, replicas, microbatches, pipeline, costs, options.schedule)[1]
     return step_seconds, max(sum(m.values()) for m in memory)
+
+
+def _stage_tensors(options: PlanOptions) -> PlanOptions:
+    """Stages of different devices (``--stage-devices``) that shard their operators over one
+    T: planned as stages of each their own T (``mixed_stages``), their replicas D_s / T."""
+    given, tensor = options.stage_devices, options.tensor_parallel
+    if given is None or tensor <= 1 or options.stage_tensors or len(set(given)) == 1:
+        return options
+    return replace(options, stage_tensors=(tensor,) * len(given))
 
 
 def tensor_choices(cluster: Cluster, stages: int) -> list[int]:
@@ -276,14 +287,15 @@ def _fitting(what: str, lines: list[str], cluster: Cluster, estimate) -> float |
     return step if fits else None
 
 
-def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list[int], workdir: Path) -> None:
+def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list[int], workdir: Path):
     """Where neighbouring stages have different replica counts, each crossing that carries a
     microbatch's samples is split by them (``meshplan.stage_ranks``): ``pipeline.rows``, its
     axis of samples, found by the step's shapes at one microbatch and at two. ``PlanError``
-    where a crossing's samples are not one axis of its own."""
+    where a crossing's samples are not one axis of its own. Returns the function that finds
+    a tensor's axis of samples so (None where the replica counts are all alike)."""
     pipeline.rows = {}
     if len(set(replicas)) < 2:
-        return
+        return None
     dim = leading_dim(step)
     if dim is None or not dim.dim_param or dim.dim_param not in dims:
         raise PlanError("stages with different device counts split each microbatch among their replicas: the model's "
@@ -295,19 +307,25 @@ def _split_crossings(step, step_path: Path, dims: dict, pipeline, replicas: list
         canonical = canonicalize(step_path, at, workdir / str(k), None, "absent")
         shapes.append({n: t.shape for n, t in build_graph(canonical.model).tensors.items()})
         shutil.rmtree(workdir / str(k), ignore_errors=True)
-    for index, c in enumerate(pipeline.crossings):
-        if replicas[c.src] == replicas[c.dst] or not per_microbatch(c):
-            continue
-        one, two = shapes[0].get(c.tensor), shapes[1].get(c.tensor)
+
+    def axis_of(tensor: str, src: int, dst: int) -> int | None:
+        one, two = shapes[0].get(tensor), shapes[1].get(tensor)
         if one is None or two is None or tuple(one) == tuple(two):
-            continue    # the same whatever the samples
+            return None    # the same whatever the samples
         grows = [a for a, (x, y) in enumerate(zip(one, two)) if x != y]
         if len(one) != len(two) or len(grows) != 1 or one[grows[0]] != size or two[grows[0]] != 2 * size:
-            raise PlanError(f"the tensor {c.tensor!r} that stage {c.src} sends stage {c.dst} holds the samples of a "
+            raise PlanError(f"the tensor {tensor!r} that stage {src} sends stage {dst} holds the samples of a "
                             f"microbatch mixed into other dims ({list(one)} at {size} samples): stages of "
-                            f"{replicas[c.src]} and {replicas[c.dst]} replicas cannot split it",
+                            f"{replicas[src]} and {replicas[dst]} replicas cannot split it",
                             hint="equal stages (--stages dividing the mesh), or other --stage-devices")
-        pipeline.rows[index] = grows[0]
+        return grows[0]
+
+    for index, c in enumerate(pipeline.crossings):
+        if replicas[c.src] != replicas[c.dst] and per_microbatch(c):
+            axis = axis_of(c.tensor, c.src, c.dst)
+            if axis is not None:
+                pipeline.rows[index] = axis
+    return axis_of
 
 
 def _forward_graph(model_path: Path, dims: dict, workdir: Path):

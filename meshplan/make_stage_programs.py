@@ -32,7 +32,8 @@ from meshplan.inter.pipeline import PlanOptions
 from meshplan.plan_format import COLLECTIVE_DOMAIN, local_name
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.training.optimizers import GRAD_ACC, slot
-from meshplan.training.pipeline_step import STATE, Crossing, PipelineStep
+from meshplan.training.pipeline_step import PER_MICROBATCH, STATE, Crossing, PipelineStep, per_microbatch
+from meshplan.training.step_model import BACKWARD
 from meshplan.training.step_model import save_step_model
 
 
@@ -95,69 +96,103 @@ def _relocated(model: onnx.ModelProto, old: str, new: str) -> None:
 
 
 def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
-                    options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path):
+                   options: PlanOptions, cost_model: CostModel | None, workdir: Path, folder: Path,
+                   replicas: list[int] | None = None):
     """``pipeline`` made the pipeline of each stage's devices sharding its operators
     (``make_stage_programs``: each device's parts, the inputs' layouts); the memory and the
     part seconds as they become: the state each device holds of its stage by the layouts the
     ILP chose, the activations a device's 1/T; each part's seconds scaled by the ILP's
-    estimate of the whole step on T devices against one device's."""
+    estimate of the whole step on T devices against one device's (``scaled``). ``dims``: one
+    replica's share of a microbatch (``replicas``: each stage's, default one)."""
     tensor = options.tensor_parallel
     programs = stage_programs(step, step_path, pipeline, cluster, dims, tensor, options, cost_model, workdir, folder)
     first = programs.devices[0]
     pipeline.device_parts = [d.parts for d in programs.devices]
     pipeline.parts, pipeline.crossings, pipeline.loss_count = first.parts, first.crossings, first.loss_count
     pipeline.chunks, pipeline.specs = {}, dict(programs.specs)
-    one_device = sum(costs.values())
-    scale = programs.step_seconds / one_device if one_device else 1.0 / tensor
-    return sharded_memory(memory, pipeline), {k: v * scale for k, v in costs.items()}
+    replicas = replicas or [1] * pipeline.stages
+    return sharded_memory(memory, pipeline), scaled(costs, [programs.step_seconds] * pipeline.stages, replicas,
+                                                    [tensor] * pipeline.stages)
 
 
 def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
-                 tensors: list[int], options: PlanOptions, cost_model: CostModel | None, workdir: Path,
-                 folder: Path):
-    """``pipeline`` made the pipeline whose stage s has ``tensors[s]`` devices that shard its
-    operators (``--tensor-parallel 2,1``): the step planned on a [1, T] mesh for each T > 1
-    among them (``stage_programs``), each stage's parts cut from its T's programs (a stage of
-    one device keeps the step's own parts), and each crossing between stages of different T
-    gone from the sender's layout to the receiver's (``crossing_layouts.Relayout``); the
-    memory and the part seconds as ``sharded_stages`` gives them, each stage by its T."""
-    several = len(set(tensors) - {1}) > 1
-    cuts = {T: stage_programs(step, step_path, pipeline, cluster, dims, T, options, cost_model, workdir / f"t{T}",
-                              folder, f"t{T}." if several else "")
-            for T in sorted(set(tensors) - {1})}
+                 replicas: list[int], tensors: list[int], options: PlanOptions, cost_model: CostModel | None,
+                 workdir: Path, folder: Path, samples=None):
+    """``pipeline`` made the pipeline whose stage s has ``replicas[s]`` replicas of
+    ``tensors[s]`` devices that shard its operators (``--tensor-parallel 2,1``): the step
+    planned on a [1, T] mesh at one replica's share of a microbatch (``dims``: a whole
+    microbatch's) for each (T > 1, R) among them (``stage_programs``), each stage's parts cut
+    from its own programs (a stage of one device keeps the step's own parts), and each
+    crossing between stages of different T or R gone from the sender's layout to the
+    receiver's (``joined_crossings``; ``samples``: a tensor's axis of samples, where the
+    replica counts differ); the memory and the part seconds as ``sharded_stages`` gives them,
+    each stage by its own."""
+    from meshplan.pipeline_devices import replica_dims
+
+    kinds = sorted({(T, R) for T, R in zip(tensors, replicas) if T > 1})
+    cuts = {(T, R): stage_programs(step, step_path, pipeline, cluster, replica_dims(step, dims, R), T, options,
+                                   cost_model, workdir / f"t{T}r{R}", folder, f"t{T}r{R}." if len(kinds) > 1 else "")
+            for T, R in kinds}
     S = pipeline.stages
     device_parts: list[dict] = [{} for _ in range(max(tensors))]
-    for s, T in enumerate(tensors):
-        found = [pipeline.parts] if T == 1 else [d.parts for d in cuts[T].devices]
+    for s, key in enumerate(zip(tensors, replicas)):
+        found = [pipeline.parts] if key[0] == 1 else [d.parts for d in cuts[key].devices]
         for j, parts in enumerate(found):
-            device_parts[j].update({key: part for key, part in parts.items() if key[0] == s})
-    sides = [pipeline if T == 1 else cuts[T].devices[0] for T in tensors]
-    specs = [{} if T == 1 else dict(cuts[T].specs) for T in tensors]
-    pipeline.crossings, pipeline.relayouts = joined_crossings(sides, specs, tensors, pipeline.step.manifest)
+            device_parts[j].update({k: part for k, part in parts.items() if k[0] == s})
+    sides = [pipeline if key[0] == 1 else cuts[key].devices[0] for key in zip(tensors, replicas)]
+    specs = [{} if key[0] == 1 else dict(cuts[key].specs) for key in zip(tensors, replicas)]
+    pipeline.crossings, pipeline.relayouts, pipeline.rows = joined_crossings(sides, specs, tensors,
+                                                                             pipeline.step.manifest, replicas, samples)
     pipeline.device_parts, pipeline.parts = device_parts, device_parts[0]
     pipeline.loss_count = sides[S - 1].loss_count
     pipeline.chunks = {s: c for s, c in pipeline.chunks.items() if tensors[s] == 1}
     pipeline.tensors, pipeline.stage_specs, pipeline.specs = list(tensors), specs, {}
+    seconds = [cuts[key].step_seconds if key[0] > 1 else None for key in zip(tensors, replicas)]
+    return sharded_memory(memory, pipeline), scaled(costs, seconds, replicas, tensors)
+
+
+def scaled(costs: dict, seconds: list, replicas: list[int], tensors: list[int]) -> dict:
+    """Each part's seconds (``costs``: a whole microbatch's on one device) where stage s's
+    devices shard its operators: times the ILP's estimate of the whole step on its T devices
+    at a replica's share of a microbatch (``seconds[s]``; None: a stage of one device, as it
+    is) over one device's whole step, its forward and backward times R (the plan's timing
+    takes a replica's share of them as 1/R)."""
     one_device = sum(costs.values())
-    scales = [1.0 if T == 1 else (cuts[T].step_seconds / one_device if one_device else 1.0 / T) for T in tensors]
-    return sharded_memory(memory, pipeline), {k: v * scales[k[0]] for k, v in costs.items()}
+    found = {}
+    for (stage, phase), value in costs.items():
+        if seconds[stage] is None or tensors[stage] == 1:
+            found[(stage, phase)] = value
+            continue
+        ratio = seconds[stage] / one_device if one_device else 1.0 / tensors[stage]
+        found[(stage, phase)] = value * ratio * (replicas[stage] if phase in PER_MICROBATCH else 1)
+    return found
 
 
-def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list[int], manifest: dict):
-    """The crossings of a pipeline whose stage s is cut as ``sides[s]`` (its T's device 0 cut,
-    its inputs' and outputs' layouts ``specs[s]``): between two stages of the same T as that
-    cut has them; between stages of different T each crossing the receiver's cut has, sent as
-    the sender's cut makes it (the same tensor, in its layout there), with its
-    ``Relayout``. ``PlanError`` where the receiver reads a tensor the sender's cut does not
-    hand on."""
+def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list[int], manifest: dict,
+                     replicas: list[int] | None = None, samples=None):
+    """The crossings of a pipeline whose stage s has ``replicas[s]`` replicas of
+    ``tensors[s]`` devices, cut as ``sides[s]`` (its own programs' device 0 cut, its inputs'
+    and outputs' layouts ``specs[s]``): between two stages of the same T and R as that cut
+    has them; between others each crossing the receiver's cut has, sent as the sender's cut
+    makes it (the same tensor, in its layout there), with its ``Relayout`` (over every device
+    of both stages where their replica counts differ: ``_across``). Returns the crossings,
+    the relayouts and, for stages of one device each whose replica counts differ, the
+    crossings' axes of samples (``samples(tensor, src, dst)``; ``meshplan.stage_ranks``).
+    ``PlanError`` where the receiver reads a tensor the sender's cut does not hand on."""
     from meshplan.crossing_layouts import Relayout, base_name, spec_of_name
 
-    found, relayouts = [], {}
+    replicas = replicas or [1] * len(sides)
+    found, relayouts, rows = [], {}, {}
     pairs = sorted({(c.src, c.dst) for side in sides for c in side.crossings})
     for a, b in pairs:
         received = [c for c in sides[b].crossings if (c.src, c.dst) == (a, b)]
-        if tensors[a] == tensors[b]:
-            found.extend(c for c in sides[a].crossings if (c.src, c.dst) == (a, b))
+        if tensors[a] == tensors[b] and (replicas[a] == replicas[b] or tensors[a] == 1):
+            for c in sides[a].crossings:
+                if (c.src, c.dst) == (a, b):
+                    axis = samples(c.tensor, a, b) if replicas[a] != replicas[b] and per_microbatch(c) else None
+                    if axis is not None:
+                        rows[len(found)] = axis
+                    found.append(c)
             continue
         sent = [c for c in sides[a].crossings if (c.src, c.dst) == (a, b)]
         for c in received:
@@ -169,30 +204,62 @@ def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list
                                 f"device(s) do not hand it on", hint="the same --tensor-parallel for both stages")
             x = next((m for m in matches if spec_of_name(m.tensor, specs[a]) == want), matches[0])
             source = spec_of_name(x.tensor, specs[a])
-            shape, dtype = _whole(x, source, tensors[a], sides[a], manifest, c, want, tensors[b], sides[b])
+            shape, dtype, side = _whole(x, source, tensors[a], sides[a], manifest, c, want, tensors[b], sides[b])
             rank = len(shape)
-            relayouts[len(found)] = Relayout(shape, source or str(ShardingSpec.replicated(rank)),
-                                             want or str(ShardingSpec.replicated(rank)), tensors[a], tensors[b], dtype)
+            source, want = source or str(ShardingSpec.replicated(rank)), want or str(ShardingSpec.replicated(rank))
+            if replicas[a] == replicas[b]:
+                relayouts[len(found)] = Relayout(shape, source, want, tensors[a], tensors[b], dtype)
+            else:
+                axis = samples(base, a, b) if per_microbatch(c) else None
+                relayouts[len(found)] = _across(shape, source, want, tensors[a], tensors[b], dtype, replicas[a],
+                                                replicas[b], axis, replicas[b] if side else replicas[a],
+                                                per_microbatch(c) and c.made_in == BACKWARD)
             found.append(Crossing(x.tensor, a, x.made_in, b, c.read_in, c.tensor if c.tensor != x.tensor else ""))
-    return found, relayouts
+    return found, relayouts, rows
+
+
+def _across(shape: tuple, source: str, target: str, senders: int, receivers: int, dtype: str, rows_a: int,
+            rows_b: int, axis: int | None, measured: int, summed: bool):
+    """The ``Relayout`` over every device of two stages whose replica counts (``rows_a``,
+    ``rows_b``) differ, a row of its mesh a replica: a tensor with the samples on ``axis``
+    split over the rows too (replica-major: ``shape`` was one replica's share, as ``measured``
+    replicas would hold it); a gradient that is a sum over a replica's samples (``summed``)
+    held as addends along the rows; anything else alike on every row."""
+    from meshplan.crossing_layouts import Relayout
+    from meshplan.sharding import placement_axes, placement_of
+
+    def rowed(text: str, devices: int) -> str:
+        spec = ShardingSpec.parse(text).normalised(LogicalMesh((1, devices), tuple(range(devices))))
+        dims, partial = list(spec.dims), tuple(a for a in spec.partial if a == 1 and devices > 1)
+        if axis is not None:
+            dims[axis] = placement_of((0,) + placement_axes(dims[axis]))
+        elif summed:
+            partial = tuple(sorted(set(partial) | {0}))
+        return str(ShardingSpec(tuple(dims), partial))
+
+    if axis is not None:
+        shape = tuple(d * measured if k == axis else d for k, d in enumerate(shape))
+    return Relayout(shape, rowed(source, senders), rowed(target, receivers), senders, receivers, dtype, rows_a, rows_b)
 
 
 def _whole(crossing, spec: str | None, tensor: int, side: PipelineStep, manifest: dict,
-           received=None, received_spec: str | None = None, receivers: int = 1, receiver=None) -> tuple[tuple, str]:
+           received=None, received_spec: str | None = None, receivers: int = 1,
+           receiver=None) -> tuple[tuple, str, int]:
     """The whole shape and dtype of what ``crossing`` carries: a state's from the manifest,
     else from the sender's part (its piece's shape in layout ``spec`` on [1, ``tensor``]) or,
     where that has dims not fixed (a stage of one device keeps the step's own parts), from
-    the part of ``receiver`` (a cut) that reads it as ``received``."""
+    the part of ``receiver`` (a cut) that reads it as ``received``; and which it took the
+    shape from (0: the sender, 1: the receiver)."""
     if crossing.made_in == STATE:
         info = {**manifest.get("weights", {}), **manifest.get("statistics", {})}.get(crossing.tensor)
         if info is None:
             raise PlanError(f"the state {crossing.tensor!r} another stage reads has no record in the step")
-        return tuple(int(d) for d in info["shape"]), str(info.get("dtype", "float32"))
+        return tuple(int(d) for d in info["shape"]), str(info.get("dtype", "float32")), 0
     looks = [(side.parts[(crossing.src, crossing.made_in)].model.graph.output, crossing.tensor, spec, tensor)]
     if receiver is not None:
         looks += [(receiver.parts[(received.dst, phase)].model.graph.input, received.tensor, received_spec, receivers)
                   for phase in received.read_in if (received.dst, phase) in receiver.parts]
-    for values, name, layout, devices in looks:
+    for side_index, (values, name, layout, devices) in enumerate(looks):
         value = next((v for v in values if v.name == name), None)
         if value is None:
             continue
@@ -203,7 +270,7 @@ def _whole(crossing, spec: str | None, tensor: int, side: PipelineStep, manifest
         mesh = LogicalMesh((1, devices), tuple(range(devices)))
         parsed = ShardingSpec.parse(layout) if layout else ShardingSpec.replicated(len(local))
         shape = tuple(size * parsed.shards(d, mesh) for d, size in enumerate(local))
-        return shape, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).name
+        return shape, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).name, min(side_index, 1)
     raise PlanError(f"the shape of {crossing.tensor!r}, which stage {crossing.src} sends stage {crossing.dst}, is not "
                     "known at one microbatch")
 

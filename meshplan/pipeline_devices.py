@@ -34,9 +34,6 @@ def checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOp
         if len(given) != stages or sum(given) != N or min(given) < 1:
             raise PlanError(f"--stage-devices {','.join(map(str, given))} does not give each of the {stages} stages "
                             f"devices adding up to the mesh's {N}", hint=f"{stages} counts that add up to {N}")
-        if tensor > 1 and len(set(given)) > 1:
-            raise PlanError("with --tensor-parallel every stage has the same number of devices, not "
-                            f"{','.join(map(str, given))}", hint="--tensor-parallel 1, or equal stages")
     elif N % stages and tensor > 1:
         raise PlanError(f"--stages {stages} does not divide the mesh's {N} devices: with --tensor-parallel each "
                         "stage has the same number of devices", hint=f"a number of stages that divides {N}")
@@ -82,21 +79,27 @@ def checked_step(model_path: Path, cluster: Cluster, dims: dict, options: PlanOp
 def _checked_mixed(model_path: Path, cluster: Cluster, dims: dict, options: PlanOptions, spec: TrainSpec,
                    microbatches: int, stages: int):
     """``checked_step`` where each stage has its own T (``--tensor-parallel T0,T1,...``): R
-    replicas of each stage, the mesh's devices over the sum of the T."""
-    tensors, N = list(options.stage_tensors), cluster.num_devices
+    replicas of each stage, the mesh's devices over the sum of the T; or, with
+    ``--stage-devices D0,D1,...``, D_s / T_s replicas of stage s."""
+    tensors, N, devices = list(options.stage_tensors), cluster.num_devices, options.stage_devices
     given = ",".join(map(str, tensors))
     if len(tensors) != stages:
         raise PlanError(f"--tensor-parallel {given} gives {len(tensors)} stages their T, not {stages}")
-    if options.stage_devices is not None:
-        raise PlanError(f"--tensor-parallel {given} gives each stage its devices (R replicas of its T): leave out "
-                        "--stage-devices", hint="one of the two")
-    if N % sum(tensors):
+    if devices is not None:
+        if len(devices) != stages or sum(devices) != N or any(d % t for d, t in zip(devices, tensors)):
+            raise PlanError(f"--stage-devices {','.join(map(str, devices))} does not give each of the {stages} stages "
+                            f"a multiple of its T ({given}), adding up to the mesh's {N}",
+                            hint=f"{stages} multiples of {given} that add up to {N}")
+        replicas = [d // t for d, t in zip(devices, tensors)]
+    elif N % sum(tensors):
         raise PlanError(f"--tensor-parallel {given} needs a multiple of {sum(tensors)} devices (each stage's T, "
-                        f"as many replicas of each), the mesh has {N}", hint=f"a mesh of {sum(tensors)} devices")
-    replicas = N // sum(tensors)
+                        f"as many replicas of each), the mesh has {N}", hint=f"a mesh of {sum(tensors)} devices, "
+                        "or --stage-devices")
+    else:
+        replicas = [N // sum(tensors)] * stages
     ranks = StageRanks.of(replicas, stages, tensors)
     for s in range(stages):
-        for r in range(replicas):
+        for r in range(replicas[s]):
             group = [ranks.rank(s, r, j) for j in range(tensors[s])]
             if cluster.host_of(group[0]) != cluster.host_of(group[-1]):
                 raise PlanError(f"--tensor-parallel {given}: stage {s}'s devices {group[0]}-{group[-1]} that shard its "
@@ -104,14 +107,14 @@ def _checked_mixed(model_path: Path, cluster: Cluster, dims: dict, options: Plan
                                 hint="another order of the stages' T, or hosts of more devices")
     step = build_step_model(model_path, replace(spec, stages=stages, microbatches=microbatches))
     size = microbatch_size(step, dims)
-    if size % replicas:
-        raise PlanError(f"a microbatch of {size} sample(s) does not split over the {replicas} replicas of each stage",
-                        hint="a batch that does, or a mesh of fewer devices")
-    if replicas > 1 and step.manifest.get("statistics"):
+    for s, R in enumerate(replicas):
+        if size % R:
+            raise PlanError(f"a microbatch of {size} sample(s) does not split over the {R} replicas of stage {s}",
+                            hint="a batch that does, or other --stage-devices")
+    if max(replicas) > 1 and step.manifest.get("statistics"):
         raise PlanError("a model with running statistics (batch normalization in training mode) trains in a pipeline "
-                        f"of one replica a stage only: the mesh's {N} devices make {replicas}",
-                        hint=f"a mesh of {sum(tensors)} devices")
-    return step, [[replicas]] * stages
+                        f"of one replica a stage only, not {max(replicas)}", hint=f"a mesh of {sum(tensors)} devices")
+    return step, [[R] for R in replicas]
 
 
 def adds_up(counts: list[int], stages: int, total: int) -> bool:

@@ -19,6 +19,7 @@ from meshplan.emit.pipeline_parts import read_pipeline
 from meshplan.plan_format import read_plan
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
 from meshplan.sharding import LogicalMesh, ShardingSpec
+from meshplan.stage_ranks import per_stage
 from meshplan.trainer.checkpoint import Checkpoint
 from sample_models.training import TRAINING_DIR, load_case
 from test_cli_errors import _one_error_line
@@ -26,13 +27,15 @@ from test_pipeline_plans import _train_options
 from tests.training_cases import assert_final_like_torch, assert_resumes, train_in_process
 
 
-def _plan(tmp_path, name: str, mesh: str, tensors: str, *more, microbatches: int = 4, out: str = "plan"):
+def _plan(tmp_path, name: str, mesh: str, tensors: str, *more, microbatches: int = 4, out: str = "plan",
+          devices: str | None = None):
     case = load_case(name)
     settings = case["settings"]
+    stages = len((devices or tensors).split(","))
     done = run_cli("plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer",
-                   settings["optimizer"], "--mesh", mesh, "--stages", len(tensors.split(",")), "--tensor-parallel",
+                   settings["optimizer"], "--mesh", mesh, "--stages", stages, "--tensor-parallel",
                    tensors, "--microbatches", microbatches, "--dim", f"batch={settings['batch']}", "--device", "cpu",
-                   *more, "-o", tmp_path / out)
+                   *(("--stage-devices", devices) if devices else ()), *more, "-o", tmp_path / out)
     assert done.returncode == 0, done.stdout + done.stderr
     return case, tmp_path / out, done.stdout
 
@@ -95,25 +98,33 @@ def test_crossing_names_carry_their_layouts():
     assert spec_of_name("w@whole", {}) is None and base_name("w@whole", {}) == "w@whole"
 
 
-@pytest.mark.parametrize("name,mesh,tensors,more", [
-    ("gpt_adamw", "1x3", "2,1", ("--policy", "data")),                      # split batch → one device
-    ("gpt_adamw", "1x3", "1,2", ("--policy", "megatron", "--schedule", "gpipe")),
-    ("gpt2_tied", "1x3", "1,2", ("--policy", "data")),                      # the tie spans stages of 1 and 2
-    ("gpt_adamw", "1x4", "1,2,1", ("--policy", "megatron")),
-    ("gpt_adamw", "1x6", "2,1", ("--policy", "megatron")),                  # 2 replicas of each stage
+@pytest.mark.parametrize("name,mesh,tensors,devices,more", [
+    ("gpt_adamw", "1x3", "2,1", None, ("--policy", "data")),                   # split batch → one device
+    ("gpt_adamw", "1x3", "1,2", None, ("--policy", "megatron", "--schedule", "gpipe")),
+    ("gpt2_tied", "1x3", "1,2", None, ("--policy", "data")),                   # the tie spans stages of 1 and 2
+    ("gpt_adamw", "1x4", "1,2,1", None, ("--policy", "megatron")),
+    ("gpt_adamw", "1x6", "2,1", None, ("--policy", "megatron")),               # 2 replicas of each stage
+    # replica counts that differ too: 2 replicas of 1 device, then 1 of 2 (Alpa's [2, 1] and [1, 2])
+    ("gpt_adamw", "1x4", "1,2", "2,2", ("--policy", "megatron")),
+    ("gpt2_tied", "1x4", "1,2", "2,2", ("--policy", "data")),
+    ("gpt_adamw", "1x5", "1,1,2", "1,2,2", ("--policy", "megatron")),          # and rows between two of 1
+    ("gpt_adamw", "1x6", "2", "4,2", ("--policy", "megatron")),                 # one T, 2 and 1 replicas of it
 ])
-def test_stages_of_different_tensor_parallelism_train_as_torch_in_process(tmp_path, name, mesh, tensors, more):
+def test_stages_of_different_tensor_parallelism_train_as_torch_in_process(tmp_path, name, mesh, tensors, devices,
+                                                                          more):
     """Each device of each stage in a thread: each step's loss within 1e-3 of torch's and the
     final weights, put together from each stage's pieces in its own layouts, as torch's."""
-    case, plan_dir, said = _plan(tmp_path, name, mesh, tensors, *more)
+    stages = len(devices.split(",")) if devices else len(tensors.split(","))
+    case, plan_dir, said = _plan(tmp_path, name, mesh, tensors, *more, devices=devices)
     assert "crossing(s) laid out again between stages" in said
     plan = read_plan(plan_dir)
     pipeline = read_pipeline(plan_dir, plan.training)
-    assert pipeline.tensors == [int(t) for t in tensors.split(",")]
+    each = [int(t) for t in tensors.split(",")]
+    assert pipeline.tensors == (each if len(each) == stages else each * stages)
     assert pipeline.relayouts, "no crossing changes its layout"
-    replicas = int(plan.training["pipeline"]["replicas"])
-    assert [s.logical_mesh for s in plan.stages] == [[replicas, t] if t > 1 else [1, replicas]
-                                                     for t in pipeline.tensors]
+    replicas = per_stage(plan.training["pipeline"]["replicas"], stages)
+    assert [s.logical_mesh for s in plan.stages] == [[r, t] if t > 1 else [1, r]
+                                                     for r, t in zip(replicas, pipeline.tensors)]
     runner = PipelineRunner(pipeline, plan.microbatches, case["initial"], plan.training["pipeline"]["schedule"],
                             replicas=replicas)
     losses = train_in_process(case, runner)
@@ -126,7 +137,8 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
     stage of one: each step's loss as torch's, the checkpoint's pieces put together as
     torch's final weights; resumed after 6 steps on its plan and on a plan of the other
     order (1,2) the same steps as one job; ``meshplan export`` writes the trained model;
-    ``show --schedule`` names the relayouts."""
+    and on 1x4 as two replicas of one device then one of two; ``show --schedule`` names the
+    relayouts."""
     case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x3", "2,1", "--policy", "megatron")
     settings = case["settings"]
     options = [*_train_options(settings), "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps",
@@ -145,6 +157,14 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()
+    # replica counts that differ as well (two of one device, then one of two), from the checkpoint
+    _, rows, _ = _plan(tmp_path, "gpt_adamw", "1x4", "1,2", "--policy", "megatron", out="rows", devices="2,2")
+    half = len(log["losses"]) // 2      # (where assert_resumes's checkpoint stands)
+    fourth = run_mpi(4, "train", rows, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
+                     "--log", tmp_path / "rows.json", "-q", *options)
+    assert fourth.returncode == 0, fourth.stderr
+    np.testing.assert_allclose(json.loads((tmp_path / "rows.json").read_text())["losses"], log["losses"][half:],
+                               rtol=1e-5)
     shown = run_cli("show", plan_dir, "--schedule")
     assert shown.returncode == 0, shown.stderr
     assert "on 2 device(s) ->" in shown.stdout and "on 1" in shown.stdout
@@ -152,8 +172,8 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
 
 def test_what_a_plan_of_stages_of_different_tensor_parallelism_refuses(tmp_path):
     """A list of another length than the stages (a usage error), a mesh that is not a
-    multiple of their sum, a stage's devices across two hosts, with --stage-devices, a T
-    that is not a number: one line each, nothing written."""
+    multiple of their sum, a stage's devices across two hosts, --stage-devices that are not
+    multiples of each stage's T, a T that is not a number: one line each, nothing written."""
     case = load_case("mlp_sgd")
     settings = case["settings"]
     base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
@@ -164,8 +184,8 @@ def test_what_a_plan_of_stages_of_different_tensor_parallelism_refuses(tmp_path)
                     "multiple of 3")
     _one_error_line(run_cli(*base, "--mesh", "3x1", "--stages", 2, "--tensor-parallel", "1,2", "-o", tmp_path / "a"),
                     "two hosts")
-    _one_error_line(run_cli(*base, "--mesh", "1x6", "--stages", 2, "--tensor-parallel", "2,1", "--stage-devices",
-                            "4,2", "-o", tmp_path / "a"), "--stage-devices")
+    _one_error_line(run_cli(*base, "--mesh", "1x6", "--stages", 2, "--tensor-parallel", "2,4", "--stage-devices",
+                            "3,3", "-o", tmp_path / "a"), "a multiple of its T")
     bad = run_cli(*base, "--mesh", "1x3", "--stages", 2, "--tensor-parallel", "2,x", "-o", tmp_path / "a")
     assert bad.returncode == 2 and "positive numbers" in bad.stderr
     assert not (tmp_path / "a").exists()

@@ -206,8 +206,8 @@ def test_stages_of_different_sizes_refuse_in_one_line(tmp_path):
                     "--stage-devices 2,2 does not give each of the 2 stages devices adding up to the mesh's 3")
     _one_error_line(run_cli(*base, "--mesh", "1x4", "--stages", 2, "--stage-devices", "3,1", "-o", tmp_path / "a"),
                     "a microbatch of 4 sample(s) does not split over the 3 replicas of stage 0")
-    _one_error_line(run_cli(*base, "--mesh", "1x6", "--stages", 2, "--stage-devices", "4,2", "--tensor-parallel", 2,
-                            "-o", tmp_path / "a"), "with --tensor-parallel every stage has the same number of devices")
+    _one_error_line(run_cli(*base, "--mesh", "1x6", "--stages", 2, "--stage-devices", "4,2", "--tensor-parallel", 4,
+                            "-o", tmp_path / "a"), "does not give each of the 2 stages a multiple of its T")
     _one_error_line(run_cli(*base, "--mesh", "1x2", "--stages", 3, "-o", tmp_path / "a"),
                     "--stages 3 needs at least 3 devices")
     usage = run_cli(*base, "--mesh", "1x3", "--stage-devices", "2,1", "-o", tmp_path / "a")

@@ -154,9 +154,11 @@ def pipeline_training_report(plan: Plan) -> str:
         f"devices (a stage's R devices data-parallel replicas, each 1/R of every microbatch, {summed})"
     if record.get("tensors"):
         tensors = [int(x) for x in record["tensors"]]
-        each = f"{', '.join(str(R * x) for x in tensors[:-1])} and {R * tensors[-1]} devices (each stage's " \
+        widths = [r * x for r, x in zip(counts, tensors)]
+        each = f"{', '.join(map(str, widths[:-1]))} and {widths[-1]} devices (each stage's " \
             f"{', '.join(map(str, tensors))} that shard its operators" \
-            + (f", {R} data-parallel replicas of them, their gradients summed once a step" if R > 1 else "") \
+            + (f", {R} data-parallel replicas of them, their gradients summed once a step" if R > 1 else
+               f", {', '.join(map(str, counts))} data-parallel replicas of them" if not R else "") \
             + f"; {len(record.get('relayouts', {}))} crossing(s) laid out again between stages)"
     elif T > 1:
         each = f"{R * T} devices a stage ({T} that shard its operators" \

@@ -44,9 +44,12 @@ class _Routes:
         of crossing ``index``'s source sends."""
         c, kind = self.crossings[index], self.kinds[index]
         relayout = self.relayouts.get(index)
-        if relayout is not None:    # (the stages' replicas alike: replica r to replica r)
-            value = np.asarray(value)
-            return [(replica, j, np.ascontiguousarray(value[cut])) for j, cut in relayout.sends(device)]
+        if relayout is not None:
+            value = np.ones_like(np.asarray(value)) if kind == ONE else np.asarray(value)
+            if not relayout.across_replicas:     # replica r to replica r
+                return [(replica, j, np.ascontiguousarray(value[cut])) for j, cut in relayout.sends(device)]
+            return [(*divmod(j, relayout.receivers), np.ascontiguousarray(value[cut]))
+                    for j, cut in relayout.sends(replica * relayout.senders + device)]
         r_src, r_dst = self.ranks.replicas[c.src], self.ranks.replicas[c.dst]
         if r_src == r_dst and kind != ONE:
             return [(replica, device, value)]
@@ -59,16 +62,19 @@ class _Routes:
         ``index``'s destination receives from, in order."""
         c = self.crossings[index]
         relayout = self.relayouts.get(index)
-        if relayout is not None:
+        if relayout is not None and not relayout.across_replicas:
             return [(replica, i) for i in relayout.sources(device)]
+        if relayout is not None:
+            return [divmod(i, relayout.senders) for i in relayout.sources(replica * relayout.receivers + device)]
         r_src, r_dst = self.ranks.replicas[c.src], self.ranks.replicas[c.dst]
         found = [replica] if r_src == r_dst else sources(self.kinds[index], replica, r_src, r_dst)
         return [(r, device) for r in found]
 
-    def joined(self, index: int, device: int, pieces: list):
+    def joined(self, index: int, replica: int, device: int, pieces: list):
         relayout = self.relayouts.get(index)
         if relayout is not None:
-            return relayout.joined(device, pieces)
+            return relayout.joined(replica * relayout.receivers + device if relayout.across_replicas else device,
+                                   pieces)
         return joined(self.kinds[index], pieces, self.rows.get(index))
 
 
@@ -112,7 +118,7 @@ class PipelineLinks:
     def receive(self, crossing: int, mb: int) -> np.ndarray:
         """What crossing ``crossing`` brings for microbatch ``mb``, waited for."""
         c = self.crossings[crossing]
-        return self.routes.joined(crossing, self.device, [
+        return self.routes.joined(crossing, self.replica, self.device, [
             self.messages.recv(source=self.ranks.rank(c.src, replica, device), tag=crossing + 1)
             for replica, device in self.routes.incoming(crossing, self.replica, self.device)])
 
@@ -244,7 +250,7 @@ class _ReplicaLinks:
 
     def receive(self, crossing: int, mb: int):
         routes, place = self.links.routes, (self.replica, self.device)
-        return routes.joined(crossing, self.device, [
+        return routes.joined(crossing, self.replica, self.device, [
             self._taken(self.links._queue(crossing, mb, place, source))
             for source in routes.incoming(crossing, self.replica, self.device)])
 
