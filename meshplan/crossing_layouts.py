@@ -14,6 +14,10 @@ box of the tensor to which device of b, and how device j puts its pieces togethe
 - where the receiver's layout is a partial sum, its first device along the partial axis
   receives the value and the others hold zeros: the sum is the tensor.
 
+Where the two stages' replica counts differ too, the meshes are [R, T], a row a replica,
+and the layouts split a microbatch's samples over the rows as well (``make_stage_programs.
+_across``): every device of the one stage sends to every device of the other that needs it.
+
 Pure planning and numpy: the links (``runtime.pipeline_links``) move the pieces.
 """
 
