@@ -173,7 +173,9 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
 def test_what_a_plan_of_stages_of_different_tensor_parallelism_refuses(tmp_path):
     """A list of another length than the stages (a usage error), a mesh that is not a
     multiple of their sum, a stage's devices across two hosts, --stage-devices that are not
-    multiples of each stage's T, a T that is not a number: one line each, nothing written."""
+    multiples of each stage's T, a stage that reads what the other's programs compute again
+    where it is read (the tied GPT-2's attention mask, made from its inputs alone), a T that
+    is not a number: one line each, nothing written."""
     case = load_case("mlp_sgd")
     settings = case["settings"]
     base = ["plan", case["model_path"], "--train", "--loss", settings["loss"], "--optimizer", "sgd", "--dim",
@@ -186,6 +188,12 @@ def test_what_a_plan_of_stages_of_different_tensor_parallelism_refuses(tmp_path)
                     "two hosts")
     _one_error_line(run_cli(*base, "--mesh", "1x6", "--stages", 2, "--tensor-parallel", "2,4", "--stage-devices",
                             "3,3", "-o", tmp_path / "a"), "a multiple of its T")
+    tied = load_case("gpt2_tied")
+    given = tied["settings"]
+    _one_error_line(run_cli("plan", tied["model_path"], "--train", "--loss", given["loss"], "--optimizer", "adamw",
+                            "--dim", f"batch={given['batch']}", "--device", "cpu", "--microbatches", 4, "--mesh",
+                            "1x4", "--stages", 2, "--stage-devices", "2,2", "--tensor-parallel", "2,1", "--policy",
+                            "megatron", "-o", tmp_path / "a"), "stage 1 reads 'where' from stage 0", "do not hand it on")
     bad = run_cli(*base, "--mesh", "1x3", "--stages", 2, "--tensor-parallel", "2,x", "-o", tmp_path / "a")
     assert bad.returncode == 2 and "positive numbers" in bad.stderr
     assert not (tmp_path / "a").exists()
