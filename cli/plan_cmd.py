@@ -41,8 +41,9 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
               help="A pipelined training plan (--train --stages S or --max-stages N): each stage's devices in "
                    "groups of T that shard its operators (the sharding ILP over the forward, backward and update "
                    "together), the groups data-parallel replicas of the stage; one T a stage (with --stages S) "
-                   "gives each stage its own, as many replicas each; auto weighs every T that divides a "
-                   "stage's devices and a host's, by the estimated step.")
+                   "gives each stage its own, as many replicas each (D_s / T_s with --stage-devices); auto weighs "
+                   "every T that divides a stage's devices and a host's, and the cut's own T for each stage, by the "
+                   "estimated step.")
 @click.option("--stage-devices", metavar="D0,D1,...",
               help="A pipelined training plan (--train --stages S): the devices of each stage, in order, adding up "
                    "to the mesh's (each a data-parallel replica of its stage) [default: the mesh's devices over S "
