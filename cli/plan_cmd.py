@@ -46,7 +46,8 @@ from cli.options import (batch_dim_option, cluster_from_options, cluster_option,
                    "estimated step.")
 @click.option("--stage-devices", metavar="D0,D1,...",
               help="A pipelined training plan (--train --stages S): the devices of each stage, in order, adding up "
-                   "to the mesh's (each a data-parallel replica of its stage) [default: the mesh's devices over S "
+                   "to the mesh's (data-parallel replicas of the stage, each of its --tensor-parallel T devices) "
+                   "[default: the mesh's devices over S "
                    "where S divides them, else the cut chooses them with the layers].")
 @click.option("--all-devices", is_flag=True,
               help="Give every device a stage, even where leaving some idle is estimated faster.")
