@@ -351,8 +351,12 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     replicas = cut.replicas
     pipeline = split_step(step, cut.forward_stage, options.stages, options.recompute)
     # (where operators are sharded, the ILP chose the slots' layouts: no row blocks on top)
-    pipeline.sharded = update_shards(pipeline, max(replicas)) if options.tensor_parallel == 1 and \
-        not options.stage_tensors else set()
+    pipeline.sharded = update_shards(pipeline, max(replicas)) if options.tensor_parallel == 1 else set()
+    if options.stage_tensors:   # the replicas of its stages of one device only
+        whole = [T == 1 and R > 1 for T, R in zip(options.stage_tensors, replicas)]
+        ours = {n for (s, phase), part in pipeline.parts.items() if whole[s] and phase in (NORM, UPDATE_PHASE)
+                for n in list(part.inputs) + list(part.outputs)}
+        pipeline.sharded = update_shards(pipeline, max(replicas)) & ours if any(whole) else set()
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
@@ -401,7 +405,7 @@ def _timing(cut, memory: list[dict], cluster: Cluster, replicas: list[int], micr
                 sends += sent[(s, made_in)]
         seconds.append((costs.get((s, FORWARD), 0.0) + costs.get((s, BACKWARD), 0.0)) / R + sends)
     # the replicas' row blocks: each updates 1/R of the stage
-    shared = [replicas[s] if pipeline.sharded else 1 for s in range(S)]
+    shared = [replicas[s] if pipeline.sharded and pipeline.tensor_of(s) == 1 else 1 for s in range(S)]
     update = [costs.get((s, CLIP), 0.0) + sum(costs.get((s, p), 0.0) for p in (NORM, UPDATE_PHASE)) / shared[s]
               for s in range(S)]
     took = {(s, p): costs.get((s, p), 0.0) / replicas[s] for s in range(S) for p in (FORWARD, BACKWARD)}

@@ -125,6 +125,11 @@ def test_stages_of_different_tensor_parallelism_train_as_torch_in_process(tmp_pa
     replicas = per_stage(plan.training["pipeline"]["replicas"], stages)
     assert [s.logical_mesh for s in plan.stages] == [[r, t] if t > 1 else [1, r]
                                                      for r, t in zip(replicas, pipeline.tensors)]
+    # the replicas of a stage of one device share its optimizer's state (ZeRO-1); a sharded stage's do not
+    whole = {s for s in range(stages) if pipeline.tensors[s] == 1 and replicas[s] > 1}
+    ours = {n for (s, phase), part in pipeline.parts.items() if s in whole and phase in ("norm", "update")
+            for n in list(part.inputs) + list(part.outputs)}
+    assert pipeline.sharded <= ours and bool(pipeline.sharded) == bool(whole)
     runner = PipelineRunner(pipeline, plan.microbatches, case["initial"], plan.training["pipeline"]["schedule"],
                             replicas=replicas)
     losses = train_in_process(case, runner)

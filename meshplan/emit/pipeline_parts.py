@@ -50,7 +50,7 @@ def write_parts(pipeline: PipelineStep, folder: Path, kind: str, microbatches: i
         for (stage, phase), part in sorted(found.items()):
             path = Path(folder) / part_file(stage, phase, device)
             model = relaxed(part.model, pipeline.sharded) if pipeline.sharded and phase in (NORM, UPDATE_PHASE) \
-                else part.model
+                and pipeline.tensor_of(stage) == 1 else part.model
             onnx.save(model, str(path))
             entry = {"stage": stage, "phase": phase, "file": f"{Path(folder).name}/{path.name}",
                      "sha256": file_sha256(path), "inputs": part.inputs, "outputs": part.outputs}

@@ -194,7 +194,8 @@ class StageRunner:
         self.crossings, self.microbatches, self.device = crossings, microbatches, device
         self.provider = provider      # the sessions' (what a report names)
         self.replica, self.replicas = replica
-        self.sharded = set(sharded) if self.replicas > 1 else set()
+        mine = {n for part in parts.values() for n in list(part.inputs) + list(part.outputs)}
+        self.sharded = set(sharded) & mine if self.replicas > 1 else set()   # (another stage's are not its)
         self.readers: dict[str, set[str]] = defaultdict(set)     # tensor → the phases that read it here
         for phase, part in parts.items():
             for name in part.inputs:
