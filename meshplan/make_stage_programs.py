@@ -134,6 +134,7 @@ def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dic
                                    cost_model, workdir / f"t{T}r{R}", folder, f"t{T}r{R}." if len(kinds) > 1 else "")
             for T, R in kinds}
     S = pipeline.stages
+    segmented = _segmented(step_path, dims, workdir / "segments")
     device_parts: list[dict] = [{} for _ in range(max(tensors))]
     for s, key in enumerate(zip(tensors, replicas)):
         found = [pipeline.parts] if key[0] == 1 else [d.parts for d in cuts[key].devices]
@@ -142,7 +143,8 @@ def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dic
     sides = [pipeline if key[0] == 1 else cuts[key].devices[0] for key in zip(tensors, replicas)]
     specs = [{} if key[0] == 1 else dict(cuts[key].specs) for key in zip(tensors, replicas)]
     pipeline.crossings, pipeline.relayouts, pipeline.rows = joined_crossings(sides, specs, tensors,
-                                                                             pipeline.step.manifest, replicas, samples)
+                                                                             pipeline.step.manifest, replicas, samples,
+                                                                             segmented)
     pipeline.device_parts, pipeline.parts = device_parts, device_parts[0]
     pipeline.loss_count = sides[S - 1].loss_count
     pipeline.chunks = {s: c for s, c in pipeline.chunks.items() if tensors[s] == 1}
@@ -169,7 +171,7 @@ def scaled(costs: dict, seconds: list, replicas: list[int], tensors: list[int]) 
 
 
 def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list[int], manifest: dict,
-                     replicas: list[int] | None = None, samples=None):
+                     replicas: list[int] | None = None, samples=None, segmented: dict | None = None):
     """The crossings of a pipeline whose stage s has ``replicas[s]`` replicas of
     ``tensors[s]`` devices, cut as ``sides[s]`` (its own programs' device 0 cut, its inputs'
     and outputs' layouts ``specs[s]``): between two stages of the same T and R as that cut
@@ -178,7 +180,9 @@ def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list
     of both stages where their replica counts differ: ``_across``). Returns the crossings,
     the relayouts and, for stages of one device each whose replica counts differ, the
     crossings' axes of samples (``samples(tensor, src, dst)``; ``meshplan.stage_ranks``).
-    ``PlanError`` where the receiver reads a tensor the sender's cut does not hand on."""
+    ``PlanError`` where the receiver reads a tensor the sender's cut does not hand on, or one
+    whose layout on either side splits heads held in segments (``segmented``: the step's
+    ``intra.segments.tensor_segments``), which a relayout's boxes cannot say."""
     from meshplan.crossing_layouts import Relayout, base_name, spec_of_name
 
     replicas = replicas or [1] * len(sides)
@@ -207,6 +211,7 @@ def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list
             shape, dtype, side = _whole(x, source, tensors[a], sides[a], manifest, c, want, tensors[b], sides[b])
             rank = len(shape)
             source, want = source or str(ShardingSpec.replicated(rank)), want or str(ShardingSpec.replicated(rank))
+            _check_segments(base, (source, tensors[a]), (want, tensors[b]), (segmented or {}).get(base) or {}, a, b)
             if replicas[a] == replicas[b]:
                 relayouts[len(found)] = Relayout(shape, source, want, tensors[a], tensors[b], dtype)
             else:
@@ -216,6 +221,35 @@ def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list
                                                 per_microbatch(c) and c.made_in == BACKWARD)
             found.append(Crossing(x.tensor, a, x.made_in, b, c.read_in, c.tensor if c.tensor != x.tensor else ""))
     return found, relayouts, rows
+
+
+def _segmented(step_path: Path, dims: dict, workdir: Path) -> dict:
+    """The step's tensors whose dims hold heads in segments (``intra.segments``)."""
+    from meshplan.intra.segments import tensor_segments
+    from meshplan.model.graph import build_graph
+    from meshplan.model.load import canonicalize
+
+    canonical = canonicalize(step_path, dims, workdir, None, "absent")
+    found = tensor_segments(build_graph(canonical.model))
+    shutil.rmtree(workdir, ignore_errors=True)
+    return found
+
+
+def _check_segments(name: str, sent: tuple[str, int], read: tuple[str, int], known: dict, src: int, dst: int):
+    """``PlanError`` where either side's layout of ``name`` splits a dim whose heads are held
+    in segments (``known``: dim → segments), which the boxes of a relayout do not follow."""
+    from meshplan.intra.segments import CONFLICT
+
+    for text, devices in (sent, read):
+        spec = ShardingSpec.parse(text)
+        mesh = LogicalMesh((1, devices), tuple(range(devices)))
+        plain = {d: g for d, g in known.items() if g != CONFLICT}
+        for dim, segments in known.items():
+            split = dim < len(spec.dims) and spec.shards(dim, mesh) > 1
+            if split and (segments == CONFLICT or spec.with_segments(plain).segmented(dim, mesh) is not None):
+                raise PlanError(f"the tensor {name!r} that stage {src} sends stage {dst} is split by heads held in "
+                                f"segments ({text} on {devices} device(s)): stages of different layouts cannot pass "
+                                "it on", hint="the same --tensor-parallel for both stages, or other stages")
 
 
 def _across(shape: tuple, source: str, target: str, senders: int, receivers: int, dtype: str, rows_a: int,

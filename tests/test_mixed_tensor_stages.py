@@ -224,3 +224,18 @@ def test_auto_weighs_the_cuts_own_tensor_parallelism_of_each_stage(tmp_path):
         assert written == pytest.approx(min(steps.values()), rel=1e-3), (line, written)
         tensors = plan.training.get("pipeline", {}).get("tensors")
         assert (tensors == [1, 2]) == (steps[mixed] == min(steps.values()))
+
+
+def test_a_crossing_split_by_heads_in_segments_is_refused():
+    """A relayout's boxes are contiguous: a tensor whose split dim holds heads in segments (a
+    fused query/key/value projection of 3 × 4 heads, split over 2 devices: each holds two
+    heads of every segment) cannot go between stages of different layouts; whole heads in one
+    segment can."""
+    from meshplan.errors import PlanError
+    from meshplan.make_stage_programs import _check_segments
+
+    fused = {2: ((64, 4), (64, 4), (64, 4))}
+    with pytest.raises(PlanError, match="split by heads held in segments"):
+        _check_segments("qkv", ("RRS1", 2), ("RRR", 1), fused, 0, 1)
+    _check_segments("qkv", ("RRR", 2), ("RRR", 1), fused, 0, 1)            # not split: nothing to refuse
+    _check_segments("qkv", ("RRS1", 2), ("RRR", 1), {2: ((192, 12),)}, 0, 1)   # one segment: a plain split
