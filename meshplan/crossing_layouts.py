@@ -153,7 +153,8 @@ class Relayout:
         """Receiver ``device``'s tensor from its pieces (in ``sources``' order)."""
         src, dst, a, b = self._specs
         wanted = self._box(dst, b, device)
-        out = np.zeros(tuple(hi - lo for lo, hi in wanted), np.dtype(self.dtype))
+        kind = np.asarray(pieces[0]).dtype if pieces else np.dtype(self.dtype)   # (the pieces' own: float16, ...)
+        out = np.zeros(tuple(hi - lo for lo, hi in wanted), kind)
         adds = self._adds(src, a)
         for (_, cut), piece in zip(self.routes[device], pieces):
             where = tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(cut, wanted))

@@ -37,6 +37,7 @@ from meshplan.errors import MeshplanError, ModelError, PlanError
 from meshplan.files import file_sha256
 from meshplan.inter.pipeline import PlanOptions
 from meshplan.inter.training_stages import check_fits, cut_stages, stage_memory
+from meshplan.intra.segments import tensor_segments
 from meshplan.model.graph import build_graph
 from meshplan.model.load import canonicalize
 from meshplan.plan_format import Plan, Stage, TensorSpec, write_plan
@@ -84,11 +85,12 @@ def plan_pipeline_training(model_path: Path, cluster: Cluster, dims: dict, out_d
         pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, choices, cost_model)
         replicas = cut.replicas
         samples = _split_crossings(step, step_path, dims, pipeline, replicas, staging / ".rows")
-        costs = _part_seconds(step_path, dims, staging / ".work", cluster, cost_model, pipeline)
+        step_graph = _step_graph(step_path, dims, staging / ".work")
+        costs = _part_seconds(step_graph, cluster, cost_model, pipeline)
         if options.stage_tensors:
             memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster, dims, replicas,
                                          list(options.stage_tensors), options, cost_model, staging / ".tensor",
-                                         folder, samples)
+                                         folder, samples, tensor_segments(step_graph))
             shutil.rmtree(staging / ".tensor", ignore_errors=True)
         elif tensor > 1:
             memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
@@ -144,12 +146,13 @@ def pipeline_estimate(model_path: Path, cluster: Cluster, dims: dict, options: P
     pipeline, cut, memory = _design(step, graph, cluster, options, microbatches, choices, cost_model)
     replicas = cut.replicas
     samples = _split_crossings(step, step_path, dims, pipeline, replicas, workdir / "rows")
-    costs = _part_seconds(step_path, dims, workdir / "costs", cluster, cost_model, pipeline)
+    step_graph = _step_graph(step_path, dims, workdir / "costs")
+    costs = _part_seconds(step_graph, cluster, cost_model, pipeline)
     if options.stage_tensors:
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = mixed_stages(step, step_path, pipeline, memory, costs, cluster, dims, replicas,
                                      list(options.stage_tensors), options, cost_model, workdir / "tensor",
-                                     workdir / "parts", samples)
+                                     workdir / "parts", samples, tensor_segments(step_graph))
     elif tensor > 1:   # the programs too, as the plan would have them (what their runs hold is memory)
         (workdir / "parts").mkdir(exist_ok=True)
         memory, costs = sharded_stages(step, step_path, pipeline, memory, costs, cluster,
@@ -360,13 +363,18 @@ def _design(step, graph, cluster: Cluster, options: PlanOptions, microbatches: i
     return pipeline, cut, stage_memory(pipeline, graph, microbatches, options.schedule, replicas)
 
 
-def _part_seconds(step_path: Path, dims: dict, workdir: Path, cluster: Cluster, cost_model: CostModel | None,
-                  pipeline) -> dict[tuple[int, str], float]:
-    """Each part's seconds: its nodes' in the step model at one microbatch's dims, costed as
-    the planner costs any model (the nodes every part computes for itself not counted)."""
+def _step_graph(step_path: Path, dims: dict, workdir: Path):
+    """The step model at one microbatch's dims, as the planner reads it (weights not read)."""
     canonical = canonicalize(step_path, dims, workdir, None, "absent")
     graph = build_graph(canonical.model)
     shutil.rmtree(workdir, ignore_errors=True)
+    return graph
+
+
+def _part_seconds(graph, cluster: Cluster, cost_model: CostModel | None, pipeline) -> dict[tuple[int, str], float]:
+    """Each part's seconds: its nodes' in the step model's ``graph`` at one microbatch's dims,
+    costed as the planner costs any model (the nodes every part computes for itself not
+    counted)."""
     found: dict[tuple[int, str], float] = {}
     for node, seconds in zip(graph.nodes, (cost_model or CostModel(cluster)).graph_seconds(graph)):
         where = pipeline.placement.get(node.name)

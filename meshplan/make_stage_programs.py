@@ -117,7 +117,7 @@ def sharded_stages(step, step_path: Path, pipeline, memory: list[dict], costs: d
 
 def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dict, cluster: Cluster, dims: dict,
                  replicas: list[int], tensors: list[int], options: PlanOptions, cost_model: CostModel | None,
-                 workdir: Path, folder: Path, samples=None):
+                 workdir: Path, folder: Path, samples=None, segmented: dict | None = None):
     """``pipeline`` made the pipeline whose stage s has ``replicas[s]`` replicas of
     ``tensors[s]`` devices that shard its operators (``--tensor-parallel 2,1``): the step
     planned on a [1, T] mesh at one replica's share of a microbatch (``dims``: a whole
@@ -125,7 +125,8 @@ def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dic
     from its own programs (a stage of one device keeps the step's own parts), and each
     crossing between stages of different T or R gone from the sender's layout to the
     receiver's (``joined_crossings``; ``samples``: a tensor's axis of samples, where the
-    replica counts differ); the memory and the part seconds as ``sharded_stages`` gives them,
+    replica counts differ; ``segmented``: the step's tensors whose dims hold heads in
+    segments, ``intra.segments.tensor_segments``); the memory and the part seconds as ``sharded_stages`` gives them,
     each stage by its own."""
     from meshplan.pipeline_devices import replica_dims
 
@@ -134,7 +135,6 @@ def mixed_stages(step, step_path: Path, pipeline, memory: list[dict], costs: dic
                                    cost_model, workdir / f"t{T}r{R}", folder, f"t{T}r{R}." if len(kinds) > 1 else "")
             for T, R in kinds}
     S = pipeline.stages
-    segmented = _segmented(step_path, dims, workdir / "segments")
     device_parts: list[dict] = [{} for _ in range(max(tensors))]
     for s, key in enumerate(zip(tensors, replicas)):
         found = [pipeline.parts] if key[0] == 1 else [d.parts for d in cuts[key].devices]
@@ -221,18 +221,6 @@ def joined_crossings(sides: list[PipelineStep], specs: list[dict], tensors: list
                                                 per_microbatch(c) and c.made_in == BACKWARD)
             found.append(Crossing(x.tensor, a, x.made_in, b, c.read_in, c.tensor if c.tensor != x.tensor else ""))
     return found, relayouts, rows
-
-
-def _segmented(step_path: Path, dims: dict, workdir: Path) -> dict:
-    """The step's tensors whose dims hold heads in segments (``intra.segments``)."""
-    from meshplan.intra.segments import tensor_segments
-    from meshplan.model.graph import build_graph
-    from meshplan.model.load import canonicalize
-
-    canonical = canonicalize(step_path, dims, workdir, None, "absent")
-    found = tensor_segments(build_graph(canonical.model))
-    shutil.rmtree(workdir, ignore_errors=True)
-    return found
 
 
 def _check_segments(name: str, sent: tuple[str, int], read: tuple[str, int], known: dict, src: int, dst: int):

@@ -20,11 +20,10 @@ from meshplan.plan_format import read_plan
 from meshplan.runtime.pipeline_inprocess import PipelineRunner
 from meshplan.sharding import LogicalMesh, ShardingSpec
 from meshplan.stage_ranks import per_stage
-from meshplan.trainer.checkpoint import Checkpoint
 from sample_models.training import TRAINING_DIR, load_case
 from test_cli_errors import _one_error_line
 from test_pipeline_plans import _train_options
-from tests.training_cases import assert_final_like_torch, assert_resumes, train_in_process
+from tests.training_cases import assert_final_like_torch, assert_resumes, train_in_process, trained_under_mpiexec
 
 
 def _plan(tmp_path, name: str, mesh: str, tensors: str, *more, microbatches: int = 4, out: str = "plan",
@@ -148,27 +147,22 @@ def test_stages_of_different_tensor_parallelism_train_under_mpiexec(tmp_path):
     settings = case["settings"]
     options = [*_train_options(settings), "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps",
                settings["steps"]]
-    done = run_mpi(3, "train", plan_dir, "--steps", settings["steps"], "--checkpoint", tmp_path / "ck",
-                   "--log", tmp_path / "log.json", *options)
-    assert done.returncode == 0, done.stdout + done.stderr
-    log = json.loads((tmp_path / "log.json").read_text())
-    np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
-    checkpoint = Checkpoint(tmp_path / "ck")
+    losses, checkpoint = trained_under_mpiexec(3, plan_dir, case, options, tmp_path)
     layouts = checkpoint.manifest["layouts"]
     assert any(entry.get("logical_mesh") == [1, 2] and entry["holders"] == [0, 1] for entry in layouts.values())
     assert_final_like_torch(case, read_plan(plan_dir).training["tied"], dict(checkpoint.tensors()))
     _, other, _ = _plan(tmp_path, "gpt_adamw", "1x3", "1,2", "--policy", "data", out="other")
-    assert_resumes(3, plan_dir, other, options, log["losses"], tmp_path)
+    assert_resumes(3, plan_dir, other, options, losses, tmp_path)
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()
     # replica counts that differ as well (two of one device, then one of two), from the checkpoint
     _, rows, _ = _plan(tmp_path, "gpt_adamw", "1x4", "1,2", "--policy", "megatron", out="rows", devices="2,2")
-    half = len(log["losses"]) // 2      # (where assert_resumes's checkpoint stands)
+    half = len(losses) // 2      # (where assert_resumes's checkpoint stands)
     fourth = run_mpi(4, "train", rows, "--steps", settings["steps"] - half, "--resume", tmp_path / "half",
                      "--log", tmp_path / "rows.json", "-q", *options)
     assert fourth.returncode == 0, fourth.stderr
-    np.testing.assert_allclose(json.loads((tmp_path / "rows.json").read_text())["losses"], log["losses"][half:],
+    np.testing.assert_allclose(json.loads((tmp_path / "rows.json").read_text())["losses"], losses[half:],
                                rtol=1e-5)
     shown = run_cli("show", plan_dir, "--schedule")
     assert shown.returncode == 0, shown.stderr

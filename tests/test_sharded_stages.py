@@ -7,7 +7,6 @@ such a plan refuses."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import onnx
@@ -26,7 +25,9 @@ from meshplan.training.optimizers import DEFAULTS
 from meshplan.training.step_model import StepModel, TrainSpec, build_step_model
 from sample_models.training import TRAINING_DIR, load_case
 from test_cli_errors import _one_error_line
-from tests.training_cases import assert_final_like_torch, assert_resumes, batches, hyper, train_in_process
+from test_pipeline_plans import _train_options
+from tests.training_cases import (assert_final_like_torch, assert_resumes, batches, hyper, train_in_process,
+                                  trained_under_mpiexec)
 
 
 def _plan(tmp_path, name: str, mesh: str, stages: int, tensor: int, *more, microbatches: int = 4):
@@ -89,16 +90,9 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
     trained model."""
     case, plan_dir, _ = _plan(tmp_path, "gpt_adamw", "1x4", 2, 2)
     settings = case["settings"]
-    options = ["--lr", settings["lr"], "--schedule", settings["schedule"], "--warmup", settings["warmup"],
-               "--weight-decay", settings["weight_decay"], "--clip-norm", settings["clip_norm"],
-               "--betas", ",".join(str(b) for b in settings["betas"]), "--eps", settings["eps"],
-               "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps", settings["steps"]]
-    done = run_mpi(4, "train", plan_dir, "--steps", settings["steps"], "--checkpoint", tmp_path / "ck",
-                   "--log", tmp_path / "log.json", *options)
-    assert done.returncode == 0, done.stdout + done.stderr
-    log = json.loads((tmp_path / "log.json").read_text())
-    np.testing.assert_allclose(log["losses"], case["losses"], rtol=1e-3)
-    checkpoint = Checkpoint(tmp_path / "ck")
+    options = [*_train_options(settings), "--data", TRAINING_DIR / "gpt_adamw.data.npz", "--total-steps",
+               settings["steps"]]
+    losses, checkpoint = trained_under_mpiexec(4, plan_dir, case, options, tmp_path)
     layouts = checkpoint.manifest["layouts"]
     pieces = [n for n, entry in layouts.items() if entry["holders"] == [0, 1]]
     assert pieces and all(layouts[n]["logical_mesh"] == [1, 2] for n in pieces)
@@ -108,7 +102,7 @@ def test_stages_that_shard_their_operators_train_under_mpiexec(tmp_path):
                        settings["optimizer"], "--mesh", "1x4", "--stages", 2, "--microbatches", 4, "--dim",
                        f"batch={settings['batch']}", "--device", "cpu", "-o", tmp_path / "replicas")
     assert replicas.returncode == 0, replicas.stderr
-    assert_resumes(4, plan_dir, tmp_path / "replicas", options, log["losses"], tmp_path)
+    assert_resumes(4, plan_dir, tmp_path / "replicas", options, losses, tmp_path)
     exported = run_cli("export", plan_dir, "--checkpoint", tmp_path / "ck", "-o", tmp_path / "trained.onnx")
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "trained.onnx").is_file()

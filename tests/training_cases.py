@@ -69,6 +69,23 @@ def assert_final_like_torch(case: dict, tied: dict, state: dict) -> None:
         assert silent or float(np.median(off)) <= median * scale, initializer
 
 
+def trained_under_mpiexec(ranks: int, plan_dir, case: dict, options: list, folder):
+    """``mpiexec -n ranks meshplan train`` for the case's steps with a checkpoint (``folder /
+    "ck"``) and a log: each step's loss within 1e-3 of torch's. Returns the logged losses and
+    the checkpoint."""
+    import json
+
+    from conftest import run_mpi
+    from meshplan.trainer.checkpoint import Checkpoint
+
+    done = run_mpi(ranks, "train", plan_dir, "--steps", case["settings"]["steps"], "--checkpoint", folder / "ck",
+                   "--log", folder / "log.json", *options)
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = json.loads((folder / "log.json").read_text())["losses"]
+    np.testing.assert_allclose(losses, case["losses"], rtol=1e-3)
+    return losses, Checkpoint(folder / "ck")
+
+
 def assert_resumes(ranks: int, plan_dir, other_dir, options: list, losses: list, folder) -> None:
     """``mpiexec -n ranks meshplan train`` for half of ``losses``' steps with a checkpoint,
     then the other half resumed from it on ``plan_dir`` (each loss within 1e-6 of one job's
