@@ -5,7 +5,9 @@ in ``runtime.interpreter``).
 s's R_s replicas after the stages before it); crossing i (``PipelineStep.crossings``) goes
 from replica r of its source stage to replica r of its destination stage where both have as
 many replicas, else split or shared out among them (``stage_ranks``: each destination
-replica's row block put together from the source replicas' pieces), through host memory
+replica's row block put together from the source replicas' pieces); where the two stages'
+devices lay it out differently (each its own T, or its own replicas too), by the boxes of
+its ``crossing_layouts.Relayout``, device to device; through host memory
 (mpi4py's pickled messages, an array's bytes out of band: ``mpi4py.util.pkl5``; tag i + 1),
 sends posted without waiting; a stage's replicas sum what they accumulated once a step
 (``summed``, an MPI all-reduce among them), or each into its own row blocks of the sum
