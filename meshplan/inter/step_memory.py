@@ -3,14 +3,15 @@
 The stage DP's activation figure (the largest sum of one operator's operands) suits a
 forward pass, whose tensors die within a layer or two; a training step keeps the forward
 activations until the backward pass reads them, writes every weight's and slot's new
-value while the old one is still held (an ONNX program cannot update its inputs in place:
-the job swaps them after the step), and makes each gradient in its weight's layout. So a
-training plan's memory is estimated by liveness over the step program, in the order the
-program runs its nodes:
+value (into the old one's buffer where nothing reads the old value afterwards:
+``model.in_place``, as the job runs it; else beside it), and makes each gradient in its
+weight's layout. So a training plan's memory is estimated by liveness over the step
+program, in the order the program runs its nodes:
 
 - a graph input (the batch, the hyperparameters, the weights and optimizer slots) is held
   for the whole step, an initializer (a frozen weight, a constant) for as long as its
   session lives: the whole step;
+- a new weight or slot written in place adds nothing (its bytes are the old value's);
 - an intermediate tensor lives from the node that makes it to its last reader, a program
   output (the loss, a new weight or slot) from the node that makes it to the end;
 - each at its local size on the device: its producer's output layout (a weight's and
@@ -32,6 +33,7 @@ import numpy as np
 
 from meshplan.intra.strategies import Strategy
 from meshplan.model.graph import Graph
+from meshplan.model.in_place import updates_in_place
 from meshplan.sharding import LogicalMesh, ShardingSpec
 
 MiB = 1 << 20
@@ -73,6 +75,8 @@ def step_memory(graph: Graph, strategies: Mapping[str, Strategy], state_specs: M
             return "weights"
         return "gradients" if name.startswith("grad/") else "activations"
 
+    in_place = updates_in_place([(n.op_type, n.inputs, n.outputs) for n in graph.nodes], graph.state,
+                                outputs=graph.outputs)
     last_use: dict[str, int] = {}
     for index, node in enumerate(graph.nodes):
         for name in node.inputs:
@@ -86,7 +90,7 @@ def step_memory(graph: Graph, strategies: Mapping[str, Strategy], state_specs: M
     peak, at_peak = sum(held.values()), dict(held)
     for index, node in enumerate(graph.nodes):
         for name in node.outputs:
-            if name:
+            if name and name not in in_place:
                 held[kind(name)] += local(name)
         total = sum(held.values())
         if total > peak:

@@ -68,7 +68,7 @@ from meshplan.runtime.job_state import HeldState
 from meshplan.runtime.logit_scores import LogitScorer
 from meshplan.runtime.program import SEGMENT_GRAPHS, ProgramRunner
 from meshplan.runtime.sessions import check_program_files, provider_name, providers_for
-from meshplan.runtime.state_layout import state_spec
+from meshplan.runtime.state_layout import state_spec, state_updates as _state_updates
 from meshplan.runtime.tensors import join_microbatches, split_microbatches
 from meshplan.runtime.threads import (ThreadChoice, bind_to, may_bind, one_pool, pin_calling_thread, plan_threads,
                                       with_idle_cores)
@@ -177,7 +177,7 @@ class Job(CallHeaders, HeldState):
                 choose = choose and self.size == 1 and plan.microbatches == 1 \
                     and any(t.name == _LOGITS for t in plan.outputs)
                 session = ProgramRunner(path, providers, lazy=True, remake_integers=segment_graphs,
-                                        choose=_LOGITS if choose else None)
+                                        choose=_LOGITS if choose else None, updates=_state_updates(plan))
                 # one spinning pool for a rank with cores of its own: its one session's, or the
                 # process's shared by its segments (made now, on the cores it is bound to)
                 pooled = one_pool(self.threads, session.sessions, shared_pool_threads())
@@ -254,9 +254,10 @@ class Job(CallHeaders, HeldState):
         self.state_specs = {s["input"]: state_spec(s) for s in plan.state}
         outputs = {t.name: t for t in plan.outputs}
         self._state_output_shapes = [(s["input"], outputs[s["output"]].shape) for s in plan.state]
-        # the job owns its state buffers: a program may update them in place (a fixed-capacity cache)
+        # the job owns its state buffers: a program may update them in place (a fixed-capacity
+        # cache; a training step's weights and slots, where ``model.in_place`` finds it safe)
         self.own_state = frozenset(local_name(name, spec) for name, spec in self.state_specs.items()) \
-            if self.cache_in_place else frozenset()
+            if self.cache_in_place or plan.training else frozenset()
         self.header_size = 2 + sum(len(t.shape) for t in self.inputs) + sum(1 + len(t.shape) for t in self.state_entries_specs()) \
             + sum(1 + 2 * len(t.shape) for t in self.outputs) + len(self.state_entries)
         self.state: dict[str, object] = {}      # state input → this rank's local piece (its holders)

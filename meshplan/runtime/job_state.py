@@ -271,7 +271,7 @@ class HeldState:
                 for r in stage.devices:
                     piece = piece_of(whole, spec, mesh, r)
                     if r == 0:   # updated in place: a copy, never the caller's array
-                        own = np.array(piece, copy=True) if self.cache_in_place else piece
+                        own = np.array(piece, copy=True) if self.own_state else piece
                         self.state[name] = self.state_buffers.from_host(own)
                         self._made.pop(name, None)
                         self._kept.pop(name, None)

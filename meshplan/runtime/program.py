@@ -26,6 +26,7 @@ import onnx
 from onnx import helper
 
 from meshplan.errors import RunError
+from meshplan.model.in_place import updates_in_place
 from meshplan.reshard.kinds import kind_of_op
 from meshplan.reshard.steps import Step
 from meshplan.plan_format import COLLECTIVE_DOMAIN
@@ -104,6 +105,20 @@ class Segment:
     def close(self) -> None:
         """Drop the session and the weights it holds (``open`` loads them again)."""
         self.session = None
+
+
+def _updates(nodes, updates: dict[str, str] | None, read_later: set[str], outputs, typed: dict) -> dict[str, str]:
+    """The pairs of ``updates`` a run of ``nodes`` may write in place (``updates_in_place``):
+    an output of its input's declared type and shape (one buffer holds both)."""
+    def same(a: onnx.ValueInfoProto | None, b: onnx.ValueInfoProto | None) -> bool:
+        return a is not None and b is not None and a.type.tensor_type.elem_type == b.type.tensor_type.elem_type \
+            and [d.dim_value or d.dim_param for d in a.type.tensor_type.shape.dim] \
+            == [d.dim_value or d.dim_param for d in b.type.tensor_type.shape.dim]
+
+    chosen = {o: i for o, i in (updates or {}).items() if same(typed.get(o), typed.get(i))}
+    if not chosen:
+        return {}
+    return updates_in_place([(n.op_type, list(n.input), list(n.output)) for n in nodes], chosen, read_later, outputs)
 
 
 def _collective(node: onnx.NodeProto) -> Collective:
@@ -189,7 +204,7 @@ def integers_made_where_read(runs: list[list[onnx.NodeProto]], inputs: set[str],
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
                  spinning: bool | None = None, graphs: bool = False, affinities: str | None = None,
-                 remake_integers: bool = False, choose: str | None = None):
+                 remake_integers: bool = False, choose: str | None = None, updates: dict[str, str] | None = None):
         """``lazy``: open no session yet; the caller opens them (``open``), or opens and closes
         each segment (``Segment.open``/``close``), so that only the segments it runs hold weights.
         ``spinning``, ``graphs``, ``affinities``: see ``StageSession``. Only a program of one segment captures
@@ -205,7 +220,10 @@ class ProgramRunner:
         ``choose``: an output of logits to choose the next token from where they are computed
         (``with_greedy_choice``), in a program of one segment: ``chosen`` is then the name of
         the token ids it also returns (else None), and the logits themselves stay where they
-        are computed (``keep_on``) until a caller takes them."""
+        are computed (``keep_on``) until a caller takes them.
+        ``updates``: output → the input it is the new value of (a training step's weights and
+        slots); where ``model.in_place.updates_in_place`` finds it safe in a segment, the
+        output may be written into the input's buffer (``in_place``, for a caller that owns it)."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         self._ending: list[frozenset[str]] | None = None  # ``ending_here``, likewise
         self.kept_on = None      # the device this rank's tensors are kept on (``keep_on``), if any
@@ -225,6 +243,8 @@ class ProgramRunner:
             graph = header.graph
             pairs = in_place_pairs(list(graph.node), {v.name: v for v in graph.input if v.name not in weights},
                                    {v.name: v for v in graph.output})
+            pairs.update(_updates(graph.node, updates, set(), self.graph_outputs,
+                                  {v.name: v for v in list(graph.input) + list(graph.output)}))
             self.segments = [Segment(None, [v.name for v in graph.input if v.name not in weights],
                                      [v.name for v in graph.output], None, source, weights_dir, path.name, pairs)]
             self.providers = providers
@@ -276,6 +296,8 @@ class ProgramRunner:
                 sub_model.ir_version = model.ir_version
                 source = sub_model.SerializeToString()
             pairs = in_place_pairs(nodes, {i: typed[i] for i in inputs}, {o: typed[o] for o in outputs})
+            pairs.update(_updates(nodes, {o: i for o, i in (updates or {}).items() if o in outputs and i in inputs},
+                                  needed_later[index] - set(outputs), outputs, typed))
             self.segments.append(Segment(None, inputs, outputs, collective, source, path.parent.resolve(),
                                          f"{path.name} (segment {index})", pairs))
         self.providers = providers

@@ -165,6 +165,7 @@ class StageSession:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.providers = self.session.get_providers()
         self.in_place = dict(in_place or {})
+        self.training = training
         self._binding = None   # the in-place runs' IOBinding and what its outputs are bound to
         self._bound: dict[str, tuple] = {}
         self._repeat = None     # what a run repeating the in-place run before does (``_run_again``)
@@ -202,6 +203,8 @@ class StageSession:
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
+        if reused and self.training:
+            return self._run_updating(feeds, reused)
         if reused or bound and self._bound_repeats(feeds):
             return self._run_in_place(feeds, reused, writable)
         try:
@@ -210,6 +213,37 @@ class StageSession:
         except Exception as exc:  # onnxruntime raises several unrelated exception types
             raise self._failed(exc) from exc
         return dict(zip(self.output_names, values))
+
+    def _run_updating(self, feeds: dict[str, np.ndarray], reused: dict[str, str]) -> dict[str, np.ndarray]:
+        """A training step that writes its new state into the old state's buffers (``reused``:
+        output → feed): those outputs are bound to their feeds' memory, every other feed is
+        read where it lies (a gradient handed on by a collective is not copied), and every
+        other output is onnxruntime's, new each run (the arena lends a step's buffers to the
+        next step's other tensors: none is held between steps)."""
+        import onnxruntime as ort
+
+        binding = self.session.io_binding()
+        held = {}
+        for name in self.input_names:
+            array = feeds.get(name)
+            if array is None:
+                continue
+            if isinstance(array, np.ndarray) and array.flags.c_contiguous and array.dtype.isbuiltin == 1:
+                held[name] = ort.OrtValue.ortvalue_from_numpy(array)   # wraps, no copy
+                binding.bind_ortvalue_input(name, held[name])
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in self.output_names:
+            if name in reused:
+                binding.bind_ortvalue_output(name, held[reused[name]])
+            else:
+                binding.bind_output(name, "cpu")
+        try:
+            self.session.run_with_iobinding(binding, self._plain_run)
+        except Exception as exc:  # onnxruntime raises several unrelated exception types
+            raise self._failed(exc) from exc
+        return {name: feeds[reused[name]] if name in reused else value.numpy()
+                for name, value in zip(self.output_names, binding.get_outputs())}
 
     def _bound_repeats(self, feeds: dict) -> bool:
         """Whether a run with no output written in place runs bound (``_run_in_place``): it has

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.plan_format import Plan, state_segments
+from meshplan.plan_format import Plan, local_name, state_segments
 from meshplan.sharding import LogicalMesh, ShardingSpec, put, take
 
 
@@ -22,6 +22,15 @@ def state_spec(entry: dict) -> ShardingSpec:
     spec = ShardingSpec.parse(entry["spec"])
     segments = state_segments(entry)
     return spec.with_segments(segments) if segments else spec
+
+
+def state_updates(plan: Plan) -> dict[str, str]:
+    """A training plan's state outputs → the inputs they are the new values of, by the local
+    names a rank's program gives them (what ``ProgramRunner(updates=...)`` may write in
+    place); none for other plans (a cache is written in place by its own rule)."""
+    if not plan.training:
+        return {}
+    return {local_name(e["output"], state_spec(e)): local_name(e["input"], state_spec(e)) for e in plan.state}
 
 
 def state_mesh(plan: Plan, entry: dict) -> LogicalMesh:

@@ -1,0 +1,144 @@
+"""A training step's new weights and slots written into the old ones' buffers (``model.in_place``):
+which pairs the rule lets through, and that a step run so equals the step run with new
+buffers, to the bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from meshplan.model.in_place import updates_in_place
+from meshplan.plan_format import read_plan
+from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.sessions import StageSession
+from meshplan.runtime.state_layout import state_updates
+
+from test_training import _data, _plan
+
+
+def _safe(nodes, candidates, read_later=(), outputs=()):
+    return updates_in_place(nodes, candidates, read_later, outputs)
+
+
+def test_a_new_value_made_after_every_read_of_the_old_is_written_in_place():
+    nodes = [("MatMul", ["x", "w"], ["y"]),
+             ("Mul", ["w", "keep"], ["decayed"]),
+             ("ReduceSum", ["y"], ["loss"]),
+             ("Mul", ["y", "y"], ["g"]),
+             ("Sub", ["decayed", "g"], ["w.updated"])]
+    assert _safe(nodes, {"w.updated": "w"}) == {"w.updated": "w"}
+
+
+def test_a_read_of_the_old_value_not_before_the_write_keeps_it_apart():
+    nodes = [("Mul", ["w", "keep"], ["decayed"]),
+             ("Sub", ["decayed", "g"], ["w.updated"]),
+             ("Relu", ["w"], ["late"])]          # no path from it to the write: may run after it
+    assert _safe(nodes, {"w.updated": "w"}) == {}
+    # the writing node reading the old value itself: elementwise kernels promise no order
+    assert _safe([("Mul", ["w", "k"], ["n"]), ("Where", ["apply", "n", "w"], ["w.updated"])],
+                 {"w.updated": "w"}) == {}
+
+
+def test_a_view_of_the_old_value_counts_as_the_old_value():
+    nodes = [("Reshape", ["w", "shape"], ["view"]),
+             ("Mul", ["w", "keep"], ["decayed"]),
+             ("Sub", ["decayed", "g"], ["w.updated"]),
+             ("Relu", ["view"], ["late"])]       # reads w's buffer after the write
+    assert _safe(nodes, {"w.updated": "w"}) == {}
+    before = [nodes[0], ("Relu", ["view"], ["early"]), ("Add", ["w", "early"], ["decayed"]), nodes[2]]
+    assert _safe(before, {"w.updated": "w"}) == {"w.updated": "w"}
+    assert _safe(before, {"w.updated": "w"}, outputs={"view", "w.updated"}) == {}   # a view handed out
+
+
+def test_what_is_read_later_and_one_buffer_for_two_outputs_are_refused():
+    nodes = [("Mul", ["w", "keep"], ["a"]), ("Neg", ["a"], ["b"])]
+    assert _safe(nodes, {"b": "w"}, read_later={"w"}) == {}
+    assert _safe(nodes, {"a": "w", "b": "w"}) == {}
+    assert _safe(nodes, {"b": "w"}) == {"b": "w"}
+
+
+def _value(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def test_a_session_writes_the_new_state_where_the_old_lies_and_computes_the_same(tmp_path):
+    """An SGD-like step over two weights, one of them read again after its update (refused):
+    run in place and plainly, the same numbers; the safe one's buffer holds its new value."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]),
+             helper.make_node("MatMul", ["y", "v"], ["z"]),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0),
+             helper.make_node("Mul", ["w", "lr"], ["dw"]),
+             helper.make_node("Sub", ["dw", "loss"], ["w.updated"]),
+             helper.make_node("Mul", ["v", "lr"], ["dv"]),
+             helper.make_node("Sub", ["dv", "loss"], ["v.updated"]),
+             helper.make_node("Neg", ["v"], ["late"])]
+    graph = helper.make_graph(nodes, "step", [_value("x", [2, 3]), _value("w", [3, 3]), _value("v", [3, 3]),
+                                              _value("lr", [])],
+                              [_value("loss", []), _value("w.updated", [3, 3]), _value("v.updated", [3, 3]),
+                               _value("late", [3, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "step.onnx"
+    onnx.save(model, path)
+    runner = ProgramRunner(path, ["CPUExecutionProvider"], updates={"w.updated": "w", "v.updated": "v"})
+    assert runner.segments[0].in_place == {"w.updated": "w"}
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 3)).astype(np.float32), "w": rng.standard_normal((3, 3)).astype(np.float32),
+             "v": rng.standard_normal((3, 3)).astype(np.float32), "lr": np.asarray(0.5, dtype=np.float32)}
+    plain = StageSession(path, ["CPUExecutionProvider"]).run(dict(feeds))
+    training = StageSession(path, ["CPUExecutionProvider"], in_place={"w.updated": "w"}, training=True)
+    mine = {k: np.array(v) for k, v in feeds.items()}
+    found = training.run(mine, writable=frozenset({"w", "v"}))
+    assert found["w.updated"] is mine["w"]
+    assert found["v.updated"] is not mine["v"]
+    for name, value in plain.items():
+        np.testing.assert_array_equal(found[name], value)
+    np.testing.assert_array_equal(mine["v"], feeds["v"])   # the refused one's input untouched
+
+
+def test_a_data_parallel_programs_update_segment_writes_every_state_in_place(tmp_path):
+    """The 1x2 data-parallel MLP's rank program, cut at its all-reduces: every weight and slot
+    is written in place in the segment that updates it, and the plan's memory estimate no
+    longer counts a second copy of them."""
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x2", "--policy", "data", "--optimizer", "adamw")
+    plan = read_plan(plan_dir)
+    updates = state_updates(plan)
+    assert updates and all(o.endswith(".updated") for o in updates)
+    runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], lazy=True, updates=updates)
+    written = {}
+    for segment in runner.segments:
+        written.update(segment.in_place or {})
+    assert written == updates
+    assert len(runner.segments) > 1
+
+
+def test_a_job_keeps_each_state_in_its_buffer_from_step_to_step(tmp_path):
+    from meshplan.runtime.job import Job
+    from meshplan.testing.train_reference import run_whole
+    from meshplan.trainer.data import Batches
+
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw")
+    data = _data(tmp_path / "data.npz")
+    expected, _ = run_whole(plan_dir, data, 3, 0.01, {"weight_decay": 0.05})
+    job = Job(plan_dir, provider="cpu")
+    batches = Batches(data, job.plan)
+    found, held = [], []
+    for _ in expected:
+        found.append(job.train_step(batches.next(), 0.01, weight_decay=0.05))
+        held.append(dict(job.state))
+    job.close()
+    np.testing.assert_allclose(found, expected, rtol=1e-6)
+    assert held[1].keys() == held[2].keys() and all(held[1][n] is held[2][n] for n in held[1])
+
+
+def test_a_step_of_several_microbatches_writes_only_its_accumulators_in_place(tmp_path):
+    """With ``--microbatches``, a weight's and slot's last node is ``Where(apply, new, old)``,
+    which reads the old value: those stay apart; the accumulated gradients and the loss's
+    sum and count are written in place."""
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw", "--microbatches", "2")
+    updates = state_updates(read_plan(plan_dir))
+    runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], lazy=True, updates=updates)
+    written = runner.segments[0].in_place
+    accumulators = {o for o in updates if ".grad_acc." in o or o.startswith("train.acc.")}
+    assert accumulators and set(written) == accumulators
