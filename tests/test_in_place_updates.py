@@ -142,3 +142,34 @@ def test_a_step_of_several_microbatches_writes_only_its_accumulators_in_place(tm
     written = runner.segments[0].in_place
     accumulators = {o for o in updates if ".grad_acc." in o or o.startswith("train.acc.")}
     assert accumulators and set(written) == accumulators
+
+
+def test_the_estimate_counts_a_weight_gathered_from_its_shards_until_its_last_reader():
+    """``inter.step_memory``: a weight kept split over a 1x2 mesh and read whole by two
+    products holds a whole copy from the first of them to the last (beside its own half),
+    and its new value, written in place, adds nothing."""
+    from meshplan.inter.step_memory import PROCESS_BYTES, step_memory
+    from meshplan.intra.strategies import Strategy
+    from meshplan.model.graph import Graph, Node, TensorInfo
+    from meshplan.sharding import LogicalMesh, ShardingSpec
+
+    f32 = np.dtype(np.float32)
+    tensors = {name: TensorInfo(name, shape, f32) for name, shape in
+               {"x": (4, 256), "w": (256, 256), "y": (4, 256), "big": (4096, 256), "z": (4, 256),
+                "w.updated": (256, 256), "grad/w": (256, 256)}.items()}
+    R, S0 = ShardingSpec(("R", "R")), ShardingSpec(("S1", "R"))
+    nodes = [Node("first", "MatMul", "", ("x", "w"), ("y",), {}),
+             Node("between", "Relu", "", ("y",), ("big",), {}),
+             Node("second", "MatMul", "", ("y", "w"), ("z",), {}),
+             Node("grad", "Mul", "", ("w", "z"), ("grad/w",), {}),
+             Node("update", "Sub", "", ("grad/w", "z"), ("w.updated",), {})]
+    strategies = {"first": Strategy((R, R), (R,)), "second": Strategy((R, R), (R,)),
+                  "between": Strategy((R,), (R,)), "grad": Strategy((S0, R), (S0,)),
+                  "update": Strategy((S0, R), (S0,))}
+    graph = Graph(nodes, tensors, ["x", "w"], ["z", "w.updated"], state={"w.updated": "w"})
+    mesh = LogicalMesh((1, 2), (0, 1))
+    found = step_memory(graph, strategies, {"w": S0}, mesh, {"w"})
+    half, whole = 128 * 256 * 4, 256 * 256 * 4
+    assert found["weights"] == half + whole   # its own half and the whole copy, at the peak ("big" alive)
+    assert found["process"] == PROCESS_BYTES
+    assert found["activations"] >= 4096 * 256 * 4

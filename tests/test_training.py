@@ -328,7 +328,7 @@ def test_memory_estimate_holds_the_state_once_and_the_step_peak(tmp_path, mesh, 
     assert memory["process"] == PROCESS_BYTES and memory["activations"] > 0
     assert stage["memory_bytes"] == pytest.approx(sum(memory.values()))
     report = (out / "report.txt").read_text()
-    assert "process 80.0 MiB" in report
+    assert "process 100.0 MiB" in report
 
 
 def test_frozen_weights_in_external_data_stay_external_in_the_step_model(tmp_path):
