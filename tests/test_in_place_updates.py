@@ -173,3 +173,23 @@ def test_the_estimate_counts_a_weight_gathered_from_its_shards_until_its_last_re
     assert found["weights"] == half + whole   # its own half and the whole copy, at the peak ("big" alive)
     assert found["process"] == PROCESS_BYTES
     assert found["activations"] >= 4096 * 256 * 4
+
+
+def test_adamws_squares_of_a_gradient_wait_for_the_norm():
+    """The update's nodes (``optimizers.build_update``): a node that reads only gradients
+    (and constants) makes nothing that lives on: each g·g the norm sums is read once, by its
+    ReduceSum, and the g² of the second moment is made from a product that reads the
+    clipping's factor, so onnxruntime cannot make it while the backward pass still runs."""
+    from meshplan.training.optimizers import build_update
+
+    weights = {"w": ("grad/w", np.dtype(np.float32)), "b": ("grad/b", np.dtype(np.float32))}
+    emitted = build_update("adamw", weights)
+    readers: dict[str, list] = {}
+    for node in emitted.nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    gradients = {"grad/w", "grad/b"}
+    squares = [o for node in emitted.nodes if node.input and set(node.input) <= gradients for o in node.output]
+    assert len(squares) == 2   # the norm's g·g, one a weight
+    for name in squares:
+        assert [n.op_type for n in readers.get(name, [])] == ["ReduceSum"], name

@@ -290,7 +290,7 @@ def test_a_sharded_part_lets_a_gathered_tensor_go_after_its_last_reader(tmp_path
     runner = ProgramRunner(tmp_path / "part.onnx", ["CPUExecutionProvider"], 1)
     feeds = {"w@S1": np.array([2.0], np.float32), "x": np.array([1.0, 3.0], np.float32)}
 
-    def collective(step, x):    # one device's view of a [1, 2] mesh whose other device holds the same
+    def collective(step, x, spare=False):    # one device's view of a [1, 2] mesh whose other device holds the same
         return np.concatenate([x, x]) if step.kind.name == "all_gather" else 2 * x
 
     kept = runner.run(dict(feeds), collective)

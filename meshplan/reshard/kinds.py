@@ -9,8 +9,9 @@ For a ``Step`` (kind, mesh axis, tensor ``dim``, all-to-all's ``to_dim``) a kind
 - ``emit``: the node a program gets for it, through the program builder's
   ``collective(step, source, out)`` or ``local_slice(step, source, out)``;
 - ``perform``: how a rank runs it, through a communicator of the step's axis group
-  (duck-typed: ``all_reduce(x)``, ``all_gather(x, dim)``, ``reduce_scatter(x, dim)``,
-  ``all_to_all(x, dim, to_dim)``, ``slice(x, dim)``; ``runtime.collectives`` has the MPI one).
+  (duck-typed: ``all_reduce(x, spare)``, ``all_gather(x, dim)``, ``reduce_scatter(x, dim)``,
+  ``all_to_all(x, dim, to_dim)``, ``slice(x, dim)``; ``runtime.collectives`` has the MPI one);
+  ``spare``: nothing reads ``x`` afterwards, so a step may write its result into it.
 
 ``name`` is the step's string in plan.json, ``op_type`` its collective node in the
 ``meshplan`` domain (``None`` for a local slice).
@@ -53,7 +54,7 @@ class StepKind(ABC):
         program.collective(step, source, out)
 
     @abstractmethod
-    def perform(self, step, x, group):
+    def perform(self, step, x, group, spare=False):
         ...
 
 
@@ -71,8 +72,8 @@ class AllReduce(StepKind):
     def apply(self, step, arrays):
         return [_sum(arrays)] * len(arrays)
 
-    def perform(self, step, x, group):
-        return group.all_reduce(x)
+    def perform(self, step, x, group, spare=False):
+        return group.all_reduce(x, spare)
 
 
 class AllGather(StepKind):
@@ -90,7 +91,7 @@ class AllGather(StepKind):
     def apply(self, step, arrays):
         return [np.concatenate(arrays, axis=step.dim) if len(arrays) > 1 else arrays[0]] * len(arrays)
 
-    def perform(self, step, x, group):
+    def perform(self, step, x, group, spare=False):
         return group.all_gather(x, step.dim)
 
 
@@ -108,7 +109,7 @@ class ReduceScatter(StepKind):
     def apply(self, step, arrays):
         return _chunks(_sum(arrays), len(arrays), step.dim, step)
 
-    def perform(self, step, x, group):
+    def perform(self, step, x, group, spare=False):
         return group.reduce_scatter(x, step.dim)
 
 
@@ -131,7 +132,7 @@ class AllToAll(StepKind):
         received = [[pieces[j][i] for j in range(k)] for i in range(k)]
         return [np.concatenate(parts, axis=step.dim) if k > 1 else parts[0] for parts in received]
 
-    def perform(self, step, x, group):
+    def perform(self, step, x, group, spare=False):
         return group.all_to_all(x, step.dim, step.to_dim)
 
 
@@ -153,7 +154,7 @@ class Slice(StepKind):
     def emit(self, step, program, source, out):
         program.local_slice(step, source, out)
 
-    def perform(self, step, x, group):
+    def perform(self, step, x, group, spare=False):
         return group.slice(x, step.dim)
 
 

@@ -45,10 +45,15 @@ class AxisGroup:
     def __init__(self, group, MPI, buffers=HOST):
         self.group, self.MPI, self.buffers = group, MPI, buffers
 
-    def all_reduce(self, x):
+    def all_reduce(self, x, spare: bool = False):
+        """The sum over the group; ``spare``: nobody reads ``x`` afterwards, so a tensor in
+        host memory is summed where it lies (``MPI_IN_PLACE``), no second buffer made."""
         if x.dtype in WIDENED:
             return self._narrowed(self.all_reduce(self._widened(x)), x.dtype)
         b = self.buffers
+        if spare and b is HOST and isinstance(x, np.ndarray) and x.flags.c_contiguous and x.flags.writeable:
+            wait_all([self.group.Iallreduce(self.MPI.IN_PLACE, b.mpi(x), op=self.MPI.SUM)], self.MPI)
+            return x
         out = b.empty(b.shape(x), x.dtype)
         wait_all([self.group.Iallreduce(b.mpi(x), b.mpi(out), op=self.MPI.SUM)], self.MPI)
         return out
@@ -92,5 +97,5 @@ class AxisGroup:
         return self.buffers.take(x, box)
 
 
-def perform(step: Step, x, group, MPI, buffers=HOST):
-    return step.kind.perform(step, x, AxisGroup(group, MPI, buffers))
+def perform(step: Step, x, group, MPI, buffers=HOST, spare: bool = False):
+    return step.kind.perform(step, x, AxisGroup(group, MPI, buffers), spare)

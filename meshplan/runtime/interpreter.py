@@ -190,9 +190,11 @@ class Interpreter:
                 started = time.perf_counter()
                 narrow = {name: wanted[name] for name in narrowable if wanted[name]} if narrowable else None
                 boxes = dict(narrow) if narrow else {}   # left to take after the run (a narrowed output is its box)
+                # (one microbatch: read before the next run); a training step lets each tensor go
+                # once no later segment reads it (a gradient once it is all-reduced)
                 outs = self.session.run(given, transport.collective, b, observe=self._observe,
-                                        writable=self.own_state, narrow=narrow,
-                                        bound=B == 1)   # (one microbatch: read before the next run)
+                                        writable=self.own_state, narrow=narrow, bound=B == 1,
+                                        release=bool(self.plan.training))
                 if boxes:
                     for name in set(boxes) - set(narrow):
                         boxes[name] = ()

@@ -124,9 +124,9 @@ class PipelineLinks:
             self.messages.recv(source=self.ranks.rank(c.src, replica, device), tag=crossing + 1)
             for replica, device in self.routes.incoming(crossing, self.replica, self.device)])
 
-    def collective(self, step, x):
+    def collective(self, step, x, spare: bool = False):
         """This device's part of a collective of its replica's devices (a part's)."""
-        return step.kind.perform(step, x, self.devices)
+        return step.kind.perform(step, x, self.devices, spare)
 
     def summed(self, array) -> np.ndarray:
         """``array`` summed over the stage's replicas (of its own shape: a 0-d one stays 0-d)."""
@@ -234,7 +234,7 @@ class _ReplicaLinks:
         self.meeting = links._meetings[(stage, device)]
         self.devices = links._devices[(stage, replica)]
 
-    def collective(self, step, x):
+    def collective(self, step, x, spare: bool = False):
         """This device's part of a collective of its replica's devices, computed in memory
         (``apply_steps``) once every device has given its tensor."""
         from meshplan.reshard.steps import apply_steps

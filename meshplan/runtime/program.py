@@ -362,7 +362,9 @@ class ProgramRunner:
         ``run_lockstep``. ``bound``: the caller is done with this run's results before it
         runs the program again (``StageSession.run``). ``release``: each tensor no later
         segment or collective reads is let go once its last reader has run (a weight a
-        collective gathered whole, say), so that the result holds the program's outputs only.
+        collective gathered whole, say), so that the result holds the program's outputs only,
+        and a collective whose input this run made and nothing reads afterwards is called
+        as ``collective_fn(step, tensor, True)``: it may write into that tensor.
 
         On the host path (``buffers.HOST``) feeds and results are numpy arrays; with a
         ``DeviceBuffers`` they are device tensors and every segment runs with its inputs
@@ -483,7 +485,9 @@ def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, o
     same steps without the loops over ranks and microbatches; ``collective(step, tensor) ->
     tensor`` is this rank's part of each collective (``release``: see ``ProgramRunner.run``)."""
     host = buffers is HOST
+    made: set[str] = set()    # what this run's segments and collectives made (not the caller's feeds)
     for index, part in enumerate(runner.segments):
+        made.update(part.outputs)
         if release and index:   # what segment index - 1 and its collective were the last to read
             kept = runner.read_after(index - 1) | runner.graph_outputs
             for name in [n for n in mine if n not in kept]:
@@ -514,4 +518,11 @@ def _run_one(runner: ProgramRunner, mine: dict, collective, buffers, writable, o
             tensor = buffers.to_host(tensor)
         if observe is not None:
             observe(c.input, tensor)
-        mine[c.output] = collective(c.step, tensor)
+        # a tensor this run made that nothing reads after this collective: the collective may
+        # write into it (an all-reduce of a gradient sums it where it lies)
+        if release and c.input in made and c.input not in runner.read_after(index) \
+                and c.input not in runner.graph_outputs:
+            mine[c.output] = collective(c.step, tensor, True)
+        else:
+            mine[c.output] = collective(c.step, tensor)
+        made.add(c.output)

@@ -166,6 +166,8 @@ class StageSession:
         self.providers = self.session.get_providers()
         self.in_place = dict(in_place or {})
         self.training = training
+        # outputs numpy can view where onnxruntime made them (not bfloat16: no numpy type)
+        self._numpy_outputs = all(o.type != "tensor(bfloat16)" for o in self.session.get_outputs())
         self._binding = None   # the in-place runs' IOBinding and what its outputs are bound to
         self._bound: dict[str, tuple] = {}
         self._repeat = None     # what a run repeating the in-place run before does (``_run_again``)
@@ -203,7 +205,8 @@ class StageSession:
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
-        if reused and self.training:
+        if self.training and self._numpy_outputs and (reused or all(
+                isinstance(a, np.ndarray) and a.dtype.isbuiltin == 1 for a in feeds.values())):
             return self._run_updating(feeds, reused)
         if reused or bound and self._bound_repeats(feeds):
             return self._run_in_place(feeds, reused, writable)
@@ -215,11 +218,12 @@ class StageSession:
         return dict(zip(self.output_names, values))
 
     def _run_updating(self, feeds: dict[str, np.ndarray], reused: dict[str, str]) -> dict[str, np.ndarray]:
-        """A training step that writes its new state into the old state's buffers (``reused``:
-        output → feed): those outputs are bound to their feeds' memory, every other feed is
-        read where it lies (a gradient handed on by a collective is not copied), and every
-        other output is onnxruntime's, new each run (the arena lends a step's buffers to the
-        next step's other tensors: none is held between steps)."""
+        """A run of a training step: the outputs that are new state written into the old
+        state's buffers (``reused``: output → feed) are bound to their feeds' memory, every
+        other feed is read where it lies (a gradient handed on by a collective is not copied),
+        and every other output is onnxruntime's, new each run, and comes back as a view of
+        the arena's block it was made in (a plain run copies each output into an array of its
+        own, outside the arena: a data-parallel step's gradients, 116 MiB on a 30 M GPT)."""
         import onnxruntime as ort
 
         binding = self.session.io_binding()

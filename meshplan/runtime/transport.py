@@ -139,8 +139,8 @@ class MeshCommunicators:
                     self.axes[axis] = group
         self.groups = {axis: AxisGroup(group, MPI, buffers) for axis, group in self.axes.items()}
 
-    def __call__(self, step: Step, array: np.ndarray) -> np.ndarray:
-        return step.kind.perform(step, array, self.groups[step.axis])   # (``collectives.perform``)
+    def __call__(self, step: Step, array: np.ndarray, spare: bool = False) -> np.ndarray:
+        return step.kind.perform(step, array, self.groups[step.axis], spare)   # (``collectives.perform``)
 
     def free(self) -> None:
         """Release the axis communicators (collective over each axis group)."""
@@ -223,9 +223,10 @@ class Transport:
             sent = array.nbytes
         return array, sent * (group.Get_size() - 1)
 
-    def collective(self, step: Step, tensor):
-        """A collective inside this rank's stage mesh (``collectives.perform``)."""
-        return self.axes(step, tensor)
+    def collective(self, step: Step, tensor, spare: bool = False):
+        """A collective inside this rank's stage mesh (``collectives.perform``; ``spare``:
+        nothing reads ``tensor`` afterwards)."""
+        return self.axes(step, tensor, spare)
 
     def reshard(self, index: int, value):
         """Cross-mesh resharding ``index`` of the plan: a source rank gives its shard, a

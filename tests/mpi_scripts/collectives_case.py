@@ -55,6 +55,12 @@ def run_steps(comm, buffers=HOST, dtypes=(np.float64,)) -> tuple[int, int]:
                 ok = got.shape == expected.shape and got.dtype == dtype and np.allclose(got, expected, rtol=tol, atol=tol)
                 passed += report(comm, f"{dtype} {shape[0]}x{shape[1]} {step}", ok)
                 total += 1
+                if step.kind.name == "all_reduce" and buffers is HOST:   # a spare input summed where it lies
+                    mine = np.array(locals_[mesh.coord(comm.rank)])
+                    got = communicators(step, mine, True)
+                    ok = np.allclose(got, expected, rtol=tol, atol=tol) and (got is mine or dtype == np.float16)
+                    passed += report(comm, f"{dtype} {shape[0]}x{shape[1]} {step} in place", ok)
+                    total += 1
     return passed, total
 
 
