@@ -205,8 +205,8 @@ class StageSession:
         reused = {o: i for o, i in self._reused(feeds, writable).items()
                   if isinstance(feeds[i], np.ndarray) and feeds[i].flags.c_contiguous and feeds[i].flags.writeable
                   and feeds[i].dtype.isbuiltin == 1}
-        if self.training and self._numpy_outputs and (reused or all(
-                isinstance(a, np.ndarray) and a.dtype.isbuiltin == 1 for a in feeds.values())):
+        if self.training and self._numpy_outputs and all(
+                isinstance(a, np.ndarray) and a.dtype.isbuiltin == 1 and a.dtype != object for a in feeds.values()):
             return self._run_updating(feeds, reused)
         if reused or bound and self._bound_repeats(feeds):
             return self._run_in_place(feeds, reused, writable)
@@ -227,16 +227,11 @@ class StageSession:
         import onnxruntime as ort
 
         binding = self.session.io_binding()
-        held = {}
+        held = {}   # (numpy's own dtypes only: the caller checked)
         for name in self.input_names:
-            array = feeds.get(name)
-            if array is None:
-                continue
-            if isinstance(array, np.ndarray) and array.flags.c_contiguous and array.dtype.isbuiltin == 1:
-                held[name] = ort.OrtValue.ortvalue_from_numpy(array)   # wraps, no copy
+            if name in feeds:   # wraps the array, no copy (a written-in-place one is contiguous)
+                held[name] = ort.OrtValue.ortvalue_from_numpy(np.asarray(feeds[name], order="C"))   # (0-d stays 0-d)
                 binding.bind_ortvalue_input(name, held[name])
-            else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for name in self.output_names:
             if name in reused:
                 binding.bind_ortvalue_output(name, held[reused[name]])
