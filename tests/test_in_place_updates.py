@@ -193,3 +193,99 @@ def test_adamws_squares_of_a_gradient_wait_for_the_norm():
     assert len(squares) == 2   # the norm's g·g, one a weight
     for name in squares:
         assert [n.op_type for n in readers.get(name, [])] == ["ReduceSum"], name
+
+
+# --- pipelined stages ------------------------------------------------------------------------
+
+def test_runs_one_after_another_write_in_place_only_what_no_later_run_reads():
+    """``written_in_place`` over groups of a graph's outputs, each run on its own: a state a
+    later group still reads keeps its buffer."""
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["a", "k"], ["ta"]), helper.make_node("Add", ["ta", "k"], ["a.updated"]),
+         helper.make_node("Mul", ["b", "k"], ["tb"]), helper.make_node("Add", ["tb", "k"], ["b.updated"]),
+         helper.make_node("Sub", ["a", "k"], ["d"])], "g",
+        [helper.make_tensor_value_info(n, f, [4]) for n in ("a", "b", "k")],
+        [helper.make_tensor_value_info(n, f, [4]) for n in ("a.updated", "b.updated", "d")])
+    from meshplan.model.in_place import written_in_place
+
+    both = {"a.updated": "a", "b.updated": "b"}
+    assert written_in_place(graph, [["a.updated", "b.updated"]], {"a", "b"}) == [both]
+    assert written_in_place(graph, [["a.updated", "b.updated"]], {"b"}) == [{"b.updated": "b"}]
+    # d reads a, in the same run (and may run after the write) or in the run after
+    assert written_in_place(graph, [["a.updated", "b.updated", "d"]], {"a", "b"}) == [{"b.updated": "b"}]
+    assert written_in_place(graph, [["a.updated"], ["b.updated", "d"]], {"a", "b"}) == [{}, {"b.updated": "b"}]
+    assert written_in_place(graph, [["d"], ["a.updated", "b.updated"]], {"a", "b"}) == [{}, both]
+
+
+def _pipeline_runner(name="gpt_adamw", stages=2, device=None):
+    from meshplan.runtime.pipeline_inprocess import PipelineRunner
+    from meshplan.testing.train_reference import even_stages
+    from meshplan.training.pipeline_step import split_step
+    from meshplan.training.step_model import TrainSpec, build_step_model
+    from sample_models.training import load_case
+
+    case = load_case(name)
+    settings = case["settings"]
+    step = build_step_model(case["model_path"], TrainSpec(settings["loss"], settings["optimizer"],
+                                                          microbatches=4, stages=stages))
+    pipeline = split_step(step, even_stages(step, case["model_path"], stages), stages)
+    return case, pipeline, PipelineRunner(pipeline, 4, case["initial"], device=device)
+
+
+def _train_steps(case, runner, steps=3):
+    from meshplan.training.optimizers import DEFAULTS
+    from tests.training_cases import batches, hyper
+
+    losses = []
+    for k, batch in enumerate(list(batches(case))[:steps]):
+        controls = {**DEFAULTS, **hyper(case["settings"]), "train.lr": case["lrs"][k], "train.step": k + 1}
+        losses.append(runner.step(batch, controls)["train.loss"])
+    return losses
+
+
+def test_a_pipelined_update_needs_no_mask_and_writes_every_weight_and_slot_in_place():
+    """A stage's update runs with APPLY 1: its masks ``Where(apply, new, old)`` are gone, so
+    AdamW's new weights and slots, and the backward's accumulated gradients, take their old
+    values' buffers, step after step; the caller's weights stay as they were."""
+    from meshplan.training.optimizers import APPLY
+    from meshplan.training.pipeline_step import UPDATE_PHASE
+
+    case, pipeline, runner = _pipeline_runner()
+    for (stage, phase), part in pipeline.parts.items():
+        if phase == UPDATE_PHASE:
+            graph = part.model.graph
+            masked = [n for n in graph.node if n.op_type == "Where" and n.output[0] in {v.name for v in graph.output}
+                      and n.input[2] + ".updated" == n.output[0]]
+            assert not masked and not any(APPLY in n.input for n in graph.node)
+    given = {n: v.copy() for n, v in case["initial"].items()}
+    buffers = [{n: v for n, v in r.state.items()} for r in runner.runners]
+    for r in runner.runners:
+        written = {i for pairs in r.in_place.values() for i in pairs.values()}
+        assert written == set(r.state), sorted(set(r.state) - written)[:3]
+    _train_steps(case, runner)
+    for r, before in zip(runner.runners, buffers):
+        assert all(r.state[n] is before[n] for n in before)
+    assert all(np.array_equal(case["initial"][n], given[n]) for n in given)
+
+
+def test_a_pipeline_written_in_place_trains_to_the_bit_as_with_new_buffers(monkeypatch):
+    """The same steps with nothing written in place: every loss and every state the same
+    bits, on numpy arrays and on OrtValues (the device path); the tied GPT-2's embedding,
+    which another stage borrows, keeps its buffer apart."""
+    from meshplan.runtime import pipeline_stage
+
+    for name, stages, device in [("gpt_adamw", 2, None), ("gpt2_tied", 3, None), ("gpt_adamw", 2, ("cpu", 0))]:
+        case, _, runner = _pipeline_runner(name, stages, device)
+        if name == "gpt2_tied":
+            lent = {c.tensor for c in runner.pipeline.crossings if c.made_in == "state"}
+            assert lent and not any(i in lent for r in runner.runners for p in r.in_place.values()
+                                    for i in p.values())
+        losses, state = _train_steps(case, runner), runner.state_values()
+        with monkeypatch.context() as m:
+            m.setattr(pipeline_stage, "written_in_place", lambda graph, groups, writable: [{} for _ in groups])
+            case, _, plain = _pipeline_runner(name, stages, device)
+            assert not any(r.in_place for r in plain.runners)
+            again, state_again = _train_steps(case, plain), plain.state_values()
+        assert losses == again
+        assert all(np.array_equal(state[n], state_again[n]) for n in state)

@@ -32,11 +32,12 @@ import onnx
 from meshplan.errors import PlanError
 from meshplan.inter.step_memory import PROCESS_BYTES
 from meshplan.model.graph import Graph
+from meshplan.model.in_place import written_in_place
 from meshplan.model.layers import cluster_layers
 from meshplan.replica_shards import held_bytes
 from meshplan.stage_ranks import per_stage
-from meshplan.training.optimizers import GRAD_ACC
-from meshplan.training.pipeline_step import GPIPE, NORM, UPDATE_PHASE, PipelineStep
+from meshplan.training.optimizers import GRAD_ACC, UPDATED
+from meshplan.training.pipeline_step import GPIPE, NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, PipelineStep
 from meshplan.training.step_model import BACKWARD, FORWARD
 
 BACKWARD_FACTOR = 2.0      # a layer's backward, in forwards
@@ -176,9 +177,10 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
     (what its backward reads of one microbatch's forward, times the microbatches in flight;
     sizes from ``graph``, the forward model at one microbatch's dims; a replica holds its
     1/``replicas`` of each: one count, or one a stage), ``working`` (the more of: while a
-    backward runs, the gradients of one microbatch's activations and the new accumulated
-    gradients; while the update runs, what the norm made and the largest group of the
-    update's new values) and ``process``, on each of its devices."""
+    backward runs, the gradients of one microbatch's activations and weights, and the new
+    accumulated gradients not written in place; while the update runs, what the norm made and
+    the largest group of the update's new values not written in place: ``_in_place``) and
+    ``process``, on each of its devices."""
     manifest = pipeline.step.manifest
     slots = [s for s in manifest["slots"] if s != GRAD_ACC]
     found = []
@@ -205,8 +207,12 @@ def stage_memory(pipeline: PipelineStep, graph: Graph, microbatches: int, kind: 
             # a backward's gradients of one microbatch's activations (and what it computes again)
             again = sum(graph.tensors[n].nbytes for n in pipeline.recomputed.get(stage, ())
                         if n in graph.tensors and not graph.tensors[n].is_param)
-            # and the microbatch's new accumulated gradients, made while the old are held
-            held["working"] = float(one + 2 * again) / replicas + held["gradients"]
+            # and the microbatch's gradients of the weights, before they are added into the
+            # accumulated ones; and the new accumulated gradients not written over the old
+            written = _in_place(pipeline, stage, replicas, BACKWARD)
+            beside = sum(_output_bytes(backward, 1, ()).get(n, 0.0) for n in backward.outputs
+                         if n.endswith(UPDATED) and n not in written)
+            held["working"] = float(one + 2 * again) / replicas + held["gradients"] + beside
         # once a step: the tensors its norm makes and a group of its update's new values
         held["working"] = max(held["working"], _update_bytes(pipeline, stage, replicas))
         found.append(held)
@@ -223,17 +229,44 @@ def _update_bytes(pipeline: PipelineStep, stage: int, replicas: int) -> float:
         part = pipeline.parts.get((stage, phase))
         if part is None or not isinstance(part.model, onnx.ModelProto):
             continue
-        made = {}
-        for value in part.model.graph.output:
-            kind = value.type.tensor_type
-            shape = [d.dim_value for d in kind.shape.dim]
-            if not shape or not all(shape):
-                continue
-            itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
-            made[value.name] = held_bytes(shape, itemsize, replicas if value.name in pipeline.sharded else 1)
+        written = _in_place(pipeline, stage, replicas, phase)
+        made = {n: b for n, b in _output_bytes(part, replicas, pipeline.sharded).items() if n not in written}
         groups = pipeline.chunks.get(stage) if phase == UPDATE_PHASE else None
         total += max(sum(made.get(n, 0.0) for n in group) for group in groups) if groups else sum(made.values())
     return total
+
+
+def _output_bytes(part, replicas: int, sharded) -> dict[str, float]:
+    """The bytes of each output of ``part`` of a known shape (a replica's row blocks of those
+    in ``sharded``)."""
+    made = {}
+    if not isinstance(part.model, onnx.ModelProto):
+        return made
+    for value in part.model.graph.output:
+        kind = value.type.tensor_type
+        shape = [d.dim_value for d in kind.shape.dim]
+        if not shape or not all(shape):
+            continue
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type)).itemsize
+        made[value.name] = held_bytes(shape, itemsize, replicas if value.name in sharded else 1)
+    return made
+
+
+def _in_place(pipeline: PipelineStep, stage: int, replicas: int, phase: str) -> set[str]:
+    """The outputs of stage ``stage``'s ``phase`` that a job writes into the buffers of the
+    state they replace (``runtime.pipeline_stage``): not a state another stage borrows, nor a
+    weight its replicas update in row blocks and gather whole again."""
+    part = pipeline.parts.get((stage, phase))
+    if part is None or not isinstance(part.model, onnx.ModelProto):
+        return set()
+    lent = {c.tensor for c in pipeline.crossings if c.src == stage and c.made_in == STATE}
+    read_per_microbatch = {n for (s, p), other in pipeline.parts.items() if s == stage and p in PER_MICROBATCH
+                           for n in other.inputs}
+    gathered = set(pipeline.sharded) & read_per_microbatch if replicas > 1 else set()
+    writable = {n for n, s in pipeline.home.items() if s == stage and n not in lent and n not in gathered}
+    groups = pipeline.chunks.get(stage) if phase == UPDATE_PHASE else None
+    groups = groups if groups and len(groups) > 1 else [list(part.outputs)]
+    return {o for pairs in written_in_place(part.model.graph, groups, writable) for o in pairs}
 
 
 def check_fits(memory: list[dict[str, float]], device_bytes: float) -> None:

@@ -95,3 +95,42 @@ def updates_in_place(nodes: Sequence[NodeTriple], candidates: Mapping[str, str],
         if needed & ~before == 0:
             safe[output] = candidates[output]
     return safe
+
+
+def written_in_place(graph, groups: Sequence[Sequence[str]], writable: Iterable[str],
+                     suffix: str = ".updated") -> list[dict[str, str]]:
+    """For each group of a graph's outputs, each group computed by a run of its own (the nodes
+    it needs, as ``onnx.utils.Extractor`` cuts them) after the groups before it, the outputs
+    ``NAME`` + ``suffix`` that run may write into the buffer of its input ``NAME`` (one of
+    ``writable``): of the input's dtype and rank (and size where both are known), and safe by
+    ``updates_in_place`` over the run's nodes, with what a later run reads read later.
+    ``graph``: an ``onnx.GraphProto``."""
+    typed = {v.name: v.type.tensor_type for v in list(graph.input) + list(graph.output)}
+    producer = {o: node for node in graph.node for o in node.output if o}
+    writable = set(writable)
+
+    def same(a, b) -> bool:
+        if a is None or b is None or a.elem_type != b.elem_type or len(a.shape.dim) != len(b.shape.dim):
+            return False
+        return all(not (x.dim_value and y.dim_value) or x.dim_value == y.dim_value
+                   for x, y in zip(a.shape.dim, b.shape.dim))
+
+    runs = []   # (each run's nodes, the graph inputs it reads)
+    for group in groups:
+        reached, stack = set(), list(group)
+        while stack:
+            name = stack.pop()
+            if name not in reached:
+                reached.add(name)
+                if name in producer:
+                    stack.extend(producer[name].input)
+        runs.append(([(n.op_type, list(n.input), list(n.output)) for n in graph.node if set(n.output) & reached],
+                     reached - set(producer)))
+    found = []
+    for index, group in enumerate(groups):
+        nodes, reads = runs[index]
+        candidates = {o: o[:-len(suffix)] for o in group if o.endswith(suffix) and o[:-len(suffix)] in writable
+                      and o[:-len(suffix)] in reads and same(typed.get(o), typed.get(o[:-len(suffix)]))}
+        later = {n for _, names in runs[index + 1:] for n in names}
+        found.append(updates_in_place(nodes, candidates, later, group) if candidates else {})
+    return found

@@ -52,6 +52,7 @@ class PipelineRunner:
             R, T = self.ranks.replicas[stage], self.ranks.devices(stage)
             names = [n for n, s in pipeline.home.items() if s == stage]
             state = starting_state(names, weights, slots)
+            state = {n: np.array(v) if n in weights else v for n, v in state.items()}   # (the stage's own copies)
             if T > 1:
                 parts = {phase: part for (s, phase), part in pipeline.device_parts[j].items() if s == stage}
                 sessions = stage_sessions(parts, None, self._sharded)

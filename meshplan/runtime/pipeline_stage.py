@@ -14,6 +14,13 @@ weights whole again (its ``links``: ``runtime.pipeline_links``). The in-process 
 training job (``trainer.pipeline_driver``) drives one per rank, the sends and receives over
 MPI.
 
+A run whose outputs are the new values of state the stage holds (an update's new weights
+and slots, a backward's accumulated gradients) writes each into the old value's buffer where
+nothing reads the old value after (``model.in_place``: its readers run before the writer,
+no later chunk of the update reads it, no other stage borrows it): the stage then holds one
+copy of its state, not an old and a new one per update chunk. The stage owns that state (it
+copies what it is given).
+
 With ``device`` (("cuda", id) for a GPU; ("cpu", 0) runs the same path on OrtValues in host
 memory) the stage keeps its tensors where its sessions compute: the state and the tensors
 held between runs are OrtValues there, each run's outputs stay where onnxruntime made them,
@@ -30,6 +37,7 @@ import onnx
 
 from meshplan.emit.train_schedule import per_microbatch
 from meshplan.errors import TrainError
+from meshplan.model.in_place import written_in_place
 from meshplan.replica_shards import piece
 from meshplan.training.losses import COUNT, LOSS
 from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_NORM, UPDATED
@@ -138,6 +146,45 @@ def part_session(model, threads: int = 1, providers: list | None = None):
                                 disabled_optimizers=["ConstantFolding"])
 
 
+def _graph_of(model) -> onnx.GraphProto:
+    """The graph of a part's model (a ModelProto, or its file's path: read without weights)."""
+    return (onnx.load(model, load_external_data=False) if isinstance(model, str) else model).graph
+
+
+def _run_bound(session, outputs, feeds: dict, pairs: dict[str, str], device) -> list:
+    """A run with the outputs of ``pairs`` (output → input) bound to their inputs' buffers;
+    every other output made by onnxruntime where the stage keeps its tensors (``device``;
+    numpy arrays without one: views of the arena's blocks, not copies)."""
+    from onnxruntime import OrtValue
+
+    binding = session.io_binding()
+    held = {}
+    for name, value in feeds.items():   # (a numpy array wrapped where it lies)
+        held[name] = value if isinstance(value, OrtValue) else OrtValue.ortvalue_from_numpy(np.asarray(value, order="C"))
+        binding.bind_ortvalue_input(name, held[name])
+    kind, index = device or ("cpu", 0)
+    for name in outputs:
+        if name in pairs:
+            binding.bind_ortvalue_output(name, held[pairs[name]])
+        else:
+            binding.bind_output(name, kind, index)
+    session.run_with_iobinding(binding)
+    made = binding.get_outputs()
+    return [feeds[pairs[name]] if name in pairs else made[i] if device else made[i].numpy()
+            for i, name in enumerate(outputs)]
+
+
+def _bindable(session, feeds: dict) -> bool:
+    """Whether a run of ``session`` on ``feeds`` can be bound: numpy's own dtypes in and out
+    (onnxruntime wraps no extension dtype, such as ml_dtypes' bfloat16)."""
+    from onnxruntime import OrtValue
+
+    if any(o.type == "tensor(bfloat16)" for o in session.get_outputs()):
+        return False
+    return all(isinstance(v, OrtValue) or isinstance(v, np.ndarray) and v.dtype.isbuiltin == 1 and v.dtype != object
+               for v in feeds.values())
+
+
 class ShardedPart:
     """The session of a part whose stage's devices shard its operators: its segments between
     collectives run by a ``ProgramRunner`` on the host, each collective by the stage's devices
@@ -158,6 +205,13 @@ class ShardedPart:
 def _host(value) -> np.ndarray:
     """A tensor in host memory: a numpy array as it is, an OrtValue copied out."""
     return value if isinstance(value, np.ndarray) else value.numpy()
+
+
+def _handed_over(value) -> bool:
+    """Whether ``value`` is a numpy array a stage may write into as it is: writable,
+    contiguous, owning its memory (not a view of another array or of a file's bytes)."""
+    return isinstance(value, np.ndarray) and value.flags.owndata and value.flags.writeable \
+        and value.flags.c_contiguous
 
 
 def _scalar(value) -> float:
@@ -210,7 +264,23 @@ class StageRunner:
         # state held in row blocks (the optimizer's slots): no forward or backward reads it
         self.in_blocks = {n for n in state if n in self.sharded and n not in lent
                           and not self.readers.get(n, set()) & set(PER_MICROBATCH)}
+        # state a run may write its new value over: held whole or in its own blocks, lent to no other stage
+        writable = {n for n in state if n not in lent and (n not in self.sharded or n in self.in_blocks)}
+        self.in_place: dict[tuple[str, int], dict[str, str]] = {}   # (phase, chunk) → output → input
+        for phase, part in parts.items():
+            session = sessions.get(phase)
+            if session is None or isinstance(session, ShardedPart):
+                continue
+            groups = [list(o) for _, _, o in session] if isinstance(session, list) else [list(part.outputs)]
+            for index, pairs in enumerate(written_in_place(_graph_of(part.model), groups, writable)):
+                if pairs:
+                    self.in_place[(phase, index)] = pairs
+        written = {i for pairs in self.in_place.values() for i in pairs.values()}
         state = {n: self._block(v) if n in self.in_blocks else v for n, v in state.items()}
+        # (what is written in place is the stage's own: a copy of what it was given, unless that
+        # is an array of its own memory, which the caller hands over)
+        state = {n: np.array(_host(v), order="C", copy=True) if n in written and not _handed_over(v) else v
+                 for n, v in state.items()}
         self.state = {name: self._placed(value) for name, value in state.items()} if device else state
         self.peak_kept = 0          # bytes held between runs, at most
         self.peak_in_flight = 0     # microbatches with tensors held, at most
@@ -243,7 +313,8 @@ class StageRunner:
         session = self.sessions[phase]
         chunks = session if isinstance(session, list) else [(session, part.inputs, part.outputs)]
         for index, (chunk, inputs, outputs) in enumerate(chunks):
-            values = self._run_one(chunk, phase, mb, inputs, outputs, in_blocks, links)
+            values = self._run_one(chunk, phase, mb, inputs, outputs, in_blocks, links,
+                                   self.in_place.get((phase, index), {}))
             self._keep(phase, mb, outputs, values, in_blocks, links)
             del values
             if len(chunks) > 1:   # what no later chunk, and no run still to come, reads is let go now
@@ -259,9 +330,11 @@ class StageRunner:
         self.peak_kept = max(self.peak_kept, sum(_nbytes(v) for v in self.held.values()))
         self.peak_in_flight = max(self.peak_in_flight, len({m for _, m in self.held}))
 
-    def _run_one(self, session, phase: str, mb: int, inputs, outputs, in_blocks: bool, links) -> list:
+    def _run_one(self, session, phase: str, mb: int, inputs, outputs, in_blocks: bool, links,
+                 pairs: dict[str, str]) -> list:
         """One session's run of ``outputs`` on what the stage holds of ``inputs`` (a
-        ``ShardedPart``'s collectives with the stage's other devices, through ``links``)."""
+        ``ShardedPart``'s collectives with the stage's other devices, through ``links``);
+        ``pairs``: the outputs written into the buffers of the state they replace."""
         last_mb = self.microbatches - 1
         feeds = {}
         for name in inputs:
@@ -282,6 +355,9 @@ class StageRunner:
                 feeds[name] = self._placed(self._block(feeds[name]))
         if isinstance(session, ShardedPart):
             return session.run(list(outputs), feeds, links.collective)
+        pairs = {o: i for o, i in pairs.items() if feeds[i] is self.state[i]}
+        if (pairs or self.device is None) and _bindable(session, feeds):
+            return _run_bound(session, list(outputs), feeds, pairs, self.device)
         if self.device is None:
             return session.run(list(outputs), feeds)
         from onnxruntime import OrtValue   # (a numpy feed goes in as it is: copied where its node runs)
