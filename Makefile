@@ -3,7 +3,7 @@
 # Both create the virtual environment (.venv) first when it is missing or stale: it holds
 # exactly the versions in uv.lock (the set the tests passed with), installed by uv, which
 # `make` itself installs into .tools/ at a pinned version. `make lock` re-resolves uv.lock
-# from pyproject.toml's ranges (README: "Dependencies and the lock").
+# from pyproject.toml's ranges (docs/install.md).
 
 PYTHON ?= python3
 UV_VERSION := 0.13.8

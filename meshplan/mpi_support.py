@@ -21,7 +21,7 @@ def load_mpi():
         detail = " ".join(str(exc).split()) or type(exc).__name__
         raise RunError(f"mpi4py cannot load an MPI library: {detail}",
                        hint="install meshplan[mpi] for MPICH from PyPI, or build mpi4py against the site MPI: "
-                            "see the README's cluster section") from None
+                            "see docs/clusters.md") from None
     return MPI
 
 

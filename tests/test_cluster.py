@@ -392,13 +392,13 @@ def _docstring_example() -> str:
     return textwrap.dedent("\n".join(block))
 
 
-def _readme_example() -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Cluster description", 1)[1]
+def _docs_example() -> str:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "clusters.md").read_text()
+    section = page.split("## Cluster description", 1)[1]
     return section.split("```toml\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.parametrize("example", [_docstring_example, _readme_example], ids=["docstring", "readme"])
+@pytest.mark.parametrize("example", [_docstring_example, _docs_example], ids=["docstring", "docs"])
 def test_documented_example_loads(example, tmp_path):
     path = tmp_path / "cluster.toml"
     path.write_text(example())

@@ -261,7 +261,7 @@ _LINK_KEYS = {"bandwidth_gbps": ("bandwidth", GB), "latency_us": ("latency", 1e-
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
-    """Read a cluster TOML file (format in this module's docstring and the README)."""
+    """Read a cluster TOML file (format in this module's docstring and docs/clusters.md)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
