@@ -18,8 +18,8 @@ A run whose outputs are the new values of state the stage holds (an update's new
 and slots, a backward's accumulated gradients) writes each into the old value's buffer where
 nothing reads the old value after (``model.in_place``: its readers run before the writer,
 no later chunk of the update reads it, no other stage borrows it): the stage then holds one
-copy of its state, not an old and a new one per update chunk. The stage owns that state (it
-copies what it is given).
+copy of its state, not an old and a new one per update chunk. The stage owns that state: it
+copies what it is given, but for arrays of their own memory, which the caller hands over.
 
 With ``device`` (("cuda", id) for a GPU; ("cpu", 0) runs the same path on OrtValues in host
 memory) the stage keeps its tensors where its sessions compute: the state and the tensors
