@@ -264,7 +264,7 @@ def test_choice_text_cuts_at_the_first_stop_string_and_never_sends_part_of_one()
 
 
 def test_over_the_link_a_full_queue_is_a_429_and_a_client_gone_frees_its_slot():
-    served = Front(linked=True, queue=1, pause=0.01)
+    served = Front(linked=True, queue=1, pause=0.03)   # (slow enough that a client leaving is seen mid-stream)
     try:
         body = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": 40, "stream": True}).encode()
         answers, lock = [], threading.Lock()
@@ -282,7 +282,8 @@ def test_over_the_link_a_full_queue_is_a_429_and_a_client_gone_frees_its_slot():
         assert set(codes) == {200, 429}, codes   # (one may wait: those that come before it is taken get 429)
         assert all(b.rstrip().endswith(b"data: [DONE]") for code, b in answers if code == 200)
         connection = served.connect()   # a stream its client leaves after its first token
-        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        longest = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": CONTEXT - 2, "stream": True}).encode()
+        connection.request("POST", "/v1/completions", longest, {"Content-Type": "application/json"})
         response = connection.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
         connection.close()

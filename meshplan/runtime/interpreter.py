@@ -33,6 +33,7 @@ import numpy as np
 from meshplan.emit.schedule import FORWARD, Schedule
 from meshplan.errors import RunError
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name
+from meshplan.runtime.accumulating import APPLY
 from meshplan.runtime.buffers import HOST, DeviceTensor
 from meshplan.sharding import ShardingSpec
 from meshplan.training.pipeline_step import SCHEDULES as TRAINING_KINDS
@@ -192,9 +193,16 @@ class Interpreter:
                 boxes = dict(narrow) if narrow else {}   # left to take after the run (a narrowed output is its box)
                 # (one microbatch: read before the next run); a training step lets each tensor go
                 # once no later segment reads it (a gradient once it is all-reduced)
-                outs = self.session.run(given, transport.collective, b, observe=self._observe,
-                                        writable=self.own_state, narrow=narrow, bound=B == 1,
-                                        release=bool(self.plan.training))
+                program = self.session
+                if B == 1 and program.idle and program.kept_on is None:
+                    applies = _applies(given)   # a call of a step of several microbatches: the last one
+                    # applies the update, without the masks; one before it runs only what it keeps or sends
+                    if applies is not None:
+                        program = program.applying() if applies else \
+                            program.pruned(_made_for(steps) - set(program.idle))
+                outs = program.run(given, transport.collective, b, observe=self._observe,
+                                   writable=self.own_state, narrow=narrow, bound=B == 1,
+                                   release=bool(self.plan.training))
                 if boxes:
                     for name in set(boxes) - set(narrow):
                         boxes[name] = ()
@@ -210,6 +218,8 @@ class Interpreter:
                 record.count(step[3], nbytes(b, value))
             elif code == _KEEP:
                 name, local = step[2], step[3]
+                if local not in outs:   # a call that left it out (``_applies``): the state is as it was
+                    continue
                 if window is None:
                     self.state[name] = outs[local]
                 elif outs[local] is not inputs_of_run.get(local_name(name, self.state_specs[name])):
@@ -302,3 +312,29 @@ def event(name, rank: int, start: float, duration: float, mb: int) -> dict:
     name = name if isinstance(name, str) else f"stage {name}"
     return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6,
             "args": {"microbatch": mb}}
+
+
+def _applies(given: dict) -> bool | None:
+    """Whether a training step's call applies the update (``train.apply`` 1: the step's last
+    microbatch) or only accumulates (0: its weights and slots come back unchanged); None for
+    another value (``runtime.accumulating``)."""
+    value = given.get(APPLY)
+    if not isinstance(value, np.ndarray) or value.size != 1 or float(value.reshape(-1)[0]) not in (0.0, 1.0):
+        return None
+    return float(value.reshape(-1)[0]) == 1.0
+
+
+def _made_for(steps) -> set[str]:
+    """What a call's steps read of its run's outputs: the state kept, the tensors sent,
+    resharded or output."""
+    found = set()
+    for step in steps:
+        if step[0] == _KEEP:
+            found.add(step[3])
+        elif step[0] == _SEND:
+            found.add(step[3].tensor)
+        elif step[0] == _RESHARD_OUT:
+            found.add(step[4])
+        elif step[0] == _OUTPUT:
+            found.add(step[2])
+    return found

@@ -444,7 +444,7 @@ class Job(CallHeaders, HeldState):
                 else:
                     raise RunError(f"train_step: no value for {name}")
                 feeds[name] = np.asarray(value, dtype=np.float32)
-            out = self.run(feeds, outputs=[TRAIN_LOSS, TRAIN_GRAD_NORM])
+            out = self.run(feeds, outputs=[TRAIN_LOSS] + [TRAIN_GRAD_NORM] * (index == count - 1))   # (the norm: once)
         self.train_steps += 1
         self.grad_norm = float(out[TRAIN_GRAD_NORM])
         if math.isfinite(self.grad_norm) or not training.get("guarded"):

@@ -27,6 +27,7 @@ from onnx import helper
 
 from meshplan.errors import RunError
 from meshplan.model.in_place import updates_in_place
+from meshplan.runtime.accumulating import applying, idle_outputs, pruned
 from meshplan.reshard.kinds import kind_of_op
 from meshplan.reshard.steps import Step
 from meshplan.plan_format import COLLECTIVE_DOMAIN
@@ -204,7 +205,8 @@ def integers_made_where_read(runs: list[list[onnx.NodeProto]], inputs: set[str],
 class ProgramRunner:
     def __init__(self, path: Path, providers: list[str], threads: int = 0, lazy: bool = False,
                  spinning: bool | None = None, graphs: bool = False, affinities: str | None = None,
-                 remake_integers: bool = False, choose: str | None = None, updates: dict[str, str] | None = None):
+                 remake_integers: bool = False, choose: str | None = None, updates: dict[str, str] | None = None,
+                 model: onnx.ModelProto | None = None):
         """``lazy``: open no session yet; the caller opens them (``open``), or opens and closes
         each segment (``Segment.open``/``close``), so that only the segments it runs hold weights.
         ``spinning``, ``graphs``, ``affinities``: see ``StageSession``. Only a program of one segment captures
@@ -223,17 +225,25 @@ class ProgramRunner:
         are computed (``keep_on``) until a caller takes them.
         ``updates``: output → the input it is the new value of (a training step's weights and
         slots); where ``model.in_place.updates_in_place`` finds it safe in a segment, the
-        output may be written into the input's buffer (``in_place``, for a caller that owns it)."""
+        output may be written into the input's buffer (``in_place``, for a caller that owns it).
+        ``model``: the program itself, without its weights, in place of reading ``path``'s
+        (which still names its folder: a ``pruned`` program's). ``idle`` (of ``updates``): the
+        state outputs a training step's call before its last microbatch gives back unchanged,
+        which a call may leave out (``pruned``; ``runtime.accumulating``)."""
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         self._ending: list[frozenset[str]] | None = None  # ``ending_here``, likewise
         self.kept_on = None      # the device this rank's tensors are kept on (``keep_on``), if any
-        header = onnx.load(str(path), load_external_data=False)
+        header = onnx.load(str(path), load_external_data=False) if model is None else model
+        self.idle = idle_outputs(header.graph, updates) if updates else {}
+        self.path, self._updates, self._opened = path, updates, None
+        self._header = header if self.idle else None   # (what ``pruned`` and ``applying`` start from)
+        self._variants: dict = {}   # ``pruned`` and ``applying``'s programs
         self.graph_outputs = {o.name for o in header.graph.output}
         self.chosen: str | None = None
         self._choose_from: str | None = None
         if not any(n.domain == COLLECTIVE_DOMAIN for n in header.graph.node):
             weights = {t.name for t in header.graph.initializer}
-            source, weights_dir = path, None
+            source, weights_dir = (path, None) if model is None else (model.SerializeToString(), path.parent.resolve())
             chosen = with_greedy_choice(header, choose) if choose is not None else None
             if chosen is not None:   # the same program in memory, its weights read from its folder
                 header, weights_dir = chosen, path.parent.resolve()
@@ -314,10 +324,29 @@ class ProgramRunner:
         """Open every segment's session (``Segment.open``); CUDA graphs only in a program of one
         segment (see ``__init__``), or, with ``graphs_in_segments``, in every segment (to
         measure whether they capture once no integer crosses a cut: ``remake_integers``)."""
+        self._opened = (providers, threads, spinning, graphs, affinities, graphs_in_segments, training)
         for segment in self.segments:
             segment.open(providers, threads, spinning, graphs and (len(self.segments) == 1 or graphs_in_segments),
                          affinities, training)
         self.providers = next((s.session.providers for s in self.segments if s.session), providers)
+
+    def pruned(self, wanted) -> ProgramRunner:
+        """This program cut down to the nodes (and collectives) the outputs ``wanted`` need,
+        opened as this one is; made once for each set of outputs (``runtime.accumulating``)."""
+        return self._variant(frozenset(wanted), lambda: pruned(self._header, wanted))
+
+    def applying(self) -> ProgramRunner:
+        """This program as a training step's last microbatch runs it, without the masks of its
+        ``idle`` outputs (``runtime.accumulating.applying``), opened as this one is; made once."""
+        return self._variant("applying", lambda: applying(self._header, self.idle))
+
+    def _variant(self, key, make) -> ProgramRunner:
+        if key not in self._variants:
+            found = ProgramRunner(self.path, self.providers, lazy=True, updates=self._updates, model=make())
+            if self._opened is not None:
+                found.open(*self._opened)
+            self._variants[key] = found
+        return self._variants[key]
 
     def keep_on(self, device, staged: bool = True, kept=frozenset()) -> None:
         """Keep this rank's tensors on ``device`` between segments and calls

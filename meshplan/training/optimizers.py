@@ -23,9 +23,11 @@ whose squares die at once (the update makes its own g² term, later: above).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from meshplan.errors import TrainError
@@ -163,3 +165,67 @@ def build_update(optimizer: str, weights: dict[str, tuple[str, np.dtype]], accum
     for output, new in finals.items():   # unchanged until the step's last microbatch (and where skipped)
         e("Where", apply, new, output[:-len(UPDATED)], name=output)
     return e
+
+
+def unmasked(model: onnx.ModelProto, pairs: Mapping[str, str] | None = None) -> None:
+    """``model`` as it computes with ``APPLY`` 1 (a step's last microbatch, a pipelined stage's
+    update, which runs once a step): each weight's or slot's mask ``Where(Greater(APPLY, c),
+    new, old)`` (``build_update``) is its new value itself, made by ``new``'s own node, which
+    then need not read the old value (so a job may write it into the old value's buffer:
+    ``model.in_place``). ``pairs``: each masked output → the state input it replaces (default:
+    ``NAME.updated`` → ``NAME``). A mask that also skips a step whose gradients are not finite
+    (``guard``) is another condition and stays. Changes ``model``."""
+    graph = model.graph
+    producer = {o: node for node in graph.node for o in node.output if o}
+    outputs = {v.name for v in graph.output}
+    dropped, renamed = set(), {}
+    for node in graph.node:
+        if node.op_type != "Where" or len(node.output) != 1:
+            continue
+        output = node.output[0]
+        old_of = pairs.get(output) if pairs is not None else \
+            (output[:-len(UPDATED)] if output.endswith(UPDATED) else None)
+        condition, new, old = node.input
+        test = producer.get(condition)
+        if old_of is None or old != old_of or test is None or test.op_type != "Greater" or test.input[0] != APPLY:
+            continue
+        threshold = scalar_constant(graph, test.input[1])
+        maker = producer.get(new)
+        if threshold is None or not 0.0 <= threshold < 1.0 or maker is None or new in outputs:
+            continue
+        maker.output[list(maker.output).index(new)] = output
+        renamed[new] = output   # (what else reads the new value, the weight's step its slots', reads it so)
+        dropped.add(id(node))
+    if dropped:
+        for node in graph.node:
+            for index, name in enumerate(node.input):
+                if name in renamed:
+                    node.input[index] = renamed[name]
+        kept = [n for n in graph.node if id(n) not in dropped]
+        while True:   # and what only the masks read (the test of APPLY)
+            read = {name for n in kept for name in n.input} | outputs
+            alive = [n for n in kept if any(o in read for o in n.output)]
+            if len(alive) == len(kept):
+                break
+            kept = alive
+        del graph.node[:]
+        graph.node.extend(kept)
+        made = {o for n in graph.node for o in n.output}
+        stale = [v for v in graph.value_info if v.name not in made]   # the masks' inputs renamed away
+        for value in stale:
+            graph.value_info.remove(value)
+
+
+def scalar_constant(graph: onnx.GraphProto, name: str) -> float | None:
+    """The value of ``name`` where it is a one-value initializer (in the file itself) or
+    Constant node of ``graph`` (None otherwise)."""
+    for tensor in graph.initializer:
+        if tensor.name == name and not tensor.external_data and np.prod(tensor.dims, dtype=np.int64) == 1:
+            return float(numpy_helper.to_array(tensor).reshape(-1)[0])
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    value = numpy_helper.to_array(attr.t)
+                    return float(value.reshape(-1)[0]) if value.size == 1 else None
+    return None

@@ -42,14 +42,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 from onnx.utils import Extractor
 
 from meshplan.errors import TrainError
 from meshplan.model.opsets import set_ir_version
 from meshplan.training.autodiff import WEIGHT, tensor_types
 from meshplan.training.losses import LOSS
-from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_ACC, GRAD_NORM, SLOTS, UPDATED, slot, updated
+from meshplan.training.optimizers import (ACC_COUNT, ACC_TOTAL, GRAD_ACC, GRAD_NORM, SLOTS, UPDATED, slot,
+                                          unmasked, updated)
 from meshplan.training.step_model import BACKWARD, FORWARD, StepModel
 
 NORM, CLIP, UPDATE_PHASE = "norm", "clip", "update"
@@ -448,7 +449,7 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
             raise TrainError(f"tensor '{missing[0]}' of the training step has no known type")
         part_model = set_ir_version(extractor.extract_model(inputs, outputs))   # one onnxruntime loads
         if where[1] == UPDATE_PHASE:
-            _applied(part_model)
+            unmasked(part_model)
             _output_by_output(part_model)
             chunks[where[0]] = update_chunks(part_model)
         parts[where] = Part(where[0], where[1], part_model, inputs, outputs)
@@ -457,64 +458,6 @@ def _parts(step: StepModel, nodes: list, placement: dict, home: dict, stages: in
 
 
 UPDATE_CHUNKS = 8   # the runs a stage's update is cut into (what its new values hold at once: 1/8)
-
-
-def _applied(model: onnx.ModelProto) -> None:
-    """A stage's update runs once a step, on the step's last microbatch (``APPLY`` is 1): each
-    weight's or slot's mask ``Where(Greater(APPLY, c), new, old)`` (``optimizers.update_nodes``)
-    is its new value itself, made by ``new``'s own node, which then need not read the old
-    value (so a job may write it in the old value's buffer: ``runtime.pipeline_stage``). A
-    mask that also skips a step whose gradients are not finite is another condition and stays."""
-    graph = model.graph
-    producer = {o: node for node in graph.node for o in node.output if o}
-    outputs = {v.name for v in graph.output}
-    dropped, renamed = set(), {}
-    for node in graph.node:
-        if node.op_type != "Where" or len(node.output) != 1 or not node.output[0].endswith(UPDATED):
-            continue
-        condition, new, old = node.input
-        test = producer.get(condition)
-        if test is None or test.op_type != "Greater" or test.input[0] != APPLY or old != node.output[0][:-len(UPDATED)]:
-            continue
-        threshold = _constant(graph, test.input[1])
-        maker = producer.get(new)
-        if threshold is None or not 0.0 <= threshold < 1.0 or maker is None or new in outputs:
-            continue
-        maker.output[list(maker.output).index(new)] = node.output[0]
-        renamed[new] = node.output[0]   # (what else reads the new value, the weight's step its slots', reads it so)
-        dropped.add(id(node))
-    if dropped:
-        for node in graph.node:
-            for index, name in enumerate(node.input):
-                if name in renamed:
-                    node.input[index] = renamed[name]
-        kept = [n for n in graph.node if id(n) not in dropped]
-        while True:   # and what only the masks read (the test of APPLY)
-            read = {name for n in kept for name in n.input} | outputs
-            alive = [n for n in kept if any(o in read for o in n.output)]
-            if len(alive) == len(kept):
-                break
-            kept = alive
-        del graph.node[:]
-        graph.node.extend(kept)
-        made = {o for n in graph.node for o in n.output}
-        stale = [v for v in graph.value_info if v.name not in made]   # the masks' inputs renamed away
-        for value in stale:
-            graph.value_info.remove(value)
-
-
-def _constant(graph: onnx.GraphProto, name: str) -> float | None:
-    """The value of a scalar initializer or Constant node ``name`` (None if it is neither)."""
-    for tensor in graph.initializer:
-        if tensor.name == name and np.prod(tensor.dims, dtype=np.int64) == 1:
-            return float(numpy_helper.to_array(tensor).reshape(-1)[0])
-    for node in graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            for attr in node.attribute:
-                if attr.name == "value":
-                    value = numpy_helper.to_array(attr.t)
-                    return float(value.reshape(-1)[0]) if value.size == 1 else None
-    return None
 
 
 def update_chunks(model: onnx.ModelProto, count: int = UPDATE_CHUNKS) -> list[list[str]]:

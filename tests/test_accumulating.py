@@ -1,0 +1,80 @@
+"""A training step's calls before its last microbatch (``runtime.accumulating``): the program
+pruned to what accumulates computes the same accumulated gradients and loss sums, to the bit,
+without the update, the norm or the masks that hand the weights and slots back unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from meshplan.model.inputs import random_inputs
+from meshplan.plan_format import read_plan
+from meshplan.runtime.accumulating import idle_outputs
+from meshplan.runtime.program import ProgramRunner
+from meshplan.runtime.state_layout import state_updates
+from meshplan.training.optimizers import APPLY, GRAD_NORM
+
+from test_training import _plan
+
+
+def _feeds(model: onnx.ModelProto, apply: float) -> dict[str, np.ndarray]:
+    """Every input of ``model`` (``random_inputs``), its floats moved into [0.25, 0.75) (AdamW's
+    slots and hyperparameters where they make sense), ``APPLY`` as given."""
+    found = {n: np.asarray(np.abs(v) % 0.5 + 0.25, v.dtype) if v.dtype.kind == "f" else v
+             for n, v in random_inputs(model, {}, int_high=10).items()}
+    found[APPLY] = np.asarray(apply, found[APPLY].dtype)
+    return found
+
+
+def test_a_call_before_the_last_microbatch_runs_only_what_accumulates(tmp_path):
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw", "--microbatches", "2")
+    updates = state_updates(read_plan(plan_dir))
+    program = onnx.load(str(plan_dir / "rank0.onnx"), load_external_data=False)
+    runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], updates=updates)
+    accumulators = {o for o in updates if ".grad_acc." in o or o.startswith("train.acc.")}
+    # every weight and slot is handed back unchanged when APPLY is 0; the accumulators are not
+    assert runner.idle == idle_outputs(program.graph, updates)
+    assert set(runner.idle) == set(updates) - accumulators and accumulators
+    wanted = (set(updates) - set(runner.idle)) | {"train.loss"}
+    pruned = runner.pruned(wanted)
+    assert runner.pruned(set(wanted)) is pruned        # made once for a set of outputs
+    assert pruned.graph_outputs == wanted and GRAD_NORM not in pruned.graph_outputs
+    pruned_nodes = onnx.load_from_string(pruned.segments[0].source).graph.node
+    assert len(pruned_nodes) < 0.8 * len(program.graph.node)
+    assert not any(n.op_type == "Sqrt" for n in pruned_nodes)      # no norm, no AdamW denominator
+    feeds = _feeds(program, apply=0.0)
+    whole = runner.run(dict(feeds), None)
+    alone = pruned.run(dict(feeds), None)
+    for name in wanted:
+        assert np.array_equal(alone[name], whole[name]), name
+    for output, state in runner.idle.items():   # what the job keeps as it is
+        assert np.array_equal(whole[output], feeds[state]), output
+
+
+def test_the_last_call_runs_without_the_masks_and_writes_the_state_in_place(tmp_path):
+    """The step's last call (APPLY 1) on the program without its masks: the same outputs, to
+    the bit, every weight and slot now written into its old buffer."""
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw", "--microbatches", "2")
+    updates = state_updates(read_plan(plan_dir))
+    program = onnx.load(str(plan_dir / "rank0.onnx"), load_external_data=False)
+    runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], updates=updates)
+    applying = runner.applying()
+    assert runner.applying() is applying
+    assert set(applying.segments[0].in_place) == set(updates)                 # weights and slots too now
+    assert set(runner.segments[0].in_place) == set(updates) - set(runner.idle)   # (the accumulators only)
+    assert not any(n.op_type == "Where" and n.output[0] in runner.idle
+                   for n in onnx.load_from_string(applying.segments[0].source).graph.node)
+    feeds = _feeds(program, apply=1.0)
+    whole = runner.run(dict(feeds), None)
+    alone = applying.run({n: v.copy() for n, v in feeds.items()}, None)
+    assert set(alone) >= set(updates)
+    for name in updates:
+        assert np.array_equal(alone[name], whole[name]), name
+
+
+def test_a_step_of_one_call_has_nothing_to_prune(tmp_path):
+    """A step of one microbatch has no masks: nothing is idle, a call runs whole."""
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "sgd")
+    runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], lazy=True,
+                           updates=state_updates(read_plan(plan_dir)))
+    assert runner.idle == {}
