@@ -37,7 +37,7 @@ from meshplan.model.layers import cluster_layers
 from meshplan.replica_shards import held_bytes
 from meshplan.stage_ranks import per_stage
 from meshplan.training.optimizers import GRAD_ACC, UPDATED
-from meshplan.training.pipeline_step import GPIPE, NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, PipelineStep
+from meshplan.training.pipeline_step import GPIPE, NORM, UPDATE_PHASE, PipelineStep, kept_apart
 from meshplan.training.step_model import BACKWARD, FORWARD
 
 BACKWARD_FACTOR = 2.0      # a layer's backward, in forwards
@@ -259,11 +259,9 @@ def _in_place(pipeline: PipelineStep, stage: int, replicas: int, phase: str) -> 
     part = pipeline.parts.get((stage, phase))
     if part is None or not isinstance(part.model, onnx.ModelProto):
         return set()
-    lent = {c.tensor for c in pipeline.crossings if c.src == stage and c.made_in == STATE}
-    read_per_microbatch = {n for (s, p), other in pipeline.parts.items() if s == stage and p in PER_MICROBATCH
-                           for n in other.inputs}
-    gathered = set(pipeline.sharded) & read_per_microbatch if replicas > 1 else set()
-    writable = {n for n, s in pipeline.home.items() if s == stage and n not in lent and n not in gathered}
+    parts = {p: other for (s, p), other in pipeline.parts.items() if s == stage}
+    apart = kept_apart(stage, parts, pipeline.crossings, pipeline.sharded, replicas)
+    writable = {n for n, s in pipeline.home.items() if s == stage and n not in apart}
     groups = pipeline.chunks.get(stage) if phase == UPDATE_PHASE else None
     groups = groups if groups and len(groups) > 1 else [list(part.outputs)]
     return {o for pairs in written_in_place(part.model.graph, groups, writable) for o in pairs}

@@ -106,7 +106,6 @@ def written_in_place(graph, groups: Sequence[Sequence[str]], writable: Iterable[
     ``updates_in_place`` over the run's nodes, with what a later run reads read later.
     ``graph``: an ``onnx.GraphProto``."""
     typed = {v.name: v.type.tensor_type for v in list(graph.input) + list(graph.output)}
-    producer = {o: node for node in graph.node for o in node.output if o}
     writable = set(writable)
 
     def same(a, b) -> bool:
@@ -115,22 +114,27 @@ def written_in_place(graph, groups: Sequence[Sequence[str]], writable: Iterable[
         return all(not (x.dim_value and y.dim_value) or x.dim_value == y.dim_value
                    for x, y in zip(a.shape.dim, b.shape.dim))
 
-    runs = []   # (each run's nodes, the graph inputs it reads)
-    for group in groups:
-        reached, stack = set(), list(group)
-        while stack:
-            name = stack.pop()
-            if name not in reached:
-                reached.add(name)
-                if name in producer:
-                    stack.extend(producer[name].input)
-        runs.append(([(n.op_type, list(n.input), list(n.output)) for n in graph.node if set(n.output) & reached],
-                     reached - set(producer)))
+    runs = [needed_by(graph, group) for group in groups]   # (each run's nodes, the graph inputs it reads)
     found = []
     for index, group in enumerate(groups):
         nodes, reads = runs[index]
+        nodes = [(n.op_type, list(n.input), list(n.output)) for n in nodes]
         candidates = {o: o[:-len(suffix)] for o in group if o.endswith(suffix) and o[:-len(suffix)] in writable
                       and o[:-len(suffix)] in reads and same(typed.get(o), typed.get(o[:-len(suffix)]))}
         later = {n for _, names in runs[index + 1:] for n in names}
         found.append(updates_in_place(nodes, candidates, later, group) if candidates else {})
     return found
+
+
+def needed_by(graph, outputs: Iterable[str]) -> tuple[list, set[str]]:
+    """The nodes of ``graph`` (an ``onnx.GraphProto``) that computing ``outputs`` needs, in
+    the graph's order, and the names it reads that no node makes (its inputs, initializers)."""
+    producer = {o: node for node in graph.node for o in node.output if o}
+    reached, stack = set(), list(outputs)
+    while stack:
+        name = stack.pop()
+        if name and name not in reached:
+            reached.add(name)
+            if name in producer:
+                stack.extend(producer[name].input)
+    return [n for n in graph.node if any(o in reached for o in n.output)], reached - set(producer)

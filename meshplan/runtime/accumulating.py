@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import onnx
 
+from meshplan.model.in_place import needed_by
 from meshplan.training.optimizers import APPLY, scalar_constant, unmasked
 
 
@@ -52,16 +53,11 @@ def idle_outputs(graph: onnx.GraphProto, updates: Mapping[str, str]) -> dict[str
 def pruned(model: onnx.ModelProto, wanted) -> onnx.ModelProto:
     """``model`` with only the nodes ``wanted`` outputs need (collective nodes included) and
     those outputs; its inputs and initializers as they are (the segments take what they read)."""
-    needed = set(wanted)
-    kept = []
-    for node in reversed(model.graph.node):
-        if any(o in needed for o in node.output):
-            kept.append(node)
-            needed.update(i for i in node.input if i)
+    kept, _ = needed_by(model.graph, wanted)
     found = onnx.ModelProto()
     found.CopyFrom(model)
     del found.graph.node[:]
-    found.graph.node.extend(reversed(kept))
+    found.graph.node.extend(kept)
     outputs = [v for v in model.graph.output if v.name in set(wanted)]
     del found.graph.output[:]
     found.graph.output.extend(outputs)

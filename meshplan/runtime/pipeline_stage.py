@@ -37,11 +37,12 @@ import onnx
 
 from meshplan.emit.train_schedule import per_microbatch
 from meshplan.errors import TrainError
-from meshplan.model.in_place import written_in_place
+from meshplan.model.in_place import needed_by, written_in_place
 from meshplan.replica_shards import piece
 from meshplan.training.losses import COUNT, LOSS
 from meshplan.training.optimizers import ACC_COUNT, ACC_TOTAL, APPLY, GRAD_NORM, UPDATED
-from meshplan.training.pipeline_step import NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, Crossing, Part
+from meshplan.training.pipeline_step import (NORM, PER_MICROBATCH, STATE, UPDATE_PHASE, Crossing, Part,
+                                            kept_apart)
 from meshplan.training.step_model import BACKWARD
 
 RESULTS = (LOSS, GRAD_NORM)
@@ -112,18 +113,10 @@ def _cut(model, inputs: list[str], groups: list[list[str]]):
 
     from meshplan.model.opsets import set_ir_version
 
-    producer = {o: node for node in model.graph.node for o in node.output if o}
     extractor = Extractor(model)
     for group in groups:
-        reached, stack = set(), list(group)
-        while stack:
-            name = stack.pop()
-            if name in reached:
-                continue
-            reached.add(name)
-            if name in producer:
-                stack.extend(producer[name].input)
-        needed = [n for n in inputs if n in reached]
+        _, reads = needed_by(model.graph, group)
+        needed = [n for n in inputs if n in reads]
         yield set_ir_version(extractor.extract_model(needed, list(group))), needed, list(group)
 
 
@@ -264,8 +257,8 @@ class StageRunner:
         # state held in row blocks (the optimizer's slots): no forward or backward reads it
         self.in_blocks = {n for n in state if n in self.sharded and n not in lent
                           and not self.readers.get(n, set()) & set(PER_MICROBATCH)}
-        # state a run may write its new value over: held whole or in its own blocks, lent to no other stage
-        writable = {n for n in state if n not in lent and (n not in self.sharded or n in self.in_blocks)}
+        # state a run may write its new value over
+        writable = set(state) - kept_apart(stage, parts, crossings, self.sharded, self.replicas)
         self.in_place: dict[tuple[str, int], dict[str, str]] = {}   # (phase, chunk) → output → input
         for phase, part in parts.items():
             session = sessions.get(phase)

@@ -137,6 +137,18 @@ class PipelineStep:
         return self.stage_specs[stage] if self.stage_specs else self.specs
 
 
+def kept_apart(stage: int, parts, crossings: list[Crossing], sharded, replicas: int) -> set[str]:
+    """The state of stage ``stage`` (its ``parts``, by phase) whose new value a job writes
+    beside the old rather than into its buffer: a state another stage borrows (a
+    ``STATE`` crossing), and, where its ``replicas`` update in row blocks, a ``sharded``
+    weight a forward or backward reads, which they gather whole again after the update."""
+    lent = {c.tensor for c in crossings if c.src == stage and c.made_in == STATE}
+    if replicas < 2:
+        return lent
+    read = {n for phase, part in parts.items() if phase in PER_MICROBATCH for n in part.inputs}
+    return lent | (set(sharded) & read)
+
+
 def split_step(step: StepModel, forward_stage: dict[str, int], stages: int, recompute: bool = False) -> PipelineStep:
     """``step`` in ``stages`` pipeline stages; ``forward_stage``: the stage of each node of the
     forward model (by name; stages in the forward graph's order). A global ``Sum`` of the
