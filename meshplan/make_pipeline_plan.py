@@ -442,7 +442,7 @@ def choose_training_stages(model_path: Path, cluster: Cluster, dims: dict, out_d
 
     def one_stage_estimate():
         one = one_stage(trial / "one")
-        return one.estimate["latency_seconds"] * microbatches, max([st.memory_bytes for st in one.stages] or [0.0])
+        return one.step_seconds, max([st.memory_bytes for st in one.stages] or [0.0])
 
     try:
         step = _fitting("1 stage", lines, cluster, one_stage_estimate)

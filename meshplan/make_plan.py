@@ -20,6 +20,7 @@ from meshplan.cost.cluster import Cluster
 from meshplan.cost.analytic import CostModel, compute_dtypes
 from meshplan.emit.programs import EXTERNAL_THRESHOLD, emit_programs
 from meshplan.errors import HintError, ModelError, PlanError
+from meshplan.inter.accumulated_step import accumulated_step
 from meshplan.inter.hints import resolve_hints
 from meshplan.model.hints import Hints, has_annotations, read_hints, strip_annotations
 from meshplan.model.graph import build_graph
@@ -536,6 +537,7 @@ def make_plan(
             graph, costing, costed, constants, options.training, options.microbatches)
         explanations = explain_plan(plan, shardings, graph, costing, costed, constants, options.policy,
                                     training_costs)
+        _accumulated_estimate(plan, canonical.model.graph, graph.state, explanations)
         write_annotated(plan, shardings, graph, canonical, staging, constants, explanations)
         shutil.rmtree(workdir)
         (staging / TIMELINE_FILE).write_text(render_timeline(plan))
@@ -626,6 +628,19 @@ def _plan_training(model_path, cluster: Cluster, dims, out_dir, options: PlanOpt
         return plan
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+def _accumulated_estimate(plan: Plan, program: onnx.GraphProto, state: dict, explanations: dict) -> None:
+    """A one-stage training plan of several microbatches a step: the step's estimate as a job
+    runs it, the update on the last call alone (``inter.accumulated_step``), in
+    ``plan.estimate`` (``step_seconds``, ``update_seconds``; its throughput the step's)."""
+    count = int(plan.training.get("microbatches", 1))
+    if count < 2 or plan.training.get("estimate_only") or len(plan.stages) != 1:
+        return
+    seconds = {name: float(found.get("compute_s", 0.0)) for name, found in explanations.items()}
+    step, update = accumulated_step(float(plan.estimate["latency_seconds"]), count, seconds, program, state)
+    plan.estimate.update(step_seconds=step, update_seconds=[update],
+                         throughput_per_second=plan.batch["size"] * count / step if step else 0.0)
 
 
 def _training_memory(plan: Plan, graph, shardings) -> None:

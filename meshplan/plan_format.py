@@ -167,6 +167,15 @@ class Plan:
         return bool(self.sizes.get("ranges"))
 
     @property
+    def step_seconds(self) -> float:
+        """The estimated training step: a pipeline's played schedule, or a one-stage plan's M
+        calls with the update in the last alone (``inter.accumulated_step``); M calls of the
+        program where the plan predates that."""
+        if "step_seconds" in self.estimate:
+            return float(self.estimate["step_seconds"])
+        return float(self.estimate["latency_seconds"]) * int(self.training.get("microbatches", 1))
+
+    @property
     def num_ranks(self) -> int:
         """The ranks a job of this plan has: every device of the mesh, idle ones included."""
         return sum(len(s.devices) for s in self.stages) + len(self.idle_ranks)

@@ -5,11 +5,12 @@ without the update, the norm or the masks that hand the weights and slots back u
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import onnx
 
 from meshplan.model.inputs import random_inputs
 from meshplan.plan_format import read_plan
-from meshplan.runtime.accumulating import idle_outputs
+from meshplan.training.optimizers import idle_outputs
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.state_layout import state_updates
 from meshplan.training.optimizers import APPLY, GRAD_NORM
@@ -78,3 +79,61 @@ def test_a_step_of_one_call_has_nothing_to_prune(tmp_path):
     runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], lazy=True,
                            updates=state_updates(read_plan(plan_dir)))
     assert runner.idle == {}
+
+
+def test_a_job_keeping_its_state_on_the_device_prunes_its_calls_too(tmp_path):
+    """The path a CUDA job takes (``on_device``; here on host OrtValues) with 2 microbatches a
+    step: its first call runs the pruned program, its last the one without masks, both
+    keeping their tensors where the program's are kept; every loss and weight equals the
+    host path's to the bit, and the state stays device tensors."""
+    from meshplan.runtime.buffers import DeviceTensor
+    from meshplan.runtime.job import Job
+    from meshplan.trainer.data import Batches
+
+    from test_training import _data
+
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw", "--microbatches", "2")
+    data = _data(tmp_path / "data.npz")
+    found = {}
+    for on_device in (False, True):
+        job = Job(plan_dir, provider="cpu", on_device=on_device)
+        batches = Batches(data, job.plan)
+        losses = [job.train_step(batches.next(), 0.01, weight_decay=0.05) for _ in range(3)]
+        variants = job.session._variants
+        assert "applying" in variants and len(variants) == 2     # the last call's and the others'
+        assert all((v.kept_on is not None) == on_device for v in variants.values())
+        if on_device:
+            assert all(isinstance(v, DeviceTensor) for v in job.state.values())
+        state = {n: np.array(v.numpy() if isinstance(v, DeviceTensor) else v) for n, v in job.state.items()}
+        found[on_device] = (losses, state)
+        job.close()
+    assert found[True][0] == found[False][0]
+    for name, value in found[False][1].items():
+        assert np.array_equal(found[True][1][name], value), name
+
+
+def test_a_plan_of_several_microbatches_estimates_the_update_once(tmp_path):
+    """The step's estimate is M calls less M − 1 times what only the last runs
+    (``inter.accumulated_step``): the nodes the pruned calls leave out, the report says so,
+    and the trainer's estimate is the plan's step."""
+    from meshplan.emit.report import text_report
+    from meshplan.inter.accumulated_step import applying_only
+
+    plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw", "--microbatches", "2")
+    plan = read_plan(plan_dir)
+    call, update = plan.estimate["latency_seconds"], plan.estimate["update_seconds"][0]
+    assert 0.0 < update < call
+    assert plan.step_seconds == pytest.approx(2 * call - update)
+    assert plan.estimate["throughput_per_second"] == pytest.approx(8 / plan.step_seconds)
+    assert "training step" in text_report(plan) and "in 2 calls of 4" in text_report(plan)
+    updates = state_updates(plan)
+    program = onnx.load(str(plan_dir / "rank0.onnx"), load_external_data=False)
+    runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], lazy=True, updates=updates)
+    wanted = (set(updates) - set(runner.idle)) | {"train.loss"}
+    kept = {n.name for n in onnx.load_from_string(runner.pruned(wanted).segments[0].source).graph.node}
+    alone = set(applying_only(program.graph, updates))
+    assert alone and not alone & kept and alone | kept == {n.name for n in program.graph.node}
+
+    whole = read_plan(_plan(tmp_path, "whole", "--mesh", "1x1", "--optimizer", "adamw"))
+    assert "step_seconds" not in whole.estimate
+    assert whole.step_seconds == whole.estimate["latency_seconds"]

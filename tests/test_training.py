@@ -474,13 +474,16 @@ def test_job_train_step_from_a_users_loop(tmp_path):
     assert run_mpi_script("train_step_case.py", 2, args=(plan_dir, data, tmp_path / "expected.json"))
 
 
-@pytest.mark.parametrize("mesh, policy", [("1x1", "auto"), ("1x2", "data")])
-def test_a_training_job_keeps_its_state_on_the_device(tmp_path, mesh, policy):
+@pytest.mark.parametrize("mesh, policy, microbatches", [("1x1", "auto", "1"), ("1x2", "data", "1"),
+                                                       ("1x2", "megatron", "2")])
+def test_a_training_job_keeps_its_state_on_the_device(tmp_path, mesh, policy, microbatches):
     """The path a CUDA job takes (``on_device``; here on host OrtValues): the new weights and
     optimizer state stay device tensors from step to step, written where the old ones lie
-    (``model.in_place``), a gradient kept on the device reaches its all-reduce, and every
-    loss equals the host path's."""
-    plan_dir = _plan(tmp_path, "plan", "--mesh", mesh, "--policy", policy, "--optimizer", "adamw")
+    (``model.in_place``), a gradient kept on the device reaches its all-reduce (with 2
+    microbatches, a call before the last runs only what accumulates: ``runtime.accumulating``),
+    and every loss equals the host path's."""
+    plan_dir = _plan(tmp_path, "plan", "--mesh", mesh, "--policy", policy, "--optimizer", "adamw",
+                     "--microbatches", microbatches)
     data = _data(tmp_path / "data.npz")
     hyper = {"weight_decay": 0.05}
     losses, _ = run_whole(plan_dir, data, 3, 0.01, hyper)

@@ -120,6 +120,15 @@ def text_report(plan: Plan) -> str:
                      f"({est.get('cost_model', 'analytic')} costs)"
                      + _planned_in(plan))
         return "\n".join(lines)
+    if plan.training and "step_seconds" in est:   # a step of several calls (``inter.accumulated_step``)
+        count = int(plan.training["microbatches"])
+        lines.append(
+            f"estimate: training step {human_seconds(est['step_seconds'])} for a batch of {plan.batch['size'] * count} "
+            f"in {count} calls of {plan.batch['size']} (a call {human_seconds(est['latency_seconds'])}, of it the "
+            f"update {human_seconds(max(est['update_seconds']))}, run in the last call alone), "
+            f"{est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"
+            + _planned_in(plan))
+        return "\n".join(lines)
     lines.append(
         f"estimate: latency {human_seconds(est['latency_seconds'])} per batch of {plan.batch['size']}, "
         f"throughput {est['throughput_per_second']:.1f} samples/s ({est.get('cost_model', 'analytic')} costs)"

@@ -6,7 +6,8 @@ new value is then its mask ``Where(apply, new, old)``, which gives the old value
 the update, the gradients' norm and whatever only they read are computed for nothing. A
 rank runs those calls on its program pruned to what the call keeps or sends: the
 accumulated gradients, the loss's sums, the outputs asked for (``pruned``), and the job
-keeps the weights and slots as they are (``idle_outputs``: the state outputs so masked). The
+keeps the weights and slots as they are (``training.optimizers.idle_outputs``: the state
+outputs so masked). The
 last call runs the program without those masks (``applying``), so that it writes the new
 weights and slots into the old ones' buffers, as a step of one call does.
 onnxruntime runs every node of a session whatever outputs a run asks for, so the pruned
@@ -21,33 +22,7 @@ from collections.abc import Mapping
 import onnx
 
 from meshplan.model.in_place import needed_by
-from meshplan.training.optimizers import APPLY, scalar_constant, unmasked
-
-
-def idle_outputs(graph: onnx.GraphProto, updates: Mapping[str, str]) -> dict[str, str]:
-    """The pairs of ``updates`` (a state output → the state input it replaces) whose output
-    is ``Where(c, new, old)`` of that input in ``graph``, with ``c`` false whenever ``APPLY``
-    is 0: ``Greater(APPLY, t)`` with a constant ``t`` ≥ 0, or an ``And`` of it with anything."""
-    producer = {o: node for node in graph.node for o in node.output if o}
-
-    def off_when_idle(name: str) -> bool:
-        node = producer.get(name)
-        if node is None:
-            return False
-        if node.op_type == "Greater":
-            threshold = scalar_constant(graph, node.input[1])
-            return node.input[0] == APPLY and threshold is not None and threshold >= 0.0
-        if node.op_type == "And":
-            return any(off_when_idle(i) for i in node.input)
-        return False
-
-    found = {}
-    for output, source in updates.items():
-        node = producer.get(output)
-        if node is not None and node.op_type == "Where" and len(node.input) == 3 and node.input[2] == source \
-                and off_when_idle(node.input[0]):
-            found[output] = source
-    return found
+from meshplan.training.optimizers import unmasked
 
 
 def pruned(model: onnx.ModelProto, wanted) -> onnx.ModelProto:

@@ -33,7 +33,7 @@ import numpy as np
 from meshplan.emit.schedule import FORWARD, Schedule
 from meshplan.errors import RunError
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name
-from meshplan.runtime.accumulating import APPLY
+from meshplan.training.optimizers import APPLY
 from meshplan.runtime.buffers import HOST, DeviceTensor
 from meshplan.sharding import ShardingSpec
 from meshplan.training.pipeline_step import SCHEDULES as TRAINING_KINDS
@@ -194,7 +194,7 @@ class Interpreter:
                 # (one microbatch: read before the next run); a training step lets each tensor go
                 # once no later segment reads it (a gradient once it is all-reduced)
                 program = self.session
-                if B == 1 and program.idle and program.kept_on is None:
+                if B == 1 and program.idle:
                     applies = _applies(given)   # a call of a step of several microbatches: the last one
                     # applies the update, without the masks; one before it runs only what it keeps or sends
                     if applies is not None:

@@ -27,7 +27,8 @@ from onnx import helper
 
 from meshplan.errors import RunError
 from meshplan.model.in_place import updates_in_place
-from meshplan.runtime.accumulating import applying, idle_outputs, pruned
+from meshplan.runtime.accumulating import applying, pruned
+from meshplan.training.optimizers import idle_outputs
 from meshplan.reshard.kinds import kind_of_op
 from meshplan.reshard.steps import Step
 from meshplan.plan_format import COLLECTIVE_DOMAIN
@@ -233,6 +234,7 @@ class ProgramRunner:
         self._read_after: list[set[str]] | None = None   # ``read_after``, worked out at its first use
         self._ending: list[frozenset[str]] | None = None  # ``ending_here``, likewise
         self.kept_on = None      # the device this rank's tensors are kept on (``keep_on``), if any
+        self._keeping: tuple | None = None   # ``keep_on``'s arguments, for ``pruned`` and ``applying``'s programs
         header = onnx.load(str(path), load_external_data=False) if model is None else model
         self.idle = idle_outputs(header.graph, updates) if updates else {}
         self.path, self._updates, self._opened = path, updates, None
@@ -345,6 +347,8 @@ class ProgramRunner:
             found = ProgramRunner(self.path, self.providers, lazy=True, updates=self._updates, model=make())
             if self._opened is not None:
                 found.open(*self._opened)
+            if self._keeping is not None:
+                found.keep_on(*self._keeping)
             self._variants[key] = found
         return self._variants[key]
 
@@ -359,6 +363,9 @@ class ProgramRunner:
         a job of one rank), every output stays a device tensor."""
         self.kept_on = device
         kept = frozenset(kept)
+        self._keeping = (device, staged, kept)
+        for variant in self._variants.values():
+            variant.keep_on(device, staged, kept)
         collected = {s.collective.input for s in self.segments if s.collective is not None}
         for segment in self.segments:
             if segment.session is not None:

@@ -256,7 +256,7 @@ def train_rank(plan_dir, options: TrainOptions, provider: str = "auto", transfer
     trainer = Trainer(job, options.hyper, options.loss_scale)
     report = TrainReport(batch=batches.batch, ranks=job.size, provider=job.provider,
                          transfer_path=job.transfer_path,
-                         estimate_seconds=plan.estimate["latency_seconds"] * plan.training.get("microbatches", 1))
+                         estimate_seconds=plan.step_seconds)
     try:
         if options.resume is not None:
             trainer.resume(options.resume, batches)

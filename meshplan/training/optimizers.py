@@ -174,7 +174,10 @@ def unmasked(model: onnx.ModelProto, pairs: Mapping[str, str] | None = None) -> 
     then need not read the old value (so a job may write it into the old value's buffer:
     ``model.in_place``). ``pairs``: each masked output → the state input it replaces (default:
     ``NAME.updated`` → ``NAME``). A mask that also skips a step whose gradients are not finite
-    (``guard``) is another condition and stays. Changes ``model``."""
+    (``guard``) is another condition and stays. A new value that a node outside ONNX's domains
+    makes (a collective of the plan, which a job runs between its sessions) is copied by an
+    ``Identity`` in the mask's place instead, so that the state is made where the job keeps it
+    (on a device, say). Changes ``model``."""
     graph = model.graph
     producer = {o: node for node in graph.node for o in node.output if o}
     outputs = {v.name for v in graph.output}
@@ -192,6 +195,11 @@ def unmasked(model: onnx.ModelProto, pairs: Mapping[str, str] | None = None) -> 
         threshold = scalar_constant(graph, test.input[1])
         maker = producer.get(new)
         if threshold is None or not 0.0 <= threshold < 1.0 or maker is None or new in outputs:
+            continue
+        if maker.domain not in ("", "ai.onnx"):   # made by a node of the plan's own (a collective that
+            node.op_type = "Identity"             # moves it to the state's layout): a copy where it is kept
+            del node.input[:]
+            node.input.append(new)
             continue
         maker.output[list(maker.output).index(new)] = output
         renamed[new] = output   # (what else reads the new value, the weight's step its slots', reads it so)
@@ -214,6 +222,32 @@ def unmasked(model: onnx.ModelProto, pairs: Mapping[str, str] | None = None) -> 
         stale = [v for v in graph.value_info if v.name not in made]   # the masks' inputs renamed away
         for value in stale:
             graph.value_info.remove(value)
+
+
+def idle_outputs(graph: onnx.GraphProto, updates: Mapping[str, str]) -> dict[str, str]:
+    """The pairs of ``updates`` (a state output → the state input it replaces) whose output
+    is ``Where(c, new, old)`` of that input in ``graph``, with ``c`` false whenever ``APPLY``
+    is 0: ``Greater(APPLY, t)`` with a constant ``t`` ≥ 0, or an ``And`` of it with anything."""
+    producer = {o: node for node in graph.node for o in node.output if o}
+
+    def off_when_idle(name: str) -> bool:
+        node = producer.get(name)
+        if node is None:
+            return False
+        if node.op_type == "Greater":
+            threshold = scalar_constant(graph, node.input[1])
+            return node.input[0] == APPLY and threshold is not None and threshold >= 0.0
+        if node.op_type == "And":
+            return any(off_when_idle(i) for i in node.input)
+        return False
+
+    found = {}
+    for output, source in updates.items():
+        node = producer.get(output)
+        if node is not None and node.op_type == "Where" and len(node.input) == 3 and node.input[2] == source \
+                and off_when_idle(node.input[0]):
+            found[output] = source
+    return found
 
 
 def scalar_constant(graph: onnx.GraphProto, name: str) -> float | None:
