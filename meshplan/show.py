@@ -113,6 +113,11 @@ def show_plan(directory: str | Path, operators: int = OPERATORS_SHOWN, weights: 
         "notation: one letter group per tensor dim: R whole, S0/S1 split over mesh axis 0/1, S01 over both; "
         "+P: addends summed over those axes; a strategy is inputs->outputs",
     ]
+    if plan.training and "step_seconds" in est:   # a step of several calls (``inter.accumulated_step``)
+        count = int(plan.training["microbatches"])
+        lines.insert(2, f"training step {human_seconds(est['step_seconds'])} = {count} calls x "
+                        f"{human_seconds(est['latency_seconds'])} - {count - 1} x the update "
+                        f"{human_seconds(max(est['update_seconds']))} (run in the last call alone)")
     if note:
         lines.append(f"note: {note}")
     for s in plan.stages:

@@ -118,6 +118,7 @@ def test_a_plan_of_several_microbatches_estimates_the_update_once(tmp_path):
     and the trainer's estimate is the plan's step."""
     from meshplan.emit.report import text_report
     from meshplan.inter.accumulated_step import applying_only
+    from meshplan.show import show_plan
 
     plan_dir = _plan(tmp_path, "plan", "--mesh", "1x1", "--optimizer", "adamw", "--microbatches", "2")
     plan = read_plan(plan_dir)
@@ -126,6 +127,7 @@ def test_a_plan_of_several_microbatches_estimates_the_update_once(tmp_path):
     assert plan.step_seconds == pytest.approx(2 * call - update)
     assert plan.estimate["throughput_per_second"] == pytest.approx(8 / plan.step_seconds)
     assert "training step" in text_report(plan) and "in 2 calls of 4" in text_report(plan)
+    assert "= 2 calls x" in show_plan(plan_dir)
     updates = state_updates(plan)
     program = onnx.load(str(plan_dir / "rank0.onnx"), load_external_data=False)
     runner = ProgramRunner(plan_dir / "rank0.onnx", ["CPUExecutionProvider"], lazy=True, updates=updates)
