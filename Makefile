@@ -13,6 +13,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NP ?= 4
+TEST_WORKERS ?= 2
 MESH ?= 1x4
 DEMO_MODEL ?= sample_models/gpt.onnx
 DEMO_DIMS ?= --dim batch=8 --dim seq=32
@@ -62,11 +63,16 @@ train: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/mpiexec -n 2 $(BIN)/meshplan train $(DEMO)/train_plan --data $(TRAIN_DATA) --steps 40 --lr 3e-3 --betas 0.9,0.95 --weight-decay 0.1 --clip-norm 1 --schedule cosine --warmup 3 --checkpoint $(DEMO)/train_checkpoints --log $(DEMO)/train_log.json
 	$(BIN)/meshplan export $(DEMO)/train_plan --checkpoint $(DEMO)/train_checkpoints -o $(DEMO)/trained.onnx
 
+# The suite runs in two parts: most of it side by side in $(TEST_WORKERS) processes (pytest-xdist,
+# a test file to one process), then the tests marked `serial` alone (servers with timeouts,
+# measurements, killed ranks: docs/testing.md).
 test: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial"
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "serial and not slow"
 
 test-all: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m ""
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "serial"
 
 bench: $(STAMP)
 	@mkdir -p bench-out

@@ -26,6 +26,8 @@ GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
 HARNESS = importlib.util.find_spec("lm_eval") is not None   # lm-evaluation-harness (lm_eval_check.py)
 TIMEOUT = 300
 
+pytestmark = pytest.mark.serial   # the scripts time what they run: apart from the parallel tests
+
 
 def numbers(value) -> list[float]:
     """Every number in a JSON body."""

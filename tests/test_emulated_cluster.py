@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, load_npz, meshplan_command, run_cli
 from meshplan.testing.emulated_cluster import EmulatedCluster, unavailable_reason
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.serial]
 
 _REASON = unavailable_reason()
 needs_namespaces = pytest.mark.skipif(_REASON is not None, reason=f"no emulated cluster here: {_REASON}")

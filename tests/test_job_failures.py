@@ -17,7 +17,7 @@ from sample_models import SAMPLES, make_inputs
 from tests.conftest import run_cli, save_npz
 from tests.jobs import run_marked
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.serial]
 
 ENDS_WITHIN = 30          # seconds from the start to every process gone (a start takes ~5 on 2 cores)
 

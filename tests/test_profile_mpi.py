@@ -13,7 +13,7 @@ import pytest
 from sample_models import SAMPLES
 from tests.conftest import REPO, mpiexec_path
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.serial]
 
 PROFILE = [sys.executable, "-c", "from cli.profile_cmd import profile; profile()"]
 

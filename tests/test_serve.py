@@ -35,7 +35,7 @@ from tests.conftest import run_cli, run_mpi, run_mpi_script
 from tests.jobs import left_after, marked
 from tests.serving import Served
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.serial]
 
 LLAMA = SAMPLE_DIR / "genai" / "llama_fp32"
 MODEL = "llama_fp32"

@@ -43,6 +43,8 @@ from meshplan.serving.protocol import BadRequest, Limits, parse_body, read_submi
 from meshplan.serving.text import ChoiceText
 from sample_models import SAMPLE_DIR
 
+pytestmark = pytest.mark.serial   # timed servers: run apart from the parallel tests (docs/testing.md)
+
 LLAMA = SAMPLE_DIR / "genai" / "llama_fp32"
 MODEL, CONTEXT, VOCAB, SLOTS = "llama_fp32", 64, 320, 4
 PATHS = ("/v1/completions", "/v1/chat/completions")
