@@ -7,9 +7,9 @@ the update, the gradients' norm and whatever only they read are computed for not
 rank runs those calls on its program pruned to what the call keeps or sends: the
 accumulated gradients, the loss's sums, the outputs asked for (``pruned``), and the job
 keeps the weights and slots as they are (``training.optimizers.idle_outputs``: the state
-outputs so masked). The
-last call runs the program without those masks (``applying``), so that it writes the new
-weights and slots into the old ones' buffers, as a step of one call does.
+outputs so masked). The last call runs the program without those masks (``applying``), so
+that it writes the new weights and slots into the old ones' buffers, as a step of one call
+does.
 onnxruntime runs every node of a session whatever outputs a run asks for, so the pruned
 program is a session of its own. Its collectives are pruned too: every rank of a stage
 runs the same program structure, so each prunes the same ones.
