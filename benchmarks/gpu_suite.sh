@@ -8,7 +8,8 @@
 # so that a lease cut short still brings back what ran; STEPS names the steps to run (default: all). Writes
 # OUT_DIR/*.log and prints the tables: `meshplan doctor`; benchmarks/train.py --provider cuda (a 219 M GPT's
 # training step against torch eager on the GPU, TF32 off in both; losses step for step, GPU memory, MFU; its 1x2 row
-# again under CUDA MPS: train_mps); a pipelined training plan on CUDA against the CPU (train_pipeline);
+# again under CUDA MPS: train_mps); a pipelined training plan on CUDA against the CPU (train_pipeline), and a one-stage
+# plan of 4 microbatches a step (train_microbatches);
 # benchmarks/mixed_precision.py --provider cuda (float16 and bfloat16 GPTs with float32 master weights);
 # benchmarks/serve.py --provider cuda on the fp16 folder (continuous batching against onnxruntime-genai one request at
 # a time, logprobs' cost, a shared system prompt with and without prefix caching); benchmarks/generate.py --provider cuda (1x1 with and without CUDA graphs, 1x2 with both
@@ -23,10 +24,15 @@ set -u
 FP16=$1; INT4=$2; O=$3; DEVICE=${4:-h200}; MPIRUN=${MPIRUN:-mpiexec}; BUDGET=${BUDGET:-3600}; ARCHIVE=${ARCHIVE:-}
 HERE=$(cd "$(dirname "$0")/.." && pwd); mkdir -p "$O"; cd "$HERE"
 left() { echo $((BUDGET - SECONDS)); }
-save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=mp_work --exclude=serve_work --exclude=train_pipeline/plan \
+save() { [ -n "$ARCHIVE" ] && tar czf "$ARCHIVE.part" -C "$(dirname "$O")" --exclude=work --exclude=gpt_1x2 --exclude=train_work --exclude=train_mps_work --exclude=mp_work --exclude=serve_work --exclude=train_pipeline/plan --exclude=train_microbatches/plan \
   --exclude=mps_pipe "$(basename "$O")" 2> /dev/null \
   && mv "$ARCHIVE.part" "$ARCHIVE"; return 0; }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+# a step's losses on CUDA against the CPU (DIR/cuda.json, DIR/cpu.json: meshplan train --log)
+same_losses() { python3 -c "
+import json; a, b = (json.load(open('$2/' + n + '.json'))['losses'] for n in ('cuda', 'cpu'))
+print('== $1: losses on CUDA against the CPU, largest relative difference',
+      max(abs(x - y) / abs(y) for x, y in zip(a, b)), '; steps', len(a))"; }
 step() { local name=$1 limit=$2; shift 2; local l; l=$(left)
   want "$name" || return 1
   [ "$l" -lt 20 ] && { echo "== $name: skipped, $l s of the budget left"; return 1; }
@@ -51,10 +57,19 @@ if want train_pipeline && [ "$(left)" -gt 60 ]; then
   TRAIN_PIPE="-n 2 meshplan train $TP/plan --data sample_models/training/gpt_adamw.data.npz --steps 10 --lr 3e-3 -q"
   TAIL=6 step train_pipeline 120 $MPIRUN $TRAIN_PIPE --provider cuda --log "$TP/cuda.json" \
     && TAIL=4 step train_pipeline_cpu 120 $MPIRUN $TRAIN_PIPE --provider cpu --log "$TP/cpu.json" \
-    && python3 -c "
-import json; a, b = (json.load(open('$TP/' + n + '.json'))['losses'] for n in ('cuda', 'cpu'))
-print('== train_pipeline: losses on CUDA against the CPU, largest relative difference',
-      max(abs(x - y) / abs(y) for x, y in zip(a, b)), '; steps', len(a))"
+    && same_losses train_pipeline "$TP"
+fi
+# a one-stage plan of 4 microbatches a step (the sample GPT, 1x1) trained on CUDA and on the CPU: the calls before a
+# step's last pruned to what accumulates and the last writing the state, all kept on the GPU; its losses step for step
+if want train_microbatches && [ "$(left)" -gt 60 ]; then
+  TM="$O/train_microbatches"; mkdir -p "$TM"
+  meshplan plan sample_models/training/gpt_adamw.onnx --train --loss cross_entropy:logits:target --optimizer adamw \
+    --mesh 1x1 --microbatches 4 --device cpu --dim batch=8 --solver highs -o "$TM/plan" > "$TM/plan.log" 2>&1 \
+    || tail -n 3 "$TM/plan.log"
+  TRAIN_MB="-n 1 meshplan train $TM/plan --data sample_models/training/gpt_adamw.data.npz --steps 10 --lr 3e-3"
+  TAIL=6 step train_microbatches 120 $MPIRUN $TRAIN_MB --provider cuda --log "$TM/cuda.json" \
+    && TAIL=4 step train_microbatches_cpu 120 $MPIRUN $TRAIN_MB --provider cpu --log "$TM/cpu.json" \
+    && same_losses train_microbatches "$TM"
 fi
 # mixed precision on the GPU: a GPT in float16 (own dtype, and with float32 master weights and a loss scale) and in
 # bfloat16 with float32 masters, against the same GPT in float32: losses step for step, step time, memory
