@@ -70,9 +70,10 @@ test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial"
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "serial and not slow"
 
+# (the slow cases, models of several GB, run alone too: two side by side would need twice the memory)
 test-all: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "serial"
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial"
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -m "serial or slow"
 
 bench: $(STAMP)
 	@mkdir -p bench-out
