@@ -5,15 +5,14 @@ without the update, the norm or the masks that hand the weights and slots back u
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 
 from meshplan.model.inputs import random_inputs
 from meshplan.plan_format import read_plan
-from meshplan.training.optimizers import idle_outputs
 from meshplan.runtime.program import ProgramRunner
 from meshplan.runtime.state_layout import state_updates
-from meshplan.training.optimizers import APPLY, GRAD_NORM
+from meshplan.training.optimizers import APPLY, GRAD_NORM, idle_outputs
 
 from test_training import _plan
 
@@ -114,8 +113,8 @@ def test_a_job_keeping_its_state_on_the_device_prunes_its_calls_too(tmp_path):
 
 def test_a_plan_of_several_microbatches_estimates_the_update_once(tmp_path):
     """The step's estimate is M calls less M − 1 times what only the last runs
-    (``inter.accumulated_step``): the nodes the pruned calls leave out, the report says so,
-    and the trainer's estimate is the plan's step."""
+    (``inter.accumulated_step``): the nodes the pruned calls leave out; the report and
+    ``meshplan show`` say so; a plan of one microbatch keeps its latency as its step."""
     from meshplan.emit.report import text_report
     from meshplan.inter.accumulated_step import applying_only
     from meshplan.show import show_plan

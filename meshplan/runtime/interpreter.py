@@ -33,9 +33,9 @@ import numpy as np
 from meshplan.emit.schedule import FORWARD, Schedule
 from meshplan.errors import RunError
 from meshplan.plan_format import OUTPUT_COLLECTOR, local_name
-from meshplan.training.optimizers import APPLY
 from meshplan.runtime.buffers import HOST, DeviceTensor
 from meshplan.sharding import ShardingSpec
+from meshplan.training.optimizers import APPLY
 from meshplan.training.pipeline_step import SCHEDULES as TRAINING_KINDS
 
 ROWS = 1 << 32     # a call of some rows: the first row * ROWS + their count (-1: the whole batch)
